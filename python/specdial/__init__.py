@@ -1,0 +1,34 @@
+"""specdial: a speculative-decoding serving engine whose draft depth adapts every decode iteration.
+
+The Rust core (``specdial._core``) decides `speculative_num_steps` per batch-size slot from an EMA
+of accepted drafts with hysteresis; Python runs the torch passes. See DESIGN.md in the shared docs
+and README.md for the terms.
+"""
+
+from specdial._core import (
+    AdaptiveConfig,
+    AdaptiveSpeculativeParams,
+    AdaptiveStepSlot,
+    ConfigError,
+    InternalError,
+    Int64Array,
+    KvError,
+    KvPagePool,
+    StepDecision,
+    __version__,
+    validate_initial_steps,
+)
+
+__all__ = [
+    "AdaptiveConfig",
+    "AdaptiveSpeculativeParams",
+    "AdaptiveStepSlot",
+    "ConfigError",
+    "InternalError",
+    "Int64Array",
+    "KvError",
+    "KvPagePool",
+    "StepDecision",
+    "__version__",
+    "validate_initial_steps",
+]

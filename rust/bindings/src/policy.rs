@@ -1,0 +1,241 @@
+//! Python surface of `specdial_core::{slot, policy}`: `AdaptiveStepSlot`,
+//! `AdaptiveSpeculativeParams`, `StepDecision`, `validate_initial_steps`.
+//!
+//! `accepted` arguments are read without per-element Python work when they export the buffer
+//! protocol (numpy integer arrays, `torch_tensor.numpy()`); a list of ints also works.
+
+use pyo3::buffer::{Element, PyBuffer};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+
+use specdial_core::{AdaptiveSpeculativeParams, AdaptiveStepSlot, PolicyError, StepDecision};
+
+use crate::config::{config_arg, config_err, slot_config_arg, PyAdaptiveConfig};
+use crate::guard;
+
+fn policy_err(e: PolicyError) -> PyErr {
+    PyValueError::new_err(e.to_string())
+}
+
+/// Runs `f` over the elements of a 1-D buffer of `T`, if `obj` is one.
+fn with_buffer<T, R>(obj: &Bound<'_, PyAny>, f: &mut impl FnMut(&mut dyn Iterator<Item = i64>) -> R) -> Option<PyResult<R>>
+where
+    T: Element + Copy + TryInto<i64>,
+{
+    let buf = PyBuffer::<T>::get(obj).ok()?;
+    if buf.dimensions() > 1 {
+        return Some(Err(PyValueError::new_err(format!(
+            "accepted must be 1-D (one count per request), got {} dimensions",
+            buf.dimensions()
+        ))));
+    }
+    let py = obj.py();
+    // Values that do not fit i64 (u64 > i64::MAX) become -1, which the core rejects by index.
+    let conv = |x: T| x.try_into().unwrap_or(-1);
+    Some(match buf.as_slice_ptr() {
+        Some(ptr) => {
+            // SAFETY: `buf` holds the exporter's buffer (it cannot be released or resized) for
+            // the whole read, `f` runs no Python code, so nothing can write to the memory while we
+            // read it, and every bit pattern is a valid integer `T`.
+            let values: &[T] = unsafe { ptr.as_ref() };
+            Ok(f(&mut values.iter().map(|&x| conv(x))))
+        }
+        None => buf.to_vec(py).map(|v| f(&mut v.into_iter().map(conv))),
+    })
+}
+
+/// Calls `f` with the accepted drafts per request as an iterator of i64.
+fn with_accepted<R>(obj: &Bound<'_, PyAny>, mut f: impl FnMut(&mut dyn Iterator<Item = i64>) -> R) -> PyResult<R> {
+    macro_rules! try_types {
+        ($($t:ty),*) => {$(
+            if let Some(r) = with_buffer::<$t, R>(obj, &mut f) { return r; }
+        )*};
+    }
+    try_types!(i64, i32, i16, i8, u8, u16, u32, u64);
+    match obj.extract::<Vec<i64>>() {
+        Ok(v) => Ok(f(&mut v.into_iter())),
+        Err(_) => {
+            let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+            Err(PyTypeError::new_err(format!(
+                "accepted must be a list of ints or a 1-D integer array (buffer protocol), got {ty}"
+            )))
+        }
+    }
+}
+
+/// One batch-size slot's EMA + hysteresis state machine (SGLang's `AdaptiveStepSlot`).
+///
+/// `initial_steps`: starting steps (the middle candidate if it is not one). `slot_config`: a dict
+/// of slot settings (`candidate_steps` required; `ema_alpha`, `update_interval`,
+/// `warmup_batches`, `down_hysteresis`, `up_hysteresis`, `ceiling_coeff` optional). Raises
+/// ConfigError on a bad dict.
+#[pyclass(name = "AdaptiveStepSlot", module = "specdial._core")]
+pub struct PyAdaptiveStepSlot {
+    inner: AdaptiveStepSlot,
+}
+
+#[pymethods]
+impl PyAdaptiveStepSlot {
+    #[new]
+    fn new(initial_steps: u32, slot_config: &Bound<'_, PyAny>) -> PyResult<Self> {
+        guard(|| Ok(Self { inner: AdaptiveStepSlot::new(initial_steps, slot_config_arg(slot_config)?) }))
+    }
+
+    /// Feeds one verify's accepted drafts per request (bonus excluded; ints in 0..=current_steps,
+    /// a list or a 1-D integer array). Returns the new steps if they changed, else None. Raises
+    /// ValueError on a value out of range (the slot is then unchanged).
+    fn update(&mut self, accepted: &Bound<'_, PyAny>) -> PyResult<Option<u32>> {
+        guard(|| with_accepted(accepted, |it| self.inner.update(it))?.map_err(policy_err))
+    }
+
+    /// Steps this slot chooses now.
+    #[getter]
+    fn current_steps(&self) -> u32 {
+        self.inner.current_steps()
+    }
+
+    /// EMA of accepted drafts per request (bonus token excluded, as in SGLang).
+    #[getter]
+    fn ema_accept_len(&self) -> f64 {
+        self.inner.ema_accept_len()
+    }
+
+    /// Candidate steps, ascending.
+    #[getter]
+    fn candidate_steps(&self) -> Vec<u32> {
+        self.inner.config().candidate_steps.clone()
+    }
+
+    /// Non-empty verifies observed.
+    #[getter]
+    fn verify_count(&self) -> u64 {
+        self.inner.verify_count()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "AdaptiveStepSlot(current_steps={}, ema_accept_len={:.4}, candidate_steps={:?})",
+            self.inner.current_steps(),
+            self.inner.ema_accept_len(),
+            self.inner.config().candidate_steps
+        )
+    }
+}
+
+/// What one decode iteration runs: `steps`, `num_draft_tokens` (= steps + 1), `graph_bs` (the
+/// padded CUDA-graph batch size, or None for eager) and `slot` (index of the deciding slot).
+#[pyclass(name = "StepDecision", module = "specdial._core", frozen, eq)]
+#[derive(Clone, PartialEq)]
+pub struct PyStepDecision {
+    inner: StepDecision,
+}
+
+#[pymethods]
+impl PyStepDecision {
+    #[getter]
+    fn steps(&self) -> u32 {
+        self.inner.steps
+    }
+    #[getter]
+    fn num_draft_tokens(&self) -> u32 {
+        self.inner.num_draft_tokens
+    }
+    #[getter]
+    fn graph_bs(&self) -> Option<u32> {
+        self.inner.graph_bs
+    }
+    #[getter]
+    fn slot(&self) -> usize {
+        self.inner.slot
+    }
+    fn __repr__(&self) -> String {
+        let g = self.inner.graph_bs.map_or("None".to_string(), |g| g.to_string());
+        format!(
+            "StepDecision(steps={}, num_draft_tokens={}, graph_bs={g}, slot={})",
+            self.inner.steps, self.inner.num_draft_tokens, self.inner.slot
+        )
+    }
+}
+
+/// The adaptive policy: per-batch-size slots plus routing (SGLang's `AdaptiveSpeculativeParams`).
+///
+/// `initial_steps`: every slot starts there (or at its middle candidate). `config`: an
+/// AdaptiveConfig, a dict, or None for the default. Raises ConfigError.
+#[pyclass(name = "AdaptiveSpeculativeParams", module = "specdial._core")]
+pub struct PyAdaptiveSpeculativeParams {
+    inner: AdaptiveSpeculativeParams,
+}
+
+#[pymethods]
+impl PyAdaptiveSpeculativeParams {
+    #[new]
+    #[pyo3(signature = (initial_steps, config=None))]
+    fn new(initial_steps: u32, config: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+        guard(|| Ok(Self { inner: AdaptiveSpeculativeParams::new(initial_steps, config_arg(config)?) }))
+    }
+
+    /// Sorted union of every slot's candidate steps.
+    #[getter]
+    fn candidate_steps(&self) -> Vec<u32> {
+        self.inner.candidate_steps().to_vec()
+    }
+
+    /// The config in force.
+    #[getter]
+    fn config(&self) -> PyAdaptiveConfig {
+        PyAdaptiveConfig { inner: self.inner.config().clone() }
+    }
+
+    /// Sets (a list of ints >= 1) or clears (None) the captured CUDA-graph batch sizes.
+    /// Raises ValueError on a size < 1.
+    #[pyo3(signature = (sizes))]
+    fn set_cuda_graph_bs(&mut self, sizes: Option<Vec<i64>>) -> PyResult<()> {
+        guard(|| self.inner.set_cuda_graph_bs(sizes.as_deref()).map_err(policy_err))
+    }
+
+    /// Steps for a batch of `batch_size` requests (>= 1, else ValueError).
+    fn get_steps_for_batch(&self, batch_size: i64) -> PyResult<u32> {
+        guard(|| self.inner.get_steps_for_batch(batch_size).map_err(policy_err))
+    }
+
+    /// Feeds one verify's accepted drafts per request (bonus excluded) to the slot of
+    /// `batch_size`. Returns that slot's new steps if they changed, else None. Raises ValueError.
+    fn on_verify_complete(&mut self, accepted: &Bound<'_, PyAny>, batch_size: i64) -> PyResult<Option<u32>> {
+        guard(|| with_accepted(accepted, |it| self.inner.on_verify_complete(it, batch_size))?.map_err(policy_err))
+    }
+
+    /// Graph batch sizes whose slot can choose `steps` (capture only those), or None if unset.
+    fn cuda_graph_bs_for_step(&self, steps: u32) -> Option<Vec<u32>> {
+        self.inner.cuda_graph_bs_for_step(steps)
+    }
+
+    /// The decision for one decode iteration at `batch_size` (>= 1, else ValueError).
+    fn decide(&self, batch_size: i64) -> PyResult<PyStepDecision> {
+        guard(|| self.inner.decide(batch_size).map(|inner| PyStepDecision { inner }).map_err(policy_err))
+    }
+
+    /// Per-slot state, ascending by lower bound: a list of
+    /// `(lower_bound, current_steps, ema_accept_len, verify_count)`.
+    fn slot_states(&self) -> Vec<(u32, u32, f64, u64)> {
+        self.inner
+            .slots()
+            .map(|(b, s)| (b, s.current_steps(), s.ema_accept_len(), s.verify_count()))
+            .collect()
+    }
+}
+
+/// Raises ConfigError when `steps` is a candidate of no slot of `config` (an AdaptiveConfig, a
+/// dict, or None for the default).
+#[pyfunction]
+#[pyo3(signature = (config, steps))]
+fn validate_initial_steps(config: Option<&Bound<'_, PyAny>>, steps: i64) -> PyResult<()> {
+    guard(|| config_arg(config)?.validate_initial_steps(steps).map_err(config_err))
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyAdaptiveStepSlot>()?;
+    m.add_class::<PyStepDecision>()?;
+    m.add_class::<PyAdaptiveSpeculativeParams>()?;
+    m.add_function(wrap_pyfunction!(validate_initial_steps, m)?)?;
+    Ok(())
+}

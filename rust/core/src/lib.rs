@@ -1,0 +1,17 @@
+//! specdial-core: the decision side of specdial, with no Python dependency.
+//!
+//! - [`config`]: the adaptive config (SGLang `--speculative-adaptive-config` compatible).
+//! - [`slot`]: one per-batch-size slot's EMA + hysteresis state machine (the `ema` strategy).
+//! - [`policy`]: routing a batch size to its slot (with CUDA-graph padding) and the per-iteration decision.
+//! - [`kv`]: the KV page allocator shared by the target and drafter pools.
+
+pub mod config;
+pub mod error;
+pub mod kv;
+pub mod policy;
+pub mod slot;
+
+pub use config::{AdaptiveConfig, SlotConfig, Strategy};
+pub use error::{ConfigError, PolicyError};
+pub use policy::{AdaptiveSpeculativeParams, StepDecision};
+pub use slot::AdaptiveStepSlot;
