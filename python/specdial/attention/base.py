@@ -1,0 +1,97 @@
+"""Attention-backend interface over a paged :class:`~specdial.kv_pool.KVPool`.
+
+A forward batch holds ``B`` requests. Request ``b`` contributes ``qo_lens[b]`` new tokens
+(queries) and has ``kv_lens[b]`` tokens in the KV cache *including* the new ones (their K/V
+are written to the pool before attention runs). ``kv_indices`` lists, request after request,
+the slot of each cached token at positions ``0 .. kv_len - 1`` in order. Query ``i`` of
+request ``b`` sits at position ``kv_lens[b] - qo_lens[b] + i`` and attends causally to all
+positions ``<=`` its own. Queries are packed: ``q`` is ``[sum(qo_lens), H, D]`` in request order.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+from specdial.kv_pool import KVPool
+
+
+def _indptr(lens: torch.Tensor) -> torch.Tensor:
+    zero = torch.zeros(1, dtype=torch.int64, device=lens.device)
+    return torch.cat([zero, torch.cumsum(lens, 0)])
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-batch attention layout (flashinfer-style CSR), shared by all layers.
+
+    Fields (all int64):
+      - ``qo_lens`` ``[B]``: new tokens per request.
+      - ``kv_lens`` ``[B]``: cached tokens per request, new tokens included.
+      - ``kv_indices`` ``[sum(kv_lens)]``: slot of each cached token, request by request,
+        positions ``0 .. kv_len - 1`` in order.
+      - ``qo_indptr`` ``[B + 1]``: ``[0, cumsum(qo_lens)]``.
+      - ``kv_indptr`` ``[B + 1]``: ``[0, cumsum(kv_lens)]``.
+
+    Backends subclass this to carry precomputed masks / gather indices.
+    """
+
+    qo_lens: torch.Tensor
+    kv_lens: torch.Tensor
+    kv_indices: torch.Tensor
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return self.qo_lens.numel()
+
+    @staticmethod
+    def check_lens(qo_lens: torch.Tensor, kv_lens: torch.Tensor, kv_indices: torch.Tensor) -> None:
+        """Validate shapes and lengths; raises ``ValueError``. Syncs if the lens are on a GPU."""
+        if qo_lens.dim() != 1 or kv_lens.dim() != 1 or kv_indices.dim() != 1:
+            raise ValueError("qo_lens, kv_lens and kv_indices must be 1-D tensors")
+        if qo_lens.numel() != kv_lens.numel():
+            raise ValueError(f"qo_lens has {qo_lens.numel()} requests, kv_lens {kv_lens.numel()}")
+        if bool((qo_lens < 0).any()) or bool((qo_lens > kv_lens).any()):
+            raise ValueError("every request needs 0 <= qo_len <= kv_len")
+        total = int(kv_lens.sum())
+        if total != kv_indices.numel():
+            raise ValueError(f"kv_indices has {kv_indices.numel()} entries, "
+                             f"sum(kv_lens) is {total}")
+
+    @classmethod
+    def from_lens(cls, qo_lens: torch.Tensor, kv_lens: torch.Tensor,
+                  kv_indices: torch.Tensor) -> "AttentionMetadata":
+        """Build the base metadata (lens cast to int64, indptrs derived); raises ``ValueError``."""
+        qo_lens, kv_lens, kv_indices = (t.to(torch.int64).contiguous()
+                                        for t in (qo_lens, kv_lens, kv_indices))
+        cls.check_lens(qo_lens, kv_lens, kv_indices)
+        return AttentionMetadata(qo_lens, kv_lens, kv_indices, _indptr(qo_lens), _indptr(kv_lens))
+
+
+class AttentionBackend(abc.ABC):
+    """Runs paged attention for every layer of a forward batch.
+
+    ``plan`` is called once per forward batch (it may do host work, allocate and sync);
+    ``forward`` once per layer and must not sync, so it can be captured in a CUDA graph.
+    """
+
+    @abc.abstractmethod
+    def plan(self, qo_lens: torch.Tensor, kv_lens: torch.Tensor,
+             kv_indices: torch.Tensor) -> AttentionMetadata:
+        """Precompute the batch layout. Inputs: int64 ``[B]``, ``[B]``, ``[sum(kv_lens)]``.
+
+        Raises ``ValueError`` on inconsistent lengths.
+        """
+
+    @abc.abstractmethod
+    def forward(self, q: torch.Tensor, layer_id: int, kv_pool: KVPool,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Attention of packed queries ``q`` ``[T, H, D]`` over layer ``layer_id`` of ``kv_pool``.
+
+        ``H`` is a multiple of ``kv_pool.num_kv_heads`` (GQA: query head ``h`` reads kv head
+        ``h // (H // num_kv_heads)``). Returns ``[T, H, D]`` in ``q.dtype``.
+        """

@@ -1,0 +1,81 @@
+"""Llama-family causal LM (Llama 2/3, Qwen2) over the paged KV pool."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import cast
+
+import torch
+from torch import nn
+
+from specdial.attention.base import AttentionBackend
+from specdial.kv_pool import KVPool
+from specdial.models.batch import ForwardBatch
+from specdial.models.config import ModelConfig
+from specdial.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+
+
+def run_layers(layers: nn.ModuleList, rotary: RotaryEmbedding, x: torch.Tensor,
+               batch: ForwardBatch, kv: KVPool, backend: AttentionBackend,
+               kv_only: bool) -> torch.Tensor | None:
+    """Run ``layers`` over ``x`` ``[T, hidden]``; ``kv_only``: the last layer only writes K/V."""
+    cos, sin = rotary(batch.positions, x.dtype)
+    last = len(layers) - 1
+    for i, layer in enumerate(cast(Iterable[DecoderLayer], layers)):
+        if kv_only and i == last:
+            layer.write_kv_only(x, cos, sin, batch, kv)
+            return None
+        x = layer(x, cos, sin, batch, kv, backend)
+    return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family decoder: ``embed_tokens -> layers -> norm``, plus ``lm_head``.
+
+    Serves ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` checkpoints (Qwen2: q/k/v bias, see
+    :class:`ModelConfig`). With ``tie_word_embeddings`` ``lm_head.weight`` *is*
+    ``embed_tokens.weight`` (one Parameter). Parameter names are HF's without the ``model.``
+    prefix. Layer ``i`` uses layer ``i`` of the :class:`KVPool`, which must have
+    ``num_hidden_layers`` layers, ``num_key_value_heads`` heads and ``head_dim``.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(config)
+
+    def forward(self, batch: ForwardBatch, kv: KVPool, backend: AttentionBackend, *,
+                input_embeds: torch.Tensor | None = None,
+                kv_only: bool = False) -> torch.Tensor | None:
+        """Run the batch, writing every layer's K/V at ``batch.out_loc``.
+
+        ``input_embeds`` ``[T, hidden]`` replaces ``embed_tokens(batch.input_ids)``.
+        Returns the final hidden states after the final norm, ``[T, hidden]`` in the model
+        dtype; with ``kv_only=True`` only the K/V writes happen (the last layer skips its
+        attention, o_proj and MLP) and None is returned.
+        """
+        x = self.embed_tokens(batch.input_ids) if input_embeds is None else input_embeds
+        x = run_layers(self.layers, self.rotary, x, batch, kv, backend, kv_only)
+        return None if x is None else self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` ``[N, hidden]`` -> float32 logits ``[N, vocab_size]``."""
+        return self.lm_head(hidden).float()
+
+    def make_kv_pool(self, num_slots: int, dtype: torch.dtype | None = None,
+                     device: torch.device | str | None = None) -> KVPool:
+        """A :class:`KVPool` shaped for this model (dtype/device default to the weights')."""
+        w = self.embed_tokens.weight
+        c = self.config
+        return KVPool(c.num_hidden_layers, num_slots, c.num_key_value_heads, c.head_dim,
+                      dtype or w.dtype, device or w.device)
+
+
+Qwen2ForCausalLM = LlamaForCausalLM

@@ -1,0 +1,190 @@
+"""Load Hugging Face checkpoints (local directories) into specdial models.
+
+Weights are read with safetensors from ``model.safetensors`` or a sharded
+``model.safetensors.index.json``. Models are built on the meta device and every parameter is
+assigned directly from the checkpoint in the requested dtype and device, so no random
+initialisation happens and each tensor is materialised once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from specdial.models.config import ModelConfig
+from specdial.models.eagle import EAGLE_ARCHITECTURE, EagleHead
+from specdial.models.llama import LlamaForCausalLM
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        raise FileNotFoundError(f"no config.json in {path}")
+    with open(cfg) as f:
+        return json.load(f)
+
+
+def _checkpoint_index(path: Path) -> dict[str, Path]:
+    """Map every tensor name to the safetensors file holding it."""
+    single, index = path / "model.safetensors", path / "model.safetensors.index.json"
+    if single.is_file():
+        with safe_open(str(single), framework="pt") as f:
+            return {name: single for name in f.keys()}
+    if index.is_file():
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {name: path / file for name, file in weight_map.items()}
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+
+
+def _tensor_shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(set(files.values())):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name in files:
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+    missing = sorted(set(files) - set(shapes))
+    if missing:
+        raise ValueError(f"tensors listed in the index but absent from the shards: {missing[:8]}")
+    return shapes
+
+
+def _assign(model: nn.Module, prefix: str, files: dict[str, Path],
+            dtype: torch.dtype, device: torch.device | str, skip: set[str]) -> None:
+    """Check the checkpoint against ``model`` and assign its tensors.
+
+    Checkpoint names are parameter names with ``prefix`` (``lm_head.*`` never has one);
+    names in ``skip`` may be present and are ignored. Raises ``ValueError`` naming missing,
+    unexpected or mis-shaped tensors (by checkpoint name).
+    """
+    def to_ckpt(param: str) -> str:
+        return param if param.startswith("lm_head.") else prefix + param
+
+    names = {c: (c if c.startswith("lm_head.") else c.removeprefix(prefix)) for c in files}
+    # named_parameters() lists a tied lm_head once, under embed_tokens
+    expected = {n: tuple(t.shape) for n, t in model.named_parameters()}
+    shapes = _tensor_shapes(files)
+    unexpected = sorted(c for c, p in names.items()
+                        if (p not in expected or to_ckpt(p) != c) and c not in skip)
+    if unexpected:
+        raise ValueError(f"unexpected tensors in checkpoint: {unexpected[:8]}"
+                         + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else ""))
+    present = {p: c for c, p in names.items() if c not in skip}
+    missing = sorted(to_ckpt(p) for p in set(expected) - set(present))
+    if missing:
+        raise ValueError(f"tensors missing from checkpoint: {missing[:8]}"
+                         + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
+    for param, ckpt in present.items():
+        if shapes[ckpt] != expected[param]:
+            raise ValueError(f"tensor {ckpt!r} has shape {list(shapes[ckpt])}, "
+                             f"expected {list(expected[param])}")
+    by_file: dict[Path, list[str]] = {}
+    for param, ckpt in present.items():
+        by_file.setdefault(files[ckpt], []).append(param)
+    for file, params in by_file.items():
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for param in params:
+                tensor = f.get_tensor(present[param]).to(device=device, dtype=dtype)
+                owner, _, attr = param.rpartition(".")
+                setattr(model.get_submodule(owner), attr, nn.Parameter(tensor, requires_grad=False))
+
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def _build(cls: type[M], *args: Any) -> M:
+    with torch.device("meta"):
+        return cls(*args)
+
+
+def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> LlamaForCausalLM:
+    """Load a local HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` directory.
+
+    Returns the model in eval mode, weights in ``dtype`` on ``device`` (rotary frequencies
+    stay float32). Raises ``FileNotFoundError`` without config.json or safetensors weights,
+    ``ValueError`` for an unsupported architecture or rope type, and for missing, unexpected
+    (rotary ``inv_freq`` buffers excepted) or mis-shaped tensors, naming them.
+    """
+    path = Path(path)
+    raw = _read_config(path)
+    archs = raw.get("architectures") or []
+    if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {archs!r} in {path / 'config.json'}; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    config = ModelConfig.from_dict(raw)
+    model = _build(LlamaForCausalLM, config)
+    files = _checkpoint_index(path)
+    skip = {c for c in files if c.endswith("rotary_emb.inv_freq")}
+    if config.tie_word_embeddings:
+        skip.add("lm_head.weight")  # some tied checkpoints still store it
+    _assign(model, "model.", files, dtype, device, skip)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary.to(device)
+    return model.eval()
+
+
+def load_eagle_head(path: str | Path, target: LlamaForCausalLM, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu") -> EagleHead:
+    """Load an :class:`EagleHead` checkpoint (layout in :mod:`specdial.models.eagle`).
+
+    The head shares ``target.embed_tokens`` and ``target.lm_head``. Raises
+    ``FileNotFoundError`` / ``ValueError`` like :func:`load_model` (architecture must be
+    ``SpecdialEagleHead``; hidden size and vocab must match the target).
+    """
+    path = Path(path)
+    raw = _read_config(path)
+    archs = raw.get("architectures") or []
+    if archs != [EAGLE_ARCHITECTURE]:
+        raise ValueError(f"unsupported architecture {archs!r} in {path / 'config.json'}; "
+                         f"supported: {EAGLE_ARCHITECTURE}")
+    config = ModelConfig.from_dict(raw)
+    head = _build(EagleHead, config, target.embed_tokens, target.lm_head)
+    files = _checkpoint_index(path)
+    skip = {c for c in files if c.endswith("rotary_emb.inv_freq")}
+    _assign(head, "", files, dtype, device, skip)
+    head.rotary.to(device)
+    return head.eval()
+
+
+def save_eagle_head(head: EagleHead, path: str | Path) -> None:
+    """Write ``head`` as ``path/config.json`` + ``path/model.safetensors`` (creates ``path``)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = head.config.to_dict()
+    cfg["architectures"] = [EAGLE_ARCHITECTURE]
+    cfg["num_hidden_layers"] = 1
+    with open(path / "config.json", "w") as f:
+        json.dump(cfg, f, indent=2)
+    tensors = {n: t.detach().to("cpu").contiguous() for n, t in head.state_dict().items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def load_tokenizer(path: str | Path):
+    """Tokenizer of a local model directory.
+
+    Returns a ``transformers`` fast tokenizer (``AutoTokenizer``, ``use_fast=True``), or, if
+    that fails, a ``tokenizers.Tokenizer`` read from ``path/tokenizer.json``. Raises
+    ``FileNotFoundError`` when neither works.
+    """
+    path = Path(path)
+    try:
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(str(path), use_fast=True)
+    except Exception as auto_error:  # noqa: BLE001 - any failure falls back to tokenizer.json
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"no tokenizer in {path}: AutoTokenizer failed ({auto_error}) "
+                                    "and there is no tokenizer.json") from auto_error
+        from tokenizers import Tokenizer
+        return Tokenizer.from_file(str(file))

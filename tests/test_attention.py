@@ -1,0 +1,71 @@
+"""TorchAttentionBackend against a per-request reference loop."""
+
+import math
+
+import pytest
+import torch
+
+from specdial.attention import AttentionMetadata, TorchAttentionBackend
+from specdial.kv_pool import KVPool
+
+
+def _reference(q, pool, layer, qo_lens, kv_lens, kv_indices, scale):
+    out, qs, ks = [], 0, 0
+    rep = q.shape[1] // pool.num_kv_heads
+    for qo, kv in zip(qo_lens.tolist(), kv_lens.tolist()):
+        slots = kv_indices[ks:ks + kv]
+        k = pool.k_buffer[layer][slots].repeat_interleave(rep, 1)  # [kv, H, D]
+        v = pool.v_buffer[layer][slots].repeat_interleave(rep, 1)
+        for i in range(qo):
+            pos = kv - qo + i
+            s = torch.einsum("hd,khd->hk", q[qs + i], k[:pos + 1]) * scale
+            out.append(torch.einsum("hk,khd->hd", s.softmax(-1), v[:pos + 1]))
+        qs, ks = qs + qo, ks + kv
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+def test_matches_reference(heads, kv_heads):
+    torch.manual_seed(0)
+    d, layers, slots = 16, 2, 64
+    pool = KVPool(layers, slots, kv_heads, d)
+    pool.k_buffer.normal_()
+    pool.v_buffer.normal_()
+    pool.k_buffer[:, pool.pad_slot] = float("nan")  # never read
+    pool.v_buffer[:, pool.pad_slot] = float("nan")
+    qo_lens = torch.tensor([3, 1, 5, 0, 2])
+    kv_lens = torch.tensor([3, 7, 9, 4, 2])
+    kv_indices = torch.randperm(slots)[: int(kv_lens.sum())]
+    q = torch.randn(int(qo_lens.sum()), heads, d)
+    backend = TorchAttentionBackend()
+    meta = backend.plan(qo_lens, kv_lens, kv_indices)
+    assert meta.qo_indptr.tolist() == [0, 3, 4, 9, 9, 11]
+    assert meta.kv_indptr.tolist() == [0, 3, 10, 19, 23, 25]
+    scale = 1 / math.sqrt(d)
+    for layer in range(layers):
+        out = backend.forward(q, layer, pool, meta, scale)
+        ref = _reference(q, pool, layer, qo_lens, kv_lens, kv_indices, scale)
+        assert out.shape == q.shape
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_kv_pool_write_and_nbytes():
+    pool = KVPool(2, 8, 2, 4, dtype=torch.bfloat16)
+    assert pool.k_buffer.shape == (2, 9, 2, 4)
+    assert pool.nbytes == 2 * 2 * 9 * 2 * 4 * 2
+    k, v = torch.randn(3, 2, 4), torch.randn(3, 2, 4)
+    loc = torch.tensor([5, 0, pool.pad_slot])
+    pool.write(1, loc, k, v)
+    assert torch.equal(pool.k_buffer[1, 5], k[0].bfloat16())
+    assert torch.equal(pool.v_buffer[1, 0], v[1].bfloat16())
+    assert pool.k_buffer[0].abs().sum() == 0
+
+
+def test_plan_rejects_bad_lengths():
+    backend = TorchAttentionBackend()
+    with pytest.raises(ValueError, match="qo_len <= kv_len"):
+        backend.plan(torch.tensor([3]), torch.tensor([2]), torch.arange(2))
+    with pytest.raises(ValueError, match="sum\\(kv_lens\\)"):
+        backend.plan(torch.tensor([1]), torch.tensor([2]), torch.arange(3))
+    meta = AttentionMetadata.from_lens(torch.tensor([1, 2]), torch.tensor([4, 2]), torch.arange(6))
+    assert meta.kv_indptr.tolist() == [0, 4, 6] and meta.batch_size == 2
