@@ -1,0 +1,389 @@
+"""Token selection of speculative decoding: sampling parameters, logits processing, acceptance.
+
+Pieces, in the order the worker uses them:
+
+- :class:`SamplingParams`: one request's validated sampling options (``from_dict`` for API input).
+- :class:`BatchSampling`: the same options as per-row tensors, built once per batch composition.
+- :func:`target_probs`: temperature, then top-k, then top-p, then softmax (the SGLang / vLLM
+  order), vectorized over the batch; greedy rows (temperature 0) become a one-hot at the argmax.
+- :func:`sample` / :func:`sample_from_probs`: one token per row (the drafter's draws, plain decode).
+- :func:`speculative_accept`: the verify step. Greedy rows accept the longest prefix of drafts
+  equal to the target argmax. Sampling rows use the rejection rule of Leviathan, Kalman, Matias
+  2023 ("Fast Inference from Transformers via Speculative Decoding", Algorithm 1) and Chen et al.
+  2023 ("Accelerating Large Language Model Decoding with Speculative Sampling", Algorithm 2):
+  accept draft ``x_i`` with probability ``min(1, p_i(x_i) / q_i(x_i))``; at the first rejection
+  emit a token from ``norm(max(0, p_i - q_i))``; if all ``k`` drafts are accepted emit the bonus
+  token from ``p_k``. This leaves the emitted tokens distributed exactly as ``p`` (DESIGN.md
+  invariant 2; greedy rows give invariant 1).
+
+Conventions: ``B`` requests, ``k`` drafts per request (``0`` = plain decoding), ``V`` vocabulary
+size. Logits and probabilities are float32, tokens int64, all on one device. Every random draw
+goes through the ``torch.Generator`` passed in (it must live on the tensors' device), in a fixed
+amount that depends only on shapes and ``BatchSampling.all_greedy``, never on data: results are
+reproducible for a given generator state. No ``.item()`` and no host sync inside the per-step
+functions (:func:`target_probs`, :func:`sample`, :func:`speculative_accept`); Python-level branches
+only look at shapes and the Python ``bool`` flags of :class:`BatchSampling`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+import torch
+
+__all__ = [
+    "MIN_TEMPERATURE",
+    "BatchSampling",
+    "SamplingParams",
+    "sample",
+    "sample_from_probs",
+    "speculative_accept",
+    "target_probs",
+]
+
+#: Smallest non-zero temperature accepted. Below it ``logits / T`` is numerically a one-hot
+#: anyway; send ``0`` for greedy decoding instead (rejected, never rounded to 0 silently).
+MIN_TEMPERATURE = 1e-5
+
+#: Largest seed accepted (``torch.Generator.manual_seed`` takes 64-bit unsigned values).
+_MAX_SEED = 2**64 - 1
+
+#: Below this total mass the rejection residual ``max(0, p - q)`` is treated as empty (rounding
+#: noise only) and the emitted token is drawn from ``p`` instead.
+_RESIDUAL_EPS = 1e-6
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _bad(name: str, value: Any, allowed: str) -> ValueError:
+    return ValueError(f"SamplingParams.{name}: invalid value {value!r}; allowed: {allowed}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling options, validated at construction (``__post_init__``).
+
+    - ``max_new_tokens``: int >= 1 (default 128).
+    - ``temperature``: float, ``0.0`` = greedy (default), else in ``[MIN_TEMPERATURE, inf)``;
+      ints are accepted and stored as float.
+    - ``top_p``: float in ``(0, 1]`` (default ``1.0`` = off).
+    - ``top_k``: int, ``-1`` or ``0`` = off (default ``-1``), else ``>= 1``; a value ``>= V``
+      keeps the whole vocabulary.
+    - ``stop_token_ids``: tuple of ints ``>= 0`` (a list is accepted and stored as a tuple).
+    - ``ignore_eos``: bool (default False).
+    - ``seed``: ``None`` (default) or int in ``[0, 2**64 - 1]``. Carried for the worker; the
+      functions of this module draw from the generator they are given.
+
+    Raises ``ValueError`` naming the field, the value and the allowed range for a wrong type or
+    an out-of-range value; ``bool`` is never accepted as a number and nothing is clamped.
+    ``top_k``, ``top_p`` are ignored for greedy requests, which always take the argmax.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        v: Any = self.max_new_tokens
+        if not _is_int(v) or v < 1:
+            raise _bad("max_new_tokens", v, "int >= 1")
+        v = self.temperature
+        if not _is_real(v) or not math.isfinite(v) or not (v == 0 or v >= MIN_TEMPERATURE):
+            raise _bad("temperature", v,
+                       f"0 (greedy) or a finite float in [{MIN_TEMPERATURE}, inf)")
+        object.__setattr__(self, "temperature", float(v))
+        v = self.top_p
+        if not _is_real(v) or not math.isfinite(v) or not 0 < v <= 1:
+            raise _bad("top_p", v, "float in (0, 1]")
+        object.__setattr__(self, "top_p", float(v))
+        v = self.top_k
+        if not _is_int(v) or v < -1:
+            raise _bad("top_k", v, "int: -1 or 0 (off), or >= 1")
+        v = self.stop_token_ids
+        if not isinstance(v, (tuple, list)) or not all(_is_int(t) and t >= 0 for t in v):
+            raise _bad("stop_token_ids", v, "tuple (or list) of ints >= 0")
+        object.__setattr__(self, "stop_token_ids", tuple(v))
+        v = self.ignore_eos
+        if not isinstance(v, bool):
+            raise _bad("ignore_eos", v, "bool")
+        v = self.seed
+        if v is not None and (not _is_int(v) or not 0 <= v <= _MAX_SEED):
+            raise _bad("seed", v, "None or int in [0, 2**64 - 1]")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> SamplingParams:
+        """Build from API input; ``None`` or ``{}`` gives the defaults.
+
+        Raises ``ValueError`` for a non-mapping, for an unknown key (naming it and listing the
+        allowed keys), and for any invalid value (see the class docstring).
+        """
+        if d is None:
+            return cls()
+        if not isinstance(d, Mapping):
+            raise ValueError(f"SamplingParams: expected a dict, got {type(d).__name__}")
+        allowed = [f.name for f in fields(cls)]
+        for key in d:
+            if key not in allowed:
+                raise ValueError(f"SamplingParams: unknown key {key!r}; "
+                                 f"allowed keys: {', '.join(allowed)}")
+        return cls(**d)
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when ``temperature == 0``: the request always takes the target argmax."""
+        return self.temperature == 0.0
+
+
+@dataclass
+class BatchSampling:
+    """Per-row sampling options of one batch, built once per batch composition.
+
+    - ``temperature`` ``[B]`` float32 (0 on greedy rows).
+    - ``top_p`` ``[B]`` float32 in ``(0, 1]``.
+    - ``top_k`` ``[B]`` int64, values ``<= 0`` mean off.
+    - ``greedy_mask`` ``[B]`` bool: rows with temperature 0.
+    - ``all_greedy``: every row is greedy (fast path: no probabilities, no random draws).
+    - ``any_top_k`` / ``any_top_p``: some sampling row filters (else the sort is skipped).
+
+    The flags are plain Python bools so the per-step functions never sync with the device.
+    """
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    greedy_mask: torch.Tensor
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams],
+                    device: torch.device | str = "cpu") -> BatchSampling:
+        """Stack ``params`` (one per row, in batch order) into tensors on ``device``."""
+        greedy = [p.is_greedy for p in params]
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32,
+                                     device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+            greedy_mask=torch.tensor(greedy, dtype=torch.bool, device=device),
+            all_greedy=all(greedy),
+            any_top_k=any(p.top_k > 0 and not g for p, g in zip(params, greedy)),
+            any_top_p=any(p.top_p < 1.0 and not g for p, g in zip(params, greedy)),
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return self.temperature.shape[0]
+
+    def select(self, index: torch.Tensor) -> BatchSampling:
+        """The sub-batch of rows ``index`` (``[B']`` int64, in the new batch order).
+
+        Recomputes the flags, which reads them back from the device once: call it when the
+        batch composition changes (requests finish), not per step.
+        """
+        index = index.to(device=self.temperature.device, dtype=torch.int64)
+        temperature = self.temperature.index_select(0, index)
+        top_p = self.top_p.index_select(0, index)
+        top_k = self.top_k.index_select(0, index)
+        greedy = self.greedy_mask.index_select(0, index)
+        flags = torch.stack([greedy.all(), ((top_k > 0) & ~greedy).any(),
+                             ((top_p < 1.0) & ~greedy).any()]).tolist()
+        return BatchSampling(temperature, top_p, top_k, greedy, *flags)
+
+
+def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """One-hot float32 at ``logits.argmax(-1)`` (first index among ties), same shape."""
+    return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+
+
+def target_probs(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
+    """Processed distribution per row and position: ``[B, n, V]`` float32 -> ``[B, n, V]``.
+
+    Order (as in SGLang and vLLM): temperature (``logits / T``), then top-k (keep the tokens
+    whose scaled logit is ``>=`` the k-th largest; ties at the k-th value are all kept), then
+    top-p on the top-k-renormalized distribution (keep the smallest prefix of tokens, in
+    decreasing probability, whose mass is ``>= top_p``; the most likely token is always kept;
+    ties in the order broken by lower token id; rows with ``top_p == 1`` are not filtered), then
+    softmax. Filtered tokens get probability exactly 0. Greedy rows (temperature 0) give a
+    one-hot at the argmax of the raw logits (first index among ties). Each row uses its own
+    options; there is no Python loop over rows.
+
+    Apply the same function to the drafter's logits to get the ``q`` it samples drafts from.
+    Raises ``ValueError`` if ``logits`` is not 3-D or its batch size differs from ``sampling``.
+    """
+    if logits.dim() != 3 or logits.shape[0] != sampling.batch_size:
+        raise ValueError(f"target_probs: logits must be [B={sampling.batch_size}, n, V], "
+                         f"got {list(logits.shape)}")
+    logits = logits.float()
+    if sampling.all_greedy:
+        return _one_hot_argmax(logits)
+    b, n, v = logits.shape
+    greedy = sampling.greedy_mask.view(b, 1, 1)
+    temperature = torch.where(greedy, 1.0, sampling.temperature.view(b, 1, 1))
+    x = logits / temperature
+    if sampling.any_top_k or sampling.any_top_p:
+        sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
+        if sampling.any_top_k:
+            k = sampling.top_k.view(b, 1, 1)
+            k = torch.where((k <= 0) | greedy, v, k.clamp(max=v))
+            kth = sorted_x.gather(-1, (k - 1).expand(b, n, 1))
+            sorted_x = sorted_x.masked_fill(sorted_x < kth, -math.inf)
+        if sampling.any_top_p:
+            sorted_p = sorted_x.softmax(-1)
+            mass_before = sorted_p.cumsum(-1) - sorted_p
+            top_p = torch.where(greedy, 1.0, sampling.top_p.view(b, 1, 1))
+            sorted_x = sorted_x.masked_fill((mass_before >= top_p) & (top_p < 1.0), -math.inf)
+        probs = torch.empty_like(sorted_x).scatter_(-1, order, sorted_x.softmax(-1))
+    else:
+        probs = x.softmax(-1)
+    return torch.where(greedy, _one_hot_argmax(logits), probs)
+
+
+def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row from non-negative weights ``[..., V]`` (need not be normalized) -> int64.
+
+    Exponential race: ``argmax(w / E)`` with ``E ~ Exp(1)`` i.i.d. picks token ``i`` with
+    probability ``w_i / sum(w)`` and never a zero-weight token; no host sync (unlike
+    ``torch.multinomial`` validation) and one ``[..., V]`` draw from ``generator``.
+    """
+    noise = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=generator)
+    return (probs / noise.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(-1)
+
+
+def sample(logits: torch.Tensor, sampling: BatchSampling,
+           generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row: ``[B, V]`` float32 logits -> ``[B]`` int64.
+
+    Greedy rows take the argmax; the others draw from :func:`target_probs`. Draws ``[B, V]``
+    exponentials from ``generator`` unless ``sampling.all_greedy``.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"sample: logits must be [B, V], got {list(logits.shape)}")
+    argmax = logits.argmax(-1)
+    if sampling.all_greedy:
+        return argmax
+    tokens = sample_from_probs(target_probs(logits.unsqueeze(1), sampling).squeeze(1), generator)
+    return torch.where(sampling.greedy_mask, argmax, tokens)
+
+
+def _accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
+    """Length of the leading run of True per row: ``[B, k]`` bool -> ``[B]`` int64 in 0..k."""
+    return accept.to(torch.int64).cumprod(-1).sum(-1)
+
+
+def speculative_accept(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_logits: torch.Tensor,
+    sampling: BatchSampling,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify ``k`` drafts per request against the target; return what to emit.
+
+    Inputs:
+      - ``draft_tokens`` ``[B, k]`` int64 in ``[0, V)``; ``k`` may be 0 (plain decoding).
+      - ``draft_probs`` ``[B, k, V]`` float32: the distribution ``q_i`` each draft token was
+        actually sampled from (the drafter's logits through :func:`target_probs` with the same
+        ``sampling``), or ``None`` for a greedy/deterministic drafter, in which case ``q_i`` is a
+        one-hot at the draft token and the acceptance probability is ``p_i(x_i)``. (That rule is
+        lossless for any drafter, only with lower acceptance than passing the real ``q``.)
+        Ignored on greedy rows.
+      - ``target_logits`` ``[B, k + 1, V]`` float32: the verify forward's logits; position ``i``
+        is the target's prediction for draft ``i`` and position ``k`` for the bonus token.
+      - ``generator``: on the tensors' device; unless ``sampling.all_greedy`` this draws
+        ``[B, k]`` uniforms and then ``[B, V]`` exponentials.
+
+    Returns ``(accepted, out_tokens)``: ``accepted`` ``[B]`` int64 in ``0..k`` (accepted drafts,
+    bonus excluded) and ``out_tokens`` ``[B, k + 1]`` int64 where ``out_tokens[b, :accepted[b]
+    + 1]`` are the emitted tokens (the accepted drafts, then the correction or bonus token) and
+    later entries are ``-1``. Every row emits at least one token.
+
+    Rules:
+      - Greedy rows (DESIGN.md invariant 1): accept the longest prefix of drafts equal to the
+        target argmax, then emit the target argmax at the first mismatch (or at position ``k``).
+        The output equals target-only greedy decoding.
+      - Sampling rows (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023, Algorithm 2): with
+        ``p_i`` = ``target_probs(target_logits)[:, i]``, accept draft ``x_i`` when
+        ``u_i * q_i(x_i) < p_i(x_i)`` for ``u_i ~ U[0, 1)`` (probability
+        ``min(1, p_i(x_i) / q_i(x_i))``, no division); the accepted count is the leading run of
+        accepts (cumulative product). At the first rejection ``j`` emit a token from
+        ``norm(max(0, p_j - q_j))``, or from ``p_j`` when that residual's mass is below 1e-6
+        (only rounding noise: rejection then had near-zero probability); after ``k`` accepts emit
+        the bonus from ``p_k``. Emitted tokens are then distributed exactly as ``p``
+        (DESIGN.md invariant 2).
+
+    Vectorized over the batch; no ``.item()``. Raises ``ValueError`` on inconsistent shapes or
+    a non-int64 ``draft_tokens`` (shape checks only; token values are not checked on device).
+    """
+    if draft_tokens.dim() != 2 or draft_tokens.dtype != torch.int64:
+        raise ValueError(f"speculative_accept: draft_tokens must be [B, k] int64, got "
+                         f"{list(draft_tokens.shape)} {draft_tokens.dtype}")
+    b, k = draft_tokens.shape
+    if target_logits.dim() != 3 or tuple(target_logits.shape[:2]) != (b, k + 1):
+        raise ValueError(f"speculative_accept: target_logits must be [B={b}, k+1={k + 1}, V], "
+                         f"got {list(target_logits.shape)}")
+    v = target_logits.shape[2]
+    if draft_probs is not None and tuple(draft_probs.shape) != (b, k, v):
+        raise ValueError(f"speculative_accept: draft_probs must be [B={b}, k={k}, V={v}] or "
+                         f"None, got {list(draft_probs.shape)}")
+    if sampling.batch_size != b:
+        raise ValueError(f"speculative_accept: sampling has {sampling.batch_size} rows, "
+                         f"draft_tokens has {b}")
+    device = target_logits.device
+    target_logits = target_logits.float()
+    argmax = target_logits.argmax(-1)  # [B, k+1]
+    greedy_accept = draft_tokens == argmax[:, :k]
+
+    if sampling.all_greedy:
+        accepted = _accepted_prefix(greedy_accept)
+        last = argmax.gather(1, accepted[:, None]).squeeze(1)
+    else:
+        p = target_probs(target_logits, sampling)  # [B, k+1, V]
+        u = torch.rand((b, k), generator=generator, device=device)
+        p_x = p[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
+        if draft_probs is None:
+            q_x = torch.ones_like(p_x)
+        else:
+            draft_probs = draft_probs.float()
+            q_x = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
+        accept = torch.where(sampling.greedy_mask[:, None], greedy_accept, u * q_x < p_x)
+        accepted = _accepted_prefix(accept)
+
+        # Distribution of the last emitted token: residual at the first rejection, p_k after
+        # all accepts (q is taken as 0 there, so the residual is p_k itself).
+        p_j = p.gather(1, accepted.view(b, 1, 1).expand(b, 1, v)).squeeze(1)  # [B, V]
+        if k == 0:
+            residual = p_j
+        else:
+            has_draft = (accepted < k)[:, None]
+            j = accepted.clamp(max=k - 1)
+            if draft_probs is None:
+                x_j = draft_tokens.gather(1, j[:, None])
+                q_j = torch.zeros_like(p_j).scatter_(1, x_j, has_draft.float())
+            else:
+                q_j = draft_probs.gather(1, j.view(b, 1, 1).expand(b, 1, v)).squeeze(1)
+                q_j = q_j * has_draft
+            residual = (p_j - q_j).clamp_min(0.0)
+            residual = torch.where(residual.sum(-1, keepdim=True) > _RESIDUAL_EPS, residual, p_j)
+        last = torch.where(sampling.greedy_mask,
+                           argmax.gather(1, accepted[:, None]).squeeze(1),
+                           sample_from_probs(residual, generator))
+
+    pos = torch.arange(k + 1, device=device)
+    acc = accepted[:, None]
+    drafts = torch.cat([draft_tokens, draft_tokens.new_full((b, 1), -1)], dim=1)
+    out_tokens = torch.where(pos < acc, drafts, torch.where(pos == acc, last[:, None], -1))
+    return accepted, out_tokens
