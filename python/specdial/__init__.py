@@ -20,6 +20,7 @@ from specdial._core import (
 )
 
 __all__ = [
+    "Engine",
     "AdaptiveConfig",
     "AdaptiveSpeculativeParams",
     "AdaptiveStepSlot",
@@ -32,3 +33,13 @@ __all__ = [
     "__version__",
     "validate_initial_steps",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # Engine needs torch; importing it lazily keeps `import specdial` (the policy, the replay
+    # CLI) light.
+    if name == "Engine":
+        from specdial.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module 'specdial' has no attribute {name!r}")

@@ -1,0 +1,237 @@
+"""Drafters: what proposes the ``k`` draft tokens of a decode iteration.
+
+Two implementations behind one :class:`Drafter` interface (chain drafting, top-1, no trees):
+
+- :class:`DraftModelDrafter`: a small :class:`~specdial.models.LlamaForCausalLM` sharing the
+  target's tokenizer, with its own :class:`~specdial.kv_pool.KVPool`.
+- :class:`EagleDrafter`: an EAGLE-1 head (Li et al. 2024, arXiv 2401.15077) over
+  ``cat(embed(token), target hidden)``, with its own 1-layer pool.
+
+Both pools are indexed by the *same* slot indices as the target's: one
+:class:`specdial._core.KvPagePool` allocation serves target and drafter.
+
+Position / validity convention (used by :mod:`specdial.worker.worker`):
+
+- Target: per request ``target_len`` ``L`` = positions whose target KV is written. The last
+  emitted token ``x_L`` is *not* yet in the target KV. Verify feeds ``[x_L, d_1..d_k]`` at
+  positions ``L..L+k``; after accepting ``a`` drafts the target keeps KV for ``L..L+a``, the
+  rejected slots are truncated back to the allocator, and the bonus token becomes ``x_{L+a+1}``
+  (so ``L`` becomes ``L + a + 1``).
+- Drafter: per request ``draft_len`` = positions whose drafter KV is valid (was computed from
+  the true sequence). EAGLE's input at position ``p`` is ``(embed(x_p), h_{p-1})`` where
+  ``h_{p-1}`` is the target's final hidden state (after its final norm) at ``p - 1``, zeros for
+  ``p = 0``; its output predicts ``x_{p+1}``. Draft step 1 feeds ``(x_L, h_{L-1})`` at position
+  ``L``, step ``i > 1`` feeds ``(d_{i-1}, head output of step i-1)`` at ``L + i - 1``. After a
+  verify, EAGLE's valid ``draft_len`` is ``L + 1`` (``d_1..d_a`` were fed approximate hiddens),
+  so the draft extend recomputes ``L+1..L+a`` with true hiddens. The draft model wrote true
+  entries for ``x_L, d_1..d_{k-1}`` at ``L..L+k-1``, so its ``draft_len`` is
+  ``min(L + k, L + a + 1)`` and its extend only covers ``d_k`` when every draft was accepted.
+- Uniform rule: before drafting, and as the draft-extend pass after each verify, the drafter
+  processes ``[draft_len, target_len)`` of every request in one batched forward (ragged).
+  Extend never needs logits, so it always runs ``kv_only`` (the last drafter layer only writes
+  K/V: no attention output, MLP or LM head). ``steps = 0`` skips drafting; extend still runs
+  (keeping the drafter warm, SGLang PR #23994) unless ``skip_zero_step_draft_extend``, in which
+  case the next positive-steps iteration catches up over every missed position in one extend.
+
+Shapes: ``B`` requests, ``k`` steps, ``V`` vocabulary, ``H`` hidden size; tokens/positions/slots
+int64, logits and probabilities float32, hidden states in the model dtype.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from specdial.attention.base import AttentionBackend
+from specdial.kv_pool import KVPool
+from specdial.models.batch import ForwardBatch
+from specdial.models.eagle import EagleHead
+from specdial.models.llama import LlamaForCausalLM
+from specdial.worker.sampling import BatchSampling, sample_from_probs, target_probs
+
+#: Default largest ``steps`` a chain drafter accepts (buffers and runtime states are sized by
+#: the configured candidates, so this is only a sanity bound; override per drafter).
+DEFAULT_MAX_STEPS = 16
+
+
+class Drafter(abc.ABC):
+    """A chain drafter with its own KV pool over the target's slot indices.
+
+    Attributes: ``max_steps`` (largest ``k`` it supports), ``needs_target_hidden`` (EAGLE: the
+    worker must keep the target's hidden states per slot), ``kv`` (its
+    :class:`~specdial.kv_pool.KVPool`, set by :meth:`init_kv`), ``vocab_size``.
+    """
+
+    max_steps: int
+    needs_target_hidden: bool = False
+    kv: KVPool
+    module: nn.Module
+
+    def __init__(self, max_steps: int) -> None:
+        if max_steps < 1:
+            raise ValueError(f"Drafter max_steps must be >= 1, got {max_steps}")
+        self.max_steps = max_steps
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int: ...
+
+    @abc.abstractmethod
+    def init_kv(self, num_slots: int) -> KVPool:
+        """Allocate (and keep as ``self.kv``) a pool of ``num_slots`` slots, same slot indices
+        as the target's; dtype/device follow the drafter's weights."""
+
+    @abc.abstractmethod
+    def _forward(self, batch: ForwardBatch, backend: AttentionBackend,
+                 hidden_states: torch.Tensor | None, kv_only: bool) -> torch.Tensor | None:
+        """One drafter forward writing ``self.kv`` at ``batch.out_loc``; ``[T, H]`` or None."""
+
+    @abc.abstractmethod
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, H]`` -> float32 logits ``[N, V]``."""
+
+    @abc.abstractmethod
+    def draft_len_after_verify(self, target_len: np.ndarray, steps: int,
+                               accepted: np.ndarray) -> np.ndarray:
+        """Valid ``draft_len`` ``[B]`` after drafting ``steps >= 1`` at ``target_len`` ``L`` and
+        a verify accepting ``accepted`` drafts (see the module docstring)."""
+
+    def extend(self, batch: ForwardBatch, backend: AttentionBackend, *,
+               hidden_states: torch.Tensor | None = None,
+               kv_only: bool = True) -> torch.Tensor | None:
+        """Draft extend: process true tokens the drafter has not seen (``[draft_len, L)``).
+
+        ``batch``: ragged, ``T`` tokens at their true positions and slots. ``hidden_states``
+        ``[T, H]``: for EAGLE, the target's hidden state at the position *before* each token
+        (zeros at position 0); ignored by the draft model. Returns None with ``kv_only``
+        (the default: no logits are ever needed from extend), else the drafter's hidden
+        ``[T, H]``. Raises ``ValueError`` when EAGLE gets no ``hidden_states``.
+        """
+        return self._forward(batch, backend, hidden_states, kv_only)
+
+    def prefill(self, batch: ForwardBatch, backend: AttentionBackend, *,
+                hidden_states: torch.Tensor | None = None) -> None:
+        """Drafter prefill of whole prompts (positions ``0..P-1``): an extend from 0, KV only."""
+        self._forward(batch, backend, hidden_states, True)
+
+    def draft(self, k: int, steps: Sequence[ForwardBatch], backend: AttentionBackend, *,
+              first_hidden: torch.Tensor | None, sampling: BatchSampling,
+              generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Propose ``k >= 1`` tokens per request with ``k`` one-token forwards.
+
+        ``steps[i]`` (``i < k``): the forward batch of draft step ``i + 1`` (``B`` tokens at
+        positions ``L + i``, the slots of those positions). ``steps[0].input_ids`` holds
+        ``x_L``; ``steps[i].input_ids`` for ``i >= 1`` are buffers this method fills with the
+        previous step's tokens (fixed buffers: CUDA-graph friendly). ``first_hidden``
+        ``[B, H]``: EAGLE's ``h_{L-1}`` (None for the draft model).
+
+        Returns ``(tokens [B, k] int64, probs [B, k, V] float32 or None)``: greedy batches
+        take the argmax and return no probabilities; otherwise each draft is sampled from
+        ``q = target_probs(drafter logits)`` (same temperature/top-k/top-p as the target, so
+        the rejection rule of Leviathan et al. 2023 stays lossless) and ``q`` is returned.
+        Raises ``ValueError`` for ``k`` outside ``1..max_steps``.
+        """
+        if not 1 <= k <= min(self.max_steps, len(steps)):
+            raise ValueError(f"draft: k must be in 1..{self.max_steps} with a batch per step, "
+                             f"got k={k} and {len(steps)} batches")
+        hidden = first_hidden
+        tokens: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
+        for i in range(k):
+            h = self._forward(steps[i], backend, hidden, False)
+            assert h is not None
+            logits = self.compute_logits(h)
+            if sampling.all_greedy:
+                tok = logits.argmax(-1)
+            else:
+                q = target_probs(logits.unsqueeze(1), sampling).squeeze(1)
+                tok = sample_from_probs(q, generator)
+                probs.append(q)
+            tokens.append(tok)
+            if i + 1 < k:
+                steps[i + 1].input_ids.copy_(tok)
+            hidden = h
+        return torch.stack(tokens, 1), (torch.stack(probs, 1) if probs else None)
+
+
+class DraftModelDrafter(Drafter):
+    """A small Llama-family draft model with the target's tokenizer (same vocabulary).
+
+    ``model``: a :class:`LlamaForCausalLM`; ``target_vocab_size``: checked against the draft
+    model's (``ValueError`` if they differ).
+    """
+
+    def __init__(self, model: LlamaForCausalLM, *, target_vocab_size: int | None = None,
+                 max_steps: int = DEFAULT_MAX_STEPS) -> None:
+        super().__init__(max_steps)
+        if target_vocab_size is not None and model.config.vocab_size != target_vocab_size:
+            raise ValueError(f"draft model vocab_size {model.config.vocab_size} differs from "
+                             f"the target's {target_vocab_size}")
+        self.module = self.model = model
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def init_kv(self, num_slots: int) -> KVPool:
+        self.kv = self.model.make_kv_pool(num_slots)
+        return self.kv
+
+    def _forward(self, batch, backend, hidden_states, kv_only):
+        return self.model(batch, self.kv, backend, kv_only=kv_only)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
+
+    def draft_len_after_verify(self, target_len, steps, accepted):
+        return np.minimum(target_len + steps, target_len + accepted + 1)
+
+
+class EagleDrafter(Drafter):
+    """EAGLE-1 head: needs the target's final hidden states (``needs_target_hidden``)."""
+
+    needs_target_hidden = True
+
+    def __init__(self, head: EagleHead, *, max_steps: int = DEFAULT_MAX_STEPS) -> None:
+        super().__init__(max_steps)
+        self.module = self.head = head
+
+    @property
+    def vocab_size(self) -> int:
+        return self.head.config.vocab_size
+
+    def init_kv(self, num_slots: int) -> KVPool:
+        self.kv = self.head.make_kv_pool(num_slots)
+        return self.kv
+
+    def _forward(self, batch, backend, hidden_states, kv_only):
+        if hidden_states is None:
+            raise ValueError("EagleDrafter needs the target hidden states of the previous "
+                             "positions (hidden_states [T, H])")
+        return self.head(batch, self.kv, backend, hidden_states=hidden_states, kv_only=kv_only)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head.compute_logits(hidden)
+
+    def draft_len_after_verify(self, target_len, steps, accepted):
+        return target_len + 1
+
+
+def make_drafter(module: nn.Module | Drafter | None, target: LlamaForCausalLM, *,
+                 max_steps: int = DEFAULT_MAX_STEPS) -> Drafter | None:
+    """Wrap ``module``: a :class:`Drafter` is returned as is, an :class:`EagleHead` becomes an
+    :class:`EagleDrafter`, a :class:`LlamaForCausalLM` a :class:`DraftModelDrafter`. Raises
+    ``TypeError`` for anything else (None gives None)."""
+    if module is None or isinstance(module, Drafter):
+        return module
+    if isinstance(module, EagleHead):
+        return EagleDrafter(module, max_steps=max_steps)
+    if isinstance(module, LlamaForCausalLM):
+        return DraftModelDrafter(module, target_vocab_size=target.config.vocab_size,
+                                 max_steps=max_steps)
+    raise TypeError(f"drafter must be an EagleHead, a LlamaForCausalLM or a Drafter, "
+                    f"got {type(module).__name__}")

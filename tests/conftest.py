@@ -1,0 +1,100 @@
+"""Shared tiny models for the engine tests (float32, CPU, built once per session).
+
+- ``tiny``: a random 2-layer HF Llama saved with ``save_pretrained`` (and the same checkpoint
+  loaded into specdial), no EOS so greedy runs go to ``max_new_tokens``.
+- drafters: a random 1-layer draft model (acceptance ~1.0), the target with slightly perturbed
+  weights (partial acceptance), the target itself (every draft accepted), a random EAGLE head.
+- ``tiny1``: a 1-layer target whose final norm weight is 1 plus an EAGLE head that reproduces it
+  exactly under greedy decoding (fc picks the embedding, same decoder layer; argmax is
+  invariant to the final RMSNorm's positive scale), i.e. an EAGLE drafter accepting everything,
+  and a perturbed copy of that head (partial acceptance).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+
+from specdial.models import EagleHead, LlamaForCausalLM, load_model
+from specdial.models.eagle import EAGLE_ARCHITECTURE
+
+# Tiny CPU models: intra-op threads only add overhead (about 15x slower on a shared 2-core box).
+torch.set_num_threads(1)
+
+VOCAB = 192
+PROMPTS = [[5, 17, 3], [9, 1, 44, 120, 7, 7, 30, 2, 66], list(range(100, 117))]
+
+
+def _randomize(module: torch.nn.Module, seed: int) -> None:
+    """Non-trivial weights (as tests/test_models.py): norms 1 + 0.2 N(0,1), others 0.15 N(0,1)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.2 * noise if "norm" in name else 0.15 * noise)
+
+
+def _perturbed(module: torch.nn.Module, scale: float, seed: int) -> torch.nn.Module:
+    """``module`` plus ``scale * N(0, 1)`` on every parameter it owns (shared ones untouched)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen))
+    return module.eval()
+
+
+def _save_hf(path, layers: int, seed: int):
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config._attn_implementation = "eager"
+    model = transformers.LlamaForCausalLM(config).eval()
+    _randomize(model, seed)
+    if layers == 1:
+        with torch.no_grad():
+            model.model.norm.weight.fill_(1.0)
+    model.save_pretrained(path)
+    return model
+
+
+def eagle_config(target: LlamaForCausalLM):
+    return dataclasses.replace(target.config, architecture=EAGLE_ARCHITECTURE, num_hidden_layers=1)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_target")
+    hf = _save_hf(path, layers=2, seed=0)
+    target = load_model(path)
+    draft_path = tmp_path_factory.mktemp("tiny_draft")
+    _save_hf(draft_path, layers=1, seed=1)
+    draft_random = load_model(draft_path)
+    torch.manual_seed(2)
+    eagle_random = EagleHead(eagle_config(target), target.embed_tokens, target.lm_head)
+    _randomize(eagle_random, 3)
+    return SimpleNamespace(path=path, hf=hf, target=target, draft_path=draft_path,
+                           draft_random=draft_random, draft_same=load_model(path),
+                           draft_noisy=_perturbed(load_model(path), 0.01, 5),
+                           eagle_random=eagle_random.eval())
+
+
+@pytest.fixture(scope="session")
+def tiny1(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_target_1layer")
+    hf = _save_hf(path, layers=1, seed=4)
+    target = load_model(path)
+    head = EagleHead(eagle_config(target), target.embed_tokens, target.lm_head)
+    h = target.config.hidden_size
+    with torch.no_grad():
+        head.fc.weight.copy_(torch.cat([torch.eye(h), torch.zeros(h, h)], 1))
+        head.fc.bias.zero_()
+    head.layers[0].load_state_dict(target.layers[0].state_dict())
+    noisy = EagleHead(eagle_config(target), target.embed_tokens, target.lm_head)
+    noisy.load_state_dict(head.state_dict())
+    return SimpleNamespace(path=path, hf=hf, target=target, eagle_same=head.eval(),
+                           eagle_noisy=_perturbed(noisy, 0.003, 6))

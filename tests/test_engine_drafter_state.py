@@ -1,0 +1,111 @@
+"""Drafter state (DESIGN.md invariant 3): after draft extend, and after skipped zero-step extends
+plus the catch-up, the drafter's KV of a request equals a fresh drafter prefill of the same
+tokens; acceptance after a zero-step interval equals acceptance without skipping."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import PROMPTS
+from specdial._core import KvPagePool
+from specdial.attention import TorchAttentionBackend
+from specdial.models import ForwardBatch
+from specdial.worker.drafters import make_drafter
+from specdial.worker.sampling import BatchSampling, SamplingParams
+from specdial.worker.worker import SpecWorker
+
+SCHEDULE = [3, 0, 0, 2, 5, 0, 0, 0, 7, 1, 0, 4]
+
+
+def fresh_drafter_kv(target, module, tokens):
+    """K/V of a fresh drafter prefill of ``tokens`` (slots 0..T-1): ``[layers, T, kvh, d]`` x2."""
+    t = len(tokens)
+    backend = TorchAttentionBackend()
+    ar = torch.arange(t)
+    batch = ForwardBatch(torch.tensor(tokens), ar, ar, backend.plan(torch.tensor([t]),
+                                                                  torch.tensor([t]), ar))
+    drafter = make_drafter(module, target)
+    pool = drafter.init_kv(t)
+    feats = None
+    if drafter.needs_target_hidden:
+        hidden = target(batch, target.make_kv_pool(t), backend)
+        feats = torch.cat([torch.zeros_like(hidden[:1]), hidden[:-1]])  # h_{p-1}, zeros at 0
+    drafter.prefill(batch, backend, hidden_states=feats)
+    return pool.k_buffer[:, :t], pool.v_buffer[:, :t]
+
+
+def models(request, name):
+    """(target, drafter module) with partial acceptance, so extends cover accepted drafts."""
+    if name == "draft":
+        tiny = request.getfixturevalue("tiny")
+        return tiny.target, tiny.draft_noisy
+    tiny1 = request.getfixturevalue("tiny1")
+    return tiny1.target, tiny1.eagle_noisy
+
+
+def make_worker(target, module, skip):
+    alloc = KvPagePool(64, 8)
+    worker = SpecWorker(target, make_drafter(module, target, max_steps=7), alloc,
+                        max_running_requests=4, context_length=128, step_values=range(8),
+                        skip_zero_step_draft_extend=skip)
+    return worker, alloc
+
+
+def check_drafter_kv(target, worker, module, rows):
+    kv = worker.drafter.kv
+    for row in rows.tolist():
+        n = int(worker.draft_len[row])
+        tokens = worker.tables.req_to_ids[row, :n].tolist()
+        slots = worker.tables.req_to_token[row, :n]
+        k_ref, v_ref = fresh_drafter_kv(target, module, tokens)
+        torch.testing.assert_close(kv.k_buffer[:, slots], k_ref, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(kv.v_buffer[:, slots], v_ref, atol=2e-5, rtol=1e-4)
+
+
+def run_schedule(target, module, skip, check):
+    worker, alloc = make_worker(target, module, skip)
+    sampling = BatchSampling.from_params([SamplingParams()] * len(PROMPTS))
+    accepted = []
+    with torch.inference_mode():
+        rows, _ = worker.prefill([10, 11, 12], PROMPTS, sampling, None)
+        assert (worker.draft_len[rows] == worker.target_len[rows]).all()
+        if check:
+            check_drafter_kv(target, worker, module, rows)
+        state_ptrs = {s: st.verify_input_ids.data_ptr() for s, st in worker.states.items()}
+        for steps in SCHEDULE:
+            before = worker.target_len[rows].copy()
+            out = worker.decode(steps, rows, sampling, None)
+            accepted.append(out.accepted)
+            np.testing.assert_array_equal(worker.target_len[rows], before + out.accepted + 1)
+            for rid, row in zip([10, 11, 12], rows.tolist()):
+                assert alloc.len_of(rid) == worker.target_len[row]  # rejected slots truncated
+            lag = worker.target_len[rows] - worker.draft_len[rows]
+            if steps == 0 and skip:
+                assert (lag > 0).all()
+            else:
+                assert (lag == 0).all()
+            if check:
+                check_drafter_kv(target, worker, module, rows)
+        # runtime-state buffers are filled in place, never replaced
+        assert state_ptrs == {s: st.verify_input_ids.data_ptr() for s, st in worker.states.items()}
+        worker.release(rows)
+    assert alloc.num_free_pages() == alloc.num_pages
+    return accepted
+
+
+@pytest.mark.parametrize("skip", [False, True])
+@pytest.mark.parametrize("name", ["draft", "eagle"])
+def test_drafter_kv_equals_fresh_prefill(request, name, skip):
+    accepted = run_schedule(*models(request, name), skip, check=True)
+    assert sum(int(a.sum()) for a in accepted) > 0  # extends over accepted drafts happened
+
+
+@pytest.mark.parametrize("name", ["draft", "eagle"])
+def test_acceptance_after_skipped_zero_steps_is_unchanged(request, name):
+    warm = run_schedule(*models(request, name), skip=False, check=False)
+    caught_up = run_schedule(*models(request, name), skip=True, check=False)
+    for steps, a, b in zip(SCHEDULE, warm, caught_up):
+        np.testing.assert_array_equal(a, b, err_msg=f"steps={steps}")
+    assert sum(int(a.sum()) for a in warm) > 0  # non-trivial acceptance somewhere
