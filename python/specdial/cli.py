@@ -1,7 +1,7 @@
 """The ``specdial`` command line.
 
-Subcommands today: ``specdial policy replay`` (tune an adaptive config offline on a recorded
-trace). Serving commands arrive with the engine.
+Subcommands: ``specdial policy replay`` (tune an adaptive config offline on a recorded trace),
+``specdial generate`` and ``specdial serve`` (:mod:`specdial.cli_serve`).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import json
 import sys
 
 from specdial._core import AdaptiveConfig, ConfigError
+from specdial.cli_serve import SUBCOMMANDS, add_subcommands, run_subcommand
 from specdial.replay import TraceError, format_summary, replay
 
 
@@ -39,12 +40,15 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--cuda-graph-bs", type=_int_list, default=None, help="graph batch sizes, e.g. 1,2,4,8,16")
     rp.add_argument("--quiet", action="store_true", help="print only the summary, not each switch")
     rp.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_subcommands(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``specdial`` script. Returns the exit status (2 on bad input)."""
     args = build_parser().parse_args(argv)
+    if args.command in SUBCOMMANDS:
+        return run_subcommand(args)
     if args.command == "policy" and args.policy_command == "replay":
         try:
             config = AdaptiveConfig.from_file(args.config) if args.config else AdaptiveConfig.default()

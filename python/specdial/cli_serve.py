@@ -1,0 +1,148 @@
+"""``specdial generate`` and ``specdial serve``.
+
+- ``specdial generate "PROMPT" [engine options] [--max-new-tokens --temperature --top-p --top-k
+  --seed --json]`` loads the engine, generates one completion with ``Engine.generate``, and
+  prints it followed by the speculation statistics: prompt and completion tokens, finish
+  reason, verify count, acceptance length (tokens emitted per verify, bonus included), the
+  histogram of steps per decode iteration and the throughput (completion tokens / wall seconds
+  of the ``generate`` call, prefill included).
+- ``specdial serve [engine options] [--host --port --served-model-name --shutdown-timeout]``
+  starts the OpenAI-compatible server (:mod:`specdial.server.app`) and runs until SIGTERM or
+  SIGINT (:mod:`specdial.server.launch`).
+
+The options are the fields of :class:`specdial.server.config.GenerateConfig` and
+:class:`~specdial.server.config.ServeConfig`. Exit status: 0 on success, 2 on bad options,
+models that fail to load or a rejected prompt, 1 when the server cannot start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+from specdial.server.config import (GenerateConfig, ServeConfig, add_dataclass_arguments,
+                                    config_from_args)
+
+__all__ = ["add_subcommands", "format_generation", "run_generate", "run_serve", "run_subcommand"]
+
+SUBCOMMANDS = ("generate", "serve")
+
+_LOAD_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError,
+                                                 NotImplementedError, OSError)
+
+
+def add_subcommands(sub: Any) -> None:
+    """Register ``generate`` and ``serve`` on the ``add_subparsers()`` object ``sub``."""
+    gen = sub.add_parser(
+        "generate", help="generate one completion and print the speculation statistics",
+        description="Generate one completion with the engine and print it, then the "
+        "speculation statistics (verify count, acceptance length, steps histogram, tokens/s).")
+    add_dataclass_arguments(gen, GenerateConfig)
+    serve = sub.add_parser(
+        "serve", help="start the OpenAI-compatible HTTP server",
+        description="Serve /v1/completions, /v1/chat/completions (SSE streaming or not), "
+        "/v1/models, /health and /metrics (Prometheus) with adaptive speculative decoding. "
+        "SIGTERM stops admitting (503), lets running requests finish for --shutdown-timeout "
+        "seconds, aborts the rest and exits with status 0.")
+    add_dataclass_arguments(serve, ServeConfig)
+
+
+def run_subcommand(args: argparse.Namespace) -> int:
+    """Run ``args.command`` (``generate`` or ``serve``); returns the exit status."""
+    if args.command == "generate":
+        return run_generate(config_from_args(GenerateConfig, args))
+    if args.command == "serve":
+        return run_serve(config_from_args(ServeConfig, args))
+    raise ValueError(f"not a serving subcommand: {args.command!r}")
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("specdial").setLevel(level.upper())
+
+
+def _error(message: Any) -> int:
+    print(f"specdial: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _load_engine(cfg: Any) -> Any:
+    try:
+        return cfg.build_engine()
+    except _LOAD_ERRORS as e:
+        _error(f"cannot start the engine: {e}")
+        return None
+
+
+def format_generation(out: dict[str, Any], seconds: float, algorithm: str | None) -> str:
+    """The text ``specdial generate`` prints: the completion, a blank line, the statistics.
+
+    ``out`` is one ``Engine.generate`` result (``text``, ``meta_info``); ``seconds`` the wall
+    time of the call; ``algorithm`` the engine's speculative algorithm (None = off)."""
+    m = out["meta_info"]
+    n = int(m.get("completion_tokens", 0))
+    finish = m.get("finish_reason") or {}
+    hist = m.get("spec_steps_histogram") or {}
+    hist_text = ", ".join(f"{k}: {v}" for k, v in sorted(hist.items())) or "-"
+    rate = n / seconds if seconds > 0 else float("inf")
+    lines = [
+        out.get("text", ""),
+        "",
+        f"--- speculation: {algorithm or 'off'} ---",
+        f"prompt tokens      {m.get('prompt_tokens', 0)}",
+        f"completion tokens  {n} (finish: {finish.get('type', '?')})",
+        f"verify count       {m.get('spec_verify_ct', 0)}",
+        f"acceptance length  {float(m.get('spec_accept_length', 0.0)):.2f} tokens per verify",
+        f"steps histogram    {hist_text} (steps: decode iterations)",
+        f"throughput         {rate:.1f} tokens/s ({seconds:.2f} s)",
+    ]
+    return "\n".join(lines)
+
+
+def run_generate(cfg: GenerateConfig) -> int:
+    """``specdial generate``: returns 0, or 2 (message on stderr) when the engine cannot be
+    built or rejects the prompt/sampling options."""
+    _setup_logging(cfg.log_level)
+    engine = _load_engine(cfg)
+    if engine is None:
+        return 2
+    try:
+        start = time.perf_counter()
+        out = engine.generate(cfg.prompt, cfg.sampling_params())
+        seconds = time.perf_counter() - start
+    except ValueError as e:  # RequestError is a ValueError
+        return _error(e)
+    finally:
+        engine.shutdown()
+    algorithm = getattr(engine, "speculative_algorithm", None)
+    if cfg.json:
+        print(json.dumps({"text": out.get("text", ""), "output_ids": out.get("output_ids", []),
+                          "meta_info": out["meta_info"], "seconds": seconds,
+                          "speculative_algorithm": algorithm}))
+    else:
+        print(format_generation(out, seconds, algorithm))
+    return 0
+
+
+def run_serve(cfg: ServeConfig) -> int:
+    """``specdial serve``: runs until SIGTERM/SIGINT; returns 0 after a graceful shutdown, 2
+    when the engine cannot be built, 1 when the server cannot start."""
+    _setup_logging(cfg.log_level)
+    log = logging.getLogger("specdial.server")
+    log.info("loading the engine (%s)", cfg.model_path or "built-in models")
+    engine = _load_engine(cfg)
+    if engine is None:
+        return 2
+    from specdial.server.app import create_app
+    from specdial.server.launch import make_server, serve_forever
+
+    app = create_app(engine, served_model_name=cfg.model_name())
+    server = make_server(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                         shutdown_timeout=cfg.shutdown_timeout)
+    log.info("serving %r on http://%s:%d", cfg.model_name(), cfg.host, cfg.port)
+    return serve_forever(server)

@@ -1,0 +1,122 @@
+"""The serving contract between :class:`specdial.Engine` and its front ends (server, CLI).
+
+This module holds only plain types, no torch, so that the HTTP server, the CLI and test doubles
+can import it cheaply. The Engine implements the contract; the server (``specdial.server``)
+consumes it:
+
+- ``engine.async_stream(prompt=None, *, input_ids=None, sampling_params=None, stop=None)`` ->
+  ``AsyncIterator[StreamChunk]``: the request is submitted on the first iteration;
+  :class:`RequestError` or :class:`QueueFullError` is raised then, before any chunk. If the
+  consumer stops iterating (``aclose()``, or cancellation of the task awaiting the next chunk,
+  e.g. a disconnected HTTP client) the request is aborted and everything it held is freed.
+- ``engine.stream(...)``: the same as a synchronous iterator.
+- ``engine.generate(prompt, sampling_params, input_ids)``: the offline API (SGLang style dicts).
+- ``engine.abort(request_id)``, ``engine.stats() -> EngineStats``, ``engine.tokenizer`` (an HF
+  tokenizer, a ``tokenizers.Tokenizer`` or None), ``engine.context_length`` (tokens, prompt plus
+  completion), ``engine.shutdown(drain=True)`` (stop admitting; ``drain=True`` finishes the
+  running requests, ``False`` aborts them).
+- ``sampling_params`` keys: ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``,
+  ``stop_token_ids``, ``ignore_eos``, ``seed``.
+
+:class:`EngineProtocol` spells the same contract as a ``typing.Protocol`` for type checkers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Iterator, Protocol
+
+__all__ = ["EngineProtocol", "EngineStats", "QueueFullError", "RequestError", "StreamChunk"]
+
+
+@dataclass
+class StreamChunk:
+    """One increment of a streamed request.
+
+    - ``request_id``: the engine's id of the request (for :meth:`EngineProtocol.abort`).
+    - ``text``: newly detokenized text since the previous chunk (``""`` if none; stop strings
+      already matched are cut, never sent).
+    - ``token_ids``: tokens emitted since the previous chunk.
+    - ``finished``: True on the last chunk of the request, and only there.
+    - ``finish_reason``: None until finished; then SGLang style ``{"type": "length", "length": n}``,
+      ``{"type": "stop", "matched": token_id_or_str}`` or ``{"type": "abort", "message": str}``.
+    - ``meta_info``: cumulative so far: ``prompt_tokens``, ``completion_tokens``,
+      ``spec_verify_ct``, ``spec_accept_length``, ``spec_steps_histogram``.
+    """
+
+    request_id: int
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: dict[str, Any] | None = None
+    meta_info: dict[str, Any] = field(default_factory=dict)
+
+
+class QueueFullError(RuntimeError):
+    """Raised at submission when the engine's waiting queue is full (``max_queued_requests``);
+    the server answers HTTP 503. Nothing was admitted."""
+
+
+class RequestError(ValueError):
+    """An invalid request (prompt longer than the context, a bad sampling value, ...); the
+    server answers HTTP 400. The message names the offending field; ``param`` optionally names
+    it programmatically with the engine's names (a ``sampling_params`` key, ``"prompt"``,
+    ``"input_ids"`` or ``"stop"``)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine for ``/metrics`` and the periodic log line.
+
+    Gauges (current values): ``running`` and ``queued`` requests, ``kv_pages_used`` /
+    ``kv_pages_total`` (KV cache pages), ``steps_per_slot`` (slot lower batch-size bound ->
+    current ``speculative_num_steps``). Cumulative counters since the engine started:
+    ``num_drafts`` (request-verifies that had drafts), ``num_draft_tokens`` (draft tokens
+    proposed), ``num_accepted_tokens`` (draft tokens accepted, bonus tokens excluded),
+    ``accepted_per_pos`` (accepted tokens per draft position, index 0 = the first draft),
+    ``step_switches``, ``preemptions``, ``requests_finished``, ``prompt_tokens`` and
+    ``generation_tokens``.
+    """
+
+    running: int = 0
+    queued: int = 0
+    kv_pages_used: int = 0
+    kv_pages_total: int = 0
+    steps_per_slot: dict[int, int] = field(default_factory=dict)
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    step_switches: int = 0
+    preemptions: int = 0
+    requests_finished: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+
+class EngineProtocol(Protocol):
+    """What the server and the CLI use of an engine (see the module docstring)."""
+
+    tokenizer: Any
+    context_length: int
+
+    def async_stream(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
+                     sampling_params: dict[str, Any] | None = None,
+                     stop: list[str] | None = None) -> AsyncIterator[StreamChunk]: ...
+
+    def stream(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
+               sampling_params: dict[str, Any] | None = None,
+               stop: list[str] | None = None) -> Iterator[StreamChunk]: ...
+
+    def generate(self, prompt: Any = None, sampling_params: Any = None,
+                 input_ids: Any = None) -> Any: ...
+
+    def abort(self, request_id: int) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def shutdown(self, drain: bool = True) -> None: ...

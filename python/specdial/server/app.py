@@ -1,0 +1,532 @@
+"""The OpenAI-compatible HTTP app (FastAPI) over an engine implementing
+:mod:`specdial.engine_api`.
+
+Endpoints:
+
+- ``POST /v1/completions``: ``prompt`` is a string or a list of strings; a list gives one choice
+  per prompt (``index`` = position in the list), each its own engine request, all running
+  concurrently.
+- ``POST /v1/chat/completions``: ``messages`` rendered by the tokenizer's chat template, or by
+  the simple template of :mod:`specdial.server.chat` when it has none.
+- both: non-streaming JSON, or server-sent events (``stream: true``) in OpenAI's chunk format
+  ending with ``data: [DONE]``; ``stream_options.include_usage`` adds a last chunk with empty
+  ``choices`` and the ``usage`` (other chunks then carry ``"usage": null``). ``usage`` holds
+  ``prompt_tokens``, ``completion_tokens`` and ``total_tokens``, summed over the choices.
+- ``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health`` (200, or 503 while shutting
+  down), ``GET /metrics`` (Prometheus, :mod:`specdial.server.metrics`).
+
+Supported request fields and the validation rules are in :mod:`specdial.server.protocol`.
+Mapping to the engine: ``max_tokens`` / ``max_completion_tokens`` -> ``max_new_tokens``
+(default: 16 for completions, as OpenAI's; the rest of the context for chat), ``temperature``
+(default 1.0, as OpenAI's; 0 = greedy), ``top_p``, ``seed``, ``stop`` (strings, matched by the
+engine on the detokenized text and not included in the output). With a tokenizer the server
+encodes the prompt itself (to check it against ``engine.context_length`` and to fill in the
+default ``max_tokens``) and submits token ids; text from a tokenizer's chat template is encoded
+without adding special tokens again.
+
+Status codes: 400 invalid request (JSON error naming ``param``), 404 unknown model or route,
+503 full queue (with ``Retry-After``) or shutting down, 500 engine failure. Finish reasons:
+``stop``, ``length``, or ``abort`` (the engine aborted the request, e.g. at shutdown). A client
+that disconnects aborts its engine requests (streaming: through the cancelled response body;
+non-streaming: a task waits for ``http.disconnect`` while the request runs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, cast
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from specdial.engine_api import QueueFullError, RequestError, StreamChunk
+from specdial.server.chat import render_chat
+from specdial.server.config import BUILTIN_MODEL_NAME
+from specdial.server.metrics import CONTENT_TYPE, ServerMetrics
+from specdial.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+                                      bad_request, parse_request)
+
+__all__ = ["ServerState", "create_app"]
+
+logger = logging.getLogger("specdial.server")
+
+#: ``max_tokens`` default of ``/v1/completions`` (OpenAI's).
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+#: ``temperature`` default (OpenAI's).
+DEFAULT_TEMPERATURE = 1.0
+
+_DONE = "data: [DONE]\n\n"
+_END = object()  # a pump finished its stream
+_CLOSED = object()  # the run was closed (client gone)
+_BACKGROUND: set[asyncio.Task[Any]] = set()  # strong references to pump tasks
+
+# engine-level names (RequestError.param or words of its message) -> OpenAI field
+_ENGINE_PARAMS = ("max_new_tokens", "input_ids", "prompt", "temperature", "top_p", "top_k",
+                  "seed", "stop_token_ids", "stop")
+
+
+class ServerState:
+    """What the routes share: the engine, the served name, the metrics, the draining flag.
+
+    ``shutdown_engine_on_exit``: call ``engine.shutdown(drain=False)`` at the app's lifespan
+    shutdown (after uvicorn let running requests finish or cancelled them).
+    """
+
+    def __init__(self, engine: Any, model_name: str, shutdown_engine_on_exit: bool) -> None:
+        self.engine, self.model_name = engine, model_name
+        self.metrics = ServerMetrics(engine)
+        self.created = int(time.time())
+        self.draining = False
+        self.shutdown_engine_on_exit = shutdown_engine_on_exit
+        self._engine_shut_down = False
+
+    def begin_drain(self) -> None:
+        """Stop admitting: from now on generation requests and ``/health`` answer 503."""
+        if not self.draining:
+            logger.info("shutting down: new requests are refused (503)")
+        self.draining = True
+
+    def shutdown_engine(self) -> None:
+        """``engine.shutdown(drain=False)`` once (idempotent); a no-op unless the app owns the
+        engine."""
+        if self.shutdown_engine_on_exit and not self._engine_shut_down:
+            self._engine_shut_down = True
+            self.engine.shutdown(drain=False)
+            logger.info("engine shut down")
+
+
+# ---------------------------------------------------------------------------- engine runs
+@dataclass
+class _Job:
+    """One engine request of an HTTP request."""
+
+    index: int
+    prompt: str | None
+    input_ids: list[int] | None
+    sampling_params: dict[str, Any]
+    stop: list[str] | None
+
+
+@dataclass
+class _Choice:
+    index: int
+    parts: list[str] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    first_token_s: float | None = None
+    completion_tokens: int = 0
+    done: bool = False
+
+    @property
+    def reason(self) -> str | None:
+        return None if self.finish_reason is None else str(self.finish_reason.get("type"))
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class _Run:
+    """The engine requests of one HTTP request: one pump task per job, merged into a queue.
+
+    Cancelling a pump task (``close``) cancels its ``await stream.__anext__()``, which aborts the
+    engine request (the :mod:`specdial.engine_api` contract); the pump then also calls
+    ``aclose()``.
+    """
+
+    def __init__(self, state: ServerState, jobs: list[_Job], arrival: float) -> None:
+        self.state, self.jobs, self.arrival = state, jobs, arrival
+        self.choices = [_Choice(j.index) for j in jobs]
+        self.queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+        self.tasks: list[asyncio.Task[None]] = []
+        self.closed = False
+        self._ended = 0
+        self._buffer: list[tuple[int, Any]] = []  # read by wait_started, replayed by events
+
+    def start(self) -> None:
+        for job in self.jobs:
+            task = asyncio.create_task(self._pump(job))
+            _BACKGROUND.add(task)
+            task.add_done_callback(_BACKGROUND.discard)
+            self.tasks.append(task)
+
+    async def _pump(self, job: _Job) -> None:
+        stream: Any = None
+        try:
+            stream = self.state.engine.async_stream(
+                prompt=job.prompt, input_ids=job.input_ids,
+                sampling_params=job.sampling_params, stop=job.stop)
+            async for chunk in stream:
+                self.queue.put_nowait((job.index, chunk, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            self.queue.put_nowait((job.index, None, e))
+            return
+        finally:
+            aclose = getattr(stream, "aclose", None)  # None when async_stream() raised
+            if aclose is not None:
+                await aclose()
+        self.queue.put_nowait((job.index, _END, None))
+
+    def close(self) -> None:
+        """Cancel every pump still running (aborting its engine request); idempotent and
+        synchronous, so it is safe in ``finally`` blocks of cancelled tasks."""
+        if self.closed:
+            return
+        self.closed = True
+        for task in self.tasks:
+            task.cancel()
+        self.queue.put_nowait((-1, _CLOSED, None))
+
+    async def _next(self, buffered: bool = True) -> tuple[int, Any]:
+        if buffered and self._buffer:
+            return self._buffer.pop(0)
+        i, item, err = await self.queue.get()
+        if item is _CLOSED:
+            raise _ClientGone
+        if err is not None:
+            self.close()
+            raise err
+        return i, item
+
+    async def wait_started(self) -> None:
+        """Wait until every engine request delivered its first chunk (or finished). Raises the
+        first submission error (:class:`QueueFullError`, :class:`RequestError`, ...) after
+        closing the run, or ``_ClientGone``."""
+        started: set[int] = set()
+        while len(started) < len(self.jobs):
+            i, item = await self._next(buffered=False)
+            started.add(i)
+            self._buffer.append((i, item))
+
+    async def events(self) -> AsyncIterator[tuple[_Choice, StreamChunk]]:
+        """Every chunk, in arrival order, after updating its choice and the metrics."""
+        while self._ended < len(self.jobs):
+            i, item = await self._next()
+            if item is _END:
+                self._ended += 1
+                continue
+            yield self._account(self.choices[i], item), item
+
+    def _account(self, c: _Choice, chunk: StreamChunk) -> _Choice:
+        now = time.perf_counter() - self.arrival
+        if chunk.text:
+            c.parts.append(chunk.text)
+        if chunk.token_ids:
+            c.completion_tokens += len(chunk.token_ids)
+            if c.first_token_s is None:
+                c.first_token_s = now
+                self.state.metrics.observe_first_token(now)
+        if chunk.meta_info:
+            c.meta = chunk.meta_info
+            c.completion_tokens = int(chunk.meta_info.get("completion_tokens",
+                                                          c.completion_tokens))
+        if chunk.finished and not c.done:
+            c.done, c.finish_reason = True, chunk.finish_reason
+            self.state.metrics.observe_finished(
+                reason=c.reason or "unknown", e2e_s=now, first_token_s=c.first_token_s,
+                completion_tokens=c.completion_tokens)
+        return c
+
+    def usage(self) -> dict[str, int]:
+        prompt = sum(int(c.meta.get("prompt_tokens", 0)) for c in self.choices)
+        completion = sum(c.completion_tokens for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+
+async def _watch_disconnect(request: Request, run: _Run) -> None:
+    """Close ``run`` when the client disconnects (for the time a response is not streaming)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            logger.info("client disconnected; aborting its request")
+            run.close()
+            return
+
+
+def _engine_error(e: BaseException, params: dict[str, str]) -> APIError:
+    """Map an engine exception to an API error; ``params`` maps engine names to OpenAI's."""
+    if isinstance(e, QueueFullError):
+        return APIError(503, f"The server is overloaded ({e}); retry later",
+                        type="server_overloaded", code="queue_full")
+    if isinstance(e, RequestError):
+        param = getattr(e, "param", None)
+        if param is None:  # find the earliest engine field named in the message
+            msg = str(e)
+            hits = [(msg.find(p), p) for p in _ENGINE_PARAMS if p in msg]
+            param = min(hits)[1] if hits else None
+        return bad_request(str(e), params.get(param, param) if param else None, "invalid_value")
+    logger.error("engine failure", exc_info=e)
+    return APIError(500, f"internal engine error: {type(e).__name__}: {e}",
+                    type="internal_error", code="internal_error")
+
+
+class _RunStreamingResponse(StreamingResponse):
+    """A streaming response that closes its run whatever happens (client gone before the body
+    started, cancellation at a ``yield``, normal end)."""
+
+    def __init__(self, content: AsyncIterator[str], run: _Run) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self._run = run
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._run.close()
+
+
+# ---------------------------------------------------------------------------- request -> jobs
+def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    try:
+        enc = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    except TypeError:
+        enc = tokenizer.encode(text)
+    return [int(t) for t in getattr(enc, "ids", enc)]
+
+
+def _make_job(state: ServerState, index: int, text: str, *, templated: bool,
+              max_tokens: int | None, max_tokens_param: str, prompt_param: str, label: str,
+              chat: bool, sampling: dict[str, Any], stop: list[str] | None) -> _Job:
+    """One engine request for the prompt ``text``; ``label`` names it in error messages.
+    Raises :class:`APIError` 400 for an empty prompt or one that does not fit the context."""
+    engine = state.engine
+    ctx = int(engine.context_length)
+    tokenizer = engine.tokenizer
+    if tokenizer is None:  # the engine reports what it cannot do (RequestError)
+        n = DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
+        return _Job(index, text, None, {**sampling, "max_new_tokens": n}, stop)
+    ids = _encode(tokenizer, text, add_special_tokens=not templated)
+    if not ids:
+        raise bad_request(f"'{label}' is empty (0 tokens)", prompt_param, "invalid_value")
+    if len(ids) >= ctx:
+        raise bad_request(
+            f"This model's maximum context length is {ctx} tokens; the prompt ({label}) has "
+            f"{len(ids)} tokens, leaving no room for a completion", prompt_param,
+            "context_length_exceeded")
+    if max_tokens is not None and len(ids) + max_tokens > ctx:
+        raise bad_request(
+            f"This model's maximum context length is {ctx} tokens; you requested "
+            f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
+            f"completion). Reduce '{max_tokens_param}' or the prompt", max_tokens_param,
+            "context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = ctx - len(ids) if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, ctx - len(ids))
+    return _Job(index, None, ids, {**sampling, "max_new_tokens": max_tokens}, stop)
+
+
+def _sampling(req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
+    params: dict[str, Any] = {
+        "temperature": DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p}
+    if req.seed is not None:
+        params["seed"] = req.seed
+    return params
+
+
+def _stop(req: CompletionRequest | ChatCompletionRequest) -> list[str] | None:
+    if req.stop is None:
+        return None
+    return [req.stop] if isinstance(req.stop, str) else list(req.stop)
+
+
+# ---------------------------------------------------------------------------- the app
+def create_app(engine: Any, *, served_model_name: str = BUILTIN_MODEL_NAME,
+               shutdown_engine_on_exit: bool = True) -> FastAPI:
+    """The FastAPI app serving ``engine`` (an :class:`specdial.engine_api.EngineProtocol`)
+    under the model name ``served_model_name``. ``app.state.specdial`` is the
+    :class:`ServerState` (``begin_drain()`` makes new requests 503). At lifespan shutdown the
+    engine is shut down (``drain=False``) unless ``shutdown_engine_on_exit`` is False."""
+    state = ServerState(engine, served_model_name, shutdown_engine_on_exit)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        state.begin_drain()
+        await asyncio.to_thread(state.shutdown_engine)
+
+    app = FastAPI(title="specdial", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.specdial = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        headers = {"Retry-After": "1"} if exc.code == "queue_full" else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = APIError(exc.status_code, str(exc.detail), code=str(exc.status_code))
+        return JSONResponse(err.body(), status_code=exc.status_code)
+
+    def check_admitting() -> None:
+        if state.draining:
+            raise APIError(503, "The server is shutting down", type="service_unavailable",
+                           code="shutting_down")
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != state.model_name:
+            raise APIError(404, f"The model '{model}' does not exist; this server serves "
+                           f"'{state.model_name}'", param="model", code="model_not_found")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        check_admitting()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body = await asyncio.to_thread(state.metrics.render)
+        return Response(body, media_type=CONTENT_TYPE)
+
+    def model_card() -> dict[str, Any]:
+        return {"id": state.model_name, "object": "model", "created": state.created,
+                "owned_by": "specdial", "max_model_len": int(engine.context_length)}
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        check_model(model_id)
+        return JSONResponse(model_card())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        arrival = time.perf_counter()
+        check_admitting()
+        req = cast(CompletionRequest, parse_request(await request.body(), "completion"))
+        check_model(req.model)
+        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        sampling, stop = _sampling(req), _stop(req)
+        jobs = [_make_job(state, i, p, templated=False, max_tokens=req.max_tokens,
+                          max_tokens_param="max_tokens", prompt_param="prompt",
+                          label="prompt" if len(prompts) == 1 else f"prompt[{i}]", chat=False,
+                          sampling=sampling, stop=stop) for i, p in enumerate(prompts)]
+        return await _serve(request, req, jobs, arrival, chat=False,
+                            params={"max_new_tokens": "max_tokens", "input_ids": "prompt",
+                                    "prompt": "prompt"})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        arrival = time.perf_counter()
+        check_admitting()
+        req = cast(ChatCompletionRequest, parse_request(await request.body(), "chat"))
+        check_model(req.model)
+        messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(req.messages)]
+        try:
+            text, templated = render_chat(engine.tokenizer, messages)
+        except ValueError as e:
+            raise bad_request(str(e), "messages", "invalid_value") from None
+        max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        job = _make_job(state, 0, text, templated=templated, max_tokens=max_tokens,
+                        max_tokens_param=max_param, prompt_param="messages",
+                        label="messages", chat=True,
+                        sampling=_sampling(req), stop=_stop(req))
+        return await _serve(request, req, [job], arrival, chat=True,
+                            params={"max_new_tokens": max_param, "input_ids": "messages",
+                                    "prompt": "messages"})
+
+    async def _serve(request: Request, req: CompletionRequest | ChatCompletionRequest,
+                     jobs: list[_Job], arrival: float, *, chat: bool,
+                     params: dict[str, str]) -> Response:
+        run = _Run(state, jobs, arrival)
+        run.start()
+        watcher = asyncio.create_task(_watch_disconnect(request, run))
+        streaming = False
+        try:
+            try:
+                await run.wait_started()
+                if req.stream:
+                    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                    streaming = True
+                    return _RunStreamingResponse(_sse(run, chat, include_usage), run)
+                async for _ in run.events():
+                    pass
+            except _ClientGone:
+                return Response(status_code=499)  # nobody reads it
+            except APIError:
+                raise
+            except Exception as e:  # noqa: BLE001 - engine errors become API errors
+                raise _engine_error(e, params) from None
+            return JSONResponse(_full_response(run, chat))
+        finally:
+            watcher.cancel()
+            if not streaming:
+                run.close()
+
+    def _full_response(run: _Run, chat: bool) -> dict[str, Any]:
+        choices: list[dict[str, Any]] = []
+        for c in run.choices:
+            text = "".join(c.parts)
+            if chat:
+                choices.append({"index": c.index, "logprobs": None, "finish_reason": c.reason,
+                                "message": {"role": "assistant", "content": text}})
+            else:
+                choices.append({"index": c.index, "text": text, "logprobs": None,
+                                "finish_reason": c.reason})
+        return {"id": _new_id(chat), "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": state.model_name, "choices": choices,
+                "usage": run.usage()}
+
+    async def _sse(run: _Run, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+        rid, created = _new_id(chat), int(time.time())
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(choices: list[dict[str, Any]], **extra: Any) -> str:
+            body = {"id": rid, "object": kind, "created": created, "model": state.model_name,
+                    "choices": choices, **extra}
+            if include_usage and "usage" not in body:
+                body["usage"] = None
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        def choice(index: int, text: str | None, reason: str | None,
+                   role: bool = False) -> dict[str, Any]:
+            if not chat:
+                return {"index": index, "text": text or "", "logprobs": None,
+                        "finish_reason": reason}
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else (
+                {} if text is None else {"content": text})
+            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+
+        try:
+            if chat:
+                for c in run.choices:
+                    yield event([choice(c.index, None, None, role=True)])
+            async for c, chunk in run.events():
+                if chunk.finished:
+                    if chat and chunk.text:
+                        yield event([choice(c.index, chunk.text, None)])
+                        yield event([choice(c.index, None, c.reason)])
+                    else:
+                        yield event([choice(c.index, chunk.text if not chat else None,
+                                            c.reason)])
+                elif chunk.text:
+                    yield event([choice(c.index, chunk.text, None)])
+            if include_usage:
+                yield event([], usage=run.usage())
+        except _ClientGone:
+            return
+        except Exception as e:  # noqa: BLE001 - reported in-band once streaming started
+            yield f"data: {json.dumps(_engine_error(e, {}).body())}\n\n"
+        yield _DONE
+
+    return app
+
+
+def _new_id(chat: bool) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+

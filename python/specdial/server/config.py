@@ -1,0 +1,211 @@
+"""Typed options of ``specdial serve`` and ``specdial generate``.
+
+Every command-line option is a field of one dataclass: :class:`EngineArgs` (the engine), extended
+by :class:`ServeConfig` (HTTP server) and :class:`GenerateConfig` (one offline generation). The
+argparse options are generated from the fields (:func:`add_dataclass_arguments`): the flag is the
+field name with dashes, the help text is the field's ``help`` metadata, the type comes from the
+annotation, booleans get ``--x/--no-x``. :meth:`EngineArgs.engine_kwargs` is the one place that
+turns the options into :class:`specdial.Engine` keyword arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+__all__ = ["BUILTIN_MODEL_NAME", "EngineArgs", "GenerateConfig", "ServeConfig",
+           "add_dataclass_arguments", "config_from_args"]
+
+#: The name under which the built-in models (``model_path`` None) are served.
+BUILTIN_MODEL_NAME = "specdial-default"
+
+#: ``--speculative-algorithm`` value meaning "no speculation" (Engine ``speculative_algorithm=None``).
+NO_SPECULATION = "NONE"
+
+
+#: EngineArgs fields that configure the process, not the Engine.
+_NOT_ENGINE_KWARGS = frozenset({"log_level"})
+
+
+def _opt(help: str, default: Any = None, **extra: Any) -> Any:
+    """A dataclass field with argparse metadata (``help``, optional ``choices``, ``metavar``,
+    ``positional``)."""
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class EngineArgs:
+    """Engine options shared by ``serve`` and ``generate`` (see :class:`specdial.Engine`)."""
+
+    model_path: str | None = _opt(
+        "target model: a local Hugging Face Llama/Qwen2 checkpoint directory; default: the "
+        "built-in models", metavar="DIR")
+    draft_model_path: str | None = _opt(
+        "drafter: a draft model directory sharing the target's tokenizer, or an EAGLE head "
+        "directory; default: none for a user model, the built-in drafter for the built-in "
+        "models", metavar="DIR")
+    speculative_algorithm: str | None = _opt(
+        f"EAGLE, DRAFT or {NO_SPECULATION} (plain decoding); default: inferred from "
+        "--draft-model-path (the built-in models use EAGLE)",
+        choices=("EAGLE", "DRAFT", NO_SPECULATION))
+    speculative_num_steps: int | None = _opt(
+        "draft tokens per request per decode iteration. With --speculative-adaptive: the "
+        "initial steps (default: the middle candidate); without: the fixed steps (default 3)",
+        metavar="K")
+    speculative_adaptive: bool = _opt(
+        "adapt the steps every decode iteration per batch-size slot (EMA of accepted drafts "
+        "with hysteresis); --no-speculative-adaptive keeps them fixed", default=True)
+    speculative_adaptive_config: str | None = _opt(
+        "adaptive policy config, a JSON file in SGLang's format (slots, candidate steps, EMA, "
+        "thresholds); default: the built-in config", metavar="FILE")
+    skip_zero_step_draft_extend: bool = _opt(
+        "at steps 0, skip the drafter's extend pass (it catches up in one batched pass when "
+        "drafting resumes)", default=False)
+    device: str = _opt("cpu, cuda or cuda:N", default="cpu")
+    dtype: str = _opt("model dtype", default="float32", choices=("float32", "bfloat16"))
+    max_running_requests: int | None = _opt(
+        "most requests decoded together (the batch capacity); default: the engine's (32)",
+        metavar="N")
+    max_queued_requests: int | None = _opt(
+        "most requests waiting for admission; beyond it new requests are refused (HTTP 503); "
+        "default: the engine's", metavar="N")
+    kv_cache_tokens: int | None = _opt(
+        "KV cache size in tokens; default: the engine's (on CPU, max running requests x "
+        "context length, capped)", metavar="N")
+    page_size: int | None = _opt("tokens per KV cache page; default: the engine's (16)",
+                                 metavar="N")
+    context_length: int | None = _opt(
+        "most tokens per request, prompt plus completion; default: the target's "
+        "max_position_embeddings", metavar="N")
+    record_trace: str | None = _opt(
+        "write the per-verify trace (JSONL) that `specdial policy replay` reads", metavar="FILE")
+    log_level: str = _opt("log level of specdial (and of the HTTP server)", default="info",
+                          choices=("critical", "error", "warning", "info", "debug"))
+
+    # ------------------------------------------------------------------ conversion
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``specdial.Engine(...)``.
+
+        Options left at None are omitted (the Engine's own default applies), so options that
+        an Engine version does not know yet (``max_queued_requests``, ``record_trace``) reach
+        it only when the user sets them. ``--speculative-algorithm NONE`` becomes
+        ``speculative_algorithm=None``.
+        """
+        kwargs: dict[str, Any] = {}
+        for f in dataclasses.fields(EngineArgs):
+            value = getattr(self, f.name)
+            if value is None or f.name in _NOT_ENGINE_KWARGS:
+                continue
+            if f.name == "speculative_algorithm" and value == NO_SPECULATION:
+                value = None
+            kwargs[f.name] = value
+        return kwargs
+
+    def build_engine(self) -> Any:
+        """Construct the :class:`specdial.Engine` (loads the models; slow). Raises what the
+        Engine raises for bad options: ``ValueError``, :class:`specdial.ConfigError`,
+        ``FileNotFoundError``, ``NotImplementedError``."""
+        from specdial.engine import Engine
+
+        return Engine(**self.engine_kwargs())
+
+    def default_model_name(self) -> str:
+        """The model name clients use: :data:`BUILTIN_MODEL_NAME` for the built-in models,
+        else ``model_path`` as given (vLLM's convention)."""
+        return BUILTIN_MODEL_NAME if self.model_path is None else str(self.model_path)
+
+
+@dataclass
+class ServeConfig(EngineArgs):
+    """Options of ``specdial serve``: the engine options plus the HTTP server's."""
+
+    host: str = _opt("address to listen on", default="127.0.0.1")
+    port: int = _opt("TCP port", default=30000)
+    served_model_name: str | None = _opt(
+        f"model name in the API (the `model` field, /v1/models); default: {BUILTIN_MODEL_NAME} "
+        "for the built-in models, else --model-path", metavar="NAME")
+    shutdown_timeout: float = _opt(
+        "on SIGTERM/SIGINT, seconds to let running requests finish before aborting them",
+        default=30.0, metavar="SECONDS")
+
+    def model_name(self) -> str:
+        """``served_model_name`` if set, else :meth:`EngineArgs.default_model_name`."""
+        return self.served_model_name or self.default_model_name()
+
+
+@dataclass
+class GenerateConfig(EngineArgs):
+    """Options of ``specdial generate``: the prompt, sampling and the engine options."""
+
+    log_level: str = _opt("log level of specdial", default="warning",
+                          choices=("critical", "error", "warning", "info", "debug"))
+    prompt: str = _opt("the prompt text", default="", positional=True)
+    max_new_tokens: int = _opt("most tokens to generate", default=128, metavar="N")
+    temperature: float = _opt("sampling temperature; 0 = greedy", default=0.0)
+    top_p: float = _opt("nucleus sampling mass in (0, 1]; 1 = off", default=1.0)
+    top_k: int = _opt("sample among the k most likely tokens; -1 = off", default=-1)
+    seed: int | None = _opt("sampling seed", default=None)
+    json: bool = _opt("print one JSON object (text, output_ids, meta_info, seconds) instead of "
+                      "text and a statistics block", default=False)
+
+    def sampling_params(self) -> dict[str, Any]:
+        """The Engine ``sampling_params`` dict (``seed`` only when given)."""
+        params: dict[str, Any] = {"max_new_tokens": self.max_new_tokens,
+                                  "temperature": self.temperature, "top_p": self.top_p,
+                                  "top_k": self.top_k}
+        if self.seed is not None:
+            params["seed"] = self.seed
+        return params
+
+
+# ---------------------------------------------------------------------- argparse glue
+_C = TypeVar("_C")
+
+
+def _scalar_type(annotation: Any) -> type:
+    """``int | None`` -> ``int``; ``str`` -> ``str``."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) != 1:
+            raise TypeError(f"unsupported option type {annotation!r}")
+        return typing.cast(type, args[0])
+    return typing.cast(type, annotation)
+
+
+def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add one argparse option per field of the dataclass ``cls`` (see the module docstring).
+
+    Fields marked ``positional`` become positional arguments. Defaults are shown in the help.
+    """
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        meta, kind = f.metadata, _scalar_type(hints[f.name])
+        help_text = meta.get("help", "")
+        if f.default is not None and not meta.get("positional"):
+            help_text += f" (default: {f.default})"
+        if meta.get("positional"):
+            parser.add_argument(f.name, type=kind, help=help_text)
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if kind is bool:
+            state = "on" if f.default else "off"
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                default=f.default, help=f"{meta.get('help', '')} (default: {state})")
+            continue
+        extra: dict[str, Any] = {}
+        if "choices" in meta:
+            extra["choices"] = meta["choices"]
+        if "metavar" in meta:
+            extra["metavar"] = meta["metavar"]
+        parser.add_argument(flag, dest=f.name, type=kind, default=f.default, help=help_text,
+                            **extra)
+
+
+def config_from_args(cls: type[_C], args: argparse.Namespace) -> _C:
+    """Build the dataclass ``cls`` from parsed arguments (fields only; other attributes of
+    ``args``, such as the subcommand, are ignored)."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})  # type: ignore[arg-type]

@@ -1,0 +1,159 @@
+"""Prometheus metrics of the server (``GET /metrics``).
+
+Each app owns a :class:`prometheus_client.CollectorRegistry` (several apps in one process never
+collide). Two sources:
+
+- the engine, read at scrape time from :meth:`EngineProtocol.stats` by :class:`EngineCollector`
+  (counters are the engine's cumulative totals);
+- the server, measured per engine request: time to first token, time per output token and
+  end-to-end latency histograms, and finished requests by reason.
+
+Names follow vLLM's where vLLM has one (``vllm:`` -> ``specdial:``), in particular the
+speculation counters; the mean acceptance length is ``1 + accepted_tokens / drafts`` and the draft
+acceptance rate ``accepted_tokens / draft_tokens``:
+
+==========================================================  =======  ================================
+name                                                        type     meaning
+==========================================================  =======  ================================
+``specdial:num_requests_running``                           gauge    requests in the running batch
+``specdial:num_requests_waiting``                           gauge    requests queued for admission
+``specdial:kv_cache_usage_perc``                            gauge    used / total KV pages (0..1)
+``specdial:kv_cache_pages_used`` / ``_pages_total``         gauge    KV pages
+``specdial:spec_decode_num_steps{slot}``                    gauge    current steps of each slot
+                                                                     (label: its lowest batch size)
+``specdial:spec_decode_num_drafts_total``                   counter  request-verifies with drafts
+``specdial:spec_decode_num_draft_tokens_total``             counter  draft tokens proposed
+``specdial:spec_decode_num_accepted_tokens_total``          counter  draft tokens accepted
+``specdial:spec_decode_num_accepted_tokens_per_pos_total``  counter  accepted per draft position
+                                                                     (label ``position``, 0 = first)
+``specdial:spec_decode_step_switches_total``                counter  steps changes of the policy
+``specdial:num_preemptions_total``                          counter  requests preempted
+``specdial:num_requests_finished_total``                    counter  requests the engine finished
+``specdial:prompt_tokens_total``                            counter  prompt tokens prefilled
+``specdial:generation_tokens_total``                        counter  tokens generated
+``specdial:request_success_total{finished_reason}``         counter  server requests by reason
+``specdial:time_to_first_token_seconds``                    hist.    arrival -> first token
+``specdial:time_per_output_token_seconds``                  hist.    (last - first token time) /
+                                                                     (completion tokens - 1)
+``specdial:e2e_request_latency_seconds``                    hist.    arrival -> finished
+==========================================================  =======  ================================
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+__all__ = ["CONTENT_TYPE", "EngineCollector", "ServerMetrics"]
+
+logger = logging.getLogger("specdial.server")
+
+#: ``Content-Type`` of the text exposition format.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
+
+
+class EngineCollector:
+    """A custom collector reading ``engine.stats()`` at each scrape (see the module table).
+
+    If ``stats()`` raises (e.g. the engine is shut down) the engine metrics are left out of
+    that scrape; the server's own metrics are still exported.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # no stats() call at registration
+
+    def collect(self) -> Iterable[Metric]:
+        try:
+            s = self.engine.stats()
+        except Exception:  # noqa: BLE001 - a scrape must not fail because the engine is gone
+            logger.debug("engine.stats() failed during a metrics scrape", exc_info=True)
+            return
+        yield GaugeMetricFamily("specdial:num_requests_running",
+                                "Requests in the running batch.", value=s.running)
+        yield GaugeMetricFamily("specdial:num_requests_waiting",
+                                "Requests waiting for admission.", value=s.queued)
+        total = max(int(s.kv_pages_total), 0)
+        yield GaugeMetricFamily("specdial:kv_cache_usage_perc",
+                                "KV cache usage: used pages / total pages (1 = full).",
+                                value=s.kv_pages_used / total if total else 0.0)
+        yield GaugeMetricFamily("specdial:kv_cache_pages_used", "KV cache pages in use.",
+                                value=s.kv_pages_used)
+        yield GaugeMetricFamily("specdial:kv_cache_pages_total", "KV cache pages in the pool.",
+                                value=s.kv_pages_total)
+        steps = GaugeMetricFamily(
+            "specdial:spec_decode_num_steps",
+            "Current speculative_num_steps of each batch-size slot (label: the slot's lowest "
+            "batch size).", labels=["slot"])
+        for slot, k in sorted(s.steps_per_slot.items()):
+            steps.add_metric([str(slot)], k)
+        yield steps
+        for name, doc, value in (
+                ("spec_decode_num_drafts", "Request-verifies that carried drafts.", s.num_drafts),
+                ("spec_decode_num_draft_tokens", "Draft tokens proposed.", s.num_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted (bonus tokens "
+                 "excluded).", s.num_accepted_tokens),
+                ("spec_decode_step_switches", "Changes of speculative_num_steps decided by the "
+                 "policy.", s.step_switches),
+                ("num_preemptions", "Requests preempted back to the queue.", s.preemptions),
+                ("num_requests_finished", "Requests the engine finished.", s.requests_finished),
+                ("prompt_tokens", "Prompt tokens prefilled.", s.prompt_tokens),
+                ("generation_tokens", "Tokens generated.", s.generation_tokens)):
+            yield CounterMetricFamily(f"specdial:{name}", doc, value=value)
+        per_pos = CounterMetricFamily(
+            "specdial:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position (0 = the first draft).",
+            labels=["position"])
+        for pos, n in enumerate(s.accepted_per_pos):
+            per_pos.add_metric([str(pos)], n)
+        yield per_pos
+
+
+class ServerMetrics:
+    """The registry of one app: the engine collector plus per-request histograms (seconds)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine))  # type: ignore[arg-type]
+        self.ttft = Histogram("specdial:time_to_first_token_seconds",
+                              "Time from request arrival to its first token, seconds.",
+                              buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("specdial:time_per_output_token_seconds",
+                              "Time per output token after the first, seconds.",
+                              buckets=_TPOT_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("specdial:e2e_request_latency_seconds",
+                             "Time from request arrival to its last token, seconds.",
+                             buckets=_E2E_BUCKETS, registry=self.registry)
+        self.finished = Counter("specdial:request_success",
+                                "Engine requests served to the end, by finish reason "
+                                "(stop, length, abort).", ["finished_reason"],
+                                registry=self.registry)
+
+    def observe_first_token(self, seconds: float) -> None:
+        """Record one request's time to first token."""
+        self.ttft.observe(seconds)
+
+    def observe_finished(self, *, reason: str, e2e_s: float, first_token_s: float | None,
+                         completion_tokens: int) -> None:
+        """Record a finished request: its reason, end-to-end latency and, with 2+ tokens, the
+        time per output token ``(e2e_s - first_token_s) / (completion_tokens - 1)``."""
+        self.finished.labels(finished_reason=reason).inc()
+        self.e2e.observe(e2e_s)
+        if first_token_s is not None and completion_tokens > 1:
+            self.tpot.observe(max(e2e_s - first_token_s, 0.0) / (completion_tokens - 1))
+
+    def render(self) -> bytes:
+        """The text exposition of every metric (calls ``engine.stats()`` once)."""
+        return generate_latest(self.registry)

@@ -1,0 +1,253 @@
+"""OpenAI request parsing for the server: which fields are supported, and the error JSON.
+
+Validation order for a request body (each failure is an :class:`APIError`, answered with
+``{"error": {"message", "type", "param", "code"}}`` as OpenAI does):
+
+1. the body is JSON (else 400, ``param`` null) and a JSON object;
+2. every key is a field of the endpoint: a known OpenAI field that this server does not
+   implement is 400 "not supported" unless it has its neutral value (``n: 1``, ``echo: false``,
+   penalties ``0``, ``logprobs: false``/null, ``best_of: 1``, null for the others: see
+   :data:`UNSUPPORTED_COMPLETION_FIELDS` / :data:`UNSUPPORTED_CHAT_FIELDS`); any other key is
+   400 "Unrecognized request argument supplied" (extra="forbid" semantics);
+3. types and ranges through the strict pydantic models below (no string-to-number coercion, no
+   NaN or infinity; ``max_tokens`` >= 1, ``temperature`` >= 0, ``top_p`` in (0, 1]; null means
+   "default" for every optional field); the ``param`` of the error is the offending field.
+
+``user`` is accepted and ignored: it is an informational end-user id in the OpenAI API with no
+effect on generation. ``model`` may be omitted (the served model is used); a different name is
+404 ``model_not_found``, as OpenAI answers for an unknown model.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+__all__ = ["APIError", "ChatCompletionRequest", "ChatMessage", "CompletionRequest",
+           "UNSUPPORTED_CHAT_FIELDS", "UNSUPPORTED_COMPLETION_FIELDS", "parse_request"]
+
+
+class APIError(Exception):
+    """An error answered as OpenAI-style JSON with HTTP ``status``.
+
+    ``type``: ``invalid_request_error`` (400/404), ``server_overloaded`` (503 on a full queue),
+    ``service_unavailable`` (503 while shutting down) or ``internal_error`` (500). ``param``:
+    the offending request field or None. ``code``: a short machine-readable code or None.
+    """
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = (
+            status, message, param, code, type)
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body: ``{"error": {"message", "type", "param", "code"}}``."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """A 400 ``invalid_request_error``."""
+    return APIError(400, message, param=param, code=code)
+
+
+# Known OpenAI fields this server does not implement -> the values that mean "off" and are
+# therefore accepted. Anything else for these keys is 400 "not supported".
+_COMMON_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "n": (1, None),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "service_tier": (None,),
+}
+
+#: ``/v1/completions`` fields that are known but not implemented (key -> accepted neutral values).
+UNSUPPORTED_COMPLETION_FIELDS: dict[str, tuple[Any, ...]] = {
+    **_COMMON_UNSUPPORTED,
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None,),
+}
+
+#: ``/v1/chat/completions`` fields that are known but not implemented.
+UNSUPPORTED_CHAT_FIELDS: dict[str, tuple[Any, ...]] = {
+    **_COMMON_UNSUPPORTED,
+    "tools": (None,),
+    "tool_choice": (None,),
+    "parallel_tool_calls": (None,),
+    "functions": (None,),
+    "function_call": (None,),
+    "response_format": (None, {"type": "text"}),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "store": (None, False),
+    "metadata": (None,),
+    "web_search_options": (None,),
+    "verbosity": (None,),
+    "prompt_cache_key": (None,),
+    "safety_identifier": (None,),
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    """``stream_options``: only ``include_usage`` (a final chunk with the usage)."""
+
+    include_usage: bool = False
+
+
+class _CommonRequest(_Strict):
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # informational only (see the module docstring)
+    # validated as neutral by _check_fields; here so that extra="forbid" lets them through
+    n: int | None = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    logit_bias: Any = None
+    service_tier: Any = None
+
+
+class CompletionRequest(_CommonRequest):
+    """``POST /v1/completions`` body (supported fields; see the module docstring)."""
+
+    prompt: str | list[str]
+    max_tokens: int | None = Field(None, ge=1)
+    best_of: Any = None
+    echo: Any = None
+    suffix: Any = None
+
+
+class ChatMessage(_Strict):
+    """One chat message: ``role`` and text ``content`` (a string, or a list of
+    ``{"type": "text", "text": ...}`` parts, concatenated)."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+    def text(self, index: int) -> str:
+        """The content as one string. Raises :class:`APIError` 400 for a non-text part."""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for j, part in enumerate(self.content):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str) or (
+                    set(part) - {"type", "text"}):
+                raise bad_request("only text content parts ({\"type\": \"text\", \"text\": "
+                                  "...}) are supported", f"messages[{index}].content[{j}]",
+                                  "unsupported_content")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_CommonRequest):
+    """``POST /v1/chat/completions`` body (supported fields; see the module docstring)."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    store: Any = None
+    metadata: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+
+
+def _check_fields(body: dict[str, Any], model: type[BaseModel],
+                  unsupported: dict[str, tuple[Any, ...]]) -> None:
+    for key, value in body.items():
+        if key in unsupported:
+            neutral = unsupported[key]
+            # bool is an int in Python: `n: true` must not pass as `n: 1`
+            if not any(value == v and type(value) is type(v) or value is v for v in neutral):
+                raise bad_request(f"'{key}' is not supported by this server"
+                                  f"{'' if value is None else f' (got {json.dumps(value)})'}",
+                                  key, "unsupported_parameter")
+        elif key not in model.model_fields:
+            raise bad_request(f"Unrecognized request argument supplied: {key}", key,
+                              "unrecognized_parameter")
+
+
+def _pydantic_error(err: ValidationError) -> APIError:
+    first = err.errors()[0]
+    loc = [str(p) for p in first["loc"]]
+    top = loc[0] if loc else None
+    if first["type"] == "missing":
+        return bad_request(f"Missing required parameter: '{'.'.join(loc)}'", top,
+                           "missing_required_parameter")
+    if top == "messages" and len(loc) > 1 and loc[1].isdigit():
+        where = f"messages[{loc[1]}]" + "".join(f".{p}" for p in loc[2:3])
+        return bad_request(f"Invalid value for '{where}': {first['msg']}", where,
+                           "invalid_value")
+    if top == "prompt":
+        return bad_request("'prompt' must be a string or a list of strings", "prompt",
+                           "invalid_type")
+    if top == "stop":
+        return bad_request("'stop' must be a string or a list of strings", "stop",
+                           "invalid_type")
+    return bad_request(f"Invalid value for '{'.'.join(loc)}': {first['msg']}", top,
+                       "invalid_value")
+
+
+def parse_request(raw: bytes, kind: Literal["completion", "chat"]) -> CompletionRequest | ChatCompletionRequest:
+    """Parse and validate a request body for ``/v1/completions`` (``kind="completion"``) or
+    ``/v1/chat/completions`` (``"chat"``). Raises :class:`APIError` (400) naming the field."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"The request body is not valid JSON: {e}", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object", None, "invalid_json")
+    model_cls: type[CompletionRequest] | type[ChatCompletionRequest]
+    if kind == "completion":
+        model_cls, unsupported = CompletionRequest, UNSUPPORTED_COMPLETION_FIELDS
+    else:
+        model_cls, unsupported = ChatCompletionRequest, UNSUPPORTED_CHAT_FIELDS
+    _check_fields(body, model_cls, unsupported)
+    try:
+        req = model_cls.model_validate(body)
+    except ValidationError as e:
+        raise _pydantic_error(e) from None
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true",
+                          "stream_options", "invalid_value")
+    if isinstance(req, CompletionRequest):
+        if isinstance(req.prompt, list) and not req.prompt:
+            raise bad_request("'prompt' must not be an empty list", "prompt", "invalid_value")
+    stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if any(s == "" for s in stop):
+        raise bad_request("'stop' strings must not be empty", "stop", "invalid_value")
+    if isinstance(req, ChatCompletionRequest):
+        if (req.max_tokens is not None and req.max_completion_tokens is not None
+                and req.max_tokens != req.max_completion_tokens):
+            raise bad_request("'max_tokens' and 'max_completion_tokens' disagree; send one",
+                              "max_completion_tokens", "invalid_value")
+    return req

@@ -1,0 +1,143 @@
+"""`specdial generate` and `specdial serve --help`, and the typed options behind them.
+
+``generate`` runs the real Engine on a tiny random Llama (hidden 64, 2 layers) saved with the
+built-in models' tokenizer (vocabulary 4096), so prompts are text."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from specdial.builtin import BUILTIN_DIR
+from specdial.cli import main
+from specdial.server.config import (EngineArgs, GenerateConfig, ServeConfig,
+                                    add_dataclass_arguments)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+PROMPT = "def add(a, b):\n    return"
+
+
+def save_tiny_model(path: Path, *, seed: int, perturb_of: Path | None = None,
+                    noise: float = 0.01) -> Path:
+    """A random 2-layer Llama (hidden 64, vocabulary of the built-in tokenizer) saved with that
+    tokenizer in ``path``. ``perturb_of``: start from that checkpoint plus ``noise * N(0, 1)``
+    instead (a draft model that agrees with it often; ``noise=0``: an identical copy)."""
+    if perturb_of is not None:
+        model = transformers.LlamaForCausalLM.from_pretrained(perturb_of)
+        scale = noise
+    else:
+        config = transformers.LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=4096, max_position_embeddings=256,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        model = transformers.LlamaForCausalLM(config)
+        scale = 0.0
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if perturb_of is not None:
+                p.add_(scale * noise)
+            else:
+                p.copy_(1 + 0.2 * noise if "norm" in name else 0.15 * noise)
+    model.save_pretrained(path)
+    for f in TOKENIZER_FILES:
+        shutil.copy(BUILTIN_DIR / "target" / f, path / f)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    target = save_tiny_model(tmp_path_factory.mktemp("server_tiny_target"), seed=10)
+    draft = save_tiny_model(tmp_path_factory.mktemp("server_tiny_draft"), seed=11,
+                            perturb_of=target)
+    return target, draft
+
+
+def test_generate_prints_the_completion_and_statistics(tiny_dirs, capsys):
+    target, _ = tiny_dirs
+    assert main(["generate", PROMPT, "--model-path", str(target), "--max-new-tokens", "8",
+                 "--max-running-requests", "2"]) == 0
+    out = capsys.readouterr().out
+    for label in ("--- speculation: off ---", "prompt tokens", "completion tokens",
+                  "verify count", "acceptance length", "steps histogram", "tokens/s"):
+        assert label in out, out
+
+
+def test_generate_json_with_a_draft_model_is_lossless(tiny_dirs, capsys):
+    target, draft = tiny_dirs
+    common = [PROMPT, "--model-path", str(target), "--max-new-tokens", "12", "--json",
+              "--max-running-requests", "2"]
+    assert main(["generate", *common]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(["generate", *common, "--draft-model-path", str(draft),
+                 "--no-speculative-adaptive", "--speculative-num-steps", "2"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["speculative_algorithm"] == "DRAFT" and plain["speculative_algorithm"] is None
+    assert spec["output_ids"] == plain["output_ids"] and spec["text"] == plain["text"]
+    m = spec["meta_info"]
+    assert m["spec_steps_histogram"] == {"2": m["spec_verify_ct"]}
+    assert 1.0 <= m["spec_accept_length"] <= 3.0 and spec["seconds"] > 0
+
+
+def test_generate_bad_options_exit_2(tiny_dirs, capsys, tmp_path):
+    target, _ = tiny_dirs
+    assert main(["generate", "x", "--model-path", str(target), "--temperature", "-1"]) == 2
+    assert "temperature" in capsys.readouterr().err
+    assert main(["generate", "x", "--model-path", str(tmp_path / "missing")]) == 2
+    assert "cannot start the engine" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "x", "--dtype", "float64"])
+
+
+@pytest.mark.parametrize("command, cls", [("serve", ServeConfig), ("generate", GenerateConfig)])
+def test_help_documents_every_option(command, cls):
+    exe = Path(sys.executable).with_name("specdial")
+    proc = subprocess.run([str(exe), command, "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    help_text = " ".join(proc.stdout.split())
+    for f in dataclasses.fields(cls):
+        if not f.metadata.get("positional"):
+            assert "--" + f.name.replace("_", "-") in help_text, f.name
+        first_words = " ".join(f.metadata["help"].split()[:4])
+        assert first_words in help_text, (f.name, first_words)
+    if command == "serve":
+        for flag in ("--no-speculative-adaptive", "--host", "--port", "--served-model-name",
+                     "--record-trace", "--max-queued-requests", "--kv-cache-tokens"):
+            assert flag in help_text
+
+
+def test_engine_kwargs_pass_only_what_is_set():
+    assert EngineArgs().engine_kwargs() == {
+        "speculative_adaptive": True, "skip_zero_step_draft_extend": False, "device": "cpu",
+        "dtype": "float32"}
+    cfg = ServeConfig(model_path="/m", speculative_algorithm="NONE", max_queued_requests=4,
+                      record_trace="t.jsonl", port=1)
+    kw = cfg.engine_kwargs()
+    assert kw["speculative_algorithm"] is None and kw["max_queued_requests"] == 4
+    assert kw["record_trace"] == "t.jsonl" and kw["model_path"] == "/m"
+    assert "port" not in kw and "log_level" not in kw and "max_running_requests" not in kw
+    assert ServeConfig().model_name() == "specdial-default"
+    assert ServeConfig(model_path="/m").model_name() == "/m"
+    assert ServeConfig(served_model_name="x").model_name() == "x"
+
+
+def test_options_parse_into_the_config():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_dataclass_arguments(parser, ServeConfig)
+    args = parser.parse_args(["--no-speculative-adaptive", "--speculative-num-steps", "2",
+                              "--port", "8001", "--shutdown-timeout", "1.5"])
+    cfg = ServeConfig(**vars(args))
+    assert cfg.speculative_adaptive is False and cfg.speculative_num_steps == 2
+    assert cfg.port == 8001 and cfg.shutdown_timeout == 1.5 and cfg.host == "127.0.0.1"
