@@ -26,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterator, Protocol
 
+from specdial import _core
+
 __all__ = ["EngineProtocol", "EngineStats", "QueueFullError", "RequestError", "StreamChunk"]
 
 
@@ -52,9 +54,9 @@ class StreamChunk:
     meta_info: dict[str, Any] = field(default_factory=dict)
 
 
-class QueueFullError(RuntimeError):
-    """Raised at submission when the engine's waiting queue is full (``max_queued_requests``);
-    the server answers HTTP 503. Nothing was admitted."""
+# Raised at submission when the engine's waiting queue is full (``max_queued_requests``); the
+# server answers HTTP 503. Nothing was admitted. It is the Rust scheduler's own exception.
+QueueFullError = _core.QueueFullError
 
 
 class RequestError(ValueError):

@@ -13,6 +13,7 @@ mod buffer;
 mod config;
 mod kv;
 mod policy;
+mod scheduler;
 
 pyo3::create_exception!(
     specdial,
@@ -58,5 +59,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     config::register(m)?;
     policy::register(m)?;
     kv::register(m)?;
+    scheduler::register(m)?;
     Ok(())
 }

@@ -9,9 +9,11 @@ pub mod config;
 pub mod error;
 pub mod kv;
 pub mod policy;
+pub mod scheduler;
 pub mod slot;
 
 pub use config::{AdaptiveConfig, SlotConfig, Strategy};
 pub use error::{ConfigError, PolicyError};
 pub use policy::{AdaptiveSpeculativeParams, StepDecision};
+pub use scheduler::{Plan, PlanKind, Scheduler, SchedulerConfig, SchedulerError, StepsSource};
 pub use slot::AdaptiveStepSlot;

@@ -1,0 +1,465 @@
+//! Continuous-batching scheduler: request queues, admission, chunked prefill, KV pages,
+//! per-iteration `steps`, preemption. Python runs the passes; this decides what they run on.
+//!
+//! # The loop
+//!
+//! ```text
+//! id = add_request(prompt_ids, max_new_tokens, stop_token_ids, ignore_eos)   // any time
+//! loop { plan = schedule()?  (None: nothing to do)
+//!        run the passes of `plan`
+//!        outcome = report(tokens, offsets, accepted)? }                       // stream outcome
+//! abort(id) / finish_request(id, reason)                                     // any time
+//! ```
+//!
+//! `schedule` and `report` alternate strictly: one plan is in flight at a time.
+//!
+//! # Rules
+//!
+//! - **KV convention.** A running request with `T` tokens (prompt + output) holds KV for positions
+//!   `0 .. T - 1`: its last token has no KV yet and is the input of its next decode. The target
+//!   and the drafter share slot indices, so one page table serves both.
+//! - **FCFS admission.** Waiting requests are admitted strictly in queue order (no skipping),
+//!   while the prefill token budget (`max_prefill_tokens`), the running bound
+//!   (`max_running_requests`, prefilling included) and the pages allow. A request is admitted only
+//!   if, after its chunk, the free pages still cover one decode iteration of every running
+//!   request and of itself (if the chunk ends its prefill) at the largest steps the policy can
+//!   choose. So the decode right after an admission never preempts what was just prefilled
+//!   (which would waste the prefill and could thrash). Every decode iteration emits at least one
+//!   token per request in it, so the loop always progresses.
+//! - **Chunked prefill.** The last request admitted in a prefill iteration takes what is left of
+//!   the budget; if its prompt is longer it stays *prefilling* (at most one such request) and
+//!   later prefill iterations continue it first.
+//! - **Prefill before decode, with alternation.** A prefill iteration runs whenever something
+//!   can be prefilled, except right after a prefill iteration that left a prompt unfinished: then,
+//!   if any request is running, a decode iteration runs first. So a long prompt costs the running
+//!   requests at most every other iteration; short prompts are admitted with priority (as in
+//!   SGLang and nano-vllm), which is bounded by `max_running_requests`.
+//! - **Steps.** A decode iteration over `B` running requests asks the policy (the adaptive
+//!   [`AdaptiveSpeculativeParams`], or the fixed steps) for `steps` at `B`; request `r`, which may
+//!   still produce `rem` tokens (by `max_new_tokens` and the context end), gets
+//!   `steps_r = min(steps, rem - 1)` drafts, so one iteration never emits more than it may keep,
+//!   and reserves exactly `steps_r + 1` slots (positions `L ..= L + steps_r`).
+//! - **Capacity first.** The pages the iteration needs at the chosen steps are counted before
+//!   anything is reserved; while they exceed the free pages, the most recently admitted request
+//!   (prefilling or running) is preempted, and steps are chosen again for the smaller batch.
+//! - **Preemption.** A preempted request frees all its pages and goes back to the *front* of the
+//!   waiting queue (earlier-admitted ones in front), keeping its tokens. It is re-prefilled later
+//!   over `prompt + output[..-1]` (no token is sampled then) and continues where it stopped, so
+//!   its output is unchanged. The plan's `preempted` lists it; `stats().preemptions` counts.
+//! - **Report.** Emitted tokens are appended one by one; the first EOS (unless `ignore_eos`),
+//!   stop token, `max_new_tokens`-th token or `context_length`-th token finishes the request and
+//!   drops what follows. Unfinished requests keep KV `L ..= L + accepted` (rejected drafts' slots
+//!   are freed); finished ones free everything.
+//! - **Policy feedback.** After a decode iteration the policy's slot for `B` is fed the accepted
+//!   drafts of the requests with `steps_r == steps` (all of them at `steps = 0`). Requests capped
+//!   near their end are left out: their count is bounded by the cap, not by the drafter, and
+//!   would drag the EMA down. No feed when every request was capped, nor in fixed-steps mode.
+
+mod config;
+mod invariants;
+mod plan;
+mod report;
+mod request;
+mod schedule;
+mod stats;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
+
+pub use config::{SchedulerConfig, SchedulerError};
+pub use plan::{Plan, PlanKind, ReportOutcome, TraceRecord};
+pub use request::{FinishReason, Finished, RequestState};
+pub use stats::SchedulerStats;
+
+use crate::kv::PagePool;
+use crate::policy::AdaptiveSpeculativeParams;
+use request::Request;
+use stats::Counters;
+
+/// Fibonacci hashing of request ids (assigned here, never untrusted).
+#[derive(Debug, Clone, Copy, Default)]
+struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(5) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_u64(&mut self, id: u64) {
+        self.0 = (self.0.rotate_left(5) ^ id).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+type RequestMap = HashMap<u64, Request, BuildHasherDefault<IdHasher>>;
+
+/// Where the steps of a decode iteration come from.
+#[derive(Debug, Clone)]
+pub enum StepsSource {
+    /// The same steps every iteration (0..=32).
+    Fixed(u32),
+    /// The adaptive policy, fed after every decode iteration.
+    Adaptive(AdaptiveSpeculativeParams),
+}
+
+/// What `report` needs to check and apply the plan in flight.
+#[derive(Debug, Clone)]
+struct InFlight {
+    kind: PlanKind,
+    ids: Vec<u64>,
+    steps: u32,
+    /// Decode: the steps came from the policy (which is then fed the results).
+    from_policy: bool,
+    /// Decode: steps per request. Prefill: unused.
+    steps_r: Vec<u32>,
+    /// Prefill: the chunk ends the request's prefill.
+    done: Vec<bool>,
+    /// Prefill: the request samples its first token.
+    sample: Vec<bool>,
+}
+
+/// The continuous-batching scheduler. See the [module docs](self) for the rules.
+#[derive(Debug, Clone)]
+pub struct Scheduler {
+    config: SchedulerConfig,
+    pool: PagePool,
+    policy: Option<AdaptiveSpeculativeParams>,
+    /// Overrides the policy when set.
+    fixed_steps: Option<u32>,
+    graph_bs: Option<Vec<u32>>,
+    requests: RequestMap,
+    waiting: VecDeque<u64>,
+    /// Waiting requests that were preempted (not bounded by `max_queued_requests`).
+    waiting_preempted: usize,
+    /// Admitted requests (prefilling and running), in admission order.
+    admitted: Vec<u64>,
+    /// Requests in state `Running`.
+    num_running: usize,
+    /// The prefilling request whose prefill range is not fully scheduled yet.
+    partial: Option<u64>,
+    /// The last prefill plan left `partial` unfinished: decode goes next.
+    decode_turn: bool,
+    next_id: u64,
+    in_flight: Option<InFlight>,
+    /// Preempted since the last plan was handed out (reported in the next plan).
+    pending_preempted: Vec<i64>,
+    counters: Counters,
+    trace: Vec<TraceRecord>,
+}
+
+impl Scheduler {
+    /// A scheduler with an empty pool of `config.num_pages` pages.
+    ///
+    /// Errors: [`SchedulerError::InvalidConfig`] naming the field (including fixed steps > 32).
+    pub fn new(config: SchedulerConfig, steps: StepsSource) -> Result<Self, SchedulerError> {
+        config.validate()?;
+        let pool = PagePool::new(config.num_pages, config.page_size).map_err(|e| {
+            SchedulerError::InvalidConfig {
+                field: "num_pages",
+                message: e.to_string(),
+            }
+        })?;
+        let (policy, fixed_steps) = match steps {
+            StepsSource::Fixed(k) => {
+                config::validate_fixed_steps(k)?;
+                (None, Some(k))
+            }
+            StepsSource::Adaptive(p) => (Some(p), None),
+        };
+        Ok(Scheduler {
+            config,
+            pool,
+            policy,
+            fixed_steps,
+            graph_bs: None,
+            requests: RequestMap::default(),
+            waiting: VecDeque::new(),
+            waiting_preempted: 0,
+            admitted: Vec::new(),
+            num_running: 0,
+            partial: None,
+            decode_turn: false,
+            next_id: 0,
+            in_flight: None,
+            pending_preempted: Vec::new(),
+            counters: Counters::default(),
+            trace: Vec::new(),
+        })
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// The KV page pool (read-only: slots, page tables, lengths).
+    pub fn pool(&self) -> &PagePool {
+        &self.pool
+    }
+
+    /// The adaptive policy, if any (also present while fixed steps override it).
+    pub fn policy(&self) -> Option<&AdaptiveSpeculativeParams> {
+        self.policy.as_ref()
+    }
+
+    /// The fixed steps in force, if any.
+    pub fn fixed_steps(&self) -> Option<u32> {
+        self.fixed_steps
+    }
+
+    /// Every steps value a decode plan can carry: the fixed steps, or the union of the
+    /// policy's candidates (both when fixed steps override a policy).
+    pub fn candidate_steps(&self) -> Vec<u32> {
+        let mut out: Vec<u32> = self
+            .policy
+            .iter()
+            .flat_map(|p| p.candidate_steps().iter().copied())
+            .collect();
+        out.extend(self.fixed_steps);
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
+    /// Fixes the steps (`Some(k)`, 0..=32) or returns to the adaptive policy (`None`). Takes
+    /// effect at the next decode plan; the policy is not fed while fixed steps are in force.
+    ///
+    /// Errors: [`SchedulerError::InvalidConfig`] for `k > 32`, or `None` without a policy.
+    pub fn set_fixed_steps(&mut self, steps: Option<u32>) -> Result<(), SchedulerError> {
+        match steps {
+            Some(k) => config::validate_fixed_steps(k)?,
+            None if self.policy.is_none() => {
+                return Err(SchedulerError::InvalidConfig {
+                    field: "speculative_num_steps",
+                    message: "this scheduler has no adaptive policy to return to; pass fixed steps"
+                        .into(),
+                })
+            }
+            None => {}
+        }
+        self.fixed_steps = steps;
+        Ok(())
+    }
+
+    /// Sets (sorted, deduplicated, each >= 1) or clears the captured CUDA-graph batch sizes:
+    /// decode plans carry the padded size, and the policy routes by it.
+    pub fn set_cuda_graph_bs(&mut self, sizes: Option<&[i64]>) -> Result<(), SchedulerError> {
+        let normalized = match sizes {
+            None => None,
+            Some(sizes) => {
+                let mut out = Vec::with_capacity(sizes.len());
+                for (i, &g) in sizes.iter().enumerate() {
+                    if g < 1 || g > i64::from(u32::MAX) {
+                        return Err(SchedulerError::InvalidConfig {
+                            field: "cuda_graph_bs",
+                            message: format!("cuda_graph_bs[{i}] = {g}: graph batch sizes must be in 1..=2**32-1"),
+                        });
+                    }
+                    out.push(g as u32);
+                }
+                out.sort_unstable();
+                out.dedup();
+                Some(out)
+            }
+        };
+        if let Some(p) = &mut self.policy {
+            p.set_cuda_graph_bs(sizes).expect("sizes checked above");
+        }
+        self.graph_bs = normalized;
+        Ok(())
+    }
+
+    /// The captured CUDA-graph batch sizes, ascending, if set.
+    pub fn cuda_graph_bs(&self) -> Option<&[u32]> {
+        self.graph_bs.as_deref()
+    }
+
+    /// Queues a request and returns its id (ids count up from 0).
+    ///
+    /// Errors (nothing queued): [`SchedulerError::InvalidRequest`] naming `prompt_ids` (empty,
+    /// longer than `context_length - 1`, a negative id), `max_new_tokens` (< 1) or
+    /// `stop_token_ids` (a negative id); then [`SchedulerError::QueueFull`].
+    pub fn add_request(
+        &mut self,
+        prompt_ids: Vec<i64>,
+        max_new_tokens: i64,
+        stop_token_ids: Vec<i64>,
+        ignore_eos: bool,
+    ) -> Result<u64, SchedulerError> {
+        let invalid = |field, message| Err(SchedulerError::InvalidRequest { field, message });
+        let ctx = u64::from(self.config.context_length);
+        if prompt_ids.is_empty() {
+            return invalid("prompt_ids", "must not be empty".to_string());
+        }
+        if prompt_ids.len() as u64 > ctx - 1 {
+            return invalid(
+                "prompt_ids",
+                format!(
+                    "has {} tokens, more than context_length - 1 = {} (room for at least one output token)",
+                    prompt_ids.len(),
+                    ctx - 1
+                ),
+            );
+        }
+        if let Some((i, t)) = prompt_ids.iter().enumerate().find(|(_, &t)| t < 0) {
+            return invalid(
+                "prompt_ids",
+                format!("prompt_ids[{i}] = {t}: token ids must be >= 0"),
+            );
+        }
+        if max_new_tokens < 1 {
+            return invalid(
+                "max_new_tokens",
+                format!("must be >= 1, got {max_new_tokens}"),
+            );
+        }
+        if let Some((i, t)) = stop_token_ids.iter().enumerate().find(|(_, &t)| t < 0) {
+            return invalid(
+                "stop_token_ids",
+                format!("stop_token_ids[{i}] = {t}: token ids must be >= 0"),
+            );
+        }
+        let queued = self.waiting.len() - self.waiting_preempted;
+        if queued >= self.config.max_queued_requests as usize {
+            return Err(SchedulerError::QueueFull {
+                queued,
+                max: self.config.max_queued_requests,
+            });
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let prompt_len = prompt_ids.len() as u64;
+        self.requests.insert(
+            id,
+            Request {
+                tokens: prompt_ids,
+                prompt_len,
+                max_new_tokens: max_new_tokens as u64,
+                stop_token_ids,
+                ignore_eos,
+                state: RequestState::Waiting,
+                kv_len: 0,
+                admitted_before: false,
+                num_preemptions: 0,
+            },
+        );
+        self.waiting.push_back(id);
+        self.counters.requests_added += 1;
+        Ok(id)
+    }
+
+    /// Aborts a live request in any state, freeing everything it held. Returns its finish record
+    /// (reason `Abort`), or `None` for an unknown or already finished id (aborting twice is
+    /// harmless). If it is in the plan in flight, `report` ignores its results.
+    pub fn abort(&mut self, request_id: u64) -> Option<Finished> {
+        self.finish_request(request_id, FinishReason::Abort)
+    }
+
+    /// Finishes a live request with `reason` (e.g. `Stop(None)` for a stop string matched by the
+    /// caller), freeing everything it held; its tokens stay as reported. Returns the finish record,
+    /// or `None` when the id is not live.
+    pub fn finish_request(&mut self, request_id: u64, reason: FinishReason) -> Option<Finished> {
+        let req = self.requests.remove(&request_id)?;
+        match req.state {
+            RequestState::Waiting => {
+                let pos = self
+                    .waiting
+                    .iter()
+                    .position(|&i| i == request_id)
+                    .expect("waiting request is queued");
+                self.waiting.remove(pos);
+                if req.admitted_before {
+                    self.waiting_preempted -= 1;
+                }
+            }
+            RequestState::Prefilling | RequestState::Running => {
+                self.pool
+                    .free_request(request_id)
+                    .expect("admitted request has a page table");
+                let pos = self
+                    .admitted
+                    .iter()
+                    .position(|&i| i == request_id)
+                    .expect("admitted request is listed");
+                self.admitted.remove(pos);
+                if req.state == RequestState::Running {
+                    self.num_running -= 1;
+                }
+                if self.partial == Some(request_id) {
+                    self.partial = None;
+                }
+            }
+        }
+        self.count_finish(reason);
+        Some(Finished {
+            request_id,
+            reason,
+            output_len: req.output_len(),
+        })
+    }
+
+    fn count_finish(&mut self, reason: FinishReason) {
+        match reason {
+            FinishReason::Abort => self.counters.requests_aborted += 1,
+            _ => self.counters.requests_finished += 1,
+        }
+    }
+
+    /// Whether a plan awaits its report.
+    pub fn plan_in_flight(&self) -> bool {
+        self.in_flight.is_some()
+    }
+
+    /// Whether any request is live (waiting, prefilling or running).
+    pub fn has_unfinished(&self) -> bool {
+        !self.requests.is_empty()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.num_running
+    }
+
+    /// Requests waiting (new and preempted).
+    pub fn num_queued(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// State of a live request, `None` once finished (or never added).
+    pub fn request_state(&self, request_id: u64) -> Option<RequestState> {
+        self.requests.get(&request_id).map(|r| r.state)
+    }
+
+    /// Output tokens of a live request so far.
+    pub fn output_ids(&self, request_id: u64) -> Option<&[i64]> {
+        self.requests
+            .get(&request_id)
+            .map(|r| &r.tokens[r.prompt_len as usize..])
+    }
+
+    /// Times a live request was preempted.
+    pub fn num_preemptions_of(&self, request_id: u64) -> Option<u32> {
+        self.requests.get(&request_id).map(|r| r.num_preemptions)
+    }
+
+    /// Per adaptive slot, ascending: `(lower bound, current steps, EMA of accepted drafts,
+    /// verifies observed)`. Empty without a policy.
+    pub fn slot_states(&self) -> Vec<(u32, u32, f64, u64)> {
+        self.policy
+            .iter()
+            .flat_map(|p| {
+                p.slots()
+                    .map(|(b, s)| (b, s.current_steps(), s.ema_accept_len(), s.verify_count()))
+            })
+            .collect()
+    }
+
+    /// Takes the per-verify trace recorded since the last call (empty unless
+    /// `config.record_trace`).
+    pub fn drain_trace(&mut self) -> Vec<TraceRecord> {
+        std::mem::take(&mut self.trace)
+    }
+}

@@ -1,0 +1,159 @@
+//! What one iteration runs ([`Plan`]) and what its report changed ([`ReportOutcome`]).
+
+use super::request::Finished;
+
+/// Prefill (prompt chunks) or decode (draft + verify over every running request).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlanKind {
+    Prefill,
+    Decode,
+}
+
+impl PlanKind {
+    /// `"prefill"` or `"decode"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PlanKind::Prefill => "prefill",
+            PlanKind::Decode => "decode",
+        }
+    }
+}
+
+/// One iteration's work. `B` = `request_ids.len()`. All index arrays are `i64` so they go
+/// straight into torch index tensors; every per-request array is in `request_ids` order, and
+/// every concatenated array is request after request.
+///
+/// **Prefill**: request `b` computes KV positions `kv_lens[b] - qo_lens[b] .. kv_lens[b]` (a chunk
+/// of its prefill range). `input_ids`, `positions`, `out_loc` have `N = sum(qo_lens)` entries:
+/// the tokens, their positions and the KV slots to write. A request whose prefill range ends in
+/// this chunk has `prefill_done[b] == 1`; if it has no output yet (`sample_first[b] == 1`) the
+/// caller samples its first token from the logits at `input_ids[logits_indices[i]]` and reports
+/// it; a request resuming after preemption (`prefill_done == 1`, `sample_first == 0`) samples
+/// nothing (its last token is the input of its next decode).
+///
+/// **Decode**: request `b` with `L = positions[b]` KV positions feeds its last emitted token
+/// `input_ids[b]` at position `L`; its `steps_per_request[b]` drafts go to positions
+/// `L + 1 ..= L + steps_per_request[b]`. `out_loc` holds the slots of positions
+/// `L ..= L + steps_per_request[b]` (`qo_lens[b] = steps_per_request[b] + 1` each), already
+/// reserved. `input_ids` and `positions` have `B` entries.
+///
+/// Both: `kv_lens[b]` = KV positions after this iteration's writes; `kv_indices` = the slots of
+/// positions `0 .. kv_lens[b]` of every request, concatenated (the torch backend's
+/// `plan(qo_lens, kv_lens, kv_indices)`); `page_table` = every request's page ids in token order,
+/// concatenated, request `b` at `page_table_offsets[b] .. page_table_offsets[b + 1]`
+/// (flashinfer's `paged_kv_indices` / `paged_kv_indptr`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    pub kind: PlanKind,
+    /// `[B]` request ids.
+    pub request_ids: Vec<i64>,
+    /// Prefill `[N]` chunk tokens; decode `[B]` last emitted token per request.
+    pub input_ids: Vec<i64>,
+    /// Prefill `[N]` position of each token; decode `[B]` position `L` of each input token.
+    pub positions: Vec<i64>,
+    /// `[sum(qo_lens)]` KV slots written this iteration.
+    pub out_loc: Vec<i64>,
+    /// `[B]` query tokens per request.
+    pub qo_lens: Vec<i64>,
+    /// `[B]` KV positions per request after this iteration's writes.
+    pub kv_lens: Vec<i64>,
+    /// `[sum(kv_lens)]` slots of positions `0 .. kv_lens[b]`, request after request.
+    pub kv_indices: Vec<i64>,
+    /// `[sum(pages)]` page ids, request after request.
+    pub page_table: Vec<i64>,
+    /// `[B + 1]` offsets into `page_table`.
+    pub page_table_offsets: Vec<i64>,
+    /// Decode: the steps chosen for the batch (0 = plain decoding). Prefill: 0.
+    pub steps: u32,
+    /// Decode: the padded CUDA-graph batch size (`None`: eager). Prefill: `None`.
+    pub graph_bs: Option<u32>,
+    /// Decode `[B]`: `min(steps, r - 1)` where `r` = output tokens the request may still produce.
+    /// Prefill: empty.
+    pub steps_per_request: Vec<i64>,
+    /// Prefill `[B]`: 1 where this chunk ends the request's prefill range. Decode: empty.
+    pub prefill_done: Vec<i64>,
+    /// Prefill `[B]`: 1 where the request samples its first token from this chunk. Decode: empty.
+    pub sample_first: Vec<i64>,
+    /// Prefill `[sum(sample_first)]`: indices into `input_ids` whose logits are sampled, in
+    /// request order. Decode: empty.
+    pub logits_indices: Vec<i64>,
+    /// Requests preempted while building this plan: the caller drops their state (KV is already
+    /// freed); they come back in a later prefill plan from position 0. In preemption order.
+    pub preempted: Vec<i64>,
+}
+
+impl Plan {
+    pub fn batch_size(&self) -> usize {
+        self.request_ids.len()
+    }
+
+    /// The graph key `(steps, padded batch size)`; the padded size is the batch size when no
+    /// graph fits.
+    pub fn graph_key(&self) -> (u32, u32) {
+        (
+            self.steps,
+            self.graph_bs.unwrap_or(self.request_ids.len() as u32),
+        )
+    }
+
+    /// Decode: `out_loc` laid out as `[B, steps + 1]`, the slots beyond a request's
+    /// `steps_per_request` filled with `pad_slot` (for a fixed-shape graph). Prefill: `out_loc`.
+    pub fn out_loc_padded(&self, pad_slot: i64) -> Vec<i64> {
+        if self.kind == PlanKind::Prefill {
+            return self.out_loc.clone();
+        }
+        let n = self.steps as usize + 1;
+        let mut out = Vec::with_capacity(self.batch_size() * n);
+        let mut start = 0;
+        for &q in &self.qo_lens {
+            let q = q as usize;
+            out.extend_from_slice(&self.out_loc[start..start + q]);
+            out.extend(std::iter::repeat(pad_slot).take(n - q));
+            start += q;
+        }
+        out
+    }
+}
+
+/// What one `report` changed, in the plan's request order.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ReportOutcome {
+    /// `[B]` the plan's request ids.
+    pub request_ids: Vec<i64>,
+    /// Tokens appended to each request's output (after stop truncation), request after request.
+    pub new_tokens: Vec<i64>,
+    /// `[B + 1]` offsets into `new_tokens`. A request aborted or finished while the plan was in
+    /// flight gets none.
+    pub new_offsets: Vec<i64>,
+    /// Requests that finished in this report (their pages are free), in request order.
+    pub finished: Vec<Finished>,
+}
+
+/// One verify, as `specdial policy replay` reads it (`{"batch_size", "accepted", "steps"}`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TraceRecord {
+    pub batch_size: u32,
+    pub steps: u32,
+    /// Accepted drafts per request, bonus excluded, in plan order (`batch_size` entries).
+    pub accepted: Vec<i64>,
+    /// Present only when some request's steps were capped below `steps` (near its
+    /// `max_new_tokens` or the context end): every request's `steps_per_request`. The live
+    /// policy was fed only the requests with `steps_per_request == steps`.
+    pub steps_per_request: Option<Vec<i64>>,
+}
+
+impl TraceRecord {
+    /// One JSON line (no newline): `{"batch_size": B, "accepted": [...], "steps": k}` plus
+    /// `"steps_per_request"` when present.
+    pub fn to_json(&self) -> String {
+        let mut v = serde_json::json!({
+            "batch_size": self.batch_size,
+            "accepted": self.accepted,
+            "steps": self.steps,
+        });
+        if let Some(s) = &self.steps_per_request {
+            v["steps_per_request"] = serde_json::json!(s);
+        }
+        v.to_string()
+    }
+}

@@ -1,0 +1,265 @@
+//! `report`: checking an iteration's results against its plan and applying them.
+
+use super::{
+    Finished, InFlight, PlanKind, ReportOutcome, RequestState, Scheduler, SchedulerError,
+    TraceRecord,
+};
+
+fn bad(field: &'static str, message: String) -> SchedulerError {
+    SchedulerError::InvalidReport { field, message }
+}
+
+/// Checks `tokens` / `offsets` / `accepted` against the plan in flight.
+fn validate(
+    fl: &InFlight,
+    tokens: &[i64],
+    offsets: &[i64],
+    accepted: Option<&[i64]>,
+) -> Result<(), SchedulerError> {
+    let b = fl.ids.len();
+    if offsets.len() != b + 1 {
+        return Err(bad(
+            "offsets",
+            format!(
+                "expected {} entries (one per request of the plan plus one), got {}",
+                b + 1,
+                offsets.len()
+            ),
+        ));
+    }
+    if offsets[0] != 0 {
+        return Err(bad(
+            "offsets",
+            format!("offsets[0] must be 0, got {}", offsets[0]),
+        ));
+    }
+    if offsets[b] != tokens.len() as i64 {
+        return Err(bad(
+            "offsets",
+            format!(
+                "offsets[{b}] = {} must equal len(tokens) = {}",
+                offsets[b],
+                tokens.len()
+            ),
+        ));
+    }
+    for i in 0..b {
+        let n = offsets[i + 1] - offsets[i];
+        let id = fl.ids[i];
+        let allowed = match fl.kind {
+            PlanKind::Prefill => {
+                let s = i64::from(fl.sample[i]);
+                (n == s).then_some(()).ok_or_else(|| {
+                    format!(
+                        "a prefill chunk emits {s} token(s) for this request (sample_first = {s})"
+                    )
+                })
+            }
+            PlanKind::Decode => {
+                let max = i64::from(fl.steps_r[i]) + 1;
+                (1..=max).contains(&n).then_some(()).ok_or_else(|| {
+                    format!(
+                        "a decode iteration emits 1..={max} tokens for it (steps_per_request + 1)"
+                    )
+                })
+            }
+        };
+        if let Err(rule) = allowed {
+            return Err(bad(
+                "offsets",
+                format!(
+                    "request {id} (index {i}) has {n} tokens in offsets[{i}..{}]; {rule}",
+                    i + 2
+                ),
+            ));
+        }
+    }
+    if let Some((i, &t)) = tokens.iter().enumerate().find(|(_, &t)| t < 0) {
+        return Err(bad(
+            "tokens",
+            format!("tokens[{i}] = {t}: token ids must be >= 0"),
+        ));
+    }
+    match (fl.kind, accepted) {
+        (_, None) => {}
+        (PlanKind::Prefill, Some([])) => {}
+        (PlanKind::Prefill, Some(_)) => {
+            return Err(bad(
+                "accepted",
+                "must be None for a prefill plan (no drafts are verified)".into(),
+            ));
+        }
+        (PlanKind::Decode, Some(a)) => {
+            if a.len() != b {
+                return Err(bad(
+                    "accepted",
+                    format!("expected {b} entries (one per request), got {}", a.len()),
+                ));
+            }
+            for i in 0..b {
+                let n = offsets[i + 1] - offsets[i];
+                if a[i] != n - 1 {
+                    return Err(bad(
+                        "accepted",
+                        format!(
+                            "accepted[{i}] = {} but request {} emitted {n} tokens (accepted drafts + 1 bonus)",
+                            a[i], fl.ids[i]
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+impl Scheduler {
+    /// Applies the results of the plan in flight.
+    ///
+    /// - `tokens`: emitted tokens, request after request in plan order; request `b` emitted
+    ///   `tokens[offsets[b] .. offsets[b + 1]]` (`offsets` has `B + 1` entries, from 0).
+    ///   Prefill: one token (the first sampled) for requests with `sample_first`, none for the
+    ///   others. Decode: `accepted_b + 1` tokens (the accepted drafts, then the bonus token),
+    ///   `accepted_b <= steps_per_request[b]`.
+    /// - `accepted`: decode only, optional: accepted drafts per request; must equal the counts
+    ///   implied by `offsets` minus one. `None` derives it.
+    ///
+    /// Feeds the policy (decode), appends tokens with the stop rules, frees rejected slots and
+    /// finished requests. Results for requests aborted or finished while the plan was in flight
+    /// are ignored.
+    ///
+    /// Errors (the plan stays in flight, nothing changes): [`SchedulerError::NoPlanInFlight`],
+    /// [`SchedulerError::InvalidReport`] naming `offsets`, `tokens` or `accepted`.
+    pub fn report(
+        &mut self,
+        tokens: &[i64],
+        offsets: &[i64],
+        accepted: Option<&[i64]>,
+    ) -> Result<ReportOutcome, SchedulerError> {
+        let fl = self
+            .in_flight
+            .as_ref()
+            .ok_or(SchedulerError::NoPlanInFlight)?;
+        validate(fl, tokens, offsets, accepted)?;
+        let fl = self.in_flight.take().expect("checked above");
+        if fl.kind == PlanKind::Decode {
+            self.observe_verify(&fl, offsets);
+        }
+        let ctx = u64::from(self.config.context_length);
+        let b = fl.ids.len();
+        let mut out = ReportOutcome {
+            request_ids: fl.ids.iter().map(|&id| id as i64).collect(),
+            new_tokens: Vec::with_capacity(tokens.len()),
+            new_offsets: Vec::with_capacity(b + 1),
+            finished: Vec::new(),
+        };
+        out.new_offsets.push(0);
+        for i in 0..b {
+            let id = fl.ids[i];
+            let emitted = &tokens[offsets[i] as usize..offsets[i + 1] as usize];
+            if let Some(r) = self.requests.get_mut(&id) {
+                let mut finish = None;
+                match fl.kind {
+                    PlanKind::Prefill => {
+                        if fl.done[i] {
+                            debug_assert_eq!(r.state, RequestState::Prefilling);
+                            r.state = RequestState::Running;
+                            self.num_running += 1;
+                            if fl.sample[i] {
+                                let (n, f) = r.append(emitted, &self.config.eos_token_ids, ctx);
+                                out.new_tokens.extend_from_slice(&emitted[..n]);
+                                finish = f;
+                            }
+                        }
+                    }
+                    PlanKind::Decode => {
+                        // Positions L ..= L + steps_r were reserved; keep L ..= L + accepted.
+                        let base = r.kv_len - (u64::from(fl.steps_r[i]) + 1);
+                        let (n, f) = r.append(emitted, &self.config.eos_token_ids, ctx);
+                        out.new_tokens.extend_from_slice(&emitted[..n]);
+                        finish = f;
+                        if finish.is_none() {
+                            let keep = base + emitted.len() as u64;
+                            self.pool
+                                .truncate(id, keep)
+                                .expect("keep <= reserved length");
+                            r.kv_len = keep;
+                        }
+                    }
+                }
+                if let Some(reason) = finish {
+                    let r = self.requests.remove(&id).expect("present");
+                    self.pool
+                        .free_request(id)
+                        .expect("admitted request has a page table");
+                    self.num_running -= 1;
+                    self.count_finish(reason);
+                    out.finished.push(Finished {
+                        request_id: id,
+                        reason,
+                        output_len: r.output_len(),
+                    });
+                }
+            }
+            out.new_offsets.push(out.new_tokens.len() as i64);
+        }
+        self.counters.tokens_generated += out.new_tokens.len() as u64;
+        if !out.finished.is_empty() {
+            let requests = &self.requests;
+            self.admitted.retain(|id| requests.contains_key(id));
+        }
+        if fl.kind == PlanKind::Decode {
+            self.counters.decode_iterations += 1;
+        }
+        Ok(out)
+    }
+
+    /// Policy feedback, speculation counters and the trace record of one verify.
+    fn observe_verify(&mut self, fl: &InFlight, offsets: &[i64]) {
+        let b = fl.ids.len();
+        let accepted = |i: usize| offsets[i + 1] - offsets[i] - 1;
+        let steps = fl.steps;
+        if fl.from_policy {
+            if let Some(p) = &mut self.policy {
+                let fed = (0..b).filter(|&i| fl.steps_r[i] == steps).map(accepted);
+                let changed = p
+                    .on_verify_complete(fed, b as i64)
+                    .expect("accepted counts were validated");
+                if changed.is_some() {
+                    self.counters.step_switches += 1;
+                }
+            }
+        }
+        let c = &mut self.counters;
+        if c.by_steps.len() <= steps as usize {
+            c.by_steps.resize(steps as usize + 1, 0);
+        }
+        c.by_steps[steps as usize] += 1;
+        for i in 0..b {
+            let sr = fl.steps_r[i];
+            if sr == 0 {
+                continue;
+            }
+            let a = accepted(i) as usize;
+            c.spec_num_drafts += 1;
+            c.spec_num_draft_tokens += u64::from(sr);
+            c.spec_num_accepted_tokens += a as u64;
+            if c.spec_accepted_per_pos.len() < sr as usize {
+                c.spec_accepted_per_pos.resize(sr as usize, 0);
+            }
+            for slot in &mut c.spec_accepted_per_pos[..a] {
+                *slot += 1;
+            }
+        }
+        if self.config.record_trace {
+            let capped = fl.steps_r.iter().any(|&s| s != steps);
+            self.trace.push(TraceRecord {
+                batch_size: b as u32,
+                steps,
+                accepted: (0..b).map(accepted).collect(),
+                steps_per_request: capped
+                    .then(|| fl.steps_r.iter().map(|&s| i64::from(s)).collect()),
+            });
+        }
+    }
+}

@@ -1,0 +1,385 @@
+//! `schedule`: choosing and building the next iteration's plan (prefill or decode), admission
+//! and preemption.
+
+use super::{InFlight, Plan, PlanKind, RequestState, Scheduler, SchedulerError};
+
+/// Per-plan array builder shared by prefill and decode.
+#[derive(Default)]
+struct Arrays {
+    request_ids: Vec<i64>,
+    input_ids: Vec<i64>,
+    positions: Vec<i64>,
+    out_loc: Vec<i64>,
+    qo_lens: Vec<i64>,
+    kv_lens: Vec<i64>,
+    kv_indices: Vec<i64>,
+    page_table: Vec<i64>,
+    page_table_offsets: Vec<i64>,
+}
+
+impl Arrays {
+    fn with_capacity(b: usize, n_tokens: usize, n_inputs: usize, n_kv: usize) -> Self {
+        let mut page_table_offsets = Vec::with_capacity(b + 1);
+        page_table_offsets.push(0);
+        Arrays {
+            request_ids: Vec::with_capacity(b),
+            input_ids: Vec::with_capacity(n_inputs),
+            positions: Vec::with_capacity(n_inputs),
+            out_loc: Vec::with_capacity(n_tokens),
+            qo_lens: Vec::with_capacity(b),
+            kv_lens: Vec::with_capacity(b),
+            kv_indices: Vec::with_capacity(n_kv),
+            page_table: Vec::new(),
+            page_table_offsets,
+        }
+    }
+}
+
+impl Scheduler {
+    /// The next iteration's plan, or `None` when there is nothing to run (no request, or only
+    /// waiting ones that cannot be admitted, which the config rules out).
+    ///
+    /// Prefill when something can be prefilled, except that after a prefill plan that left a
+    /// prompt unfinished a decode plan comes first (if any request is running). A decode plan
+    /// preempts the most recently admitted requests until the pages its steps need are free.
+    /// Reserves the KV slots the plan writes.
+    ///
+    /// Errors: [`SchedulerError::PlanInFlight`] while the previous plan awaits its report.
+    pub fn schedule(&mut self) -> Result<Option<Plan>, SchedulerError> {
+        if self.in_flight.is_some() {
+            return Err(SchedulerError::PlanInFlight);
+        }
+        let decode_first = std::mem::take(&mut self.decode_turn) && self.num_running > 0;
+        if !decode_first {
+            if let Some(plan) = self.schedule_prefill() {
+                return Ok(Some(plan));
+            }
+        }
+        Ok(self.schedule_decode())
+    }
+
+    /// Largest steps a decode plan can choose now (for admission's page reserve).
+    fn max_steps(&self) -> u32 {
+        match (self.fixed_steps, &self.policy) {
+            (Some(k), _) => k,
+            (None, Some(p)) => p.candidate_steps().last().copied().unwrap_or(0),
+            (None, None) => 0,
+        }
+    }
+
+    /// `(steps, padded graph batch size)` for a decode batch of `b >= 1` requests.
+    fn decide(&self, b: usize) -> (u32, Option<u32>) {
+        let graph = self
+            .graph_bs
+            .as_ref()
+            .and_then(|g| g.get(g.partition_point(|&s| (s as usize) < b)).copied());
+        let steps = match (self.fixed_steps, &self.policy) {
+            (Some(k), _) => k,
+            (None, Some(p)) => p
+                .get_steps_for_batch(b as i64)
+                .expect("decode batch size is >= 1"),
+            (None, None) => unreachable!("a scheduler has fixed steps or a policy"),
+        };
+        (steps, graph)
+    }
+
+    fn schedule_prefill(&mut self) -> Option<Plan> {
+        if self.partial.is_none() && self.waiting.is_empty() {
+            return None;
+        }
+        let ctx = u64::from(self.config.context_length);
+        let page_size = u64::from(self.config.page_size);
+        let smax = self.max_steps();
+        let mut free = u64::from(self.pool.num_free_pages());
+        // Pages one decode iteration of every running request may need at the largest steps.
+        let mut reserve = 0u64;
+        for id in &self.admitted {
+            let r = &self.requests[id];
+            if r.state == RequestState::Running {
+                let tokens = u64::from(smax).min(r.remaining(ctx).saturating_sub(1)) + 1;
+                reserve += self
+                    .pool
+                    .pages_needed(*id, tokens)
+                    .expect("admitted request has a page table");
+            }
+        }
+        let mut budget = u64::from(self.config.max_prefill_tokens);
+        // (id, start, end, prefill done, samples its first token)
+        let mut chunks: Vec<(u64, u64, u64, bool, bool)> = Vec::new();
+
+        if let Some(id) = self.partial {
+            let r = &self.requests[&id];
+            let (start, target) = (r.kv_len, r.prefill_target());
+            let chunk = (target - start).min(budget);
+            let done = start + chunk == target;
+            let extra = if done {
+                r.decode_tokens_after_prefill(smax, ctx)
+            } else {
+                0
+            };
+            let need_total = self
+                .pool
+                .pages_needed(id, chunk + extra)
+                .expect("partial request has a page table");
+            if need_total + reserve > free {
+                return None;
+            }
+            let need_now = self
+                .pool
+                .pages_needed(id, chunk)
+                .expect("partial request has a page table");
+            free -= need_now;
+            reserve += need_total - need_now;
+            budget -= chunk;
+            chunks.push((id, start, start + chunk, done, done && r.output_len() == 0));
+            if done {
+                self.partial = None;
+            }
+        }
+        if self.partial.is_none() {
+            while budget > 0 && self.admitted.len() < self.config.max_running_requests as usize {
+                let Some(&id) = self.waiting.front() else {
+                    break;
+                };
+                let r = self
+                    .requests
+                    .get_mut(&id)
+                    .expect("waiting request is known");
+                let target = r.prefill_target();
+                let chunk = target.min(budget);
+                let done = chunk == target;
+                let extra = if done {
+                    r.decode_tokens_after_prefill(smax, ctx)
+                } else {
+                    0
+                };
+                let need_total = (chunk + extra).div_ceil(page_size);
+                let need_now = chunk.div_ceil(page_size);
+                if need_total + reserve > free {
+                    break;
+                }
+                free -= need_now;
+                reserve += need_total - need_now;
+                budget -= chunk;
+                self.waiting.pop_front();
+                if r.admitted_before {
+                    self.waiting_preempted -= 1;
+                }
+                r.admitted_before = true;
+                r.state = RequestState::Prefilling;
+                self.pool
+                    .add_request(id)
+                    .expect("waiting request has no page table");
+                self.admitted.push(id);
+                chunks.push((id, 0, chunk, done, done && r.output_len() == 0));
+                if !done {
+                    self.partial = Some(id);
+                }
+            }
+        }
+        if chunks.is_empty() {
+            return None;
+        }
+
+        let b = chunks.len();
+        let n_tokens: u64 = chunks.iter().map(|c| c.2 - c.1).sum();
+        let n_kv: u64 = chunks.iter().map(|c| c.2).sum();
+        let mut a = Arrays::with_capacity(b, n_tokens as usize, n_tokens as usize, n_kv as usize);
+        let (mut done_v, mut sample_v) = (Vec::with_capacity(b), Vec::with_capacity(b));
+        let mut logits_indices = Vec::new();
+        let mut ids = Vec::with_capacity(b);
+        for &(id, start, end, done, sample) in &chunks {
+            let r = self.requests.get_mut(&id).expect("chunk request is known");
+            self.pool
+                .reserve_into(id, end - start, &mut a.out_loc)
+                .expect("pages were counted");
+            r.kv_len = end;
+            a.request_ids.push(id as i64);
+            a.input_ids
+                .extend_from_slice(&r.tokens[start as usize..end as usize]);
+            a.positions.extend(start as i64..end as i64);
+            a.qo_lens.push((end - start) as i64);
+            a.kv_lens.push(end as i64);
+            push_context(
+                &mut a,
+                self.pool.pages(id).expect("registered"),
+                page_size,
+                end,
+            );
+            done_v.push(i64::from(done));
+            sample_v.push(i64::from(sample));
+            if sample {
+                logits_indices.push(a.input_ids.len() as i64 - 1);
+            }
+            ids.push(id);
+        }
+        self.decode_turn = self.partial.is_some();
+        self.counters.prefill_iterations += 1;
+        self.counters.prefill_tokens += n_tokens;
+        self.in_flight = Some(InFlight {
+            kind: PlanKind::Prefill,
+            ids,
+            steps: 0,
+            from_policy: false,
+            steps_r: Vec::new(),
+            done: done_v.iter().map(|&d| d == 1).collect(),
+            sample: sample_v.iter().map(|&s| s == 1).collect(),
+        });
+        Some(Plan {
+            kind: PlanKind::Prefill,
+            request_ids: a.request_ids,
+            input_ids: a.input_ids,
+            positions: a.positions,
+            out_loc: a.out_loc,
+            qo_lens: a.qo_lens,
+            kv_lens: a.kv_lens,
+            kv_indices: a.kv_indices,
+            page_table: a.page_table,
+            page_table_offsets: a.page_table_offsets,
+            steps: 0,
+            graph_bs: None,
+            steps_per_request: Vec::new(),
+            prefill_done: done_v,
+            sample_first: sample_v,
+            logits_indices,
+            preempted: std::mem::take(&mut self.pending_preempted),
+        })
+    }
+
+    fn schedule_decode(&mut self) -> Option<Plan> {
+        let ctx = u64::from(self.config.context_length);
+        let page_size = u64::from(self.config.page_size);
+        // (id, steps_r) of the running requests in admission order, for the chosen steps.
+        let mut batch: Vec<(u64, u32)> = Vec::with_capacity(self.num_running);
+        let (steps, graph_bs, n_kv) = loop {
+            if self.num_running == 0 {
+                return None;
+            }
+            let (steps, graph_bs) = self.decide(self.num_running);
+            batch.clear();
+            let (mut need, mut n_kv) = (0u64, 0u64);
+            for id in &self.admitted {
+                let r = &self.requests[id];
+                if r.state != RequestState::Running {
+                    continue;
+                }
+                let steps_r = u64::from(steps).min(r.remaining(ctx) - 1);
+                need += self
+                    .pool
+                    .pages_needed(*id, steps_r + 1)
+                    .expect("running request has a page table");
+                n_kv += r.kv_len + steps_r + 1;
+                batch.push((*id, steps_r as u32));
+            }
+            if need <= u64::from(self.pool.num_free_pages()) {
+                break (steps, graph_bs, n_kv);
+            }
+            self.preempt_last();
+        };
+
+        let b = batch.len();
+        let n_tokens: usize = batch.iter().map(|&(_, s)| s as usize + 1).sum();
+        let mut a = Arrays::with_capacity(b, n_tokens, b, n_kv as usize);
+        let mut steps_per_request = Vec::with_capacity(b);
+        for &(id, steps_r) in &batch {
+            let r = self
+                .requests
+                .get_mut(&id)
+                .expect("running request is known");
+            let len = r.kv_len;
+            let n = u64::from(steps_r) + 1;
+            self.pool
+                .reserve_into(id, n, &mut a.out_loc)
+                .expect("pages were counted");
+            r.kv_len = len + n;
+            a.request_ids.push(id as i64);
+            a.input_ids
+                .push(*r.tokens.last().expect("a running request has tokens"));
+            a.positions.push(len as i64);
+            a.qo_lens.push(n as i64);
+            a.kv_lens.push((len + n) as i64);
+            push_context(
+                &mut a,
+                self.pool.pages(id).expect("registered"),
+                page_size,
+                len + n,
+            );
+            steps_per_request.push(i64::from(steps_r));
+        }
+        self.in_flight = Some(InFlight {
+            kind: PlanKind::Decode,
+            ids: batch.iter().map(|&(id, _)| id).collect(),
+            steps,
+            from_policy: self.fixed_steps.is_none(),
+            steps_r: batch.iter().map(|&(_, s)| s).collect(),
+            done: Vec::new(),
+            sample: Vec::new(),
+        });
+        Some(Plan {
+            kind: PlanKind::Decode,
+            request_ids: a.request_ids,
+            input_ids: a.input_ids,
+            positions: a.positions,
+            out_loc: a.out_loc,
+            qo_lens: a.qo_lens,
+            kv_lens: a.kv_lens,
+            kv_indices: a.kv_indices,
+            page_table: a.page_table,
+            page_table_offsets: a.page_table_offsets,
+            steps,
+            graph_bs,
+            steps_per_request,
+            prefill_done: Vec::new(),
+            sample_first: Vec::new(),
+            logits_indices: Vec::new(),
+            preempted: std::mem::take(&mut self.pending_preempted),
+        })
+    }
+
+    /// Preempts the most recently admitted request: frees its pages and puts it at the front of
+    /// the waiting queue, tokens kept.
+    fn preempt_last(&mut self) {
+        let id = self
+            .admitted
+            .pop()
+            .expect("preemption needs an admitted request");
+        let r = self
+            .requests
+            .get_mut(&id)
+            .expect("admitted request is known");
+        self.pool
+            .free_request(id)
+            .expect("admitted request has a page table");
+        if r.state == RequestState::Running {
+            self.num_running -= 1;
+        }
+        if self.partial == Some(id) {
+            self.partial = None;
+        }
+        r.state = RequestState::Waiting;
+        r.kv_len = 0;
+        r.num_preemptions += 1;
+        self.waiting.push_front(id);
+        self.waiting_preempted += 1;
+        self.counters.preemptions += 1;
+        self.pending_preempted.push(id as i64);
+    }
+}
+
+/// Appends a request's page table and the slots of its positions `0 .. len` (`kv_indices`).
+fn push_context(a: &mut Arrays, pages: &[u32], page_size: u64, len: u64) {
+    a.page_table.extend(pages.iter().map(|&p| i64::from(p)));
+    a.page_table_offsets.push(a.page_table.len() as i64);
+    let ps = page_size as i64;
+    let full = (len / page_size) as usize;
+    // Whole pages: an iota per page (vectorizes), then the partial last page.
+    for &p in &pages[..full] {
+        let base = i64::from(p) * ps;
+        a.kv_indices.extend((0..ps).map(|k| base + k));
+    }
+    let rest = (len % page_size) as i64;
+    if rest > 0 {
+        let base = i64::from(pages[full]) * ps;
+        a.kv_indices.extend((0..rest).map(|k| base + k));
+    }
+}
