@@ -1,7 +1,8 @@
 """The ``specdial`` command line.
 
 Subcommands: ``specdial policy replay`` (tune an adaptive config offline on a recorded trace),
-``specdial generate`` and ``specdial serve`` (:mod:`specdial.cli_serve`).
+``specdial generate`` and ``specdial serve`` (:mod:`specdial.cli_serve`), ``specdial bench`` and
+``specdial bench compare`` (:mod:`specdial.bench.cli`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import sys
 
 from specdial._core import AdaptiveConfig, ConfigError
+from specdial.bench.cli import add_bench_subcommand, run_bench_command
 from specdial.cli_serve import SUBCOMMANDS, add_subcommands, run_subcommand
 from specdial.replay import TraceError, format_summary, replay
 
@@ -41,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--quiet", action="store_true", help="print only the summary, not each switch")
     rp.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_subcommands(sub)
+    add_bench_subcommand(sub)
     return parser
 
 
@@ -49,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in SUBCOMMANDS:
         return run_subcommand(args)
+    if args.command == "bench":
+        return run_bench_command(args, argv)
     if args.command == "policy" and args.policy_command == "replay":
         try:
             config = AdaptiveConfig.from_file(args.config) if args.config else AdaptiveConfig.default()

@@ -1,0 +1,358 @@
+"""``specdial bench`` and ``specdial bench compare``.
+
+- ``specdial bench [engine options] [--backend engine|http --base-url URL] [--dataset
+  code|prose|hard|mixed|PATH --num-prompts N --max-new-tokens N] [--concurrency N |
+  --request-rate R]`` runs one benchmark and prints output tokens/s, request throughput, TTFT,
+  TPOT, ITL (mean, p50, p99), the mean acceptance length and the steps histogram;
+  ``--output-json FILE`` saves everything (``--json`` prints it).
+- ``specdial bench compare [engine options] [--configs ...] [--workloads code,hard,mixed]
+  [--concurrency 1,4,16,64] [--adaptive-config FILE] [--output-dir DIR]`` runs the
+  configurations of :mod:`specdial.bench.compare` side by side and writes ``compare.json``,
+  ``compare.md`` and the PNG plots.
+
+The engine options are those of ``specdial serve`` (:class:`specdial.server.config.EngineArgs`);
+in ``compare`` the speculation options (``--speculative-num-steps``,
+``--speculative-adaptive``) are set by each configuration and ``--speculative-adaptive-config``
+is an alias of ``--adaptive-config``. Exit status: 0, or 2 on bad options, a dataset that
+cannot be used or an engine that cannot be built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specdial.bench.datasets import DatasetError, build_requests
+from specdial.server.config import EngineArgs, add_dataclass_arguments, config_from_args
+
+__all__ = ["BenchConfig", "CompareConfig", "add_bench_subcommand", "format_result",
+           "run_bench", "run_bench_command", "run_compare"]
+
+logger = logging.getLogger("specdial.bench")
+
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def _opt(help: str, default: Any = None, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class _BenchCommon(EngineArgs):
+    """Options shared by ``bench`` and ``bench compare`` (besides the engine options)."""
+
+    log_level: str = _opt("log level of specdial", default="warning", choices=_LOG_LEVELS)
+    prompts_dir: str | None = _opt(
+        "directory of code.jsonl, prose.jsonl and hard.jsonl; default: ./benches/prompts, "
+        "else the source checkout's", metavar="DIR")
+    max_new_tokens: int = _opt("output tokens per request (fixed with --ignore-eos)",
+                               default=128, metavar="N")
+    ignore_eos: bool = _opt("keep generating past EOS so every request has max_new_tokens "
+                            "tokens", default=True)
+    temperature: float = _opt("sampling temperature; 0 = greedy", default=0.0)
+    mix_every: int = _opt("mixed workload: switch between code and hard prompts every N "
+                          "requests", default=8, metavar="N")
+    seed: int = _opt("seed of the prompt shuffle and the Poisson arrivals", default=0)
+    sample_interval: float = _opt("seconds between engine statistics samples", default=0.25,
+                                  metavar="SECONDS")
+    progress: bool = _opt("show a progress bar on stderr", default=True)
+
+
+@dataclass
+class BenchConfig(_BenchCommon):
+    """Options of ``specdial bench``."""
+
+    backend: str = _opt("engine: an in-process Engine built from the engine options; http: a "
+                        "running OpenAI-compatible server at --base-url", default="engine",
+                        choices=("engine", "http"))
+    base_url: str = _opt("server URL for --backend http", default="http://127.0.0.1:30000")
+    served_model_name: str | None = _opt(
+        "--backend http: the request's model; default: the first of /v1/models", metavar="NAME")
+    dataset: str = _opt("code, prose, hard, mixed, or a JSONL file (field 'prompt', or "
+                        "'input_ids')", default="code", metavar="NAME|PATH")
+    num_prompts: int = _opt("requests to send", default=32, metavar="N")
+    concurrency: int | None = _opt(
+        "most requests in flight; default: no limit (all at once unless --request-rate). "
+        "--backend engine: also the default of --max-running-requests", metavar="N")
+    request_rate: float | None = _opt(
+        "Poisson arrivals at R requests/s (seeded); default: all at once", metavar="R")
+    warmup_prompts: int = _opt("requests sent before measuring", default=1, metavar="N")
+    output_json: str | None = _opt("write the result (summary, timeline) to this JSON file",
+                                   metavar="FILE")
+    json: bool = _opt("print the result as JSON instead of a table", default=False)
+
+
+@dataclass
+class CompareConfig(_BenchCommon):
+    """Options of ``specdial bench compare``."""
+
+    configs: str | None = _opt(
+        "comma-separated configurations: no-spec, fixed-K, adaptive, adaptive-user; a +skip "
+        "suffix (fixed-0+skip) turns on --skip-zero-step-draft-extend for that one; default: "
+        "no-spec,fixed-1,fixed-3,fixed-5,fixed-7,adaptive (+adaptive-user with "
+        "--adaptive-config)", metavar="LIST")
+    adaptive_config: str | None = _opt(
+        "adaptive config JSON (SGLang format) of the adaptive-user configuration",
+        metavar="FILE")
+    workloads: str = _opt("comma-separated datasets: code, prose, hard, mixed or JSONL paths",
+                          default="code,hard,mixed", metavar="LIST")
+    concurrency: str = _opt("comma-separated concurrencies", default="1,4,16,64",
+                            metavar="LIST")
+    num_prompts: int | None = _opt(
+        "requests per workload and concurrency; default: max(2 x concurrency, 16)",
+        metavar="N")
+    repetitions: int = _opt("round-robin repetitions of every configuration", default=2,
+                            metavar="N")
+    warmup_prompts: int = _opt("requests per engine and workload before measuring", default=2,
+                               metavar="N")
+    output_dir: str = _opt("where compare.json, compare.md and the plots go",
+                           default="bench-results", metavar="DIR")
+    plots: bool = _opt("write PNG plots (matplotlib)", default=True)
+
+
+def add_bench_subcommand(sub: Any) -> None:
+    """Register ``bench`` (and its ``compare`` subcommand) on the ``add_subparsers()`` object
+    ``sub``."""
+    bench = sub.add_parser(
+        "bench", help="benchmark the engine or a server (tokens/s, TTFT, TPOT, ITL, acceptance)",
+        description="Benchmark an in-process engine or a running server: output tokens/s, "
+        "request throughput, TTFT, TPOT and inter-token latency (mean, p50, p99), mean "
+        "acceptance length and steps per decode iteration. `specdial bench compare` compares "
+        "no speculation, fixed steps and the adaptive policy side by side.")
+    add_dataclass_arguments(bench, BenchConfig)
+    bsub = bench.add_subparsers(dest="bench_command", required=False, metavar="compare",
+                                help="compare: no-spec, fixed steps and adaptive configurations "
+                                "side by side (`specdial bench compare --help`)")
+    compare = bsub.add_parser(
+        "compare", help="compare no-spec, fixed steps and adaptive configurations",
+        description="Run several engine configurations in one process over the same prompts, "
+        "round-robin per repetition, at several concurrencies and workloads; write JSON, a "
+        "markdown table with ratios, and PNG plots.")
+    add_dataclass_arguments(compare, CompareConfig)
+
+
+def run_bench_command(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    """Dispatch ``specdial bench [compare]``; returns the exit status. ``argv`` (default
+    ``sys.argv[1:]``) is recorded as the command of a comparison."""
+    if getattr(args, "bench_command", None) == "compare":
+        return run_compare(config_from_args(CompareConfig, args),
+                           argv=sys.argv[1:] if argv is None else list(argv))
+    return run_bench(config_from_args(BenchConfig, args))
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("specdial").setLevel(level.upper())
+
+
+def _error(message: Any) -> int:
+    print(f"specdial: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{what}: expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{what}: expected integers >= 1, got {text!r}")
+    return values
+
+
+_LOAD_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError,
+                                                 NotImplementedError, OSError, TypeError)
+
+
+# ---------------------------------------------------------------------------- single run
+def format_result(result: dict[str, Any]) -> str:
+    """The table ``specdial bench`` prints (latencies in milliseconds)."""
+    s, run = result["summary"], result["run"]
+
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{1e3 * x:.2f}"
+
+    def num(x: float | None, fmt: str = "{:.2f}") -> str:
+        return "-" if x is None else fmt.format(x)
+
+    rows = [
+        ("Backend", run["backend"]), ("Dataset", run["dataset"]),
+        ("Concurrency", run["concurrency"] or "unlimited"),
+        ("Request rate (req/s)", run["request_rate"] or "inf"),
+        ("Successful requests", f"{s['completed']} / {s['completed'] + s['failed']}"),
+        ("Benchmark duration (s)", f"{s['duration_s']:.2f}"),
+        ("Total input tokens", s["input_tokens"]), ("Total output tokens", s["output_tokens"]),
+        ("Request throughput (req/s)", f"{s['request_throughput']:.2f}"),
+        ("Output token throughput (tok/s)", f"{s['output_throughput']:.2f}"),
+        ("Total token throughput (tok/s)", f"{s['total_token_throughput']:.2f}"),
+    ]
+    for title, key in (("Time to First Token", "ttft_s"), ("Time per Output Token (excl. 1st "
+                       "token)", "tpot_s"), ("Inter-token Latency (per chunk)", "itl_s"),
+                       ("End-to-end Latency", "e2e_latency_s")):
+        rows.append((f"-- {title} (ms) --", ""))
+        for stat in ("mean", "p50", "p99"):
+            rows.append((f"{stat.capitalize()}", ms(s[key][stat])))
+    hist = s["steps_histogram"]
+    total = sum(hist.values())
+    rows += [("-- Speculative decoding --", ""),
+             ("Mean acceptance length", num(s["mean_accept_length"])),
+             ("Draft acceptance rate", num(s["draft_acceptance_rate"])),
+             ("Tokens per verify (meta_info)", num(s["tokens_per_verify"])),
+             ("Steps (request-iterations)", ", ".join(
+                 f"{k}: {v} ({100 * v / total:.0f}%)" for k, v in hist.items()) or "-"),
+             ("Steps (time share)", ", ".join(
+                 f"{k}: {100 * v:.0f}%" for k, v in s["steps_time_share"].items()) or "-"),
+             ("Step switches", num(s["step_switches"], "{}"))]
+    if s["engine_iterations_per_steps"]:
+        rows.append(("Steps (engine iterations)", ", ".join(
+            f"{k}: {v}" for k, v in s["engine_iterations_per_steps"].items())))
+    width = 42
+    lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=width + 20, c="=")]
+    for k, v in rows:
+        if str(k).startswith("--"):
+            lines.append("{s:{c}^{n}}".format(s=f" {k.strip('- ')} ", n=width + 20, c="-"))
+        else:
+            lines.append(f"{k:<{width}}{v!s:>20}")
+    if not s["streaming"]:
+        lines.append("(no streaming: requests ran in generate() batches, so TTFT/TPOT/ITL "
+                     "are unavailable)")
+    if s["errors"]:
+        lines.append("errors: " + "; ".join(s["errors"]))
+    lines.append("=" * (width + 20))
+    return "\n".join(lines)
+
+
+async def _bench_async(driver: Any, requests: list[Any], warm: list[Any],
+                       cfg: BenchConfig, params: dict[str, Any]) -> Any:
+    from specdial.bench.driver import run_benchmark
+
+    await driver.start()
+    try:
+        if warm:
+            await run_benchmark(driver, warm, sampling_params=params, concurrency=len(warm),
+                                progress=False, sample_interval=cfg.sample_interval)
+        return await run_benchmark(driver, requests, sampling_params=params,
+                                   concurrency=cfg.concurrency, request_rate=cfg.request_rate,
+                                   seed=cfg.seed, sample_interval=cfg.sample_interval,
+                                   progress=cfg.progress, desc=f"bench {cfg.dataset}")
+    finally:
+        await driver.close()
+
+
+def run_bench(cfg: BenchConfig) -> int:
+    """``specdial bench``: returns 0, or 2 (message on stderr)."""
+    import asyncio
+
+    from specdial.bench.driver import EngineDriver, HttpDriver
+    from specdial.bench.metrics import summarize, timeline_series
+
+    _setup_logging(cfg.log_level)
+    if cfg.concurrency is not None and cfg.concurrency < 1:
+        return _error(f"--concurrency must be >= 1, got {cfg.concurrency}")
+    if cfg.request_rate is not None and not (cfg.request_rate > 0):
+        return _error(f"--request-rate must be > 0, got {cfg.request_rate}")
+    engine = None
+    if cfg.backend == "http":
+        driver: Any = HttpDriver(cfg.base_url, model=cfg.served_model_name,
+                                 ignore_eos=cfg.ignore_eos)
+    else:
+        if cfg.max_running_requests is None and cfg.concurrency is not None:
+            cfg = dataclasses.replace(cfg, max_running_requests=cfg.concurrency)
+        try:
+            engine = cfg.build_engine()
+        except _LOAD_ERRORS as e:
+            return _error(f"cannot start the engine: {e}")
+        driver = EngineDriver(engine)
+    params = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
+              "ignore_eos": cfg.ignore_eos}
+    try:
+        try:
+            requests = build_requests(cfg.dataset, cfg.num_prompts, seed=cfg.seed,
+                                      mix_every=cfg.mix_every, directory=cfg.prompts_dir,
+                                      keep=lambda r: driver.prepare(r, cfg.max_new_tokens))
+        except DatasetError as e:
+            return _error(e)
+        warm = requests[:max(cfg.warmup_prompts, 0)]
+        run = asyncio.run(_bench_async(driver, requests, warm, cfg, params))
+    finally:
+        if engine is not None:
+            engine.shutdown()
+    summary = summarize([run])
+    conf = {k: v for k, v in dataclasses.asdict(cfg).items()
+            if k not in ("json", "output_json", "progress")}
+    result = {
+        "run": {"backend": cfg.backend, "dataset": cfg.dataset, "num_prompts": len(requests),
+                "concurrency": cfg.concurrency,
+                "request_rate": None if cfg.request_rate is None or math.isinf(cfg.request_rate)
+                else cfg.request_rate,
+                "max_new_tokens": cfg.max_new_tokens,
+                "speculative_algorithm": getattr(engine, "speculative_algorithm", None),
+                "warnings": list(getattr(driver, "warnings", []))},
+        "summary": summary, "config": conf,
+        "timeline": timeline_series(run.timeline) if run.timeline else None}
+    if cfg.output_json:
+        Path(cfg.output_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.output_json).write_text(json.dumps(result, indent=1, default=str),
+                                         encoding="utf-8")
+    print(json.dumps(result, default=str) if cfg.json else format_result(result))
+    return 0
+
+
+# ---------------------------------------------------------------------------- compare
+def run_compare(cfg: CompareConfig, argv: list[str] | None = None) -> int:
+    """``specdial bench compare``: returns 0, or 2 (message on stderr)."""
+    from specdial.bench.compare import EngineFactory, parse_configurations, run_comparison
+    from specdial.bench.compare import write_outputs
+
+    _setup_logging(cfg.log_level)
+    user_config = cfg.adaptive_config or cfg.speculative_adaptive_config
+    if (cfg.adaptive_config and cfg.speculative_adaptive_config
+            and cfg.adaptive_config != cfg.speculative_adaptive_config):
+        return _error("--adaptive-config and --speculative-adaptive-config differ; give one")
+    try:
+        configs = parse_configurations(cfg.configs, user_config)
+        concurrencies = _int_list(cfg.concurrency, "--concurrency")
+        if cfg.repetitions < 1:
+            raise ValueError(f"--repetitions must be >= 1, got {cfg.repetitions}")
+        if cfg.num_prompts is not None and cfg.num_prompts < 1:
+            raise ValueError(f"--num-prompts must be >= 1, got {cfg.num_prompts}")
+    except ValueError as e:
+        return _error(e)
+    workloads = [w.strip() for w in cfg.workloads.split(",") if w.strip()]
+    if not workloads:
+        return _error("--workloads is empty")
+    if cfg.record_trace:
+        logger.warning("--record-trace is ignored by `bench compare`")
+    factory = EngineFactory(cfg, default_max_running=max(concurrencies))
+    meta = {"command": "specdial " + shlex.join(argv) if argv else None,
+            "model_path": cfg.model_path or "built-in", "draft_model_path":
+            cfg.draft_model_path, "speculative_algorithm": cfg.speculative_algorithm,
+            "device": cfg.device, "dtype": cfg.dtype,
+            "skip_zero_step_draft_extend": cfg.skip_zero_step_draft_extend}
+    try:
+        result = run_comparison(
+            factory.build, configs, workloads, concurrencies, num_prompts=cfg.num_prompts,
+            max_new_tokens=cfg.max_new_tokens, mix_every=cfg.mix_every, seed=cfg.seed,
+            repetitions=cfg.repetitions, prompts_dir=cfg.prompts_dir,
+            warmup_prompts=cfg.warmup_prompts, sample_interval=cfg.sample_interval,
+            temperature=cfg.temperature, ignore_eos=cfg.ignore_eos, progress=cfg.progress,
+            meta=meta)
+    except DatasetError as e:
+        return _error(e)
+    except _LOAD_ERRORS as e:
+        return _error(f"cannot run the comparison: {e}")
+    files = write_outputs(result, cfg.output_dir, plots=cfg.plots)
+    from specdial.bench.compare import format_markdown
+
+    print(format_markdown(result))
+    print("wrote " + ", ".join(files.values()), file=sys.stderr)
+    return 0

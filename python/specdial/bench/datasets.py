@@ -1,0 +1,161 @@
+"""Benchmark prompts: the built-in prompt sets, a user's JSONL file, and the mixed workload.
+
+A dataset is named by ``--dataset``:
+
+- ``code``, ``prose``, ``hard``: ``benches/prompts/{name}.jsonl`` (issue 4's prompt files; see
+  :func:`prompts_dir` for where they are looked up);
+- ``mixed``: ``code`` and ``hard`` prompts in phases: ``mix_every`` code requests, then
+  ``mix_every`` hard ones, and so on (the adaptive policy meets high- and low-acceptance phases);
+- any other value: a path to a JSONL file.
+
+Each JSONL line is an object with ``prompt`` (text) or ``input_ids`` (token ids, for engines
+without a tokenizer, e.g. the tests' tiny random models); other fields are ignored. Prompts are
+shuffled with the seed, then taken in order, wrapping around when ``num_prompts`` exceeds the
+file, so every configuration of a comparison sees exactly the same request sequence.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+__all__ = ["BUILTIN_DATASETS", "BenchRequest", "DatasetError", "build_requests", "load_jsonl",
+           "prompts_dir"]
+
+#: Dataset names that resolve to ``benches/prompts/{name}.jsonl``.
+BUILTIN_DATASETS = ("code", "prose", "hard")
+#: The two prompt sets the ``mixed`` workload alternates between.
+MIXED_PHASES = ("code", "hard")
+
+
+class DatasetError(ValueError):
+    """A dataset that cannot be used: missing file, bad JSON, no usable prompt."""
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One benchmark request: ``prompt`` text and/or ``input_ids``; ``workload`` is the prompt
+    set it came from (``code``, ``hard``, ... or the file stem), ``index`` its position in the
+    request sequence."""
+
+    index: int
+    workload: str
+    prompt: str | None = None
+    input_ids: tuple[int, ...] | None = None
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        """Prompt length in tokens when known (``input_ids`` given), else None."""
+        return None if self.input_ids is None else len(self.input_ids)
+
+
+def prompts_dir(explicit: str | Path | None = None) -> Path:
+    """The directory holding ``code.jsonl``, ``prose.jsonl`` and ``hard.jsonl``: ``explicit``
+    if given, else ``./benches/prompts`` when it exists, else the source checkout's
+    ``benches/prompts`` (beside ``python/specdial``)."""
+    if explicit is not None:
+        return Path(explicit)
+    here = Path.cwd() / "benches" / "prompts"
+    if here.is_dir():
+        return here
+    return Path(__file__).resolve().parents[3] / "benches" / "prompts"
+
+
+def load_jsonl(path: str | Path, workload: str | None = None) -> list[BenchRequest]:
+    """Every usable line of the JSONL file ``path`` (``index`` = line order, ``workload`` =
+    ``workload`` or the file stem). Raises :class:`DatasetError` for a missing file, a line
+    that is not a JSON object, or a file without any ``prompt`` / ``input_ids``."""
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"prompt file not found: {path}")
+    label = workload or path.stem
+    out: list[BenchRequest] = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{path}:{lineno}: not JSON ({e})") from None
+            if not isinstance(obj, dict):
+                raise DatasetError(f"{path}:{lineno}: expected a JSON object")
+            prompt, ids = obj.get("prompt"), obj.get("input_ids")
+            if ids is not None and (not isinstance(ids, list) or not ids
+                                    or not all(isinstance(t, int) for t in ids)):
+                raise DatasetError(f"{path}:{lineno}: input_ids must be a non-empty list of ints")
+            if prompt is not None and not isinstance(prompt, str):
+                raise DatasetError(f"{path}:{lineno}: prompt must be a string")
+            if not prompt and ids is None:
+                continue
+            out.append(BenchRequest(len(out), label, prompt or None,
+                                    None if ids is None else tuple(ids)))
+    if not out:
+        raise DatasetError(f"{path}: no line has a 'prompt' or 'input_ids'")
+    return out
+
+
+def _resolve(name: str, directory: Path) -> tuple[Path, str]:
+    if name in BUILTIN_DATASETS:
+        path = directory / f"{name}.jsonl"
+        if not path.is_file():
+            raise DatasetError(
+                f"built-in prompt set {name!r} not found at {path}; generate it with "
+                "`python -m specdial.demo.prompts` or pass --prompts-dir / a JSONL path")
+        return path, name
+    path = Path(name)
+    return path, path.stem
+
+
+def _prepare(pool: list[BenchRequest], seed: int,
+             keep: Callable[[BenchRequest], BenchRequest | None] | None) -> list[BenchRequest]:
+    pool = list(pool)
+    random.Random(seed).shuffle(pool)
+    if keep is not None:
+        pool = [r for r in (keep(x) for x in pool) if r is not None]
+    return pool
+
+
+def build_requests(dataset: str, num_prompts: int, *, seed: int = 0, mix_every: int = 8,
+                   directory: str | Path | None = None,
+                   keep: Callable[[BenchRequest], BenchRequest | None] | None = None,
+                   ) -> list[BenchRequest]:
+    """The request sequence of a benchmark run (``num_prompts`` requests, ``index`` 0..n-1).
+
+    ``dataset``: ``code``/``prose``/``hard``/``mixed`` or a JSONL path (module docstring).
+    ``seed`` shuffles each prompt set; ``mix_every`` is the phase length of ``mixed`` in
+    requests. ``keep`` maps each candidate prompt to the request to use (e.g. with token ids
+    filled in) or None to drop it (e.g. too long for the context); it runs after the shuffle.
+    Raises :class:`DatasetError` when nothing is left.
+    """
+    if num_prompts < 1:
+        raise DatasetError(f"num_prompts must be >= 1, got {num_prompts}")
+    directory = prompts_dir(directory)
+    if dataset == "mixed":
+        if mix_every < 1:
+            raise DatasetError(f"mix_every must be >= 1, got {mix_every}")
+        phases = []
+        for name in MIXED_PHASES:
+            path, label = _resolve(name, directory)
+            phases.append(_prepare(load_jsonl(path, label), seed, keep))
+        sources: Sequence[list[BenchRequest]] = phases
+    else:
+        path, label = _resolve(dataset, directory)
+        sources = [_prepare(load_jsonl(path, label), seed, keep)]
+        mix_every = num_prompts
+    for src in sources:
+        if not src:
+            raise DatasetError(f"dataset {dataset!r}: no prompt is usable (all too long for "
+                               "the context, or text prompts for an engine without tokenizer)")
+    out: list[BenchRequest] = []
+    cursors = [0] * len(sources)
+    while len(out) < num_prompts:
+        phase = (len(out) // mix_every) % len(sources)
+        src = sources[phase]
+        r = src[cursors[phase] % len(src)]
+        cursors[phase] += 1
+        out.append(BenchRequest(len(out), r.workload, r.prompt, r.input_ids))
+    return out

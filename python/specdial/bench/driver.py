@@ -1,0 +1,478 @@
+"""Drivers (what a benchmark sends requests to) and the run loop.
+
+- :class:`EngineDriver`: an in-process engine (:mod:`specdial.engine_api`). With
+  ``async_stream`` every request is its own stream and TTFT/TPOT/ITL are measured per chunk.
+  An engine with only ``generate`` (the static-batch Engine of issue 3) is driven in batches:
+  the requests that have arrived, up to the concurrency, go into one ``generate`` call; TTFT,
+  TPOT and ITL then need streaming and are reported as None.
+- :class:`HttpDriver`: a running OpenAI-compatible server (``specdial serve``, or vLLM/SGLang):
+  ``POST /v1/completions`` with ``stream: true`` and ``stream_options.include_usage`` (the
+  completion token count comes from ``usage``), engine counters from ``GET /metrics``.
+
+:func:`run_benchmark` sends the requests with a fixed concurrency (a semaphore) and/or Poisson
+arrivals at a request rate (:func:`poisson_arrivals`, seeded), samples the engine's stats every
+``sample_interval`` seconds while it runs, and shows a tqdm progress bar on stderr.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import math
+import random
+import re
+import time
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+from specdial.bench.datasets import BenchRequest
+from specdial.bench.metrics import RequestRecord, RunData, snapshot
+
+__all__ = ["Driver", "EngineDriver", "HttpDriver", "parse_prometheus", "poisson_arrivals",
+           "prometheus_snapshot", "run_benchmark"]
+
+logger = logging.getLogger("specdial.bench")
+
+Clock = Callable[[], float]
+
+
+def poisson_arrivals(n: int, request_rate: float | None, seed: int = 0) -> list[float]:
+    """Arrival times (seconds from the start) of ``n`` requests of a Poisson process with
+    ``request_rate`` requests/s: the first at 0, then exponential gaps of mean
+    ``1 / request_rate``, drawn from ``random.Random(seed)`` (same seed, same times). None or
+    ``inf`` means every request at 0."""
+    if request_rate is None or math.isinf(request_rate):
+        return [0.0] * n
+    if not request_rate > 0:
+        raise ValueError(f"request_rate must be > 0 requests/s, got {request_rate}")
+    rng = random.Random(seed)
+    times, t = [], 0.0
+    for _ in range(n):
+        times.append(t)
+        t += rng.expovariate(request_rate)
+    return times
+
+
+class Driver(Protocol):
+    """What :func:`run_benchmark` needs of a backend."""
+
+    name: str
+    #: True: :meth:`send` per request; False: :meth:`generate_batch`.
+    streaming: bool
+
+    def prepare(self, req: BenchRequest, max_new_tokens: int) -> BenchRequest | None:
+        """The request to send (e.g. tokenized), or None when it cannot be served (too long
+        for the context, no usable prompt field)."""
+        ...
+
+    async def start(self) -> None: ...
+
+    async def stats(self) -> dict[str, Any] | None:
+        """A :func:`specdial.bench.metrics.snapshot`-ready mapping, or None (no stats)."""
+        ...
+
+    async def send(self, req: BenchRequest, params: dict[str, Any], rec: RequestRecord,
+                   clock: Clock) -> None:
+        """Run one request to the end, filling ``rec`` (chunks, meta, success)."""
+        ...
+
+    def generate_batch(self, reqs: Sequence[BenchRequest],
+                       params: dict[str, Any]) -> list[dict[str, Any]]: ...
+
+    async def close(self) -> None: ...
+
+
+# ---------------------------------------------------------------------------- in-process
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    enc = tokenizer.encode(text)
+    return [int(t) for t in getattr(enc, "ids", enc)]
+
+
+class EngineDriver:
+    """An in-process engine (see the module docstring). Prompts are tokenized once, before the
+    run, with ``engine.tokenizer`` (as the server does), and those longer than
+    ``engine.context_length - max_new_tokens`` are dropped."""
+
+    def __init__(self, engine: Any, name: str = "engine") -> None:
+        self.engine, self.name = engine, name
+        self.streaming = hasattr(engine, "async_stream")
+        self._has_stats = callable(getattr(engine, "stats", None))
+
+    def prepare(self, req: BenchRequest, max_new_tokens: int) -> BenchRequest | None:
+        ids = req.input_ids
+        if ids is None:
+            tok = getattr(self.engine, "tokenizer", None)
+            if tok is None or req.prompt is None:
+                return None
+            ids = tuple(_encode(tok, req.prompt))
+        ctx = getattr(self.engine, "context_length", None)
+        if not ids or (ctx is not None and len(ids) + max_new_tokens > int(ctx)):
+            return None
+        return BenchRequest(req.index, req.workload, req.prompt, ids)
+
+    async def start(self) -> None:
+        return None
+
+    async def stats(self) -> dict[str, Any] | None:
+        if not self._has_stats:
+            return None
+        stats = await asyncio.to_thread(self.engine.stats)
+        return snapshot(stats, 0.0)
+
+    async def send(self, req: BenchRequest, params: dict[str, Any], rec: RequestRecord,
+                   clock: Clock) -> None:
+        stream = self.engine.async_stream(input_ids=list(req.input_ids or ()),
+                                          sampling_params=dict(params))
+        try:
+            async for chunk in stream:
+                now = clock()
+                if chunk.token_ids:
+                    rec.add_chunk(now, len(chunk.token_ids))
+                if chunk.meta_info:
+                    rec.set_meta(chunk.meta_info)
+                if chunk.finished:
+                    reason = (chunk.finish_reason or {}).get("type")
+                    rec.finish_reason, rec.end_time = reason, now
+                    rec.success = reason != "abort"
+                    if not rec.success:
+                        rec.error = str((chunk.finish_reason or {}).get("message", "aborted"))
+                    break
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    def generate_batch(self, reqs: Sequence[BenchRequest],
+                       params: dict[str, Any]) -> list[dict[str, Any]]:
+        out = self.engine.generate(input_ids=[list(r.input_ids or ()) for r in reqs],
+                                   sampling_params=dict(params))
+        return list(out)
+
+    async def close(self) -> None:
+        return None
+
+
+# ---------------------------------------------------------------------------- HTTP
+_METRIC = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+_PREFIXES = ("specdial:", "vllm:", "sglang:")
+#: snapshot key -> metric name without the prefix (counters summed over label sets).
+_PROM_NAMES = {
+    "running": "num_requests_running", "queued": "num_requests_waiting",
+    "num_drafts": "spec_decode_num_drafts_total",
+    "num_draft_tokens": "spec_decode_num_draft_tokens_total",
+    "num_accepted_tokens": "spec_decode_num_accepted_tokens_total",
+    "step_switches": "spec_decode_step_switches_total",
+    "preemptions": "num_preemptions_total",
+    "requests_finished": "num_requests_finished_total",
+    "prompt_tokens": "prompt_tokens_total", "generation_tokens": "generation_tokens_total",
+}
+
+
+def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """The samples of a Prometheus text exposition: ``{name: [(labels, value), ...]}``
+    (comments and malformed lines skipped)."""
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _METRIC.match(line)
+        if m is None:
+            continue
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        labels = dict(_LABEL.findall(m.group(2) or ""))
+        out.setdefault(m.group(1), []).append((labels, value))
+    return out
+
+
+def prometheus_snapshot(text: str) -> dict[str, Any]:
+    """A stats mapping (the :class:`~specdial.engine_api.EngineStats` field names) from a
+    ``/metrics`` body: specdial's names (``specdial:spec_decode_num_drafts_total``, ...), or
+    vLLM's/SGLang's where they match; ``steps_per_slot`` from
+    ``specdial:spec_decode_num_steps{slot=...}``."""
+    samples = parse_prometheus(text)
+
+    def lookup(base: str) -> list[tuple[dict[str, str], float]] | None:
+        for prefix in _PREFIXES:
+            if prefix + base in samples:
+                return samples[prefix + base]
+        return None
+
+    snap: dict[str, Any] = {}
+    for key, base in _PROM_NAMES.items():
+        found = lookup(base)
+        if found is not None:
+            snap[key] = int(sum(v for _, v in found))
+    steps = lookup("spec_decode_num_steps") or []
+    snap["steps_per_slot"] = {int(lab["slot"]): int(v) for lab, v in steps if "slot" in lab}
+    return snap
+
+
+class HttpDriver:
+    """A running OpenAI-compatible server at ``base_url`` (see the module docstring).
+
+    ``model``: the ``model`` field; None = the first id of ``GET /v1/models`` (omitted if that
+    fails). ``ignore_eos`` is sent as the vLLM/SGLang extension field; a server that answers
+    400 naming it (``specdial serve`` implements only OpenAI's fields) gets requests without
+    it from then on, and the output lengths are then those the model chooses up to
+    ``max_tokens``. Prompts must be text (``prompt`` in the JSONL).
+    """
+
+    streaming = True
+
+    def __init__(self, base_url: str, *, model: str | None = None, api_key: str | None = None,
+                 ignore_eos: bool = True, timeout_s: float = 600.0) -> None:
+        self.base_url, self.model, self.api_key = base_url.rstrip("/"), model, api_key
+        self.name = "http"
+        self.ignore_eos = ignore_eos
+        self.timeout_s = timeout_s
+        self.client: Any = None
+        self.warnings: list[str] = []
+        self._has_metrics = True
+
+    def prepare(self, req: BenchRequest, max_new_tokens: int) -> BenchRequest | None:
+        return req if req.prompt else None
+
+    async def start(self) -> None:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        self.client = httpx.AsyncClient(
+            base_url=self.base_url, headers=headers, timeout=httpx.Timeout(self.timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+        if self.model is None:
+            try:
+                r = await self.client.get("/v1/models")
+                data = r.json().get("data") or []
+                self.model = data[0]["id"] if data else None
+            except Exception as e:  # noqa: BLE001 - the field is optional for specdial serve
+                logger.warning("GET /v1/models failed (%s); sending requests without 'model'", e)
+
+    async def stats(self) -> dict[str, Any] | None:
+        if not self._has_metrics:
+            return None
+        try:
+            r = await self.client.get("/metrics")
+        except Exception as e:  # noqa: BLE001 - a benchmark without server stats still runs
+            logger.warning("GET /metrics failed (%s); no engine statistics", e)
+            self._has_metrics = False
+            return None
+        if r.status_code != 200:
+            self._has_metrics = False
+            return None
+        return prometheus_snapshot(r.text)
+
+    def _body(self, req: BenchRequest, params: Mapping[str, Any]) -> dict[str, Any]:
+        body: dict[str, Any] = {"prompt": req.prompt, "max_tokens": params["max_new_tokens"],
+                                "temperature": params.get("temperature", 0.0), "stream": True,
+                                "stream_options": {"include_usage": True}}
+        if self.model is not None:
+            body["model"] = self.model
+        if self.ignore_eos and params.get("ignore_eos"):
+            body["ignore_eos"] = True
+        return body
+
+    async def send(self, req: BenchRequest, params: dict[str, Any], rec: RequestRecord,
+                   clock: Clock) -> None:
+        for _ in range(2):
+            body = self._body(req, params)
+            async with self.client.stream("POST", "/v1/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    text = (await resp.aread()).decode("utf-8", "replace")
+                    if resp.status_code == 400 and "ignore_eos" in body and "ignore_eos" in text:
+                        if self.ignore_eos:
+                            self.ignore_eos = False
+                            msg = ("the server does not accept 'ignore_eos'; requests are sent "
+                                   "without it (output lengths may be shorter than max_tokens)")
+                            logger.warning(msg)
+                            self.warnings.append(msg)
+                        continue
+                    rec.error = f"HTTP {resp.status_code}: {text[:300]}"
+                    return
+                await self._read_sse(resp, rec, clock)
+                return
+
+    @staticmethod
+    async def _read_sse(resp: Any, rec: RequestRecord, clock: Clock) -> None:
+        usage: dict[str, Any] | None = None
+        chunks = 0
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            now = clock()
+            obj = json.loads(data)
+            if "error" in obj:
+                rec.error = str(obj["error"].get("message", obj["error"]))
+                return
+            for choice in obj.get("choices") or []:
+                if choice.get("text"):
+                    rec.add_chunk(now, None)
+                    chunks += 1
+                if choice.get("finish_reason"):
+                    rec.finish_reason = choice["finish_reason"]
+                    rec.end_time = now
+            if obj.get("usage"):
+                usage = obj["usage"]
+        if usage is not None:
+            rec.completion_tokens = int(usage.get("completion_tokens", chunks))
+            rec.prompt_tokens = int(usage.get("prompt_tokens", 0)) or None
+        else:  # no usage: one token per chunk (a lower bound with speculation)
+            rec.completion_tokens = chunks
+        if rec.end_time is None:
+            rec.end_time = clock()
+        rec.success = rec.finish_reason is not None and rec.finish_reason != "abort"
+        if not rec.success and rec.error is None:
+            rec.error = f"finish_reason {rec.finish_reason!r}"
+
+    def generate_batch(self, reqs: Sequence[BenchRequest],
+                       params: dict[str, Any]) -> list[dict[str, Any]]:
+        raise NotImplementedError("the HTTP driver always streams")
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+
+
+# ---------------------------------------------------------------------------- the run loop
+def _progress(total: int, desc: str, enabled: bool, leave: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", disable=not enabled, leave=leave,
+                dynamic_ncols=True)
+
+
+async def _sampler(driver: Driver, clock: Clock, interval: float, out: list[dict[str, Any]],
+                   stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=interval)
+        except asyncio.TimeoutError:
+            pass
+        if stop.is_set():
+            return
+        snap = await driver.stats()
+        if snap is None:
+            return
+        out.append(snapshot(snap, clock()))
+
+
+async def run_benchmark(driver: Driver, requests: Sequence[BenchRequest], *,
+                        sampling_params: dict[str, Any], concurrency: int | None = None,
+                        request_rate: float | None = None, seed: int = 0,
+                        sample_interval: float = 0.25, progress: bool = True,
+                        desc: str = "bench", leave: bool = True) -> RunData:
+    """Send ``requests`` (already :meth:`Driver.prepare`-d) through ``driver`` and measure.
+
+    ``concurrency``: most requests in flight (None = no limit); ``request_rate``: Poisson
+    arrivals in requests/s (None = all at once), seeded with ``seed``; both may be given (the
+    rate, capped by the concurrency). ``sampling_params`` go to every request (the engine's
+    names: ``max_new_tokens``, ``temperature``, ``ignore_eos``). ``sample_interval``: seconds
+    between stats snapshots. Returns the :class:`~specdial.bench.metrics.RunData` (duration:
+    start to the last finished request, seconds).
+    """
+    if concurrency is not None and concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    arrivals = poisson_arrivals(len(requests), request_rate, seed)
+    records = [RequestRecord(r.index, r.workload, arrival_time=a, prompt_tokens=r.prompt_tokens,
+                             streamed=driver.streaming) for r, a in zip(requests, arrivals)]
+    bar = _progress(len(requests), desc, progress, leave)
+    timeline: list[dict[str, Any]] = []
+    first = await driver.stats()
+    t0 = time.perf_counter()
+
+    def clock() -> float:
+        return time.perf_counter() - t0
+
+    if first is not None:
+        timeline.append(snapshot(first, 0.0))
+    stop = asyncio.Event()
+    sampler = (asyncio.create_task(_sampler(driver, clock, sample_interval, timeline, stop))
+               if first is not None else None)
+    try:
+        if driver.streaming:
+            await _run_streaming(driver, requests, records, sampling_params, concurrency,
+                                 clock, bar)
+        else:
+            await _run_batches(driver, requests, records, sampling_params, concurrency,
+                               clock, bar)
+        duration = clock()
+    finally:
+        stop.set()
+        if sampler is not None:
+            await sampler
+        bar.close()
+    if first is not None:
+        last = await driver.stats()
+        if last is not None:
+            timeline.append(snapshot(last, clock()))
+    return RunData(records, duration, timeline, streaming=driver.streaming)
+
+
+async def _run_streaming(driver: Driver, requests: Sequence[BenchRequest],
+                         records: list[RequestRecord], params: dict[str, Any],
+                         concurrency: int | None, clock: Clock, bar: Any) -> None:
+    sem = asyncio.Semaphore(concurrency) if concurrency else None
+
+    async def one(req: BenchRequest, rec: RequestRecord) -> None:
+        delay = rec.arrival_time - clock()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if sem is not None:
+            await sem.acquire()
+        try:
+            rec.send_time = clock()
+            try:
+                await driver.send(req, params, rec, clock)
+            except Exception as e:  # noqa: BLE001 - a failed request is a figure, not a crash
+                rec.success, rec.error = False, f"{type(e).__name__}: {e}"
+            if rec.end_time is None:
+                rec.end_time = clock()
+        finally:
+            if sem is not None:
+                sem.release()
+            bar.update(1)
+
+    await asyncio.gather(*(one(r, rec) for r, rec in zip(requests, records)))
+
+
+async def _run_batches(driver: Driver, requests: Sequence[BenchRequest],
+                       records: list[RequestRecord], params: dict[str, Any],
+                       concurrency: int | None, clock: Clock, bar: Any) -> None:
+    pending = collections.deque(range(len(requests)))
+    cap = concurrency or len(requests)
+    while pending:
+        delay = records[pending[0]].arrival_time - clock()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        now = clock()
+        batch: list[int] = []
+        while pending and len(batch) < cap and records[pending[0]].arrival_time <= now:
+            batch.append(pending.popleft())
+        start = clock()
+        try:
+            outs = await asyncio.to_thread(driver.generate_batch,
+                                           [requests[i] for i in batch], params)
+            error = None
+        except Exception as e:  # noqa: BLE001
+            outs, error = [], f"{type(e).__name__}: {e}"
+        end = clock()
+        for j, i in enumerate(batch):
+            rec = records[i]
+            rec.send_time, rec.end_time = start, end
+            if error is not None or j >= len(outs):
+                rec.error = error or "no output"
+                continue
+            meta = outs[j].get("meta_info", {})
+            rec.set_meta(meta)
+            if "completion_tokens" not in meta:
+                rec.completion_tokens = len(outs[j].get("output_ids", []))
+            rec.finish_reason = (meta.get("finish_reason") or {}).get("type")
+            rec.success = rec.finish_reason != "abort"
+        bar.update(len(batch))
