@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import PROMPTS
-from specdial._core import KvPagePool
+from specdial._core import Scheduler, SchedulerConfig
 from specdial.attention import TorchAttentionBackend
 from specdial.models import ForwardBatch
 from specdial.worker.drafters import make_drafter
@@ -46,11 +46,13 @@ def models(request, name):
 
 
 def make_worker(target, module, skip):
-    alloc = KvPagePool(64, 8)
-    worker = SpecWorker(target, make_drafter(module, target, max_steps=7), alloc,
+    """A worker over a scheduler's KV pool (64 pages of 8 tokens), steps fixed per iteration."""
+    sched = Scheduler(SchedulerConfig(max_running_requests=4, context_length=128, num_pages=64,
+                                      page_size=8), speculative_num_steps=0, adaptive=False)
+    worker = SpecWorker(target, make_drafter(module, target, max_steps=7), sched.num_slots,
                         max_running_requests=4, context_length=128, step_values=range(8),
                         skip_zero_step_draft_extend=skip)
-    return worker, alloc
+    return worker, sched
 
 
 def check_drafter_kv(target, worker, module, rows):
@@ -65,22 +67,32 @@ def check_drafter_kv(target, worker, module, rows):
 
 
 def run_schedule(target, module, skip, check):
-    worker, alloc = make_worker(target, module, skip)
+    worker, sched = make_worker(target, module, skip)
     sampling = BatchSampling.from_params([SamplingParams()] * len(PROMPTS))
+    rids = [sched.add_request(p, 100) for p in PROMPTS]  # no request is capped below steps
     accepted = []
     with torch.inference_mode():
-        rows, _ = worker.prefill([10, 11, 12], PROMPTS, sampling, None)
+        plan = sched.schedule()
+        assert plan.is_prefill and plan.request_ids.tolist() == rids
+        out = worker.prefill(plan, sampling, None)
+        sched.report(out.tokens, out.offsets)
+        rows = np.array([worker.row_of[r] for r in rids])
         assert (worker.draft_len[rows] == worker.target_len[rows]).all()
         if check:
             check_drafter_kv(target, worker, module, rows)
         state_ptrs = {s: st.verify_input_ids.data_ptr() for s, st in worker.states.items()}
         for steps in SCHEDULE:
+            sched.set_fixed_steps(steps)
+            plan = sched.schedule()
+            assert plan.kind == "decode" and plan.steps == steps
             before = worker.target_len[rows].copy()
-            out = worker.decode(steps, rows, sampling, None)
+            out = worker.decode(plan, sampling, None)
+            sched.report(out.tokens, out.offsets, out.accepted)
             accepted.append(out.accepted)
             np.testing.assert_array_equal(worker.target_len[rows], before + out.accepted + 1)
-            for rid, row in zip([10, 11, 12], rows.tolist()):
-                assert alloc.len_of(rid) == worker.target_len[row]  # rejected slots truncated
+            for rid, prompt, row in zip(rids, PROMPTS, rows.tolist()):
+                # the scheduler keeps KV for every token but the last (rejected slots freed)
+                assert len(prompt) + len(sched.output_ids(rid)) - 1 == worker.target_len[row]
             lag = worker.target_len[rows] - worker.draft_len[rows]
             if steps == 0 and skip:
                 assert (lag > 0).all()
@@ -90,8 +102,10 @@ def run_schedule(target, module, skip, check):
                 check_drafter_kv(target, worker, module, rows)
         # runtime-state buffers are filled in place, never replaced
         assert state_ptrs == {s: st.verify_input_ids.data_ptr() for s, st in worker.states.items()}
-        worker.release(rows)
-    assert alloc.num_free_pages() == alloc.num_pages
+        for rid in rids:
+            sched.abort(rid)
+        worker.release(rids)
+    assert sched.stats().kv_pages_used == 0 and worker.num_requests == 0
     return accepted
 
 

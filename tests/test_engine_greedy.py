@@ -10,9 +10,9 @@ import torch
 
 from conftest import PROMPTS
 from specdial._core import ConfigError
+from specdial.builtin import builtin_model_path
 from specdial.engine import Engine
 from specdial.models import save_eagle_head
-from specdial.worker.worker import KVCacheFullError
 
 N = 33  # max_new_tokens of the reference runs
 KW = dict(max_running_requests=4, kv_cache_tokens=1024, page_size=8)
@@ -21,9 +21,15 @@ KW = dict(max_running_requests=4, kv_cache_tokens=1024, page_size=8)
 def run(engine: Engine, prompts=PROMPTS, max_new_tokens=N, **sp):
     out = engine.generate(input_ids=prompts,
                           sampling_params={"max_new_tokens": max_new_tokens, **sp})
-    alloc = engine.kv_alloc
-    assert alloc.num_free_pages() == alloc.num_pages and alloc.num_requests() == 0  # no leak
+    assert_no_leak(engine)
     return out
+
+
+def assert_no_leak(engine: Engine) -> None:
+    """Every KV page is free and no request is left, in the scheduler and the worker."""
+    stats = engine.stats()
+    assert stats.kv_pages_used == 0 and stats.running == 0 and stats.queued == 0, stats
+    assert engine.worker.num_requests == 0
 
 
 def target_only(path, hf):
@@ -83,19 +89,7 @@ def test_fixed_steps_lossless(request, name, steps):
     lens = (N, 20, 27)
     out = engine.generate(input_ids=PROMPTS,
                           sampling_params=[{"max_new_tokens": n} for n in lens])
-    assert engine.kv_alloc.num_free_pages() == engine.kv_alloc.num_pages
-
-
-def test_kv_exhaustion_is_a_clear_error_and_frees_pages(tiny):
-    engine = Engine.from_modules(tiny.target, tiny.draft_noisy, speculative_adaptive=False,
-                                 speculative_num_steps=3, max_running_requests=2,
-                                 kv_cache_tokens=32, page_size=8)
-    with pytest.raises(KVCacheFullError, match="KV cache exhausted"):
-        engine.generate(input_ids=PROMPTS[2], sampling_params={"max_new_tokens": 30})
-    with pytest.raises(KVCacheFullError, match="cannot admit"):
-        engine.generate(input_ids=[PROMPTS[2], PROMPTS[2]])
-    assert engine.kv_alloc.num_free_pages() == engine.kv_alloc.num_pages
-    assert len(run(engine, prompts=PROMPTS[0], max_new_tokens=8)["output_ids"]) == 8
+    assert_no_leak(engine)
     for o, ref, n in zip(out, reference, lens):
         assert o["output_ids"] == ref[:n]
         m = o["meta_info"]
@@ -147,7 +141,9 @@ def test_identical_eagle_after_zero_interval_accepts_everything(tiny1):
 
 def test_adaptive_default_and_path_constructors(tiny, reference, tmp_path):
     engine = Engine.from_modules(tiny.target, tiny.eagle_random, **KW)  # adaptive, default config
-    assert engine.params is not None and engine.params.candidate_steps == [0, 1, 3, 5, 7]
+    assert engine.adaptive_config is not None
+    assert engine.adaptive_config.candidate_steps == [0, 1, 3, 5, 7]
+    assert engine.scheduler.candidate_steps == [0, 1, 3, 5, 7]
     assert sorted(engine.worker.states) == [0, 1, 3, 5, 7]
     assert [o["output_ids"] for o in run(engine)] == reference
 
@@ -219,8 +215,11 @@ def test_errors(tiny, tmp_path):
         Engine.from_modules(tiny.target, tiny.eagle_random, speculative_algorithm="medusa")
     with pytest.raises(ValueError, match="does not match"):
         Engine.from_modules(tiny.target, tiny.eagle_random, speculative_algorithm="DRAFT")
-    with pytest.raises(NotImplementedError, match="built-in models"):
-        Engine()
+    try:
+        builtin_model_path("target"), builtin_model_path("eagle")
+    except FileNotFoundError:
+        with pytest.raises(NotImplementedError, match="built-in models"):
+            Engine()
     with pytest.raises(ValueError, match="dtype"):
         Engine(str(tiny.path), dtype="float16")
     with pytest.raises(ValueError, match="device"):
@@ -246,16 +245,19 @@ def test_errors(tiny, tmp_path):
         engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 1000})
     with pytest.raises(ValueError, match=r"\[0, 192\)"):
         engine.generate(input_ids=[1, 192])
-    assert engine.kv_alloc.num_free_pages() == engine.kv_alloc.num_pages
+    assert_no_leak(engine)
 
 
-def test_kv_exhaustion_is_a_clear_error_and_frees_pages(tiny):
+def test_small_kv_cache_preempts_with_unchanged_outputs(tiny, reference):
+    """A KV cache of 8 pages for three requests of up to 50 tokens (7 pages each): the
+    scheduler preempts and re-prefills (target and drafter), outputs stay the greedy
+    reference, every page comes back; a prompt that cannot fit the context is a clear error."""
     engine = Engine.from_modules(tiny.target, tiny.draft_noisy, speculative_adaptive=False,
-                                 speculative_num_steps=3, max_running_requests=2,
-                                 kv_cache_tokens=32, page_size=8)
-    with pytest.raises(KVCacheFullError, match="KV cache exhausted"):
-        engine.generate(input_ids=PROMPTS[2], sampling_params={"max_new_tokens": 30})
-    with pytest.raises(KVCacheFullError, match="cannot admit"):
-        engine.generate(input_ids=[PROMPTS[2], PROMPTS[2]])
-    assert engine.kv_alloc.num_free_pages() == engine.kv_alloc.num_pages
+                                 speculative_num_steps=3, max_running_requests=3,
+                                 kv_cache_tokens=64, page_size=8)
+    assert engine.context_length == 64
+    assert [o["output_ids"] for o in run(engine)] == reference
+    assert engine.stats().preemptions > 0
+    with pytest.raises(ValueError, match="context_length 64"):
+        engine.generate(input_ids=PROMPTS[2], sampling_params={"max_new_tokens": 48})
     assert len(run(engine, prompts=PROMPTS[0], max_new_tokens=8)["output_ids"]) == 8

@@ -1,38 +1,41 @@
-"""``specdial.Engine``: offline generation over a static batch (issue 3's Engine API).
+"""``specdial.Engine``: speculative decoding with adaptive steps over continuous batching.
 
-``Engine(...).generate(...)`` admits every prompt, prefills them together, then runs decode
-iterations over the unfinished requests until all finish. Each iteration's ``steps`` comes from
-the Rust adaptive policy (:class:`specdial._core.AdaptiveSpeculativeParams`, SGLang PRs #21599 /
-#24055: per-batch-size slots, EMA of accepted drafts, hysteresis) or is fixed. The
-continuous-batching scheduler of a later issue replaces these internals, not this API.
+The Rust :class:`specdial._core.Scheduler` owns the requests, the queue, the KV pages and the
+``steps`` of every decode iteration (the adaptive policy, SGLang PRs #21599 / #24055, or fixed);
+a background loop thread (:mod:`specdial.engine_loop`) runs plan -> passes
+(:class:`~specdial.worker.worker.SpecWorker`) -> report. Every front end shares that one running
+batch: :meth:`Engine.generate` (blocking, from any number of threads), :meth:`Engine.stream`
+(a synchronous iterator of :class:`~specdial.engine_api.StreamChunk`) and
+:meth:`Engine.async_stream` (asyncio); the contract is :mod:`specdial.engine_api`.
 
-Output dicts follow SGLang's offline ``Engine.generate``: ``text``, ``output_ids`` and
-``meta_info`` with ``prompt_tokens``, ``completion_tokens``, ``finish_reason``
-(``{"type": "length", "length": n}`` or ``{"type": "stop", "matched": token_id}``),
-``spec_verify_ct`` (decode iterations the request took part in, trivial verifies at
-``steps = 0`` included), ``spec_accept_length`` (completion tokens emitted by verifies per
-verify, bonus included: ``(completion_tokens - 1) / spec_verify_ct``, the first token coming
+Output dicts of ``generate`` follow SGLang's offline ``Engine.generate``: ``text``,
+``output_ids`` and ``meta_info`` with ``prompt_tokens``, ``completion_tokens``,
+``finish_reason`` (``{"type": "length", "length": n}``, ``{"type": "stop", "matched":
+token_id_or_str}`` or ``{"type": "abort", "message": str}``), ``spec_verify_ct`` (decode
+iterations the request took part in, trivial verifies at ``steps = 0`` included),
+``spec_accept_length`` (``(completion_tokens - 1) / spec_verify_ct``, the first token coming
 from prefill; 0.0 without verifies) and ``spec_steps_histogram`` (``{steps: iterations}``).
 """
 
 from __future__ import annotations
 
-import itertools
 import os
-from dataclasses import dataclass, field
+import threading
+import weakref
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, AsyncIterator, Iterator
 
-import numpy as np
 import torch
 
-from specdial._core import (AdaptiveConfig, AdaptiveSpeculativeParams, ConfigError, KvPagePool,
-                            validate_initial_steps)
+from specdial._core import (AdaptiveConfig, ConfigError, Scheduler,
+                            SchedulerConfig, validate_initial_steps)
+from specdial.engine_api import EngineStats, RequestError, StreamChunk
+from specdial.engine_loop import EngineLoop, RequestSpec, StepsSchedule
+from specdial.engine_requests import async_stream, collect, make_spec, sync_stream
 from specdial.models import LlamaForCausalLM, load_eagle_head, load_model, load_tokenizer
-from specdial.models.eagle import EAGLE_ARCHITECTURE
 from specdial.models.config import ModelConfig
+from specdial.models.eagle import EAGLE_ARCHITECTURE
 from specdial.worker.drafters import DEFAULT_MAX_STEPS, Drafter, make_drafter
-from specdial.worker.sampling import BatchSampling, SamplingParams
 from specdial.worker.worker import SpecWorker
 
 _DEFAULT: Any = object()
@@ -40,10 +43,8 @@ ALGORITHMS = ("EAGLE", "DRAFT", None)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 FIXED_DEFAULT_STEPS = 3
 
-StepsSchedule = Callable[[int, int], int] | Sequence[int]
 
-
-def _check_choice(name: str, value: Any, allowed: Sequence[Any]) -> None:
+def _check_choice(name: str, value: Any, allowed: Any) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
 
@@ -65,61 +66,65 @@ def _device(device: str | torch.device) -> torch.device:
     return dev
 
 
-@dataclass
-class _Request:
-    rid: int
-    prompt: list[int]
-    params: SamplingParams
-    eos: frozenset[int]
-    row: int = -1
-    output: list[int] = field(default_factory=list)
-    finish: dict[str, Any] | None = None
-    verify_ct: int = 0
-    hist: dict[int, int] = field(default_factory=dict)
+def _positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+    return value
 
-    def append(self, tokens: Sequence[int]) -> None:
-        """Append emitted tokens until one finishes the request (SGLang order: length first,
-        then EOS unless ``ignore_eos``, then ``stop_token_ids``); later ones are dropped."""
-        p = self.params
-        for t in tokens:
-            self.output.append(t)
-            if len(self.output) >= p.max_new_tokens:
-                self.finish = {"type": "length", "length": p.max_new_tokens}
-            elif (t in self.eos and not p.ignore_eos) or t in p.stop_token_ids:
-                self.finish = {"type": "stop", "matched": t}
-            if self.finish is not None:
-                return
+
+def _builtin_dirs(draft_dir: Path | None, algo: Any) -> tuple[Path, Path | None, Any]:
+    """Target, drafter and algorithm of ``model_path=None`` (EAGLE unless told otherwise)."""
+    from specdial.builtin import builtin_model_path
+
+    try:
+        target = builtin_model_path("target")
+        if algo is _DEFAULT:
+            algo = "EAGLE" if draft_dir is None else _DEFAULT
+        if draft_dir is None and algo in ("EAGLE", "DRAFT"):
+            draft_dir = builtin_model_path("eagle" if algo == "EAGLE" else "draft")
+    except FileNotFoundError as e:
+        raise NotImplementedError(f"model_path=None selects the built-in models, which are not "
+                                  f"available: {e}; or pass model_path=<local HF checkpoint "
+                                  "directory>") from e
+    return target, draft_dir, algo
+
+
+def _release_loop(loop: EngineLoop) -> None:
+    if loop.thread.is_alive():
+        loop.post(("shutdown", False))
+    elif loop.trace_file is not None and not loop.thread.ident:
+        loop.trace_file.close()
 
 
 class Engine:
-    """Offline speculative-decoding engine (static batches; see the module docstring).
+    """Speculative-decoding engine (see the module docstring and :mod:`specdial.engine_api`).
 
-    Arguments (issue 3, "Engine API"):
-
-    - ``model_path``: local HF Llama/Qwen2 directory. ``None`` means the built-in models, which
-      arrive in a later issue: raises ``NotImplementedError`` for now.
-    - ``draft_model_path``: a draft model directory (same tokenizer) or an EAGLE head directory
-      (:func:`specdial.models.load_eagle_head` layout).
-    - ``speculative_algorithm``: ``"EAGLE"``, ``"DRAFT"`` or ``None``. Default: with a user
-      model, no speculation unless ``draft_model_path`` is given (then inferred from its
-      config); with the built-in models, EAGLE. Anything else: ``ValueError``.
-    - ``speculative_num_steps``: ``None`` = adaptive: the middle of the candidates' union
-      (``union[len // 2]``, 3 for the default config); fixed: 3. Adaptive with a value that is
-      a candidate of no slot, or any candidate (fixed value) above the drafter's
-      ``max_steps``: :class:`specdial.ConfigError`.
-    - ``speculative_adaptive`` / ``speculative_adaptive_config`` (an ``AdaptiveConfig``, a dict,
-      a JSON file path, or None for the default).
-    - ``skip_zero_step_draft_extend``: skip the drafter extend at ``steps = 0`` (it then catches
-      up in one batched extend when steps turn positive).
+    - ``model_path``: local HF Llama/Qwen2 directory; ``None``: the built-in models (target +
+      EAGLE head, adaptive steps); ``NotImplementedError`` when they are not installed.
+    - ``draft_model_path``: a draft model directory (same tokenizer) or an EAGLE head directory.
+    - ``speculative_algorithm``: ``"EAGLE"``, ``"DRAFT"`` or ``None``. Default: inferred from
+      ``draft_model_path`` (none: no speculation); the built-in models use EAGLE.
+    - ``speculative_num_steps``: adaptive: the initial steps (default the middle of the
+      candidates' union); fixed: the steps (default 3). ``ConfigError`` for a value that is a
+      candidate of no slot or above the drafter's ``max_steps``.
+    - ``speculative_adaptive`` / ``speculative_adaptive_config`` (an ``AdaptiveConfig``, a
+      dict, a JSON file path, or None for the default).
+    - ``skip_zero_step_draft_extend``: skip the drafter extend at ``steps = 0`` (it catches up
+      in one batched extend when steps turn positive).
     - ``device`` ``"cpu"``/``"cuda"``; ``dtype`` ``"float32"``/``"bfloat16"``.
-    - keyword-only: ``max_running_requests`` (batch capacity; larger generate calls run in
-      waves), ``kv_cache_tokens`` (KV slots; default ``max_running_requests *
-      context_length`` capped at 65536), ``page_size``, ``context_length`` (default the
-      target's ``max_position_embeddings``), ``seed`` (the engine's sampling generator),
-      ``drafter_max_steps``, and the test hook ``steps_schedule``: a sequence (iteration
-      ``i`` uses ``schedule[i % len]``) or a callable ``(iteration, batch_size) -> steps``
-      replacing the policy; runtime states are then built for every steps value
-      ``0..drafter_max_steps``.
+    - keyword-only: ``max_running_requests`` (requests admitted at once, prefilling included),
+      ``max_queued_requests`` (waiting requests; beyond it submissions raise
+      :class:`~specdial.engine_api.QueueFullError`; ``generate`` waits instead),
+      ``kv_cache_tokens`` (KV slots; default ``max_running_requests * context_length`` capped
+      at 65536), ``page_size``, ``context_length`` (default the target's
+      ``max_position_embeddings``, at most the KV cache), ``max_prefill_tokens`` (prompt tokens
+      per prefill iteration; longer prompts are chunked), ``record_trace`` (a path: the
+      per-verify trace of ``specdial policy replay`` is appended to it), ``log_interval_s``
+      (seconds between log lines while decoding; None: off), ``seed`` (the sampling
+      generator; a request's own ``seed`` reseeds it when the request is accepted, so
+      per-request streams are not independent yet), ``drafter_max_steps``, and the test hook ``steps_schedule``: a sequence
+      (decode iteration ``i`` uses ``schedule[i % len]``) or a callable ``(iteration,
+      batch_size) -> steps`` replacing the policy (runtime states for ``0..drafter_max_steps``).
     """
 
     def __init__(self, model_path: str | os.PathLike[str] | None = None,
@@ -128,21 +133,16 @@ class Engine:
                  speculative_num_steps: int | None = None, speculative_adaptive: bool = True,
                  speculative_adaptive_config: Any = None,
                  skip_zero_step_draft_extend: bool = False, device: str = "cpu",
-                 dtype: str = "float32", *, max_running_requests: int = 32,
-                 kv_cache_tokens: int | None = None, page_size: int = 16,
-                 context_length: int | None = None, seed: int = 0,
-                 drafter_max_steps: int = DEFAULT_MAX_STEPS,
-                 steps_schedule: StepsSchedule | None = None) -> None:
+                 dtype: str = "float32", **kwargs: Any) -> None:
         if speculative_algorithm is not _DEFAULT:
             _check_choice("speculative_algorithm", speculative_algorithm, ALGORITHMS)
         torch_dtype, dev = _dtype(dtype), _device(device)
-        if model_path is None:
-            raise NotImplementedError("model_path=None selects the built-in models, which are not "
-                                      "available yet (a later issue); pass model_path=<local HF "
-                                      "checkpoint directory>")
-        model_dir = Path(model_path)
         draft_dir = None if draft_model_path is None else Path(draft_model_path)
         algo = speculative_algorithm
+        if model_path is None:
+            model_dir, draft_dir, algo = _builtin_dirs(draft_dir, algo)
+        else:
+            model_dir = Path(model_path)
         if algo is _DEFAULT:
             algo = None
             if draft_dir is not None:
@@ -165,22 +165,20 @@ class Engine:
             tokenizer = None
         self._setup(target, drafter_module, tokenizer, algo, speculative_num_steps,
                     speculative_adaptive, speculative_adaptive_config,
-                    skip_zero_step_draft_extend, max_running_requests=max_running_requests,
-                    kv_cache_tokens=kv_cache_tokens, page_size=page_size,
-                    context_length=context_length, seed=seed,
-                    drafter_max_steps=drafter_max_steps, steps_schedule=steps_schedule)
+                    skip_zero_step_draft_extend, **kwargs)
 
     @classmethod
     def from_modules(cls, target: LlamaForCausalLM,
-                     drafter: torch.nn.Module | Drafter | None = None, tokenizer: Any = None, *, speculative_algorithm: str | None = _DEFAULT,
+                     drafter: torch.nn.Module | Drafter | None = None, tokenizer: Any = None, *,
+                     speculative_algorithm: str | None = _DEFAULT,
                      speculative_num_steps: int | None = None, speculative_adaptive: bool = True,
                      speculative_adaptive_config: Any = None,
                      skip_zero_step_draft_extend: bool = False, **kwargs: Any) -> "Engine":
         """An Engine over already-built modules (tests, notebooks). ``drafter``: an
         :class:`EagleHead` (EAGLE), a :class:`LlamaForCausalLM` (DRAFT), a :class:`Drafter`, or
-        None. The algorithm is inferred from it; an explicit ``speculative_algorithm`` that
-        disagrees raises ``ValueError``. Device and dtype are the modules' own; ``kwargs`` are
-        the keyword-only options of :class:`Engine` (``max_running_requests``, ...)."""
+        None; the algorithm is inferred from it (an explicit ``speculative_algorithm`` that
+        disagrees raises ``ValueError``). ``kwargs``: the keyword-only options of
+        :class:`Engine`."""
         if speculative_algorithm is not _DEFAULT:
             _check_choice("speculative_algorithm", speculative_algorithm, ALGORITHMS)
         wrapped = make_drafter(drafter, target,
@@ -198,8 +196,11 @@ class Engine:
 
     def _setup(self, target: LlamaForCausalLM, drafter: Any, tokenizer: Any, algorithm: str | None,
                num_steps: int | None, adaptive: bool, adaptive_config: Any, skip_zero: bool, *,
-               max_running_requests: int = 32, kv_cache_tokens: int | None = None,
-               page_size: int = 16, context_length: int | None = None, seed: int = 0,
+               max_running_requests: int = 32, max_queued_requests: int = 4096,
+               kv_cache_tokens: int | None = None, page_size: int = 16,
+               context_length: int | None = None, max_prefill_tokens: int = 4096,
+               record_trace: str | os.PathLike[str] | None = None,
+               log_interval_s: float | None = 10.0, seed: int = 0,
                drafter_max_steps: int = DEFAULT_MAX_STEPS,
                steps_schedule: StepsSchedule | None = None) -> None:
         self.target, self.tokenizer = target.eval(), tokenizer
@@ -211,40 +212,58 @@ class Engine:
                                       or num_steps < 0):
             raise ConfigError(f"speculative_num_steps must be None or an int >= 0, "
                               f"got {num_steps!r}")
-        self.params: AdaptiveSpeculativeParams | None = None
-        self.fixed_steps: int | None
+        self.adaptive_config: AdaptiveConfig | None = None
         self.steps_schedule = steps_schedule
         max_steps = self.drafter.max_steps if self.drafter is not None else 0
+        policy: dict[str, Any]
+        step_values: list[int] | None = None
         if self.drafter is None:
             if num_steps:
                 raise ConfigError(f"speculative_num_steps={num_steps} needs a drafter "
                                   "(speculative_algorithm is None)")
-            self.fixed_steps, step_values = 0, [0]
+            policy = {"speculative_num_steps": 0, "adaptive": False}
         elif steps_schedule is not None:
-            self.fixed_steps, step_values = None, list(range(max_steps + 1))
+            if not callable(steps_schedule) and (
+                    not steps_schedule or not all(0 <= int(k) <= max_steps
+                                                  for k in steps_schedule)):
+                raise ConfigError(f"steps_schedule values must be in 0..{max_steps}")
+            policy, step_values = ({"speculative_num_steps": 0, "adaptive": False},
+                                   list(range(max_steps + 1)))
         elif adaptive:
-            config = self._adaptive_config(adaptive_config)
+            config = self.adaptive_config = self._adaptive_config(adaptive_config)
             union = config.candidate_steps
             initial = union[len(union) // 2] if num_steps is None else num_steps
             validate_initial_steps(config, initial)
             if union[-1] > max_steps:
                 raise ConfigError(f"candidate steps {union[-1]} exceeds what the drafter supports "
                                   f"(max_steps={max_steps})")
-            self.params = AdaptiveSpeculativeParams(initial, config)
-            self.fixed_steps, step_values = None, union
+            policy = {"speculative_num_steps": initial, "adaptive": True,
+                      "adaptive_config": config}
         else:
             steps = FIXED_DEFAULT_STEPS if num_steps is None else num_steps
             if steps > max_steps:
                 raise ConfigError(f"speculative_num_steps={steps} exceeds what the drafter "
                                   f"supports (max_steps={max_steps})")
-            self.fixed_steps, step_values = steps, [steps]
-        self.context_length = context_length or target.config.max_position_embeddings
+            policy = {"speculative_num_steps": steps, "adaptive": False}
+        for name, value in (("max_running_requests", max_running_requests),
+                            ("max_queued_requests", max_queued_requests),
+                            ("page_size", page_size), ("max_prefill_tokens", max_prefill_tokens)):
+            _positive(name, value)
+        ctx = context_length or target.config.max_position_embeddings
         if kv_cache_tokens is None:
-            kv_cache_tokens = min(max_running_requests * self.context_length, 65536)
-        self.kv_alloc = KvPagePool(-(-kv_cache_tokens // page_size), page_size)
-        self.worker = SpecWorker(target, self.drafter, self.kv_alloc,
-                                 max_running_requests=max_running_requests,
-                                 context_length=self.context_length, step_values=step_values,
+            kv_cache_tokens = min(max_running_requests * ctx, 65536)
+        num_pages = -(-_positive("kv_cache_tokens", kv_cache_tokens) // page_size)
+        if context_length is None:
+            ctx = min(ctx, num_pages * page_size)
+        self.context_length = ctx
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_running_requests=max_running_requests, max_queued_requests=max_queued_requests,
+            max_prefill_tokens=max_prefill_tokens, context_length=ctx, num_pages=num_pages,
+            page_size=page_size, eos_token_ids=[], record_trace=record_trace is not None),
+            **policy)
+        self.worker = SpecWorker(target, self.drafter, self.scheduler.num_slots,
+                                 max_running_requests=max_running_requests, context_length=ctx,
+                                 step_values=step_values or self.scheduler.candidate_steps,
                                  skip_zero_step_draft_extend=skip_zero)
         self.device = self.worker.device
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -252,9 +271,15 @@ class Engine:
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(int(tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos)
-        self._rid = itertools.count()
-        self._iteration = 0
-        self._closed = False
+        self.record_trace = None if record_trace is None else Path(record_trace)
+        trace_file = None if record_trace is None else open(record_trace, "a", encoding="utf-8")
+        self._loop = EngineLoop(self.scheduler, self.worker, tokenizer=tokenizer,
+                                generator=self.generator, steps_schedule=steps_schedule,
+                                trace_file=trace_file, log_interval_s=log_interval_s)
+        self._lock = threading.Lock()
+        self._started = self._closed = False
+        # an Engine dropped without shutdown(): its loop thread exits and frees the buffers
+        weakref.finalize(self, _release_loop, self._loop)
 
     @staticmethod
     def _adaptive_config(cfg: Any) -> AdaptiveConfig:
@@ -269,6 +294,25 @@ class Engine:
         raise ConfigError("speculative_adaptive_config must be an AdaptiveConfig, a dict, a file "
                           f"path or None; got {type(cfg).__name__}")
 
+    # ----------------------------------------------------------------- requests
+    def _spec(self, prompt: Any, input_ids: Any, sampling_params: Any, stop: Any,
+              label: str = "") -> RequestSpec:
+        return make_spec(prompt, input_ids, sampling_params, stop, tokenizer=self.tokenizer,
+                         vocab_size=self.target.config.vocab_size,
+                         context_length=self.context_length, eos_token_ids=self.eos_token_ids,
+                         label=label)
+
+    def _post(self, message: tuple[Any, ...]) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("Engine is shut down")
+            if self._loop.dead is not None:
+                raise RuntimeError(f"the engine loop failed: {self._loop.dead}")
+            if not self._started:
+                self._loop.start()
+                self._started = True
+            self._loop.post(message)
+
     # ----------------------------------------------------------------- public API
     def generate(self, prompt: str | list[str] | None = None, sampling_params: Any = None,
                  input_ids: list[int] | list[list[int]] | None = None) -> Any:
@@ -276,52 +320,84 @@ class Engine:
 
         ``prompt``: a str or list of str (needs a tokenizer), or ``input_ids``: a list of ints
         or a list of lists; exactly one of the two. ``sampling_params``: a dict (shared) or a
-        list of dicts (one per prompt) with keys of :class:`SamplingParams`. Raises
-        ``ValueError`` for an unknown sampling key or bad value, an empty prompt, token ids
-        outside the vocabulary, a prompt plus ``max_new_tokens`` above ``context_length``;
-        :class:`~specdial.worker.worker.KVCacheFullError` when the KV cache runs out.
+        list of dicts (one per prompt) with keys of :class:`SamplingParams`. Blocks until every
+        request finished; concurrent calls share the running batch; a full queue makes it wait.
+        Raises :class:`RequestError` (a ``ValueError``) for an invalid request (nothing runs).
         """
         if self._closed:
             raise RuntimeError("Engine is shut down")
         if (prompt is None) == (input_ids is None):
-            raise ValueError("pass exactly one of prompt or input_ids")
-        ids: list[list[int]]
-        if isinstance(prompt, str):
-            single, ids = True, [self._encode(prompt)]
-        elif prompt is not None:
-            single, ids = False, [self._encode(p) for p in prompt]
-        else:
-            assert input_ids is not None
-            single = not input_ids or not isinstance(input_ids[0], (list, tuple))
-            seqs: list[Any] = [input_ids] if single else list(input_ids)
-            ids = [[int(t) for t in x] for x in seqs]
+            raise RequestError("pass exactly one of prompt or input_ids", "prompt")
+        single = isinstance(prompt, str) or (prompt is None and (
+            not input_ids or not isinstance(input_ids[0], (list, tuple))))
+        items: list[Any] = [prompt if prompt is not None else input_ids] if single else list(
+            prompt if prompt is not None else input_ids)  # type: ignore[arg-type]
         if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != len(ids):
-                raise ValueError(f"{len(sampling_params)} sampling_params for {len(ids)} prompts")
-            params = [SamplingParams.from_dict(d) for d in sampling_params]
+            if len(sampling_params) != len(items):
+                raise RequestError(f"{len(sampling_params)} sampling_params for {len(items)} "
+                                   "prompts", "sampling_params")
+            sps = list(sampling_params)
         else:
-            params = [SamplingParams.from_dict(sampling_params)] * len(ids)
-        vocab = self.target.config.vocab_size
-        for i, (x, p) in enumerate(zip(ids, params)):
-            if not x or min(x) < 0 or max(x) >= vocab:
-                raise ValueError(f"prompt {i}: needs 1+ token ids in [0, {vocab})")
-            if len(x) + p.max_new_tokens > self.context_length:
-                raise ValueError(f"prompt {i}: {len(x)} tokens + max_new_tokens "
-                                 f"{p.max_new_tokens} exceed context_length {self.context_length}")
-        seeds = [p.seed for p in params if p.seed is not None]
-        if seeds:  # batch-level reproducibility; per-request streams are not separate yet
-            self.generator.manual_seed(seeds[0])
-        reqs = [_Request(next(self._rid), x, p, self.eos_token_ids) for x, p in zip(ids, params)]
-        wave = self.worker.max_bs
-        with torch.inference_mode():
-            for i in range(0, len(reqs), wave):
-                self._run(reqs[i:i + wave])
-        out = [self._result(r) for r in reqs]
+            sps = [sampling_params] * len(items)
+        specs = [self._spec(x if prompt is not None else None,
+                            x if prompt is None else None, sp, None,
+                            "" if single else f"prompt {i}: ")
+                 for i, (x, sp) in enumerate(zip(items, sps))]
+        out = collect(self._post, self._cancel, specs)
         return out[0] if single else out
 
-    def shutdown(self) -> None:
-        """Release the models and KV buffers; later ``generate`` calls raise."""
-        self._closed = True
+    def stream(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
+               sampling_params: dict[str, Any] | None = None,
+               stop: list[str] | None = None) -> Iterator[StreamChunk]:
+        """Stream one request (synchronous). Submitted on the first ``next()``, which raises
+        :class:`RequestError` / :class:`QueueFullError`; closing the iterator early aborts
+        the request."""
+        yield from sync_stream(self._post, self._cancel,
+                               self._spec(prompt, input_ids, sampling_params, stop))
+
+    async def async_stream(self, prompt: str | None = None, *,
+                           input_ids: list[int] | None = None,
+                           sampling_params: dict[str, Any] | None = None,
+                           stop: list[str] | None = None) -> AsyncIterator[StreamChunk]:
+        """Stream one request (asyncio). Submitted on the first ``__anext__``, which raises
+        :class:`RequestError` / :class:`QueueFullError` before any chunk; ``aclose()`` or
+        cancelling the task awaiting a chunk aborts the request."""
+        chunks = async_stream(self._post, self._cancel,
+                              self._spec(prompt, input_ids, sampling_params, stop))
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            await chunks.aclose()
+
+    def _cancel(self, spec: RequestSpec) -> None:
+        if not self._closed:
+            self._loop.post(("cancel", spec))
+
+    def abort(self, request_id: int) -> None:
+        """Abort a request (queued or running) by its id; its stream ends with finish reason
+        ``abort``. Unknown or finished ids are ignored."""
+        if not self._closed and self._started:
+            self._loop.post(("abort", int(request_id)))
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the gauges and counters (thread-safe; see :class:`EngineStats`)."""
+        return self._loop.stats()
+
+    def shutdown(self, drain: bool = True) -> None:
+        """Stop admitting; ``drain=True`` lets every accepted request finish, ``False`` aborts
+        them; joins the loop thread and releases the models' KV buffers. Idempotent; later
+        submissions raise ``RuntimeError``."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            started = self._started
+            self._loop.post(("shutdown", drain))
+        if started:
+            self._loop.thread.join()
+        elif self._loop.trace_file is not None:
+            self._loop.trace_file.close()
         self.worker = None  # type: ignore[assignment]
 
     def __enter__(self) -> "Engine":
@@ -329,71 +405,3 @@ class Engine:
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
-
-    # ----------------------------------------------------------------- internals
-    def _encode(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError("this engine has no tokenizer: pass input_ids instead of prompt")
-        enc = self.tokenizer.encode(text)
-        return list(getattr(enc, "ids", enc))
-
-    def _steps_for(self, batch_size: int) -> int:
-        sched = self.steps_schedule
-        i, self._iteration = self._iteration, self._iteration + 1
-        if sched is not None:
-            return int(sched(i, batch_size) if callable(sched) else sched[i % len(sched)])
-        if self.params is not None:
-            return self.params.decide(batch_size).steps
-        return self.fixed_steps  # type: ignore[return-value]
-
-    def _run(self, reqs: list[_Request]) -> None:
-        """Prefill ``reqs`` together, then decode until every one has finished."""
-        worker = self.worker
-        sampling = BatchSampling.from_params([r.params for r in reqs], self.device)
-        rows, first = worker.prefill([r.rid for r in reqs], [r.prompt for r in reqs], sampling,
-                                     self.generator)
-        running = reqs
-        try:
-            for r, row, tok in zip(reqs, rows.tolist(), first.tolist()):
-                r.row = row
-                r.append([tok])
-            while running:
-                done = [r for r in running if r.finish is not None]
-                if done:
-                    worker.release(np.array([r.row for r in done], np.int64))
-                    for r in done:
-                        r.row = -1
-                    running = [r for r in running if r.finish is None]
-                    if not running:
-                        break
-                    sampling = BatchSampling.from_params([r.params for r in running], self.device)
-                steps = self._steps_for(len(running))
-                out = worker.decode(steps, np.array([r.row for r in running], np.int64),
-                                    sampling, self.generator)
-                if self.params is not None:
-                    self.params.on_verify_complete(out.accepted,  # type: ignore[arg-type]
-                                                   len(running))  # numpy: a buffer
-                for b, r in enumerate(running):
-                    r.verify_ct += 1
-                    r.hist[steps] = r.hist.get(steps, 0) + 1
-                    r.append(out.tokens_of(b).tolist())
-        finally:
-            left = [r.row for r in reqs if r.row >= 0]
-            if left:
-                worker.release(np.array(left, np.int64))
-                for r in reqs:
-                    r.row = -1
-
-    def _result(self, r: _Request) -> dict[str, Any]:
-        text = ""
-        if self.tokenizer is not None:
-            try:
-                text = self.tokenizer.decode(r.output, skip_special_tokens=True)
-            except TypeError:
-                text = self.tokenizer.decode(r.output)
-        n = len(r.output)
-        return {"text": text, "output_ids": list(r.output), "meta_info": {
-            "prompt_tokens": len(r.prompt), "completion_tokens": n, "finish_reason": r.finish,
-            "spec_verify_ct": r.verify_ct,
-            "spec_accept_length": (n - 1) / r.verify_ct if r.verify_ct else 0.0,
-            "spec_steps_histogram": dict(sorted(r.hist.items()))}}

@@ -1,30 +1,31 @@
-"""The speculative worker: prefill, and one decode iteration (draft, verify, accept, draft extend).
+"""The speculative worker: runs one scheduler plan (a prefill chunk, or draft + verify + extend).
 
-One :class:`SpecWorker` serves every drafter (and target-only decoding, ``drafter=None``). Per
-decode iteration with ``steps = k`` (conventions in :mod:`specdial.worker.drafters`):
+One :class:`SpecWorker` serves every drafter (and target-only decoding, ``drafter=None``). The
+Rust :class:`specdial._core.Scheduler` owns the KV pages and the requests; the worker owns the
+tensors: the target's and the drafter's KV buffers (``scheduler.num_slots`` slots plus the pad
+sentinel, same slot indices for both), the per-row tables, the runtime states, and the drafter's
+validity per request (``draft_len``). Conventions in :mod:`specdial.worker.drafters`.
 
-1. reserve ``k + 1`` KV slots per request (positions ``L..L+k``) from the Rust
-   :class:`specdial._core.KvPagePool`;
-2. ``k >= 1``: drafter catch-up over ``[draft_len, L)`` (only after skipped zero-step extends),
-   then ``k`` draft forwards;
-3. verify: one target forward over ``[x_L, d_1..d_k]`` per request;
-4. accept (:func:`specdial.worker.sampling.speculative_accept`: greedy prefix match, or the
-   rejection rule of Leviathan et al. 2023); one host transfer of the small results;
-5. truncate each request's KV to ``L + a + 1`` (rejected slots back to the allocator);
-6. draft extend over ``[draft_len, L + a + 1)``, KV only (skipped at ``k = 0`` with
-   ``skip_zero_step_draft_extend``; SGLang PR #23994 keeps it warm instead).
+- :meth:`SpecWorker.prefill` runs a prefill plan: the chunk of every request in one ragged
+  target forward (EAGLE keeps its hidden states), the drafter over the same positions, and the
+  first token sampled where ``sample_first`` (a request resuming after preemption re-prefills
+  ``prompt + output[:-1]`` and samples nothing).
+- :meth:`SpecWorker.decode` runs a decode plan with ``steps = k``: drafter catch-up over
+  ``[draft_len, L)`` (only after skipped zero-step extends), ``k`` draft forwards, one verify
+  over ``[x_L, d_1..d_k]`` per request, acceptance (:func:`speculative_accept`), then the draft
+  extend. A request capped below ``k`` (``steps_per_request[b] = s < k``, near its end) has
+  slots only for ``L..L+s``: its later drafts and verify tokens write the pad slot and it never
+  accepts more than ``s`` drafts.
 
-``k = 0`` is the trivial verify: plain decoding through the same path. Per-request state is
-host numpy indexed by *row* (``0..max_running_requests-1``); slots and token ids of every
-position live in :class:`~specdial.worker.runtime.RequestTables` on the device. No per-request
-``.item()`` and no Python loop over tensors; the only per-request Python is the allocator calls
-(``pages_needed`` / ``reserve`` / ``truncate``, one each per request per iteration).
+Rows (``0..max_running_requests-1``) are assigned to request ids when their prefill starts at
+position 0 and given back by :meth:`release` (finished, aborted or preempted requests). Host
+arrays are numpy int64. No per-request ``.item()`` and no Python loop over tensors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Any, Iterable
 
 import numpy as np
 import torch
@@ -37,51 +38,58 @@ from specdial.worker.runtime import RequestTables, RuntimeState
 from specdial.worker.sampling import BatchSampling, sample, speculative_accept
 
 
-class KVCacheFullError(RuntimeError):
-    """Not enough free KV pages for the requested work (preemption comes in a later issue)."""
+def _i64(arr: Any) -> np.ndarray:
+    """A writable int64 numpy copy of a plan array (the plan's own buffers are read-only)."""
+    return np.array(arr, dtype=np.int64)
 
 
 @dataclass
-class DecodeOutput:
-    """Result of one decode iteration over ``B`` requests (host numpy, int64).
+class StepOutput:
+    """Result of one plan over ``B`` requests (host numpy, int64), what
+    :meth:`specdial._core.Scheduler.report` takes.
 
-    ``tokens`` ``[sum(accepted + 1)]``: emitted tokens, request after request (accepted
-    drafts, then the bonus/correction token); ``offsets`` ``[B + 1]``: request ``b`` emitted
-    ``tokens[offsets[b]:offsets[b + 1]]``; ``accepted`` ``[B]``: accepted drafts (0..steps),
-    what :meth:`AdaptiveSpeculativeParams.on_verify_complete` takes.
+    ``tokens``: emitted tokens, request after request (decode: accepted drafts then the bonus
+    token; prefill: the first token of the ``sample_first`` requests); ``offsets`` ``[B + 1]``:
+    request ``b`` emitted ``tokens[offsets[b]:offsets[b + 1]]``; ``accepted`` ``[B]``
+    (decode; None for prefill): accepted drafts, ``0..steps_per_request[b]``.
     """
 
     steps: int
     tokens: np.ndarray
     offsets: np.ndarray
-    accepted: np.ndarray
+    accepted: np.ndarray | None
 
     def tokens_of(self, b: int) -> np.ndarray:
         return self.tokens[self.offsets[b]:self.offsets[b + 1]]
 
 
+#: Kept for readers of the previous name.
+DecodeOutput = StepOutput
+
+
 class SpecWorker:
-    """Owns the target and drafter KV pools, the request tables and the runtime states.
+    """Owns the target and drafter KV buffers, the request tables and the runtime states.
 
     - ``target``: a :class:`LlamaForCausalLM`; ``drafter``: a :class:`Drafter` or None
       (target-only, ``steps`` must be 0).
-    - ``kv_alloc``: a :class:`specdial._core.KvPagePool`; both KV pools get its
-      ``num_slots`` slots (plus the pad sentinel).
+    - ``num_slots``: KV slots (``Scheduler.num_slots``); both KV pools get them plus the pad
+      sentinel (:attr:`pad_slot`).
     - ``max_running_requests``: rows of the request tables and batch capacity of the runtime
       states; ``context_length``: longest request (prompt + output) in tokens.
     - ``step_values``: the ``steps`` values to build runtime states for (each in
-      ``0..drafter.max_steps``); decoding with any other value raises ``ValueError``.
+      ``0..drafter.max_steps``; ``Scheduler.candidate_steps``); a plan with any other value
+      raises ``ValueError``.
     - ``skip_zero_step_draft_extend``: skip the drafter extend at ``steps = 0``.
 
     Raises ``ValueError`` for steps above the drafter's ``max_steps`` or positive steps
     without a drafter.
     """
 
-    def __init__(self, target: LlamaForCausalLM, drafter: Drafter | None, kv_alloc, *,
+    def __init__(self, target: LlamaForCausalLM, drafter: Drafter | None, num_slots: int, *,
                  max_running_requests: int, context_length: int, step_values: Iterable[int],
                  skip_zero_step_draft_extend: bool = False,
                  backend: AttentionBackend | None = None) -> None:
-        self.target, self.drafter, self.kv_alloc = target, drafter, kv_alloc
+        self.target, self.drafter = target, drafter
         self.skip_zero_step_draft_extend = skip_zero_step_draft_extend
         self.device = device = target.embed_tokens.weight.device
         self.backend = backend or TorchAttentionBackend(device)
@@ -90,8 +98,9 @@ class SpecWorker:
         if steps[0] < 0 or steps[-1] > max_steps:
             raise ValueError(f"steps {steps} outside 0..{max_steps} "
                              f"({'drafter max_steps' if drafter else 'no drafter'})")
-        num_slots = int(kv_alloc.num_slots)
+        self.num_slots = num_slots = int(num_slots)
         self.kv = target.make_kv_pool(num_slots)
+        self.pad_slot = self.kv.pad_slot
         if drafter is not None:
             drafter.init_kv(num_slots)
         self.max_bs = max_running_requests
@@ -108,67 +117,78 @@ class SpecWorker:
         self.target_len = np.zeros(max_running_requests, np.int64)
         self.draft_len = np.zeros(max_running_requests, np.int64)
         self.rid = np.full(max_running_requests, -1, np.int64)
+        self.row_of: dict[int, int] = {}
         self._free_rows = list(range(max_running_requests - 1, -1, -1))
 
-    # ----------------------------------------------------------------- admission
-    def can_prefill(self, prompt_lens: Sequence[int]) -> bool:
-        """Whether :meth:`prefill` of prompts with these lengths fits (rows and pages)."""
-        ps = int(self.kv_alloc.page_size)
-        pages = sum(-(-int(n) // ps) for n in prompt_lens)
-        return len(prompt_lens) <= len(self._free_rows) and pages <= self.kv_alloc.num_free_pages()
+    # ----------------------------------------------------------------- rows
+    def _rows(self, request_ids: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        """Rows of ``request_ids``; a request not seen yet gets a fresh row (its prefill must
+        start at position 0). Raises ``RuntimeError`` on a plan that does not match the rows'
+        state (a scheduler/worker mismatch: a bug)."""
+        rows = np.empty(len(request_ids), np.int64)
+        for b, (rid, start) in enumerate(zip(request_ids.tolist(), starts.tolist())):
+            row = self.row_of.get(rid)
+            if row is None:
+                if start != 0 or not self._free_rows:
+                    raise RuntimeError(f"request {rid}: unknown to the worker at position {start} "
+                                       f"({len(self._free_rows)} free rows)")
+                row = self._free_rows.pop()
+                self.row_of[rid] = row
+                self.rid[row], self.target_len[row], self.draft_len[row] = rid, 0, 0
+            rows[b] = row
+        if not np.array_equal(self.target_len[rows], starts):
+            raise RuntimeError(f"plan positions {starts.tolist()} do not match the worker's "
+                               f"target lengths {self.target_len[rows].tolist()}")
+        return rows
 
-    def can_decode(self, rows: np.ndarray, steps: int) -> bool:
-        """Whether every request in ``rows`` can reserve ``steps + 1`` more slots at once."""
-        need = sum(int(self.kv_alloc.pages_needed(int(r), steps + 1)) for r in self.rid[rows])
-        return need <= self.kv_alloc.num_free_pages()
+    def release(self, request_ids: Iterable[int]) -> None:
+        """Forget these requests (finished, aborted or preempted): their rows become reusable.
+        Unknown ids are ignored. Their KV pages belong to the scheduler."""
+        for rid in request_ids:
+            row = self.row_of.pop(int(rid), None)
+            if row is not None:
+                self.rid[row] = -1
+                self._free_rows.append(row)
 
+    @property
+    def num_requests(self) -> int:
+        """Requests holding a row."""
+        return len(self.row_of)
+
+    # ----------------------------------------------------------------- passes
     @torch.inference_mode()
-    def prefill(self, rids: Sequence[int], prompts: Sequence[Sequence[int]],
-                sampling: BatchSampling,
-                generator: torch.Generator | None) -> tuple[np.ndarray, np.ndarray]:
-        """Register and prefill requests; returns ``(rows [B], first tokens [B])`` (int64).
+    def prefill(self, plan: Any, sampling: BatchSampling | None,
+                generator: torch.Generator | None) -> StepOutput:
+        """Run a prefill plan (a :class:`specdial._core.SchedulePlan`).
 
-        Target prefill over every prompt in one ragged forward, the first token sampled from
-        the last position's logits, then the drafter prefill (KV only). ``rids``: fresh
-        allocator request ids. Raises :class:`KVCacheFullError` when rows or pages run out.
+        Target forward over every chunk in one ragged batch, then the drafter over the same
+        positions (KV only; EAGLE reads the target hidden states just written). ``sampling``:
+        the options of the ``sample_first`` requests only, in plan order (None when none); each
+        of them samples its first token from the logits at ``logits_indices``.
         """
-        lens = np.array([len(p) for p in prompts], np.int64)
-        if not self.can_prefill(lens.tolist()):
-            raise KVCacheFullError(
-                f"cannot admit {len(prompts)} prompts ({int(lens.sum())} tokens): "
-                f"{len(self._free_rows)} free rows, {self.kv_alloc.num_free_pages()} free pages "
-                f"of {self.kv_alloc.page_size} tokens")
-        rows = np.array([self._free_rows.pop() for _ in prompts], np.int64)
-        slots = []
-        for rid, n in zip(rids, lens.tolist()):
-            self.kv_alloc.add_request(int(rid))
-            slots.append(np.asarray(self.kv_alloc.reserve(int(rid), n)))
-        self.rid[rows] = rids
-        zeros = np.zeros(len(rows), np.int64)
-        self.tables.write(rows, zeros, lens, np.concatenate(slots),
-                          np.concatenate([np.asarray(p, np.int64) for p in prompts]))
+        rids, qo, ends = _i64(plan.request_ids), _i64(plan.qo_lens), _i64(plan.kv_lens)
+        starts = ends - qo
+        rows = self._rows(rids, starts)
+        self.tables.write(rows, starts, qo, slots=_i64(plan.out_loc), ids=_i64(plan.input_ids))
         state = self.states[min(self.states)]
-        batch, _ = state.prepare_ragged(rows, zeros, lens)
+        batch, _ = state.prepare_ragged(rows, starts, ends)
         hidden = self.target(batch, self.kv, self.backend)
         if self.hidden is not None:
             self.hidden.index_copy_(0, batch.out_loc, hidden)
-        last = torch.from_numpy(np.cumsum(lens) - 1).to(self.device)
-        first = sample(self.target.compute_logits(hidden[last]), sampling, generator)
-        rows_d = torch.from_numpy(rows).to(self.device)
-        self.tables.req_to_ids[rows_d, torch.from_numpy(lens).to(self.device)] = first
-        self.target_len[rows], self.draft_len[rows] = lens, 0
+        self.target_len[rows] = ends
+        sample_first = _i64(plan.sample_first)
+        tokens = np.zeros(0, np.int64)
+        if sample_first.any():
+            if sampling is None or sampling.batch_size != int(sample_first.sum()):
+                raise ValueError("prefill: sampling must cover the sample_first requests")
+            idx = torch.from_numpy(_i64(plan.logits_indices)).to(self.device)
+            first = sample(self.target.compute_logits(hidden[idx]), sampling, generator)
+            tokens = first.cpu().numpy().astype(np.int64)
         if self.drafter is not None:
-            self._draft_extend(rows, state)  # the drafter prefill: an extend from position 0
-        return rows, first.cpu().numpy()
+            self._draft_extend(rows, state)  # the drafter prefill: an extend over the chunk
+        offsets = np.concatenate([[0], np.cumsum(sample_first)]).astype(np.int64)
+        return StepOutput(0, tokens, offsets, None)
 
-    def release(self, rows: np.ndarray) -> None:
-        """Free the requests in ``rows``: every KV page back to the allocator, rows reusable."""
-        for row in np.asarray(rows, np.int64).tolist():
-            self.kv_alloc.free_request(int(self.rid[row]))
-            self.rid[row] = -1
-            self._free_rows.append(row)
-
-    # ----------------------------------------------------------------- passes
     def _draft_extend(self, rows: np.ndarray, state: RuntimeState) -> None:
         """Drafter over ``[draft_len, target_len)`` of every request in one KV-only forward."""
         assert self.drafter is not None
@@ -187,26 +207,24 @@ class SpecWorker:
         self.draft_len[rows] = end
 
     @torch.inference_mode()
-    def decode(self, steps: int, rows: np.ndarray, sampling: BatchSampling,
-               generator: torch.Generator | None) -> DecodeOutput:
-        """One decode iteration with ``steps`` drafts for the requests in ``rows`` (``[B]``).
+    def decode(self, plan: Any, sampling: BatchSampling,
+               generator: torch.Generator | None) -> StepOutput:
+        """Run a decode plan: ``plan.steps`` drafts per request, verify, accept, draft extend.
 
-        ``sampling``: the rows' options in the same order. Raises ``ValueError`` for a steps
-        value without a runtime state, :class:`KVCacheFullError` when the ``B * (steps + 1)``
-        slots do not fit (nothing is reserved then).
+        ``sampling``: the requests' options in plan order. Raises ``ValueError`` for a steps
+        value without a runtime state.
         """
+        steps = int(plan.steps)
         state = self.states.get(steps)
         if state is None:
             raise ValueError(f"no runtime state for steps={steps}; built: {sorted(self.states)}")
-        rows = np.asarray(rows, np.int64)
+        rids, target_len = _i64(plan.request_ids), _i64(plan.positions)
+        rows = self._rows(rids, target_len)
         b, n = len(rows), steps + 1
-        if not self.can_decode(rows, steps):
-            raise KVCacheFullError(f"KV cache exhausted: {b} requests x {n} tokens do not fit "
-                                   f"in {self.kv_alloc.num_free_pages()} free pages")
-        rids = self.rid[rows].tolist()
-        target_len = self.target_len[rows].copy()
-        slots = np.concatenate([np.asarray(self.kv_alloc.reserve(r, n)) for r in rids])
-        self.tables.write(rows, target_len, np.full(b, n, np.int64), slots=slots)
+        # slots of L..L+steps (the pad slot beyond a capped request's own steps), and x_L
+        self.tables.write(rows, target_len, np.full(b, n, np.int64),
+                          slots=_i64(plan.out_loc_padded(self.pad_slot)))
+        self.tables.write(rows, target_len, np.ones(b, np.int64), ids=_i64(plan.input_ids))
         batches = state.prepare_decode(rows, target_len)
 
         probs = None
@@ -227,14 +245,15 @@ class SpecWorker:
             self.hidden.index_copy_(0, batches.verify.out_loc, hidden)
         logits = self.target.compute_logits(hidden).view(b, n, -1)
         accepted, out = speculative_accept(drafts, probs, logits, sampling, generator)
-        # emitted tokens go to positions L+1..L+a+1 (later columns are -1: stale, never read)
+        # emitted tokens go to positions L+1..L+a+1 (later columns are stale, never read)
         self.tables.req_to_ids[batches.rows[:, None], batches.verify_positions + 1] = out
         host = torch.cat([accepted[:, None], out], 1).cpu().numpy()  # the one sync
-        acc, out_np = host[:, 0], host[:, 1:]
+        out_np = host[:, 1:]
+        # a capped request keeps at most its own steps; the token at column s is then the
+        # target's (an accepted draft equals the target's choice there), so nothing changes
+        acc = np.minimum(host[:, 0], _i64(plan.steps_per_request)) if steps else host[:, 0]
 
         new_len = target_len + acc + 1
-        for rid, length in zip(rids, new_len.tolist()):
-            self.kv_alloc.truncate(rid, length)
         if steps and self.drafter is not None:
             self.draft_len[rows] = self.drafter.draft_len_after_verify(target_len, steps, acc)
         self.target_len[rows] = new_len
@@ -242,4 +261,5 @@ class SpecWorker:
             self._draft_extend(rows, state)
         emitted = np.arange(n)[None, :] <= acc[:, None]
         offsets = np.concatenate([[0], np.cumsum(acc + 1)]).astype(np.int64)
-        return DecodeOutput(steps, out_np[emitted], offsets, acc.astype(np.int64))
+        return StepOutput(steps, out_np[emitted].astype(np.int64), offsets,
+                          acc.astype(np.int64))

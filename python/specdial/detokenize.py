@@ -1,0 +1,90 @@
+"""Incremental detokenization of one request's output, with stop strings.
+
+:class:`IncrementalText` turns the growing list of output token ids into text deltas whose
+concatenation is the decode of the whole output (when the tokenizer's decode of a prefix is a
+prefix of the decode of the whole, as for byte-level BPE): each update decodes the whole output
+and emits the new suffix, holding back
+
+- a trailing U+FFFD (a multi-byte character whose remaining bytes are in later tokens), and
+- with stop strings, the last ``max(len(stop)) - 1`` characters (they could be the start of a
+  stop string that later tokens complete), so a stop string is never partly sent.
+
+A matched stop string and everything after it are cut; the request then finishes with
+``{"type": "stop", "matched": <the string>}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+__all__ = ["IncrementalText", "decode"]
+
+_REPLACEMENT = "\ufffd"
+
+
+def decode(tokenizer: Any, ids: Sequence[int]) -> str:
+    """``tokenizer.decode(ids)`` without special tokens (HF tokenizers and ``tokenizers``)."""
+    try:
+        return str(tokenizer.decode(list(ids), skip_special_tokens=True))
+    except TypeError:
+        return str(tokenizer.decode(list(ids)))
+
+
+class IncrementalText:
+    """Text state of one request. ``tokenizer`` None: every delta is ``""``.
+
+    ``stop``: stop strings (non-empty). After :meth:`update` returned a delta with
+    ``matched`` set, the text is final.
+    """
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.sent = ""  # text already emitted
+        self.matched: str | None = None
+        self._searched = 0  # stop strings cannot start before this index of the full text
+
+    def update(self, ids: Sequence[int], final: bool) -> str:
+        """New text for the output ``ids`` so far; ``final``: the request ends now (nothing is
+        held back). Sets :attr:`matched` when a stop string matched (the delta then ends right
+        before it)."""
+        if self.tokenizer is None or self.matched is not None:
+            return ""
+        full = decode(self.tokenizer, ids)
+        if self.stop:
+            hit = self._find_stop(full)
+            if hit is not None:
+                full, final = full[:hit], True
+        if not final:
+            end = len(full)
+            while end > 0 and full[end - 1] == _REPLACEMENT:
+                end -= 1
+            if self.stop:
+                end = max(0, min(end, len(full) - self.hold))
+            full = full[:end]
+        if full.startswith(self.sent):
+            delta = full[len(self.sent):]
+        else:  # decode(prefix) is not a prefix of decode(all): emit from where they agree
+            common = 0
+            for a, b in zip(full, self.sent):
+                if a != b:
+                    break
+                common += 1
+            delta = full[common:] if len(full) > len(self.sent) else ""
+        if delta:
+            self.sent = self.sent + delta if full.startswith(self.sent) else full
+        return delta
+
+    def _find_stop(self, full: str) -> int | None:
+        start = max(0, self._searched - self.hold)
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            i = full.find(s, start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        self._searched = len(full.rstrip(_REPLACEMENT))
+        if best is None:
+            return None
+        self.matched = best[1]
+        return best[0]

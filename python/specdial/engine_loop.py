@@ -1,0 +1,404 @@
+"""The engine loop: one background thread that owns the Rust scheduler and the worker.
+
+Every :class:`specdial._core.Scheduler` call happens on this thread. Other threads talk to it
+through :meth:`EngineLoop.post` (a FIFO inbox) and get their results through each request's
+*sink* (a callable the loop calls, from its thread, with :class:`Submitted`, an exception, or a
+:class:`~specdial.engine_api.StreamChunk`). Each turn of the loop:
+
+1. handles the inbox: submissions (``add_request``; the sink gets ``Submitted(id)``, or
+   :class:`~specdial.engine_api.RequestError` / :class:`~specdial.engine_api.QueueFullError`),
+   aborts, cancellations of streams, shutdown; it blocks there while nothing is live;
+2. runs one iteration: ``plan = schedule()`` -> ``worker.prefill/decode(plan)`` ->
+   ``report(...)``; preempted requests lose their worker rows first;
+3. post-processes the report: appends tokens, detokenizes, matches stop strings (finishing the
+   request through ``finish_request``), frees the worker rows of finished requests, appends the
+   per-verify trace (``record_trace``), refreshes the :class:`EngineStats` snapshot, logs every
+   ``log_interval_s`` while decoding, and only then hands the chunks to the sinks (so a caller
+   that saw its last chunk sees the freed pages in ``stats()``).
+
+An exception while running a plan fails the plan's requests (finish reason ``abort`` with the
+message), is logged with its traceback, and the loop keeps serving. Aborts and stop-string
+finishes happen between iterations, never while a plan is in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from specdial._core import InvalidRequestError, QueueFullError
+from specdial.detokenize import IncrementalText
+from specdial.engine_api import EngineStats, RequestError, StreamChunk
+from specdial.worker.sampling import BatchSampling, SamplingParams
+from specdial.worker.worker import SpecWorker
+
+logger = logging.getLogger("specdial.engine")
+
+StepsSchedule = Callable[[int, int], int] | Sequence[int]
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """First sink item of an accepted request: its engine id."""
+
+    request_id: int
+
+
+@dataclass(eq=False)
+class RequestSpec:
+    """A validated request on its way to the loop. ``stop_token_ids`` includes the EOS ids
+    unless ``ignore_eos``. ``rid`` is set by the loop when the scheduler accepts it."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_token_ids: tuple[int, ...]
+    stop: tuple[str, ...]
+    sink: Callable[[Any], None]
+    rid: int | None = None
+
+
+@dataclass(eq=False)
+class _Live:
+    spec: RequestSpec
+    rid: int
+    text: IncrementalText
+    output: list[int] = field(default_factory=list)
+    verify_ct: int = 0
+    hist: dict[int, int] = field(default_factory=dict)
+
+    def meta(self) -> dict[str, Any]:
+        n = len(self.output)
+        return {"prompt_tokens": len(self.spec.prompt_ids), "completion_tokens": n,
+                "spec_verify_ct": self.verify_ct,
+                "spec_accept_length": (n - 1) / self.verify_ct if self.verify_ct else 0.0,
+                "spec_steps_histogram": dict(sorted(self.hist.items()))}
+
+
+def _param_of(message: str) -> str | None:
+    """The field an InvalidRequestError / SamplingParams message starts with."""
+    head = message.split(":", 1)[0].strip()
+    head = head.removeprefix("SamplingParams.").split()[0] if head else ""
+    return head or None
+
+
+class EngineLoop:
+    """The loop thread over ``scheduler`` and ``worker`` (see the module docstring).
+
+    ``generator``: the sampling generator (reseeded with a request's ``seed`` when it is
+    accepted); ``steps_schedule``: the test hook of :class:`specdial.Engine` (fixed steps per
+    decode iteration through ``set_fixed_steps``); ``trace_file``: an open text file for
+    ``drain_trace()`` output, or None; ``log_interval_s``: seconds between log lines while
+    decoding (None or <= 0: never).
+    """
+
+    def __init__(self, scheduler: Any, worker: SpecWorker, *, tokenizer: Any,
+                 generator: torch.Generator | None, steps_schedule: StepsSchedule | None = None,
+                 trace_file: Any = None, log_interval_s: float | None = 10.0) -> None:
+        self.sched, self.worker, self.tokenizer = scheduler, worker, tokenizer
+        self.generator, self.steps_schedule = generator, steps_schedule
+        self.trace_file, self.log_interval_s = trace_file, log_interval_s
+        self.device = worker.device
+        # torch's intra-op thread count is per OS thread (OpenMP): without this the loop thread
+        # would run with the default and be many times slower than the caller configured
+        self._num_threads = torch.get_num_threads()
+        self.inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self.live: dict[int, _Live] = {}
+        self.dead: BaseException | None = None
+        self._stopping = self._drain = False
+        self._outbox: list[tuple[Callable[[Any], None], Any]] = []
+        self._sampling_key: tuple[int, ...] | None = None
+        self._sampling: BatchSampling | None = None
+        self._decode_iters = 0
+        self._prompt_tokens = 0
+        self._verify_reqs = self._verify_tokens = 0
+        self._log_mark = (time.monotonic(), 0, 0, 0)
+        self._stats = EngineStats()
+        self._refresh_stats()  # before the thread starts: no concurrent scheduler call
+        self.thread = threading.Thread(target=self._main, name="specdial-engine", daemon=True)
+
+    # ------------------------------------------------------------------ other threads
+    def start(self) -> None:
+        self.thread.start()
+
+    def post(self, message: tuple[Any, ...]) -> None:
+        """Queue ``("submit", [specs])``, ``("cancel", spec)``, ``("abort", id)`` or
+        ``("shutdown", drain)`` for the loop."""
+        self.inbox.put(message)
+
+    def stats(self) -> EngineStats:
+        """The latest snapshot (a copy; refreshed after every iteration and inbox turn)."""
+        s = self._stats
+        return dataclasses.replace(s, steps_per_slot=dict(s.steps_per_slot),
+                                   accepted_per_pos=list(s.accepted_per_pos))
+
+    # ------------------------------------------------------------------ the loop
+    def _main(self) -> None:
+        torch.set_num_threads(self._num_threads)
+        try:
+            with torch.inference_mode():
+                while True:
+                    busy = self.sched.has_unfinished()
+                    if not busy and self._stopping:
+                        break
+                    self._handle_inbox(block=not busy)
+                    if not busy and self.sched.has_unfinished():
+                        self._log_mark = self._mark()  # tokens/s from when work arrived
+                    if self.sched.has_unfinished():
+                        self._iteration()
+        except BaseException as e:  # noqa: BLE001 - the loop must answer everyone
+            logger.exception("the engine loop failed; the engine stops serving")
+            self.dead = e
+            message = f"engine failure: {type(e).__name__}: {e}"
+            for rid in list(self.live):
+                try:
+                    self._finish_now(rid, message)
+                except Exception:  # noqa: BLE001 - the scheduler may be what broke
+                    lv = self.live.pop(rid, None)
+                    if lv is not None:
+                        self._out(lv.spec.sink, StreamChunk(
+                            rid, "", [], True, {"type": "abort", "message": message}, lv.meta()))
+            self._flush()
+            self._answer_until_shutdown(e)
+        finally:
+            if self.trace_file is not None:
+                self._write_trace()
+                self.trace_file.close()
+
+    def _answer_until_shutdown(self, error: BaseException) -> None:
+        while True:
+            kind, *args = self.inbox.get()
+            if kind == "submit":
+                for spec in args[0]:
+                    spec.sink(RuntimeError(f"the engine loop failed: {error}"))
+            elif kind == "shutdown":
+                return
+
+    def _handle_inbox(self, block: bool) -> None:
+        messages = [self.inbox.get()] if block else []
+        while True:
+            try:
+                messages.append(self.inbox.get_nowait())
+            except queue.Empty:
+                break
+        for kind, *args in messages:
+            if kind == "submit":
+                for spec in args[0]:
+                    self._submit(spec)
+            elif kind == "cancel":
+                rid = args[0].rid
+                if rid is not None and rid in self.live:
+                    self._finish_now(rid, "aborted: the client stopped reading")
+            elif kind == "abort":
+                if args[0] in self.live:
+                    self._finish_now(args[0], "aborted by request")
+            elif kind == "shutdown":
+                self._stopping, self._drain = True, bool(args[0])
+                if not self._drain:
+                    for rid in list(self.live):
+                        self._finish_now(rid, "aborted: the engine is shutting down")
+        if messages:
+            self._refresh_stats()
+            self._flush()
+
+    def _submit(self, spec: RequestSpec) -> None:
+        if self._stopping:
+            self._out(spec.sink, RuntimeError("Engine is shut down"))
+            return
+        try:
+            rid = self.sched.add_request(np.asarray(spec.prompt_ids, np.int64),
+                                         spec.params.max_new_tokens, list(spec.stop_token_ids),
+                                         True)  # EOS ids are in stop_token_ids
+        except InvalidRequestError as e:
+            self._out(spec.sink, RequestError(str(e), _param_of(str(e))))
+            return
+        except QueueFullError as e:
+            self._out(spec.sink, e)
+            return
+        spec.rid = rid
+        self.live[rid] = _Live(spec, rid, IncrementalText(self.tokenizer, spec.stop))
+        if spec.params.seed is not None and self.generator is not None:
+            self.generator.manual_seed(spec.params.seed)
+        self._prompt_tokens += len(spec.prompt_ids)
+        self._out(spec.sink, Submitted(rid))
+
+    def _iteration(self) -> None:
+        if self.steps_schedule is not None:
+            sched, i = self.steps_schedule, self._decode_iters
+            k = sched(i, self.sched.num_running) if callable(sched) else sched[i % len(sched)]
+            self.sched.set_fixed_steps(int(k))
+        plan = self.sched.schedule()
+        if plan is None:  # live requests but nothing to run now (not expected)
+            logger.warning("nothing schedulable with %d live requests", len(self.live))
+            time.sleep(0.01)
+            return
+        preempted = plan.preempted.tolist()
+        if preempted:
+            self.worker.release(preempted)
+        rids = plan.request_ids.tolist()
+        try:
+            if plan.is_prefill:
+                first = [self.live[r].spec.params for r, f in
+                         zip(rids, plan.sample_first.tolist()) if f]
+                sampling = BatchSampling.from_params(first, self.device) if first else None
+                out = self.worker.prefill(plan, sampling, self.generator)
+                res = self.sched.report(out.tokens, out.offsets)
+            else:
+                out = self.worker.decode(plan, self._sampling_for(rids), self.generator)
+                res = self.sched.report(out.tokens, out.offsets, out.accepted)
+                self._decode_iters += 1
+        except Exception as e:  # noqa: BLE001 - fail these requests, keep serving
+            logger.exception("a %s iteration failed; aborting its %d requests", plan.kind,
+                             len(rids))
+            self._fail_plan(plan, rids, e)
+            return
+        self._after_report(plan, rids, res)
+
+    def _sampling_for(self, rids: list[int]) -> BatchSampling:
+        key = tuple(rids)
+        if key != self._sampling_key or self._sampling is None:
+            self._sampling = BatchSampling.from_params([self.live[r].spec.params for r in rids],
+                                                       self.device)
+            self._sampling_key = key
+        return self._sampling
+
+    def _fail_plan(self, plan: Any, rids: list[int], error: Exception) -> None:
+        message = f"internal error: {type(error).__name__}: {error}"
+        for rid in rids:
+            if rid in self.live:
+                self._finish_now(rid, message)
+        if self.sched.plan_in_flight:  # every request in it is aborted: results are ignored
+            b = len(rids)
+            if plan.is_prefill:
+                n = int(np.asarray(plan.sample_first).sum())
+                self.sched.report(np.zeros(n, np.int64),
+                                  np.concatenate([[0], np.cumsum(np.asarray(plan.sample_first))]))
+            else:
+                self.sched.report(np.zeros(b, np.int64), np.arange(b + 1, dtype=np.int64),
+                                  np.zeros(b, np.int64))
+        self._sampling_key = None
+        self._refresh_stats()
+        self._flush()
+
+    def _after_report(self, plan: Any, rids: list[int], res: Any) -> None:
+        decode = not plan.is_prefill
+        steps = int(plan.steps)
+        finished = {f.request_id: f for f in res.finished}
+        tokens = np.asarray(res.new_tokens)
+        offsets = res.new_offsets.tolist()
+        for b, rid in enumerate(rids):
+            lv = self.live.get(rid)
+            if lv is None:
+                continue
+            new = tokens[offsets[b]:offsets[b + 1]].tolist()
+            if decode:
+                lv.verify_ct += 1
+                lv.hist[steps] = lv.hist.get(steps, 0) + 1
+                self._verify_reqs += 1
+                self._verify_tokens += len(new)
+            fin = finished.get(rid)
+            if not new and fin is None:
+                continue
+            try:
+                self._emit(lv, new, fin)
+            except Exception as e:  # noqa: BLE001 - fail this request only
+                logger.exception("post-processing request %d failed", rid)
+                if rid in self.live:
+                    self._finish_now(rid, f"internal error: {type(e).__name__}: {e}")
+        if decode and self.trace_file is not None:
+            self._write_trace()
+        self._refresh_stats()
+        if decode:
+            self._maybe_log()
+        self._flush()
+
+    def _emit(self, lv: _Live, new: list[int], fin: Any) -> None:
+        lv.output.extend(new)
+        text = lv.text.update(lv.output, final=fin is not None)
+        if lv.text.matched is not None and fin is None:
+            fin = self.sched.finish_request(lv.rid, "stop")
+            if fin is None:
+                raise RuntimeError(f"request {lv.rid} is not live in the scheduler")
+        if fin is None:
+            self._out(lv.spec.sink, StreamChunk(lv.rid, text, new, False, None, lv.meta()))
+            return
+        del self.live[lv.rid]
+        self.worker.release([lv.rid])
+        if lv.text.matched is not None:
+            reason: dict[str, Any] = {"type": "stop", "matched": lv.text.matched}
+        elif fin.reason == "length":
+            reason = {"type": "length", "length": int(fin.output_len)}
+        elif fin.reason == "stop":
+            reason = {"type": "stop", "matched": fin.stop_token_id}
+        else:
+            reason = {"type": "abort", "message": "aborted"}
+        self._out(lv.spec.sink, StreamChunk(lv.rid, text, new, True, reason, lv.meta()))
+
+    def _finish_now(self, rid: int, message: str) -> None:
+        """Abort a live request now (between iterations): free everything, final chunk."""
+        lv = self.live.pop(rid)
+        try:
+            self.sched.abort(rid)
+        finally:
+            self.worker.release([rid])
+        self._sampling_key = None
+        self._out(lv.spec.sink, StreamChunk(rid, "", [], True,
+                                            {"type": "abort", "message": message}, lv.meta()))
+
+    # ------------------------------------------------------------------ outputs
+    def _out(self, sink: Callable[[Any], None], item: Any) -> None:
+        self._outbox.append((sink, item))
+
+    def _flush(self) -> None:
+        out, self._outbox = self._outbox, []
+        for sink, item in out:
+            try:
+                sink(item)
+            except Exception:  # noqa: BLE001 - a broken consumer must not stop the loop
+                logger.exception("delivering a result failed")
+
+    def _write_trace(self) -> None:
+        text = self.sched.drain_trace()
+        if text:
+            self.trace_file.write(text if text.endswith("\n") else text + "\n")
+            self.trace_file.flush()
+
+    def _refresh_stats(self) -> None:
+        s = self.sched.stats()
+        slots = {int(lb): int(k) for lb, k, _, _ in self.sched.slot_states()}
+        if not slots and self.sched.fixed_steps is not None:
+            slots = {1: int(self.sched.fixed_steps)}
+        self._stats = EngineStats(
+            running=s.running + s.prefilling, queued=s.queued, kv_pages_used=s.kv_pages_used,
+            kv_pages_total=s.kv_pages_total, steps_per_slot=slots, num_drafts=s.spec_num_drafts,
+            num_draft_tokens=s.spec_num_draft_tokens,
+            num_accepted_tokens=s.spec_num_accepted_tokens,
+            accepted_per_pos=list(s.spec_accepted_per_pos), step_switches=s.step_switches,
+            preemptions=s.preemptions, requests_finished=s.requests_finished,
+            prompt_tokens=self._prompt_tokens, generation_tokens=s.tokens_generated)
+
+    def _mark(self) -> tuple[float, int, int, int]:
+        return (time.monotonic(), self._stats.generation_tokens, self._verify_reqs,
+                self._verify_tokens)
+
+    def _maybe_log(self) -> None:
+        interval = self.log_interval_s
+        t0, tok0, req0, vt0 = self._log_mark
+        now = time.monotonic()
+        if not interval or interval <= 0 or now - t0 < interval:
+            return
+        s = self._stats
+        reqs = self._verify_reqs - req0
+        logger.info("running %d, queued %d, KV cache %.1f%% (%d/%d pages), %.1f tokens/s, "
+                    "accept length %.2f, steps per slot %s", s.running, s.queued,
+                    100.0 * s.kv_pages_used / max(s.kv_pages_total, 1), s.kv_pages_used,
+                    s.kv_pages_total, (s.generation_tokens - tok0) / (now - t0),
+                    (self._verify_tokens - vt0) / reqs if reqs else 0.0, s.steps_per_slot)
+        self._log_mark = self._mark()

@@ -1,0 +1,195 @@
+"""Request validation and the three front ends' drivers of :class:`specdial.Engine`.
+
+- :func:`make_spec`: one request validated into a :class:`RequestSpec` (raises
+  :class:`~specdial.engine_api.RequestError` naming the field).
+- :func:`collect`: ``generate``'s driver: submits a batch, waits (retrying requests refused by a
+  full queue) and builds the SGLang-style output dicts.
+- :func:`sync_stream` / :func:`async_stream`: one request as an iterator of
+  :class:`~specdial.engine_api.StreamChunk`; submission on the first ``next`` / ``__anext__``;
+  leaving early cancels (aborts) the request.
+
+``post(message)`` queues a message for the engine loop (raising ``RuntimeError`` once the
+engine is shut down); ``cancel(spec)`` aborts a submitted request, if it still runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import re
+from typing import Any, AsyncGenerator, Callable, Iterator
+
+from specdial._core import QueueFullError
+from specdial.engine_api import RequestError, StreamChunk
+from specdial.engine_loop import RequestSpec, Submitted
+from specdial.worker.sampling import SamplingParams
+
+Post = Callable[[tuple[Any, ...]], None]
+Cancel = Callable[[RequestSpec], None]
+
+META_KEYS = ("prompt_tokens", "completion_tokens", "finish_reason", "spec_verify_ct",
+             "spec_accept_length", "spec_steps_histogram")
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text``; :class:`RequestError` without a tokenizer."""
+    if tokenizer is None:
+        raise RequestError("prompt: this engine has no tokenizer: pass input_ids instead of "
+                           "prompt", "prompt")
+    enc = tokenizer.encode(text)
+    return [int(t) for t in getattr(enc, "ids", enc)]
+
+
+def make_spec(prompt: Any, input_ids: Any, sampling_params: Any, stop: Any, *, tokenizer: Any,
+              vocab_size: int, context_length: int, eos_token_ids: frozenset[int],
+              label: str = "") -> RequestSpec:
+    """Validate one request (``label`` prefixes the messages, e.g. ``"prompt 2: "``).
+
+    Raises :class:`RequestError` (``param`` = ``prompt``, ``input_ids``, a sampling key or
+    ``stop``) for: both or neither of prompt / input_ids, a non-str prompt, an empty prompt,
+    token ids outside the vocabulary, a bad sampling value or unknown key, a prompt leaving no
+    room for a completion, prompt + ``max_new_tokens`` above ``context_length``, bad stop
+    strings (or stop strings without a tokenizer)."""
+    if (prompt is None) == (input_ids is None):
+        raise RequestError(f"{label}pass exactly one of prompt or input_ids", "prompt")
+    field = "prompt" if input_ids is None else "input_ids"
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise RequestError(f"{label}prompt must be a str", "prompt")
+        ids: list[int] | None = encode(tokenizer, prompt)
+    else:
+        try:
+            ids = [int(t) for t in input_ids if not isinstance(t, bool)]
+        except (TypeError, ValueError):
+            ids = None
+        if ids is None or len(ids) != len(input_ids):
+            raise RequestError(f"{label}input_ids must be a list of ints", "input_ids")
+    if not ids or min(ids) < 0 or max(ids) >= vocab_size:
+        raise RequestError(f"{label}{field}: needs 1+ token ids in [0, {vocab_size})", field)
+    try:
+        params = SamplingParams.from_dict(sampling_params)
+    except ValueError as e:
+        m = re.match(r"SamplingParams(?:\.(\w+)|: unknown key '([^']*)')", str(e))
+        raise RequestError(f"{label}{e}", (m.group(1) or m.group(2)) if m else None) from e
+    ctx = context_length
+    if len(ids) >= ctx:
+        raise RequestError(f"{label}{field}: {len(ids)} tokens leave no room for a completion "
+                           f"within context_length {ctx}", field)
+    if len(ids) + params.max_new_tokens > ctx:
+        raise RequestError(f"{label}{len(ids)} prompt tokens + max_new_tokens "
+                           f"{params.max_new_tokens} exceed context_length {ctx}",
+                           "max_new_tokens")
+    stops: tuple[str, ...] = ()
+    if stop is not None:
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s
+                                                           for s in stop):
+            raise RequestError(f"{label}stop must be a list of non-empty strings", "stop")
+        if stop and tokenizer is None:
+            raise RequestError(f"{label}stop strings need a tokenizer", "stop")
+        stops = tuple(stop)
+    stop_ids = params.stop_token_ids + (() if params.ignore_eos else tuple(sorted(eos_token_ids)))
+    return RequestSpec(ids, params, stop_ids, stops, sink=lambda _: None)
+
+
+def collect(post: Post, cancel: Cancel, specs: list[RequestSpec]) -> list[dict[str, Any]]:
+    """Run ``specs`` to the end; SGLang-style dicts (``text`` is the concatenation of the
+    streamed deltas). A request refused by a full queue is submitted again when the queue
+    may have room (polled every 20 ms). Raises the first other submission error (after
+    cancelling the rest)."""
+    q: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+    for i, spec in enumerate(specs):
+        spec.sink = (lambda i: lambda item: q.put((i, item)))(i)
+    ids: list[list[int]] = [[] for _ in specs]
+    texts: list[list[str]] = [[] for _ in specs]
+    last: list[StreamChunk | None] = [None] * len(specs)
+    left, in_submit = len(specs), len(specs)
+    retry: list[RequestSpec] = []
+    try:
+        post(("submit", specs))
+        while left:
+            try:
+                i, item = q.get(timeout=0.02 if retry and not in_submit else None)
+            except queue.Empty:  # the queue was full: try again
+                post(("submit", retry))
+                in_submit, retry = len(retry), []
+                continue
+            if isinstance(item, Submitted):
+                in_submit -= 1
+            elif isinstance(item, QueueFullError):
+                in_submit -= 1
+                retry.append(specs[i])
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                ids[i] += item.token_ids
+                texts[i].append(item.text)
+                if item.finished:
+                    last[i], left = item, left - 1
+    finally:
+        if left:
+            for spec in specs:
+                cancel(spec)
+    results = []
+    for i, chunk in enumerate(last):
+        assert chunk is not None
+        meta = {**chunk.meta_info, "finish_reason": chunk.finish_reason}
+        results.append({"text": "".join(texts[i]), "output_ids": ids[i],
+                        "meta_info": {k: meta[k] for k in META_KEYS}})
+    return results
+
+
+def sync_stream(post: Post, cancel: Cancel, spec: RequestSpec) -> Iterator[StreamChunk]:
+    """The chunks of ``spec`` (a generator: submission on the first ``next``)."""
+    q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    spec.sink = q.put
+    post(("submit", [spec]))
+    done = False
+    try:
+        while True:
+            item = q.get()
+            if isinstance(item, BaseException):
+                done = True
+                raise item
+            if isinstance(item, Submitted):
+                continue
+            done = item.finished
+            yield item
+            if done:
+                return
+    finally:
+        if not done:
+            cancel(spec)
+
+
+async def async_stream(post: Post, cancel: Cancel, spec: RequestSpec
+                       ) -> AsyncGenerator[StreamChunk, None]:
+    """The chunks of ``spec`` on the running event loop (submission on the first
+    ``__anext__``; ``aclose()`` or cancellation while awaiting a chunk cancels)."""
+    loop = asyncio.get_running_loop()
+    q: asyncio.Queue[Any] = asyncio.Queue()
+
+    def sink(item: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody reads any more
+            cancel(spec)
+
+    spec.sink = sink
+    post(("submit", [spec]))
+    done = False
+    try:
+        while True:
+            item = await q.get()
+            if isinstance(item, BaseException):
+                done = True
+                raise item
+            if isinstance(item, Submitted):
+                continue
+            done = item.finished
+            yield item
+            if done:
+                return
+    finally:
+        if not done:
+            cancel(spec)
