@@ -36,7 +36,10 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert runs["random adaptive"]["decode"]["graphs"]["switches"] >= 1
     assert len(runs["random switching"]["decode"]["graphs"]["steps_histogram"]) >= 4
 
-    assert res["engine_parity"]["status"] in ("PASS", "SKIP")
+    engine = res["engine_parity"]
+    assert engine["status"] == "PASS", engine
+    for name in ("steps=0", "steps=7", "adaptive"):
+        assert engine[name]["graphs_equal_eager"] and engine[name]["replays"]["verify"] > 0
     timing = res["timing"]
     assert set(timing["rows"]) == {"plain", "steps=0", "steps=1", "steps=3", "steps=0 skip"}
     cell = timing["rows"]["steps=3"]["4"]

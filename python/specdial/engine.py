@@ -35,6 +35,7 @@ from specdial.engine_requests import async_stream, collect, make_spec, sync_stre
 from specdial.models import LlamaForCausalLM, load_eagle_head, load_model, load_tokenizer
 from specdial.models.config import ModelConfig
 from specdial.models.eagle import EAGLE_ARCHITECTURE
+from specdial.worker.cuda_graphs import default_cuda_graph_bs, normalize_graph_bs
 from specdial.worker.drafters import DEFAULT_MAX_STEPS, Drafter, make_drafter
 from specdial.worker.worker import SpecWorker
 
@@ -42,6 +43,7 @@ _DEFAULT: Any = object()
 ALGORITHMS = ("EAGLE", "DRAFT", None)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 FIXED_DEFAULT_STEPS = 3
+GRAPH_MODES = ("cuda", "eager", "emulate", None)
 
 
 def _check_choice(name: str, value: Any, allowed: Any) -> None:
@@ -125,6 +127,14 @@ class Engine:
       per-request streams are not independent yet), ``drafter_max_steps``, and the test hook ``steps_schedule``: a sequence
       (decode iteration ``i`` uses ``schedule[i % len]``) or a callable ``(iteration,
       batch_size) -> steps`` replacing the policy (runtime states for ``0..drafter_max_steps``).
+    - CUDA graphs (keyword-only): ``cuda_graph_bs`` (batch sizes to capture, per steps value;
+      None: :func:`~specdial.worker.cuda_graphs.default_cuda_graph_bs` of
+      ``max_running_requests``) and ``disable_cuda_graph`` (default False). Graphs are used on
+      CUDA devices only (captured at start; the adaptive config prunes the sizes per steps
+      value); on the CPU the passes run eagerly. Test hook ``cuda_graph_mode``: ``"emulate"``
+      (the runner path on the CPU, graphs emulated), ``"eager"`` (runners without graphs) or
+      ``"cuda"``; None: ``"cuda"`` on CUDA, no runners otherwise.
+      :meth:`Engine.graph_stats` reports replays and eager fallbacks.
     """
 
     def __init__(self, model_path: str | os.PathLike[str] | None = None,
@@ -202,7 +212,9 @@ class Engine:
                record_trace: str | os.PathLike[str] | None = None,
                log_interval_s: float | None = 10.0, seed: int = 0,
                drafter_max_steps: int = DEFAULT_MAX_STEPS,
-               steps_schedule: StepsSchedule | None = None) -> None:
+               steps_schedule: StepsSchedule | None = None,
+               cuda_graph_bs: list[int] | None = None, disable_cuda_graph: bool = False,
+               cuda_graph_mode: str | None = None) -> None:
         self.target, self.tokenizer = target.eval(), tokenizer
         self.speculative_algorithm = algorithm
         self.drafter = make_drafter(drafter, target, max_steps=drafter_max_steps)
@@ -256,15 +268,22 @@ class Engine:
         if context_length is None:
             ctx = min(ctx, num_pages * page_size)
         self.context_length = ctx
+        graph_sizes = self._graph_sizes(cuda_graph_bs, disable_cuda_graph, cuda_graph_mode,
+                                        target.embed_tokens.weight.device, max_running_requests)
+        self.cuda_graph_bs = None if graph_sizes is None else list(graph_sizes[0])
         self.scheduler = Scheduler(SchedulerConfig(
             max_running_requests=max_running_requests, max_queued_requests=max_queued_requests,
             max_prefill_tokens=max_prefill_tokens, context_length=ctx, num_pages=num_pages,
             page_size=page_size, eos_token_ids=[], record_trace=record_trace is not None),
-            **policy)
+            cuda_graph_bs=self.cuda_graph_bs, **policy)
         self.worker = SpecWorker(target, self.drafter, self.scheduler.num_slots,
                                  max_running_requests=max_running_requests, context_length=ctx,
                                  step_values=step_values or self.scheduler.candidate_steps,
-                                 skip_zero_step_draft_extend=skip_zero)
+                                 skip_zero_step_draft_extend=skip_zero,
+                                 cuda_graph_bs=self.cuda_graph_bs,
+                                 cuda_graph_mode=None if graph_sizes is None else graph_sizes[1],
+                                 adaptive_config=(self.adaptive_config
+                                                  if steps_schedule is None else None))
         self.device = self.worker.device
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         eos = set(target.config.eos_token_ids)
@@ -280,6 +299,37 @@ class Engine:
         self._started = self._closed = False
         # an Engine dropped without shutdown(): its loop thread exits and frees the buffers
         weakref.finalize(self, _release_loop, self._loop)
+
+    @staticmethod
+    def _graph_sizes(sizes: Any, disable: Any, mode: Any, device: torch.device,
+                     max_running_requests: int) -> tuple[tuple[int, ...], str] | None:
+        """``(capture sizes, GraphPool mode)``, or None for eager passes without runners."""
+        if not isinstance(disable, bool):
+            raise ConfigError(f"disable_cuda_graph must be a bool, got {disable!r}")
+        if mode not in GRAPH_MODES:
+            raise ConfigError(f"cuda_graph_mode must be one of {GRAPH_MODES}, got {mode!r}")
+        try:
+            graph_bs = normalize_graph_bs(default_cuda_graph_bs(max_running_requests)
+                                          if sizes is None else sizes)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"cuda_graph_bs: {e}") from e
+        if disable:
+            return None
+        if mode is None:
+            if device.type != "cuda":
+                return None
+            mode = "cuda"
+        if mode == "cuda" and device.type != "cuda":
+            raise ConfigError(f"cuda_graph_mode='cuda' needs a CUDA device, got {device}")
+        return graph_bs, mode
+
+    def graph_stats(self) -> dict[str, Any]:
+        """CUDA-graph counters: ``replays`` per pass, ``eager`` fallbacks per reason,
+        ``captured`` graphs (all zero without graphs). Read while no request runs."""
+        worker = self.worker
+        if worker is None:
+            return {"replays": {}, "eager": {}, "captured": 0}
+        return worker.graph_stats()
 
     @staticmethod
     def _adaptive_config(cfg: Any) -> AdaptiveConfig:

@@ -17,6 +17,15 @@ validity per request (``draft_len``). Conventions in :mod:`specdial.worker.draft
   slots only for ``L..L+s``: its later drafts and verify tokens write the pad slot and it never
   accepts more than ``s`` drafts.
 
+CUDA graphs (``cuda_graph_bs`` given): at start the worker builds a
+:class:`~specdial.worker.cuda_graphs.CapturePlan` over its steps values (pruned by the adaptive
+config when there is one), one :class:`~specdial.worker.cuda_graphs.CudaGraphRunner` per steps
+value over one :class:`~specdial.worker.cuda_graphs.GraphPool`, captures them all and hangs each
+runner on its runtime state; decode iterations then replay the graphs of the plan's
+``graph_bs`` (draft, verify with its logits, draft extend and catch-up), falling back to eager
+passes (counted in :meth:`SpecWorker.graph_stats`) above the largest size, for uncaptured
+keys, sampling drafts and long catch-ups. Prefill stays eager.
+
 Rows (``0..max_running_requests-1``) are assigned to request ids when their prefill starts at
 position 0 and given back by :meth:`release` (finished, aborted or preempted requests). Host
 arrays are numpy int64. No per-request ``.item()`` and no Python loop over tensors.
@@ -25,16 +34,18 @@ arrays are numpy int64. No per-request ``.item()`` and no Python loop over tenso
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
 
-from specdial.attention import TorchAttentionBackend
 from specdial.attention.base import AttentionBackend
+from specdial.attention.select import select_backend
 from specdial.models.llama import LlamaForCausalLM
+from specdial.worker.cuda_graphs import (CapturePlan, CaptureReport, CudaGraphRunner, GraphPool,
+                                         build_runners, capture_all)
 from specdial.worker.drafters import Drafter
-from specdial.worker.runtime import RequestTables, RuntimeState
+from specdial.worker.runtime import DecodeBatches, RequestTables, RuntimeState
 from specdial.worker.sampling import BatchSampling, sample, speculative_accept
 
 
@@ -80,6 +91,13 @@ class SpecWorker:
       ``0..drafter.max_steps``; ``Scheduler.candidate_steps``); a plan with any other value
       raises ``ValueError``.
     - ``skip_zero_step_draft_extend``: skip the drafter extend at ``steps = 0``.
+    - ``backend``: the attention backend (default :func:`select_backend` for the device and
+      the target's dtype).
+    - ``cuda_graph_bs``: batch sizes to capture CUDA graphs for (None: no graphs, eager
+      passes); ``cuda_graph_mode``: the :class:`GraphPool` mode (None: ``"cuda"`` on a CUDA
+      device, ``"eager"`` otherwise; ``"emulate"`` exercises the runner path on the CPU);
+      ``adaptive_config``: the adaptive policy's config (prunes the capture plan; None for
+      fixed steps or a steps schedule: every size for every steps value).
 
     Raises ``ValueError`` for steps above the drafter's ``max_steps`` or positive steps
     without a drafter.
@@ -88,11 +106,13 @@ class SpecWorker:
     def __init__(self, target: LlamaForCausalLM, drafter: Drafter | None, num_slots: int, *,
                  max_running_requests: int, context_length: int, step_values: Iterable[int],
                  skip_zero_step_draft_extend: bool = False,
-                 backend: AttentionBackend | None = None) -> None:
+                 backend: AttentionBackend | None = None,
+                 cuda_graph_bs: Sequence[int] | None = None, cuda_graph_mode: str | None = None,
+                 adaptive_config: Any = None) -> None:
         self.target, self.drafter = target, drafter
         self.skip_zero_step_draft_extend = skip_zero_step_draft_extend
         self.device = device = target.embed_tokens.weight.device
-        self.backend = backend or TorchAttentionBackend(device)
+        self.backend = backend or select_backend(device, dtype=target.embed_tokens.weight.dtype)
         steps = sorted(set(int(s) for s in step_values)) or [0]
         max_steps = drafter.max_steps if drafter is not None else 0
         if steps[0] < 0 or steps[-1] > max_steps:
@@ -119,6 +139,40 @@ class SpecWorker:
         self.rid = np.full(max_running_requests, -1, np.int64)
         self.row_of: dict[int, int] = {}
         self._free_rows = list(range(max_running_requests - 1, -1, -1))
+        #: steps -> CUDA-graph runner (empty: eager passes); the capture plan and report
+        self.graph_runners: dict[int, CudaGraphRunner] = {}
+        self.capture_plan: CapturePlan | None = None
+        self.capture_report: CaptureReport | None = None
+        if cuda_graph_bs is not None:
+            self._init_graphs(steps, cuda_graph_bs, cuda_graph_mode, adaptive_config)
+
+    def _init_graphs(self, steps: list[int], sizes: Sequence[int], mode: str | None,
+                     adaptive_config: Any) -> None:
+        """Plan, build and capture the CUDA-graph runners; hang them on the runtime states."""
+        plan = CapturePlan.build(steps, sizes, adaptive_config or None,
+                                 has_drafter=self.drafter is not None)
+        pool = GraphPool(self.device, mode)
+        runners = build_runners(plan, target=self.target, target_kv=self.kv,
+                                drafter=self.drafter, backend=self.backend, pool=pool,
+                                kv_capacity=self.tables.width)
+        self.capture_report = capture_all(runners, plan)
+        self.capture_plan, self.graph_runners = plan, runners
+        for s, state in self.states.items():
+            state.runner = runners.get(s)
+
+    def graph_stats(self) -> dict[str, Any]:
+        """CUDA-graph counters summed over the runners: ``replays`` per pass (draft, verify,
+        extend), ``eager`` fallbacks per reason, ``captured`` graphs (all zero without
+        graphs)."""
+        replays: dict[str, int] = {}
+        eager: dict[str, int] = {}
+        for r in self.graph_runners.values():
+            for k, v in r.stats.replays.items():
+                replays[k] = replays.get(k, 0) + v
+            for k, v in r.stats.eager.items():
+                eager[k] = eager.get(k, 0) + v
+        captured = self.capture_report.num_graphs if self.capture_report else 0
+        return {"replays": replays, "eager": eager, "captured": captured}
 
     # ----------------------------------------------------------------- rows
     def _rows(self, request_ids: np.ndarray, starts: np.ndarray) -> np.ndarray:
@@ -189,12 +243,18 @@ class SpecWorker:
         offsets = np.concatenate([[0], np.cumsum(sample_first)]).astype(np.int64)
         return StepOutput(0, tokens, offsets, None)
 
-    def _draft_extend(self, rows: np.ndarray, state: RuntimeState) -> None:
-        """Drafter over ``[draft_len, target_len)`` of every request in one KV-only forward."""
+    def _draft_extend(self, rows: np.ndarray, state: RuntimeState,
+                      batches: DecodeBatches | None = None) -> None:
+        """Drafter over ``[draft_len, target_len)`` of every request in one KV-only forward
+        (through the state's CUDA-graph runner when ``batches`` carry a KV layout)."""
         assert self.drafter is not None
         start, end = self.draft_len[rows], self.target_len[rows]
         todo = end > start
         if not todo.any():
+            return
+        if batches is not None and batches.layout is not None:
+            state.run_extend(batches, rows, start, end, self.hidden, self.zero_row)
+            self.draft_len[rows] = np.maximum(start, end)
             return
         rows, start, end = rows[todo], start[todo], end[todo]
         zero = None if self.hidden is None else self.zero_row
@@ -225,12 +285,13 @@ class SpecWorker:
         self.tables.write(rows, target_len, np.full(b, n, np.int64),
                           slots=_i64(plan.out_loc_padded(self.pad_slot)))
         self.tables.write(rows, target_len, np.ones(b, np.int64), ids=_i64(plan.input_ids))
-        batches = state.prepare_decode(rows, target_len)
+        batches = state.prepare_decode(rows, target_len, plan.graph_bs)
 
         probs = None
         if steps:
             assert self.drafter is not None
-            self._draft_extend(rows, state)  # catch-up after skipped zero-step extends
+            # catch-up after skipped zero-step extends
+            self._draft_extend(rows, state, batches)
             first_hidden = None
             if self.hidden is not None:
                 prev = self.tables.req_to_token[batches.rows, batches.verify_positions[:, 0] - 1]
@@ -238,12 +299,16 @@ class SpecWorker:
             drafts, probs = state.run_draft(self.drafter, batches, first_hidden=first_hidden,
                                             sampling=sampling, generator=generator)
             batches.verify_ids[:, 1:] = drafts
+            # the copy: a replayed draft graph's output is only valid until the next replay
+            drafts = batches.verify_ids[:, 1:]
         else:
             drafts = batches.verify_ids[:, 1:]  # [B, 0]
-        hidden = state.run_verify(self.target, self.kv, batches.verify)
+        verified = state.run_verify(self.target, self.kv, batches.verify, batches)
+        hidden = verified.hidden
         if self.hidden is not None:
             self.hidden.index_copy_(0, batches.verify.out_loc, hidden)
-        logits = self.target.compute_logits(hidden).view(b, n, -1)
+        logits = (verified.logits if verified.logits is not None
+                  else self.target.compute_logits(hidden)).view(b, n, -1)
         accepted, out = speculative_accept(drafts, probs, logits, sampling, generator)
         # emitted tokens go to positions L+1..L+a+1 (later columns are stale, never read)
         self.tables.req_to_ids[batches.rows[:, None], batches.verify_positions + 1] = out
@@ -258,7 +323,7 @@ class SpecWorker:
             self.draft_len[rows] = self.drafter.draft_len_after_verify(target_len, steps, acc)
         self.target_len[rows] = new_len
         if self.drafter is not None and not (steps == 0 and self.skip_zero_step_draft_extend):
-            self._draft_extend(rows, state)
+            self._draft_extend(rows, state, batches)
         emitted = np.arange(n)[None, :] <= acc[:, None]
         offsets = np.concatenate([[0], np.cumsum(acc + 1)]).astype(np.int64)
         return StepOutput(steps, out_np[emitted].astype(np.int64), offsets,
