@@ -16,34 +16,11 @@
 //! Speculative decoding reserves `steps + 1` slots per request per iteration and then gives back
 //! the rejected tail with [`PagePool::truncate`], which frees pages that become empty.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use crate::id_hash::IdMap;
 
 use thiserror::Error;
 
-/// Hasher for request ids: one multiply (Fibonacci hashing) instead of SipHash. Request ids
-/// come from the scheduler, not from untrusted input, so collision resistance is not needed;
-/// this makes the per-request lookups on the decode hot path a few times cheaper.
-#[derive(Debug, Clone, Copy, Default)]
-struct RequestIdHasher(u64);
-
-impl Hasher for RequestIdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(5) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
-
-    fn write_u64(&mut self, id: u64) {
-        self.0 = (self.0.rotate_left(5) ^ id).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    }
-}
-
-type RequestMap = HashMap<u64, PageTable, BuildHasherDefault<RequestIdHasher>>;
+type RequestMap = IdMap<PageTable>;
 
 /// A rejected operation on a [`PagePool`]. The pool is unchanged when one is returned.
 ///

@@ -7,6 +7,7 @@
 
 pub mod config;
 pub mod error;
+mod id_hash;
 pub mod kv;
 pub mod policy;
 pub mod scheduler;

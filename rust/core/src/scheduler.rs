@@ -65,38 +65,20 @@ mod stats;
 #[cfg(test)]
 mod tests;
 
-use std::collections::{HashMap, VecDeque};
-use std::hash::{BuildHasherDefault, Hasher};
+use std::collections::VecDeque;
 
 pub use config::{SchedulerConfig, SchedulerError};
 pub use plan::{Plan, PlanKind, ReportOutcome, TraceRecord};
 pub use request::{FinishReason, Finished, RequestState};
 pub use stats::SchedulerStats;
 
+use crate::id_hash::IdMap;
 use crate::kv::PagePool;
 use crate::policy::AdaptiveSpeculativeParams;
 use request::Request;
 use stats::Counters;
 
-/// Fibonacci hashing of request ids (assigned here, never untrusted).
-#[derive(Debug, Clone, Copy, Default)]
-struct IdHasher(u64);
-
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(5) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
-    fn write_u64(&mut self, id: u64) {
-        self.0 = (self.0.rotate_left(5) ^ id).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    }
-}
-
-type RequestMap = HashMap<u64, Request, BuildHasherDefault<IdHasher>>;
+type RequestMap = IdMap<Request>;
 
 /// Where the steps of a decode iteration come from.
 #[derive(Debug, Clone)]
