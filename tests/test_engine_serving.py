@@ -239,6 +239,33 @@ def test_dropped_engine_stops_its_loop_thread(tiny):
     assert not thread.is_alive()
 
 
+EXIT_SCRIPT = """
+import threading, time
+from specdial.engine import Engine
+engines = [Engine(model_path=None, log_interval_s=None, speculative_adaptive=False)
+           for _ in range(3)]
+for e in engines:
+    e.generate("def f(x):", sampling_params={"max_new_tokens": 4, "temperature": 0})
+threading.Thread(target=engines[0].generate, args=(["class A:"] * 4,),
+                 kwargs={"sampling_params": {"max_new_tokens": 500}}, daemon=True).start()
+time.sleep(0.5)
+print("exiting with a request running", flush=True)
+"""
+
+
+@pytest.mark.skipif(not (BUILTIN_DIR / "eagle" / "model.safetensors").exists(),
+                    reason="built-in weights not present")
+def test_interpreter_exit_without_shutdown_is_clean():
+    # engines never shut down, one mid-request, at interpreter exit: the finalizer must join
+    # the loop threads (before the fix the process aborted with "terminate called ...")
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "exiting" in r.stdout and "terminate" not in r.stderr
+
+
 @pytest.mark.parametrize("drain", [True, False])
 def test_shutdown_drains_or_aborts(tiny, ref, drain):
     engine = Engine.from_modules(tiny.target, tiny.draft_noisy, **KW)

@@ -92,8 +92,13 @@ def _builtin_dirs(draft_dir: Path | None, algo: Any) -> tuple[Path, Path | None,
 
 
 def _release_loop(loop: EngineLoop) -> None:
+    """Finalizer of an Engine never shut down (collected, or alive at interpreter exit): abort
+    its requests and join its loop thread, so that the thread is not torn down inside a torch
+    call while the interpreter finalizes (which aborts the process)."""
     if loop.thread.is_alive():
         loop.post(("shutdown", False))
+        if threading.current_thread() is not loop.thread:
+            loop.thread.join(timeout=60.0)
     elif loop.trace_file is not None and not loop.thread.ident:
         loop.trace_file.close()
 
