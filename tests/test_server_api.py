@@ -285,6 +285,7 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "stop": 3}, 400, "stop", None),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop", None),
     ("/v1/completions", {"prompt": "x", "seed": "1"}, 400, "seed", None),
+    ("/v1/completions", {"prompt": "x", "ignore_eos": 1}, 400, "ignore_eos", None),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
      "stream_options", None),
     ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"foo": 1}}, 400,

@@ -216,9 +216,8 @@ class HttpDriver:
     """A running OpenAI-compatible server at ``base_url`` (see the module docstring).
 
     ``model``: the ``model`` field; None = the first id of ``GET /v1/models`` (omitted if that
-    fails). ``ignore_eos`` is sent as the vLLM/SGLang extension field; a server that answers
-    400 naming it (``specdial serve`` implements only OpenAI's fields) gets requests without
-    it from then on, and the output lengths are then those the model chooses up to
+    fails). ``ignore_eos`` is sent as the vLLM/SGLang extension field (``specdial serve``
+    accepts it); a server that answers 400 naming it gets requests without it from then on, and the output lengths are then those the model chooses up to
     ``max_tokens``. Prompts must be text (``prompt`` in the JSONL).
     """
 

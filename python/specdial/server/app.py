@@ -18,7 +18,8 @@ Endpoints:
 Supported request fields and the validation rules are in :mod:`specdial.server.protocol`.
 Mapping to the engine: ``max_tokens`` / ``max_completion_tokens`` -> ``max_new_tokens``
 (default: 16 for completions, as OpenAI's; the rest of the context for chat), ``temperature``
-(default 1.0, as OpenAI's; 0 = greedy), ``top_p``, ``seed``, ``stop`` (strings, matched by the
+(default 1.0, as OpenAI's; 0 = greedy), ``top_p``, ``seed``, ``ignore_eos`` (the vLLM/SGLang
+extension: generate ``max_tokens`` past EOS), ``stop`` (strings, matched by the
 engine on the detokenized text and not included in the output). With a tokenizer the server
 encodes the prompt itself (to check it against ``engine.context_length`` and to fill in the
 default ``max_tokens``) and submits token ids; text from a tokenizer's chat template is encoded
@@ -332,6 +333,8 @@ def _sampling(req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
         "top_p": 1.0 if req.top_p is None else req.top_p}
     if req.seed is not None:
         params["seed"] = req.seed
+    if req.ignore_eos:
+        params["ignore_eos"] = True
     return params
 
 

@@ -112,6 +112,9 @@ class _CommonRequest(_Strict):
     top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
     seed: int | None = None
+    # extension field of vLLM and SGLang (not OpenAI's): keep generating past EOS / stop
+    # token ids until max_tokens; `stop` strings still apply
+    ignore_eos: bool = False
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # informational only (see the module docstring)
