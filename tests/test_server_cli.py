@@ -131,6 +131,24 @@ def test_engine_kwargs_pass_only_what_is_set():
     assert ServeConfig(served_model_name="x").model_name() == "x"
 
 
+def test_process_options_log_interval_and_cpu_threads(tiny_dirs, capsys):
+    import torch
+
+    assert ServeConfig(log_interval_s=0).engine_kwargs()["log_interval_s"] is None  # off
+    assert ServeConfig(log_interval_s=2.5).engine_kwargs()["log_interval_s"] == 2.5
+    assert "cpu_threads" not in ServeConfig(cpu_threads=1).engine_kwargs()
+    before = torch.get_num_threads()
+    try:
+        ServeConfig(cpu_threads=1).configure_process()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    target, _ = tiny_dirs
+    for flag, value in (("--cpu-threads", "0"), ("--log-interval-s", "-1")):
+        assert main(["generate", "x", "--model-path", str(target), flag, value]) == 2
+        assert flag in capsys.readouterr().err
+
+
 def test_options_parse_into_the_config():
     import argparse
 

@@ -256,6 +256,10 @@ def run_bench(cfg: BenchConfig) -> int:
     from specdial.bench.metrics import summarize, timeline_series
 
     _setup_logging(cfg.log_level)
+    try:
+        cfg.configure_process()
+    except ValueError as e:
+        return _error(str(e))
     if cfg.concurrency is not None and cfg.concurrency < 1:
         return _error(f"--concurrency must be >= 1, got {cfg.concurrency}")
     if cfg.request_rate is not None and not (cfg.request_rate > 0):
@@ -314,6 +318,10 @@ def run_compare(cfg: CompareConfig, argv: list[str] | None = None) -> int:
     from specdial.bench.compare import write_outputs
 
     _setup_logging(cfg.log_level)
+    try:
+        cfg.configure_process()
+    except ValueError as e:
+        return _error(str(e))
     user_config = cfg.adaptive_config or cfg.speculative_adaptive_config
     if (cfg.adaptive_config and cfg.speculative_adaptive_config
             and cfg.adaptive_config != cfg.speculative_adaptive_config):

@@ -28,7 +28,7 @@ NO_SPECULATION = "NONE"
 
 
 #: EngineArgs fields that configure the process, not the Engine.
-_NOT_ENGINE_KWARGS = frozenset({"log_level"})
+_NOT_ENGINE_KWARGS = frozenset({"log_level", "cpu_threads"})
 
 
 def _opt(help: str, default: Any = None, **extra: Any) -> Any:
@@ -83,10 +83,36 @@ class EngineArgs:
         "max_position_embeddings", metavar="N")
     record_trace: str | None = _opt(
         "write the per-verify trace (JSONL) that `specdial policy replay` reads", metavar="FILE")
+    log_interval_s: float | None = _opt(
+        "seconds between the engine's log lines while decoding (running/queued requests, KV "
+        "usage, tokens/s, acceptance length, steps per slot); 0 turns them off; default: the "
+        "engine's (10)", metavar="SECONDS")
+    cpu_threads: int | None = _opt(
+        "torch intra-op threads of this process (torch.set_num_threads); default: torch's "
+        "(the physical cores). Small models at small batch sizes can run faster on fewer "
+        "threads, especially on a shared machine (see BENCHMARKS.md)", metavar="N")
     log_level: str = _opt("log level of specdial (and of the HTTP server)", default="info",
                           choices=("critical", "error", "warning", "info", "debug"))
 
     # ------------------------------------------------------------------ conversion
+    def check(self) -> None:
+        """Validate the options that are not the Engine's to check. Raises ``ValueError``
+        naming the option."""
+        if self.cpu_threads is not None and (isinstance(self.cpu_threads, bool)
+                                             or self.cpu_threads < 1):
+            raise ValueError(f"--cpu-threads must be an integer >= 1, got {self.cpu_threads}")
+        if self.log_interval_s is not None and not self.log_interval_s >= 0:
+            raise ValueError(f"--log-interval-s must be >= 0 (0: off), got {self.log_interval_s}")
+
+    def configure_process(self) -> None:
+        """Apply the process-wide options (``cpu_threads``) before building engines; the
+        engine's loop thread takes the thread count of the thread that builds it."""
+        self.check()
+        if self.cpu_threads is not None:
+            import torch
+
+            torch.set_num_threads(self.cpu_threads)
+
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``specdial.Engine(...)``.
 
@@ -102,6 +128,8 @@ class EngineArgs:
                 continue
             if f.name == "speculative_algorithm" and value == NO_SPECULATION:
                 value = None
+            if f.name == "log_interval_s" and value == 0:
+                value = None  # the Engine's "off"
             kwargs[f.name] = value
         return kwargs
 
@@ -111,6 +139,7 @@ class EngineArgs:
         ``FileNotFoundError``, ``NotImplementedError``."""
         from specdial.engine import Engine
 
+        self.configure_process()
         return Engine(**self.engine_kwargs())
 
     def default_model_name(self) -> str:
