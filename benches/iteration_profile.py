@@ -1,0 +1,155 @@
+"""Where an engine iteration's time goes: model forwards vs. everything else.
+
+    .venv/bin/python benches/iteration_profile.py [--concurrency 1,64] [--configs no-spec,fixed-3,adaptive]
+
+Runs the built-in models (float32, CPU) on ``benches/prompts/code.jsonl`` at each concurrency
+(``max_running_requests`` = concurrency, ``2 x concurrency`` requests submitted at once) and
+splits the wall time of the engine loop's decode and prefill iterations into:
+
+- ``forwards``: inside the target's and the drafter's ``forward`` and ``compute_logits`` (the
+  model math; on the CPU torch runs synchronously, so wall time inside a call is its cost);
+- ``scheduler``: inside ``Scheduler.schedule()`` and ``Scheduler.report()`` (the Rust side:
+  batching, KV slots, the adaptive decision, and the crossing itself);
+- ``other``: the rest of the iteration (Python worker: batch tensors, attention metadata,
+  sampling / acceptance math, runtime-state switches; the loop: detokenizing, stop strings,
+  emitting chunks, statistics).
+
+Times come from ``time.perf_counter`` wrappers installed on the live engine (instance
+attributes; nothing in the package is changed). Nested calls are counted once. The wrappers
+themselves cost about 1 us per call, included in ``forwards`` / ``scheduler``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from specdial.demo.gates import pick
+from specdial.demo.prompts import REPO_PROMPTS, read_jsonl
+from specdial.engine import Engine
+
+CONFIGS = {
+    "no-spec": {"speculative_algorithm": None},
+    "fixed-3": {"speculative_adaptive": False, "speculative_num_steps": 3},
+    "fixed-0": {"speculative_adaptive": False, "speculative_num_steps": 0},
+    "adaptive": {"speculative_adaptive": True},
+}
+
+
+class Clock:
+    """Accumulates wall seconds per category; only the outermost timed call counts."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._depth = 0
+
+    def wrap(self, category: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self._depth:
+                return fn(*args, **kwargs)
+            self._depth += 1
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[category] = self.seconds.get(category, 0.0) + (
+                    time.perf_counter() - t0)
+                self.calls[category] = self.calls.get(category, 0) + 1
+                self._depth -= 1
+        return timed
+
+
+class _TimedScheduler:
+    """Delegates to the Rust scheduler, timing ``schedule`` and ``report``."""
+
+    def __init__(self, sched: Any, clock: Clock) -> None:
+        self._sched = sched
+        self.schedule = clock.wrap("scheduler", sched.schedule)
+        self.report = clock.wrap("scheduler", sched.report)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sched, name)
+
+
+def instrument(engine: Engine) -> tuple[Clock, dict[str, float]]:
+    """Install the timers on ``engine``; returns the clock and the iteration totals."""
+    clock = Clock()
+    totals = {"iterations": 0, "seconds": 0.0}
+    worker, loop = engine.worker, engine._loop
+    modules = [worker.target] + ([worker.drafter.module] if worker.drafter is not None else [])
+    for m in modules:
+        m.forward = clock.wrap("forwards", m.forward)
+        m.compute_logits = clock.wrap("forwards", m.compute_logits)
+    loop.sched = _TimedScheduler(loop.sched, clock)
+    iteration = loop._iteration
+
+    def timed_iteration() -> None:
+        t0 = time.perf_counter()
+        iteration()
+        totals["seconds"] += time.perf_counter() - t0
+        totals["iterations"] += 1
+    loop._iteration = timed_iteration
+    return clock, totals
+
+
+def run(config: str, concurrency: int, prompts: list[str], max_new_tokens: int) -> dict[str, Any]:
+    with Engine(model_path=None, max_running_requests=concurrency, context_length=512,
+                log_interval_s=None, **CONFIGS[config]) as engine:
+        sp = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
+        engine.generate(prompts[:2], sampling_params=sp)  # warm-up, not timed
+        clock, totals = instrument(engine)
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, sampling_params=sp)
+        wall = time.perf_counter() - t0
+    tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    it_s = totals["seconds"]
+    fw, sc = clock.seconds.get("forwards", 0.0), clock.seconds.get("scheduler", 0.0)
+    return {"config": config, "concurrency": concurrency, "requests": len(prompts),
+            "tokens": tokens, "tokens_per_s": round(tokens / wall, 1),
+            "iterations": totals["iterations"],
+            "ms_per_iteration": round(1e3 * it_s / max(totals["iterations"], 1), 3),
+            "loop_share_of_wall": round(it_s / wall, 3),
+            "forwards_share": round(fw / it_s, 3), "scheduler_share": round(sc / it_s, 4),
+            "other_share": round(1 - (fw + sc) / it_s, 3),
+            "scheduler_us_per_call": round(1e6 * sc / max(clock.calls.get("scheduler", 1), 1), 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", default="1,64")
+    ap.add_argument("--configs", default="no-spec,fixed-3,adaptive")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--output-json", type=Path)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = read_jsonl(REPO_PROMPTS / "code.jsonl")
+    results = []
+    for c in (int(x) for x in args.concurrency.split(",")):
+        prompts = [r["prompt"] for r in pick(rows, 2 * c + 2)]
+        for config in args.configs.split(","):
+            res = run(config, c, prompts, args.max_new_tokens)
+            print(json.dumps(res), flush=True)
+            results.append(res)
+    print()
+    print("| config | c | tokens/s | ms / iteration | forwards | scheduler (Rust) | other "
+          "(Python) | scheduler us / call |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        print(f"| {r['config']} | {r['concurrency']} | {r['tokens_per_s']} | "
+              f"{r['ms_per_iteration']} | {r['forwards_share']:.1%} | "
+              f"{r['scheduler_share']:.2%} | {r['other_share']:.1%} | "
+              f"{r['scheduler_us_per_call']} |")
+    if args.output_json:
+        args.output_json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
