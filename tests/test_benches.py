@@ -17,3 +17,20 @@ def test_policy_py_bench_smoke():
     result = json.loads(proc.stdout)
     assert set(result) >= {"compiled_ns", "reference_ns", "ratio", "batch_size"}
     assert result["batch_size"] == 64
+
+
+def test_iteration_profile_smoke(tmp_path):
+    out = tmp_path / "profile.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benches" / "iteration_profile.py"), "--concurrency", "2",
+         "--configs", "no-spec,fixed-3", "--max-new-tokens", "6", "--threads", "1",
+         "--output-json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert [r["config"] for r in rows] == ["no-spec", "fixed-3"]
+    for r in rows:
+        assert r["tokens"] == 6 * r["requests"] and r["iterations"] > 0
+        shares = r["forwards_share"] + r["scheduler_share"] + r["other_share"]
+        assert 0 < r["forwards_share"] < 1 and abs(shares - 1) < 0.01
