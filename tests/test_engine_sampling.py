@@ -115,7 +115,8 @@ def test_speculative_sampling_keeps_the_target_distribution(algo, sp):
     eng = Engine.from_modules(target, drafter, speculative_adaptive=False, speculative_num_steps=2,
                               max_running_requests=N, kv_cache_tokens=N * 8, page_size=8)
     out = eng.generate(input_ids=[PROMPT] * N,
-                       sampling_params={"max_new_tokens": 3, "seed": 1234, **sp})
+                       sampling_params=[{"max_new_tokens": 3, "seed": 1234 + i, **sp}
+                                        for i in range(N)])
     ids = np.array([o["output_ids"] for o in out])
     assert ids.shape == (N, 3)
     verifies = sum(o["meta_info"]["spec_verify_ct"] for o in out)

@@ -127,11 +127,24 @@ class Engine:
       ``max_position_embeddings``, at most the KV cache), ``max_prefill_tokens`` (prompt tokens
       per prefill iteration; longer prompts are chunked), ``record_trace`` (a path: the
       per-verify trace of ``specdial policy replay`` is appended to it), ``log_interval_s``
-      (seconds between log lines while decoding; None: off), ``seed`` (the sampling
-      generator; a request's own ``seed`` reseeds it when the request is accepted, so
-      per-request streams are not independent yet), ``drafter_max_steps``, and the test hook ``steps_schedule``: a sequence
-      (decode iteration ``i`` uses ``schedule[i % len]``) or a callable ``(iteration,
-      batch_size) -> steps`` replacing the policy (runtime states for ``0..drafter_max_steps``).
+      (seconds between log lines while decoding; None: off), ``seed`` (the engine's sampling
+      generator, used by requests without a ``seed`` only), ``drafter_max_steps``, and the
+      test hook ``steps_schedule``: a sequence (decode iteration ``i`` uses
+      ``schedule[i % len]``) or a callable ``(iteration, batch_size) -> steps`` replacing the
+      policy (runtime states for ``0..drafter_max_steps``).
+    - Per-request ``seed`` (sampling params): a seeded sampling request draws every random
+      number from a counter-based source keyed by (its seed, the position of the token being
+      decided, the purpose of the draw) (:mod:`specdial.worker.seeded_noise`), never from the
+      shared generator. Guarantee: its tokens depend only on its prompt, its seed, its
+      sampling params and the sequence of ``steps`` its decode iterations use, not on the
+      other requests in the batch. With fixed steps (or no speculation) it is therefore
+      reproducible under any load and any batch composition; with adaptive steps the chosen
+      steps depend on the batch size and the acceptance of the whole batch, so an exact
+      repeat also needs the same steps sequence (the output distribution is the target's
+      either way). Caveat: logits are not bitwise batch-invariant (batch size and padding can
+      change floating-point reduction order), so a draw whose comparison falls within rounding
+      of a tie can very rarely flip, and the request then continues differently. Requests
+      without a seed share the engine generator and are not reproducible per request.
     - CUDA graphs (keyword-only): ``cuda_graph_bs`` (batch sizes to capture, per steps value;
       None: :func:`~specdial.worker.cuda_graphs.default_cuda_graph_bs` of
       ``max_running_requests``) and ``disable_cuda_graph`` (default False). Graphs are used on

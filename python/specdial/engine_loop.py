@@ -92,11 +92,13 @@ def _param_of(message: str) -> str | None:
 class EngineLoop:
     """The loop thread over ``scheduler`` and ``worker`` (see the module docstring).
 
-    ``generator``: the sampling generator (reseeded with a request's ``seed`` when it is
-    accepted); ``steps_schedule``: the test hook of :class:`specdial.Engine` (fixed steps per
-    decode iteration through ``set_fixed_steps``); ``trace_file``: an open text file for
-    ``drain_trace()`` output, or None; ``log_interval_s``: seconds between log lines while
-    decoding (None or <= 0: never).
+    ``generator``: the sampling generator of the requests without a ``seed`` (seeded requests
+    never touch it: their draws are keyed by seed, token position and purpose, see
+    :mod:`specdial.worker.seeded_noise`; the seeds reach the worker through the cached
+    :class:`BatchSampling`); ``steps_schedule``: the test hook of :class:`specdial.Engine`
+    (fixed steps per decode iteration through ``set_fixed_steps``); ``trace_file``: an open
+    text file for ``drain_trace()`` output, or None; ``log_interval_s``: seconds between log
+    lines while decoding (None or <= 0: never).
     """
 
     def __init__(self, scheduler: Any, worker: SpecWorker, *, tokenizer: Any,
@@ -224,8 +226,6 @@ class EngineLoop:
             return
         spec.rid = rid
         self.live[rid] = _Live(spec, rid, IncrementalText(self.tokenizer, spec.stop))
-        if spec.params.seed is not None and self.generator is not None:
-            self.generator.manual_seed(spec.params.seed)
         self._prompt_tokens += len(spec.prompt_ids)
         self._out(spec.sink, Submitted(rid))
 

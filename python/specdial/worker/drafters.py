@@ -51,7 +51,8 @@ from specdial.kv_pool import KVPool
 from specdial.models.batch import ForwardBatch
 from specdial.models.eagle import EagleHead
 from specdial.models.llama import LlamaForCausalLM
-from specdial.worker.sampling import BatchSampling, sample_from_probs, target_probs
+from specdial.worker.sampling import (PURPOSE_DRAFT, BatchSampling, sample_from_probs,
+                                     target_probs)
 
 #: Default largest ``steps`` a chain drafter accepts (buffers and runtime states are sized by
 #: the configured candidates, so this is only a sanity bound; override per drafter).
@@ -120,7 +121,9 @@ class Drafter(abc.ABC):
 
     def draft(self, k: int, steps: Sequence[ForwardBatch], backend: AttentionBackend, *,
               first_hidden: torch.Tensor | None, sampling: BatchSampling,
-              generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+              generator: torch.Generator | None,
+              sample_positions: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Propose ``k >= 1`` tokens per request with ``k`` one-token forwards.
 
         ``steps[i]`` (``i < k``): the forward batch of draft step ``i + 1`` (``B`` tokens at
@@ -133,7 +136,10 @@ class Drafter(abc.ABC):
         take the argmax and return no probabilities; otherwise each draft is sampled from
         ``q = target_probs(drafter logits)`` (same temperature/top-k/top-p as the target, so
         the rejection rule of Leviathan et al. 2023 stays lossless) and ``q`` is returned.
-        Raises ``ValueError`` for ``k`` outside ``1..max_steps``.
+        ``sample_positions`` ``[B]`` int64: sequence index of draft 1 (``L + 1``); draft ``i``
+        (1-based) of a seeded row draws its noise from key (seed, ``sample_positions + i - 1``,
+        ``PURPOSE_DRAFT``) (:mod:`specdial.worker.seeded_noise`); required when
+        ``sampling.any_seeded``. Raises ``ValueError`` for ``k`` outside ``1..max_steps``.
         """
         if not 1 <= k <= min(self.max_steps, len(steps)):
             raise ValueError(f"draft: k must be in 1..{self.max_steps} with a batch per step, "
@@ -149,7 +155,9 @@ class Drafter(abc.ABC):
                 tok = logits.argmax(-1)
             else:
                 q = target_probs(logits.unsqueeze(1), sampling).squeeze(1)
-                tok = sample_from_probs(q, generator)
+                tok = sample_from_probs(
+                    q, generator, sampling=sampling, purpose=PURPOSE_DRAFT,
+                    positions=None if sample_positions is None else sample_positions + i)
                 probs.append(q)
             tokens.append(tok)
             if i + 1 < k:

@@ -7,6 +7,10 @@ Pieces, in the order the worker uses them:
 - :func:`target_probs`: temperature, then top-k, then top-p, then softmax (the SGLang / vLLM
   order), vectorized over the batch; greedy rows (temperature 0) become a one-hot at the argmax.
 - :func:`sample` / :func:`sample_from_probs`: one token per row (the drafter's draws, plain decode).
+- Seeded rows (a request with a ``seed``): their random numbers come from the counter-based
+  source of :mod:`specdial.worker.seeded_noise`, keyed by (seed, position of the token being
+  decided, purpose of the draw), never from the shared generator; so a seeded row draws the same
+  numbers whatever other rows share the batch.
 - :func:`speculative_accept`: the verify step. Greedy rows accept the longest prefix of drafts
   equal to the target argmax. Sampling rows use the rejection rule of Leviathan, Kalman, Matias
   2023 ("Fast Inference from Transformers via Speculative Decoding", Algorithm 1) and Chen et al.
@@ -18,11 +22,16 @@ Pieces, in the order the worker uses them:
 
 Conventions: ``B`` requests, ``k`` drafts per request (``0`` = plain decoding), ``V`` vocabulary
 size. Logits and probabilities are float32, tokens int64, all on one device. Every random draw
-goes through the ``torch.Generator`` passed in (it must live on the tensors' device), in a fixed
-amount that depends only on shapes and ``BatchSampling.all_greedy``, never on data: results are
-reproducible for a given generator state. No ``.item()`` and no host sync inside the per-step
-functions (:func:`target_probs`, :func:`sample`, :func:`speculative_accept`); Python-level branches
-only look at shapes and the Python ``bool`` flags of :class:`BatchSampling`.
+of an unseeded row goes through the ``torch.Generator`` passed in (it must live on the tensors'
+device), in a fixed amount that depends only on shapes and the flags of :class:`BatchSampling`,
+never on data: results are reproducible for a given generator state. Seeded rows (see
+``BatchSampling.seeded_rows``) draw from keys instead: the per-step functions then need the
+``positions`` of the tokens they decide (a ``ValueError`` without them); in a mixed batch the
+generator still fills every row and the seeded rows are overwritten (``index_copy_``), so the
+hashing costs only ``[S, V]`` for ``S`` seeded rows. No ``.item()`` and no host sync inside the
+per-step functions (:func:`target_probs`, :func:`sample`, :func:`speculative_accept`);
+Python-level branches only look at shapes and the Python ``bool`` flags of
+:class:`BatchSampling`.
 """
 
 from __future__ import annotations
@@ -33,8 +42,15 @@ from typing import Any, Mapping
 
 import torch
 
+from specdial.worker.seeded_noise import (PURPOSE_ACCEPT, PURPOSE_DRAFT, PURPOSE_TOKEN,
+                                          draw_keys, seed_to_int64, seeded_exponentials,
+                                          seeded_uniforms)
+
 __all__ = [
     "MIN_TEMPERATURE",
+    "PURPOSE_ACCEPT",
+    "PURPOSE_DRAFT",
+    "PURPOSE_TOKEN",
     "BatchSampling",
     "SamplingParams",
     "sample",
@@ -79,8 +95,11 @@ class SamplingParams:
       keeps the whole vocabulary.
     - ``stop_token_ids``: tuple of ints ``>= 0`` (a list is accepted and stored as a tuple).
     - ``ignore_eos``: bool (default False).
-    - ``seed``: ``None`` (default) or int in ``[0, 2**64 - 1]``. Carried for the worker; the
-      functions of this module draw from the generator they are given.
+    - ``seed``: ``None`` (default) or int in ``[0, 2**64 - 1]``. A seeded sampling request
+      draws every random number from :mod:`specdial.worker.seeded_noise`, keyed by (seed,
+      position of the token decided, purpose), instead of the engine's generator: its tokens
+      depend only on its prompt, seed, these options and the steps it is decoded with, not on
+      the other requests of the batch. Ignored for greedy requests.
 
     Raises ``ValueError`` naming the field, the value and the allowed range for a wrong type or
     an out-of-range value; ``bool`` is never accepted as a number and nothing is clamped.
@@ -156,8 +175,14 @@ class BatchSampling:
     - ``greedy_mask`` ``[B]`` bool: rows with temperature 0.
     - ``all_greedy``: every row is greedy (fast path: no probabilities, no random draws).
     - ``any_top_k`` / ``any_top_p``: some sampling row filters (else the sort is skipped).
+    - ``seeds`` ``[B]`` int64: each row's ``seed`` as int64 bits (0 where none).
+    - ``seeded_mask`` ``[B]`` bool: sampling (non-greedy) rows with a seed.
+    - ``seeded_rows`` ``[S]`` int64: their indices, increasing (empty when none).
+    - ``any_seeded`` / ``all_seeded``: some / every row is a seeded sampling row (with
+      ``all_seeded`` the generator is not used at all).
 
     The flags are plain Python bools so the per-step functions never sync with the device.
+    The seed fields default to "no seeded row" (for callers that build one by hand).
     """
 
     temperature: torch.Tensor
@@ -167,12 +192,18 @@ class BatchSampling:
     all_greedy: bool
     any_top_k: bool
     any_top_p: bool
+    seeds: torch.Tensor | None = None
+    seeded_mask: torch.Tensor | None = None
+    seeded_rows: torch.Tensor | None = None
+    any_seeded: bool = False
+    all_seeded: bool = False
 
     @classmethod
     def from_params(cls, params: list[SamplingParams],
                     device: torch.device | str = "cpu") -> BatchSampling:
         """Stack ``params`` (one per row, in batch order) into tensors on ``device``."""
         greedy = [p.is_greedy for p in params]
+        seeded = [p.seed is not None and not g for p, g in zip(params, greedy)]
         return cls(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32,
                                      device=device),
@@ -182,6 +213,13 @@ class BatchSampling:
             all_greedy=all(greedy),
             any_top_k=any(p.top_k > 0 and not g for p, g in zip(params, greedy)),
             any_top_p=any(p.top_p < 1.0 and not g for p, g in zip(params, greedy)),
+            seeds=torch.tensor([seed_to_int64(p.seed or 0) for p in params], dtype=torch.int64,
+                               device=device),
+            seeded_mask=torch.tensor(seeded, dtype=torch.bool, device=device),
+            seeded_rows=torch.tensor([i for i, s in enumerate(seeded) if s], dtype=torch.int64,
+                                     device=device),
+            any_seeded=any(seeded),
+            all_seeded=bool(seeded) and all(seeded),
         )
 
     @property
@@ -199,9 +237,17 @@ class BatchSampling:
         top_p = self.top_p.index_select(0, index)
         top_k = self.top_k.index_select(0, index)
         greedy = self.greedy_mask.index_select(0, index)
-        flags = torch.stack([greedy.all(), ((top_k > 0) & ~greedy).any(),
-                             ((top_p < 1.0) & ~greedy).any()]).tolist()
-        return BatchSampling(temperature, top_p, top_k, greedy, *flags)
+        all_greedy, any_top_k, any_top_p = torch.stack([
+            greedy.all(), ((top_k > 0) & ~greedy).any(),
+            ((top_p < 1.0) & ~greedy).any()]).tolist()
+        out = BatchSampling(temperature, top_p, top_k, greedy, all_greedy, any_top_k, any_top_p)
+        if self.seeds is not None and self.seeded_mask is not None:
+            out.seeds = self.seeds.index_select(0, index)
+            out.seeded_mask = self.seeded_mask.index_select(0, index)
+            out.seeded_rows = out.seeded_mask.nonzero().squeeze(1)  # one more sync
+            n = out.seeded_rows.numel()
+            out.any_seeded, out.all_seeded = n > 0, 0 < n == index.numel()
+        return out
 
 
 def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -252,30 +298,82 @@ def target_probs(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
     return torch.where(greedy, _one_hot_argmax(logits), probs)
 
 
-def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def _seeded_keys(sampling: BatchSampling, positions: torch.Tensor | None, purpose: int,
+                 what: str) -> torch.Tensor:
+    """Keys ``[S]`` / ``[S, n]`` of the seeded rows' draws at ``positions`` (``[B]`` /
+    ``[B, n]`` int64, every row; only the seeded rows are read)."""
+    if positions is None:
+        raise ValueError(f"{what}: the batch has seeded rows, so the positions of the tokens "
+                         "being decided are required")
+    if positions.shape[0] != sampling.batch_size:
+        raise ValueError(f"{what}: positions must have {sampling.batch_size} rows, got "
+                         f"{list(positions.shape)}")
+    assert sampling.seeds is not None and sampling.seeded_rows is not None
+    positions = positions.to(device=sampling.seeds.device, dtype=torch.int64)
+    if sampling.all_seeded:
+        return draw_keys(sampling.seeds, positions, purpose)
+    rows = sampling.seeded_rows
+    return draw_keys(sampling.seeds.index_select(0, rows), positions.index_select(0, rows),
+                     purpose)
+
+
+def _merge_seeded(noise: torch.Tensor | None, seeded: torch.Tensor,
+                  sampling: BatchSampling) -> torch.Tensor:
+    """The generator's ``noise`` with the seeded rows replaced (``seeded`` is ``[S, ...]``)."""
+    if noise is None:  # all_seeded: rows are 0..B-1 in order
+        return seeded
+    assert sampling.seeded_rows is not None
+    return noise.index_copy_(0, sampling.seeded_rows, seeded.to(noise.dtype))
+
+
+def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None, *,
+                      sampling: BatchSampling | None = None,
+                      positions: torch.Tensor | None = None,
+                      purpose: int = PURPOSE_TOKEN) -> torch.Tensor:
     """One draw per row from non-negative weights ``[..., V]`` (need not be normalized) -> int64.
 
     Exponential race: ``argmax(w / E)`` with ``E ~ Exp(1)`` i.i.d. picks token ``i`` with
     probability ``w_i / sum(w)`` and never a zero-weight token; no host sync (unlike
     ``torch.multinomial`` validation) and one ``[..., V]`` draw from ``generator``.
+
+    Seeded rows (``sampling`` given with ``any_seeded``; then ``probs`` is ``[B, V]``): ``E``
+    of row ``b`` is ``-log(u)`` of the counter-based uniforms of key (seed ``b``,
+    ``positions[b]``, ``purpose``) (:mod:`specdial.worker.seeded_noise`), independent of the
+    other rows; ``positions`` ``[B]`` int64 is the sequence index of the token drawn, and
+    ``purpose`` one of ``PURPOSE_TOKEN`` / ``PURPOSE_DRAFT``. The generator is then used only
+    when some row is unseeded.
     """
-    noise = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=generator)
+    noise = None
+    if sampling is None or not sampling.all_seeded:
+        noise = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=generator)
+    if sampling is not None and sampling.any_seeded:
+        if probs.dim() != 2:
+            raise ValueError(f"sample_from_probs: seeded rows need probs [B, V], got "
+                             f"{list(probs.shape)}")
+        keys = _seeded_keys(sampling, positions, purpose, "sample_from_probs")
+        noise = _merge_seeded(noise, seeded_exponentials(keys, probs.shape[-1]), sampling)
+    assert noise is not None
     return (probs / noise.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(-1)
 
 
 def sample(logits: torch.Tensor, sampling: BatchSampling,
-           generator: torch.Generator | None) -> torch.Tensor:
+           generator: torch.Generator | None,
+           positions: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row: ``[B, V]`` float32 logits -> ``[B]`` int64.
 
     Greedy rows take the argmax; the others draw from :func:`target_probs`. Draws ``[B, V]``
-    exponentials from ``generator`` unless ``sampling.all_greedy``.
+    exponentials from ``generator`` unless ``sampling.all_greedy`` or ``all_seeded``.
+    ``positions`` ``[B]`` int64: sequence index of the token each row samples (the first token
+    after a prompt of ``P`` tokens is at ``P``); required when ``sampling.any_seeded`` (key
+    purpose ``PURPOSE_TOKEN``), else ignored.
     """
     if logits.dim() != 2:
         raise ValueError(f"sample: logits must be [B, V], got {list(logits.shape)}")
     argmax = logits.argmax(-1)
     if sampling.all_greedy:
         return argmax
-    tokens = sample_from_probs(target_probs(logits.unsqueeze(1), sampling).squeeze(1), generator)
+    tokens = sample_from_probs(target_probs(logits.unsqueeze(1), sampling).squeeze(1), generator,
+                               sampling=sampling, positions=positions, purpose=PURPOSE_TOKEN)
     return torch.where(sampling.greedy_mask, argmax, tokens)
 
 
@@ -290,6 +388,7 @@ def speculative_accept(
     target_logits: torch.Tensor,
     sampling: BatchSampling,
     generator: torch.Generator | None,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify ``k`` drafts per request against the target; return what to emit.
 
@@ -303,8 +402,13 @@ def speculative_accept(
         Ignored on greedy rows.
       - ``target_logits`` ``[B, k + 1, V]`` float32: the verify forward's logits; position ``i``
         is the target's prediction for draft ``i`` and position ``k`` for the bonus token.
-      - ``generator``: on the tensors' device; unless ``sampling.all_greedy`` this draws
-        ``[B, k]`` uniforms and then ``[B, V]`` exponentials.
+      - ``generator``: on the tensors' device; unless ``sampling.all_greedy`` (or
+        ``all_seeded``) this draws ``[B, k]`` uniforms and then ``[B, V]`` exponentials.
+      - ``positions`` ``[B]`` int64: sequence index of draft 1 (``L + 1`` when ``x_L`` is the
+        last emitted token); required when ``sampling.any_seeded``, else ignored. A seeded
+        row's uniform ``u_i`` is keyed (seed, ``positions + i``, ``PURPOSE_ACCEPT``) and its
+        last token's noise (seed, ``positions + accepted``, ``PURPOSE_TOKEN``), so one verify
+        never reuses a key and every position of a request is decided by one verify.
 
     Returns ``(accepted, out_tokens)``: ``accepted`` ``[B]`` int64 in ``0..k`` (accepted drafts,
     bonus excluded) and ``out_tokens`` ``[B, k + 1]`` int64 where ``out_tokens[b, :accepted[b]
@@ -352,7 +456,17 @@ def speculative_accept(
         last = argmax.gather(1, accepted[:, None]).squeeze(1)
     else:
         p = target_probs(target_logits, sampling)  # [B, k+1, V]
-        u = torch.rand((b, k), generator=generator, device=device)
+        u = None
+        if not sampling.all_seeded:
+            u = torch.rand((b, k), generator=generator, device=device)
+        if sampling.any_seeded and k:  # u_i of a seeded row: key (seed, positions + i, ACCEPT)
+            cols = None if positions is None else (
+                positions.to(device=device, dtype=torch.int64)[:, None]
+                + torch.arange(k, device=device))
+            keys = _seeded_keys(sampling, cols, PURPOSE_ACCEPT, "speculative_accept")
+            u = _merge_seeded(u, seeded_uniforms(keys), sampling)
+        elif u is None:
+            u = torch.empty((b, 0), device=device)
         p_x = p[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
         if draft_probs is None:
             q_x = torch.ones_like(p_x)
@@ -380,7 +494,9 @@ def speculative_accept(
             residual = torch.where(residual.sum(-1, keepdim=True) > _RESIDUAL_EPS, residual, p_j)
         last = torch.where(sampling.greedy_mask,
                            argmax.gather(1, accepted[:, None]).squeeze(1),
-                           sample_from_probs(residual, generator))
+                           sample_from_probs(residual, generator, sampling=sampling,
+                                             positions=None if positions is None
+                                             else positions.to(device) + accepted))
 
     pos = torch.arange(k + 1, device=device)
     acc = accepted[:, None]

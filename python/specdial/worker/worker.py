@@ -218,7 +218,8 @@ class SpecWorker:
         Target forward over every chunk in one ragged batch, then the drafter over the same
         positions (KV only; EAGLE reads the target hidden states just written). ``sampling``:
         the options of the ``sample_first`` requests only, in plan order (None when none); each
-        of them samples its first token from the logits at ``logits_indices``.
+        of them samples its first token from the logits at ``logits_indices`` (a seeded one
+        with keys at position ``P``, its prompt length).
         """
         rids, qo, ends = _i64(plan.request_ids), _i64(plan.qo_lens), _i64(plan.kv_lens)
         starts = ends - qo
@@ -236,7 +237,11 @@ class SpecWorker:
             if sampling is None or sampling.batch_size != int(sample_first.sum()):
                 raise ValueError("prefill: sampling must cover the sample_first requests")
             idx = torch.from_numpy(_i64(plan.logits_indices)).to(self.device)
-            first = sample(self.target.compute_logits(hidden[idx]), sampling, generator)
+            positions = None  # of the first tokens: the prompt lengths (seeded rows' keys)
+            if sampling.any_seeded:
+                positions = torch.from_numpy(ends[sample_first != 0]).to(self.device)
+            first = sample(self.target.compute_logits(hidden[idx]), sampling, generator,
+                           positions)
             tokens = first.cpu().numpy().astype(np.int64)
         if self.drafter is not None:
             self._draft_extend(rows, state)  # the drafter prefill: an extend over the chunk
@@ -271,8 +276,10 @@ class SpecWorker:
                generator: torch.Generator | None) -> StepOutput:
         """Run a decode plan: ``plan.steps`` drafts per request, verify, accept, draft extend.
 
-        ``sampling``: the requests' options in plan order. Raises ``ValueError`` for a steps
-        value without a runtime state.
+        ``sampling``: the requests' options in plan order; seeded rows key their draws by the
+        sequence index of the token decided (draft ``i`` and verify position ``i`` decide
+        ``L + i``; see :func:`speculative_accept`). Raises ``ValueError`` for a steps value
+        without a runtime state.
         """
         steps = int(plan.steps)
         state = self.states.get(steps)
@@ -286,6 +293,8 @@ class SpecWorker:
                           slots=_i64(plan.out_loc_padded(self.pad_slot)))
         self.tables.write(rows, target_len, np.ones(b, np.int64), ids=_i64(plan.input_ids))
         batches = state.prepare_decode(rows, target_len, plan.graph_bs)
+        # sequence index of draft 1 (L + 1): the seeded rows' keys (sampling.py)
+        first_pos = batches.verify_positions[:, 0] + 1 if sampling.any_seeded else None
 
         probs = None
         if steps:
@@ -297,7 +306,8 @@ class SpecWorker:
                 prev = self.tables.req_to_token[batches.rows, batches.verify_positions[:, 0] - 1]
                 first_hidden = self.hidden[prev]
             drafts, probs = state.run_draft(self.drafter, batches, first_hidden=first_hidden,
-                                            sampling=sampling, generator=generator)
+                                            sampling=sampling, generator=generator,
+                                            sample_positions=first_pos)
             batches.verify_ids[:, 1:] = drafts
             # the copy: a replayed draft graph's output is only valid until the next replay
             drafts = batches.verify_ids[:, 1:]
@@ -309,7 +319,8 @@ class SpecWorker:
             self.hidden.index_copy_(0, batches.verify.out_loc, hidden)
         logits = (verified.logits if verified.logits is not None
                   else self.target.compute_logits(hidden)).view(b, n, -1)
-        accepted, out = speculative_accept(drafts, probs, logits, sampling, generator)
+        accepted, out = speculative_accept(drafts, probs, logits, sampling, generator,
+                                           first_pos)
         # emitted tokens go to positions L+1..L+a+1 (later columns are stale, never read)
         self.tables.req_to_ids[batches.rows[:, None], batches.verify_positions + 1] = out
         host = torch.cat([accepted[:, None], out], 1).cpu().numpy()  # the one sync
