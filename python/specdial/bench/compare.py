@@ -368,6 +368,7 @@ def run_comparison(build_engine: Callable[[Configuration], Any],
     torch_mod = sys.modules.get("torch")
     if torch_mod is not None:
         info["torch"] = getattr(torch_mod, "__version__", None)
+        info["torch_threads"] = torch_mod.get_num_threads()
     info.update(meta or {})
     out = {"meta": info,
            "configs": [{"name": c.name, "kind": c.kind, "steps": c.steps,
@@ -440,7 +441,8 @@ def format_markdown(result: Mapping[str, Any]) -> str:
     if cmd:
         lines += ["```", cmd, "```", ""]
     lines += [f"{meta['started']}, {meta['platform']}, {meta['cpu_count']} CPUs, Python "
-              f"{meta['python']}, torch {meta.get('torch', '-')}; max_new_tokens "
+              f"{meta['python']}, torch {meta.get('torch', '-')} "
+              f"({meta.get('torch_threads', '?')} threads); max_new_tokens "
               f"{meta['max_new_tokens']}, {meta['repetitions']} repetition(s) round-robin, "
               f"temperature {meta['temperature']}, mix every {meta['mix_every']} requests; "
               f"wall {meta['wall_s']:.0f} s.", ""]
