@@ -8,6 +8,9 @@ splits the wall time of the engine loop's decode and prefill iterations into:
 
 - ``forwards``: inside the target's and the drafter's ``forward`` and ``compute_logits`` (the
   model math; on the CPU torch runs synchronously, so wall time inside a call is its cost);
+  ``drafter``: the drafter's part of it (draft steps, and the draft extend that keeps its KV
+  cache warm, also at steps 0). Shares measured inside the same iterations are far less
+  sensitive to a noisy machine than throughputs of separate runs;
 - ``scheduler``: inside ``Scheduler.schedule()`` and ``Scheduler.report()`` (the Rust side:
   batching, KV slots, the adaptive decision, and the crossing itself);
 - ``other``: the rest of the iteration (Python worker: batch tensors, attention metadata,
@@ -37,7 +40,12 @@ CONFIGS = {
     "no-spec": {"speculative_algorithm": None},
     "fixed-3": {"speculative_adaptive": False, "speculative_num_steps": 3},
     "fixed-0": {"speculative_adaptive": False, "speculative_num_steps": 0},
+    "fixed-0+skip": {"speculative_adaptive": False, "speculative_num_steps": 0,
+                     "skip_zero_step_draft_extend": True},
     "adaptive": {"speculative_adaptive": True},
+    # the CPU-tuned candidates of examples/cpu_adaptive_config.json (see BENCHMARKS.md)
+    "adaptive-cpu": {"speculative_adaptive": True, "speculative_adaptive_config": str(
+        Path(__file__).resolve().parents[1] / "examples" / "cpu_adaptive_config.json")},
 }
 
 
@@ -82,10 +90,11 @@ def instrument(engine: Engine) -> tuple[Clock, dict[str, float]]:
     clock = Clock()
     totals = {"iterations": 0, "seconds": 0.0}
     worker, loop = engine.worker, engine._loop
-    modules = [worker.target] + ([worker.drafter.module] if worker.drafter is not None else [])
-    for m in modules:
-        m.forward = clock.wrap("forwards", m.forward)
-        m.compute_logits = clock.wrap("forwards", m.compute_logits)
+    modules = [("target", worker.target)] + (
+        [("drafter", worker.drafter.module)] if worker.drafter is not None else [])
+    for category, m in modules:
+        m.forward = clock.wrap(category, m.forward)
+        m.compute_logits = clock.wrap(category, m.compute_logits)
     loop.sched = _TimedScheduler(loop.sched, clock)
     iteration = loop._iteration
 
@@ -109,13 +118,15 @@ def run(config: str, concurrency: int, prompts: list[str], max_new_tokens: int) 
         wall = time.perf_counter() - t0
     tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     it_s = totals["seconds"]
-    fw, sc = clock.seconds.get("forwards", 0.0), clock.seconds.get("scheduler", 0.0)
+    dr = clock.seconds.get("drafter", 0.0)
+    fw, sc = clock.seconds.get("target", 0.0) + dr, clock.seconds.get("scheduler", 0.0)
     return {"config": config, "concurrency": concurrency, "requests": len(prompts),
             "tokens": tokens, "tokens_per_s": round(tokens / wall, 1),
             "iterations": totals["iterations"],
             "ms_per_iteration": round(1e3 * it_s / max(totals["iterations"], 1), 3),
             "loop_share_of_wall": round(it_s / wall, 3),
-            "forwards_share": round(fw / it_s, 3), "scheduler_share": round(sc / it_s, 4),
+            "forwards_share": round(fw / it_s, 3), "drafter_share": round(dr / it_s, 3),
+            "scheduler_share": round(sc / it_s, 4),
             "other_share": round(1 - (fw + sc) / it_s, 3),
             "scheduler_us_per_call": round(1e6 * sc / max(clock.calls.get("scheduler", 1), 1), 1)}
 
@@ -139,12 +150,12 @@ def main() -> None:
             print(json.dumps(res), flush=True)
             results.append(res)
     print()
-    print("| config | c | tokens/s | ms / iteration | forwards | scheduler (Rust) | other "
-          "(Python) | scheduler us / call |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| config | c | tokens/s | ms / iteration | forwards | of which drafter | scheduler "
+          "(Rust) | other (Python) | scheduler us / call |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         print(f"| {r['config']} | {r['concurrency']} | {r['tokens_per_s']} | "
-              f"{r['ms_per_iteration']} | {r['forwards_share']:.1%} | "
+              f"{r['ms_per_iteration']} | {r['forwards_share']:.1%} | {r['drafter_share']:.1%} | "
               f"{r['scheduler_share']:.2%} | {r['other_share']:.1%} | "
               f"{r['scheduler_us_per_call']} |")
     if args.output_json:

@@ -34,3 +34,4 @@ def test_iteration_profile_smoke(tmp_path):
         assert r["tokens"] == 6 * r["requests"] and r["iterations"] > 0
         shares = r["forwards_share"] + r["scheduler_share"] + r["other_share"]
         assert 0 < r["forwards_share"] < 1 and abs(shares - 1) < 0.01
+        assert (r["drafter_share"] > 0) == (r["config"] != "no-spec")
