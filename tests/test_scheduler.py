@@ -212,9 +212,10 @@ def test_abort_and_stop_strings_in_every_state():
 
 
 def test_queue_full_and_bad_inputs_are_typed_errors():
+    # 8 running slots free + 2 queued beyond them: the 11th new request is refused
     sched = Scheduler(config(max_queued_requests=2, context_length=16), speculative_num_steps=0, adaptive=False)
-    sched.add_request([1], 4)
-    sched.add_request([1], 4)
+    for _ in range(10):
+        sched.add_request([1], 4)
     with pytest.raises(QueueFullError, match="max_queued_requests = 2") as e:
         sched.add_request([1], 4)
     assert isinstance(e.value, RuntimeError) and isinstance(e.value, SchedulerError)
@@ -227,7 +228,7 @@ def test_queue_full_and_bad_inputs_are_typed_errors():
         sched.add_request("hello", 4)
     with pytest.raises(ValueError, match="prompt_ids must be 1-D"):
         sched.add_request(np.ones((2, 2), np.int64), 4)
-    assert sched.num_queued == 2
+    assert sched.num_queued == 10
     # The prompt may take context_length - 1 tokens.
     sched.schedule()
 

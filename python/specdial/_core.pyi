@@ -143,7 +143,7 @@ class SchedulerError(RuntimeError):
     """Misuse of the plan/report protocol: schedule() with a plan in flight, report() without one."""
 
 class QueueFullError(SchedulerError):
-    """add_request() refused: max_queued_requests requests already wait for admission (HTTP 503)."""
+    """add_request() refused: max_queued_requests new requests already wait beyond the free running slots (HTTP 503)."""
 
 class InvalidRequestError(ValueError):
     """add_request() refused a bad argument; the message starts with the field name (HTTP 400)."""

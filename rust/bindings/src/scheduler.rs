@@ -32,7 +32,7 @@ pyo3::create_exception!(
     specdial,
     QueueFullError,
     SchedulerError,
-    "add_request() refused: max_queued_requests requests already wait for admission (HTTP 503)."
+    "add_request() refused: max_queued_requests new requests already wait beyond the free running slots (HTTP 503)."
 );
 pyo3::create_exception!(
     specdial,
@@ -119,8 +119,10 @@ fn arr(py: Python<'_>, v: Vec<i64>) -> PyResult<Py<Int64Array>> {
 /// Limits and sizes of a Scheduler (all keyword arguments; units in each name's doc).
 ///
 /// - ``max_running_requests``: requests admitted at once (prefilling + running), >= 1.
-/// - ``max_queued_requests``: requests waiting for first admission, >= 1; beyond it
-///   ``add_request`` raises QueueFullError. Preempted requests are not counted.
+/// - ``max_queued_requests``: new requests waiting for first admission beyond the running
+///   slots still free for them, >= 1; beyond it ``add_request`` raises QueueFullError (so an
+///   idle scheduler takes ``max_running_requests + max_queued_requests`` before an iteration).
+///   Preempted requests are not counted.
 /// - ``max_prefill_tokens``: prompt tokens per prefill iteration, >= 1 (longer prompts are
 ///   chunked).
 /// - ``context_length``: longest request in tokens (prompt + output), >= 2.

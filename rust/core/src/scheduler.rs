@@ -305,7 +305,7 @@ impl Scheduler {
                 format!("stop_token_ids[{i}] = {t}: token ids must be >= 0"),
             );
         }
-        let queued = self.waiting.len() - self.waiting_preempted;
+        let queued = self.queued_beyond_free_slots();
         if queued >= self.config.max_queued_requests as usize {
             return Err(SchedulerError::QueueFull {
                 queued,
@@ -408,6 +408,22 @@ impl Scheduler {
     /// Requests waiting (new and preempted).
     pub fn num_queued(&self) -> usize {
         self.waiting.len()
+    }
+
+    /// Running slots free for new requests: `max_running_requests` minus the admitted requests
+    /// and the preempted ones waiting to resume (they are first in line), at least 0.
+    fn free_running_slots(&self) -> usize {
+        (self.config.max_running_requests as usize)
+            .saturating_sub(self.admitted.len() + self.waiting_preempted)
+    }
+
+    /// New requests waiting beyond the free running slots: what `max_queued_requests` bounds.
+    /// Requests submitted between two iterations wait until the next `schedule()` admits them;
+    /// they are not "queued" while a running slot is free for them (a server must not answer
+    /// 503 to an idle engine). Page shortage is not counted: admission may still have to wait
+    /// for pages.
+    pub fn queued_beyond_free_slots(&self) -> usize {
+        (self.waiting.len() - self.waiting_preempted).saturating_sub(self.free_running_slots())
     }
 
     /// State of a live request, `None` once finished (or never added).

@@ -339,7 +339,14 @@ fn check_bounds(s: &Scheduler, cfg: &SchedulerConfig) -> Result<(), TestCaseErro
     }
     let st = s.stats();
     prop_assert!(st.running + st.prefilling <= cfg.max_running_requests as usize);
-    prop_assert!(st.queued - st.queued_preempted <= cfg.max_queued_requests as usize);
+    // new requests wait up to max_queued_requests beyond the running slots still free for them
+    let free = (cfg.max_running_requests as usize)
+        .saturating_sub(st.running + st.prefilling + st.queued_preempted);
+    prop_assert!(st.queued - st.queued_preempted <= cfg.max_queued_requests as usize + free);
+    prop_assert_eq!(
+        s.queued_beyond_free_slots(),
+        (st.queued - st.queued_preempted).saturating_sub(free)
+    );
     prop_assert!(st.kv_pages_used <= st.kv_pages_total);
     prop_assert_eq!(st.kv_pages_used, s.pool().num_used_pages());
     Ok(())
@@ -376,6 +383,7 @@ fn run(w: Workload) -> Result<(), TestCaseError> {
                     Err(specdial_core::SchedulerError::QueueFull { queued, max }) => {
                         prop_assert_eq!(max, cfg.max_queued_requests);
                         prop_assert_eq!(queued, max as usize);
+                        prop_assert_eq!(s.queued_beyond_free_slots(), max as usize);
                     }
                     Err(e) => return Err(TestCaseError::fail(format!("unexpected {e}"))),
                 }

@@ -9,9 +9,11 @@ use crate::config::MAX_CANDIDATE_STEPS;
 pub struct SchedulerConfig {
     /// Requests admitted at once (prefilling + running), >= 1: the batch capacity of the worker.
     pub max_running_requests: u32,
-    /// Requests waiting for their first admission, >= 1. `add_request` beyond it fails with
-    /// [`SchedulerError::QueueFull`]. Preempted requests waiting to resume are not counted (they
-    /// were admitted already and are never refused).
+    /// Requests waiting for their first admission beyond the free running slots, >= 1:
+    /// `add_request` fails with [`SchedulerError::QueueFull`] when that many new requests wait
+    /// and no running slot is free for another (so up to `max_running_requests - running +
+    /// max_queued_requests` new requests can wait between two iterations). Preempted requests
+    /// waiting to resume are not counted (they were admitted already and are never refused).
     pub max_queued_requests: u32,
     /// Prompt tokens prefilled per prefill iteration, >= 1 (all requests of the iteration
     /// together); longer prompts are prefilled in chunks.
@@ -106,7 +108,8 @@ pub enum SchedulerError {
     /// `add_request` while `max_queued_requests` requests wait for admission. Python:
     /// `specdial.QueueFullError` (a `RuntimeError`); a server answers HTTP 503.
     #[error(
-        "queue full: {queued} requests are waiting for admission (max_queued_requests = {max}); \
+        "queue full: {queued} requests are waiting for admission beyond the free running slots \
+         (max_queued_requests = {max}); \
          retry later"
     )]
     QueueFull { queued: usize, max: u32 },

@@ -14,9 +14,11 @@ impl Scheduler {
                 self.admitted.len()
             ));
         }
-        let new_waiting = self.waiting.len() - self.waiting_preempted;
-        if new_waiting > cfg.max_queued_requests as usize {
-            return fail(format!("{new_waiting} queued > max_queued_requests"));
+        let queued = self.queued_beyond_free_slots();
+        if queued > cfg.max_queued_requests as usize {
+            return fail(format!(
+                "{queued} queued beyond the free running slots > max_queued_requests"
+            ));
         }
         if self.requests.len() != self.waiting.len() + self.admitted.len() {
             return fail("requests are not exactly the waiting plus the admitted".into());

@@ -147,27 +147,38 @@ fn invalid_requests_name_the_field_and_change_nothing() {
 fn queue_full_is_a_typed_error_and_preempted_requests_do_not_count() {
     let mut s = fixed(
         SchedulerConfig {
+            max_running_requests: 3,
             max_queued_requests: 2,
             ..config(8, 8)
         },
         0,
     );
-    s.add_request(vec![1], 4, vec![], false).unwrap();
-    s.add_request(vec![1], 4, vec![], false).unwrap();
+    // An idle scheduler takes max_running + max_queued new requests before an iteration:
+    // the first 3 have running slots waiting for them, only the next 2 are "queued".
+    for id in 0..5 {
+        assert_eq!(s.add_request(vec![1], 4, vec![], false), Ok(id));
+    }
+    assert_eq!(s.queued_beyond_free_slots(), 2);
     let err = s.add_request(vec![1], 4, vec![], false).unwrap_err();
     assert_eq!(err, SchedulerError::QueueFull { queued: 2, max: 2 });
     assert!(err
         .to_string()
-        .starts_with("queue full: 2 requests are waiting"));
+        .starts_with("queue full: 2 requests are waiting for admission beyond the free"));
     // Invalid input is reported before a full queue.
     assert!(matches!(
         s.add_request(vec![], 4, vec![], false),
         Err(SchedulerError::InvalidRequest { .. })
     ));
-    // Admission makes room.
+    // Admission fills the running slots; the 2 beyond them are still queued.
     step(&mut s, &mut full).unwrap();
-    assert_eq!(s.num_queued(), 0);
-    assert_eq!(s.add_request(vec![1], 4, vec![], false), Ok(2));
+    assert_eq!((s.num_queued(), s.queued_beyond_free_slots()), (2, 2));
+    assert!(s.add_request(vec![1], 4, vec![], false).is_err());
+    s.check_invariants().unwrap();
+    // A finished request frees a slot: one more new request fits.
+    s.abort(0).unwrap();
+    assert_eq!(s.queued_beyond_free_slots(), 1);
+    assert_eq!(s.add_request(vec![1], 4, vec![], false), Ok(5));
+    s.check_invariants().unwrap();
 }
 
 #[test]
