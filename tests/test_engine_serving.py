@@ -395,3 +395,53 @@ def test_model_path_none_uses_builtin_target_and_eagle(tiny, tmp_path, monkeypat
         FileNotFoundError(f"built-in model {name!r} is missing")))
     with pytest.raises(NotImplementedError, match="built-in models.*missing"):
         Engine()
+
+
+def test_offline_api_rejects_bad_prompts_and_request_ids(text_models):
+    target, _, tokenizer = text_models
+    with Engine.from_modules(target, tokenizer=tokenizer, **KW) as engine:
+        with pytest.raises(RequestError, match="prompt must be a string or a list of strings"):
+            engine.generate(5)
+        for prompt, match in (("\ud800", "^prompt is not valid Unicode"),
+                              ("ab\udfffc", "^prompt is not valid Unicode"),
+                              (["ok", "\udfff"], "^prompt 1: prompt is not valid Unicode")):
+            with pytest.raises(RequestError, match=match) as e:
+                engine.generate(prompt, {"max_new_tokens": 2})
+            assert e.value.param == "prompt"
+        with pytest.raises(RequestError, match="not valid Unicode"):
+            next(engine.stream("\ud800abc"))
+        for bad in ("nope", None, 1.5, True):
+            with pytest.raises(TypeError, match="request_id must be an int"):
+                engine.abort(bad)
+        engine.abort(12345)  # an unknown id is ignored
+        assert engine.generate("ok", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+
+
+def test_engine_options_are_validated(tiny, tmp_path, caplog, monkeypatch):
+    from specdial._core import ConfigError
+
+    with pytest.raises(ConfigError, match="context_length"):
+        Engine.from_modules(tiny.target, **{**KW, "context_length": 0})
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    # the config file is loaded (and rejected) even when adaptive steps are off
+    with pytest.raises(ConfigError):
+        Engine.from_modules(tiny.target, tiny.draft_noisy, speculative_adaptive=False,
+                            speculative_adaptive_config=str(bad), **KW)
+    with pytest.raises((ConfigError, OSError)):
+        Engine.from_modules(tiny.target, speculative_adaptive_config=str(tmp_path / "none"),
+                            **KW)
+    with caplog.at_level(logging.WARNING, logger="specdial.engine"):
+        engine = Engine.from_modules(tiny.target, **{**KW, "kv_cache_tokens": 1})
+    assert engine.context_length == 8  # one page of 8 tokens
+    assert any("kv_cache_tokens=1" in r.getMessage() and "cut to 8" in r.getMessage()
+               for r in caplog.records if r.levelno == logging.WARNING), caplog.text
+    engine.shutdown()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in ("cuda", "cuda:0"):
+        with pytest.raises(ValueError, match="device 'cuda.*CUDA is not available"):
+            Engine(tiny.path, device=device)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="device 'cuda:3'.*no such CUDA device"):
+        Engine(tiny.path, device="cuda:3")

@@ -305,6 +305,18 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True},
      400, "echo", "unrecognized_parameter"),
     ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed", "invalid_value"),  # engine
+    # lone surrogates (valid JSON escapes, not encodable text)
+    ("/v1/completions", {"prompt": "\ud800abc", "max_tokens": 4}, 400, "prompt",
+     "invalid_value"),
+    ("/v1/completions", {"prompt": ["ok", "\udfff"]}, 400, "prompt", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "stop": ["\ud800"]}, 400, "stop", "invalid_value"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800abc"}]}, 400,
+     "messages[0].content", "invalid_value"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}, {
+        "role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}, 400,
+     "messages[1].content[0]", "invalid_value"),
+    ("/v1/chat/completions", {"messages": [{"content": "x"}]}, 400, "messages[0].role",
+     "missing_required_parameter"),
 ]
 
 UNSUPPORTED = [
@@ -361,6 +373,67 @@ def test_openai_client_sees_errors_and_the_server_keeps_serving(client):
     assert client.completions.create(model=NAME, prompt="x", max_tokens=2).choices[0].text == "ab"
 
 
+def test_lone_surrogates_are_400_and_the_connection_stays_usable(live):
+    with httpx.Client(base_url=live.url, timeout=TIMEOUT) as c:
+        r = c.post("/v1/completions", content='{"prompt": ["ok", "\\udfff"], "max_tokens": 4}',
+                   headers={"Content-Type": "application/json"})
+        err = error_of(r, 400, "prompt", "invalid_value")
+        assert "'prompt[1]'" in err["message"] and "surrogate" in err["message"]
+        body = json.dumps({"messages": [{"role": "user", "content": "\ud800abc"}]})
+        err = error_of(c.post("/v1/chat/completions", content=body,
+                              headers={"Content-Type": "application/json"}),
+                       400, "messages[0].content")
+        assert "'messages[0].content'" in err["message"]
+        assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_missing_role_names_the_message():
+    from specdial.server.protocol import APIError, parse_request
+
+    with pytest.raises(APIError) as e:
+        parse_request(b'{"messages": [{"content": "x"}]}', "chat")
+    assert e.value.param == "messages[0].role" and "'messages[0].role'" in e.value.message
+
+
+class _BrokenTokenizer:
+    """Raises for the prompt "boom" (an internal error outside the engine call)."""
+
+    eos_token_id = None
+    chat_template = None
+
+    def encode(self, text, add_special_tokens=True):
+        if text == "boom":
+            raise RuntimeError("tokenizer exploded")
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def test_unexpected_errors_are_json_500_and_the_connection_stays_usable():
+    with LiveServer(FakeEngine(tokenizer=_BrokenTokenizer())) as live:
+        with httpx.Client(base_url=live.url, timeout=TIMEOUT) as c:
+            r = c.post("/v1/completions", json={"prompt": "boom"})
+            err = error_of(r, 500, None, "internal_error")
+            assert err["type"] == "internal_error" and "tokenizer exploded" in err["message"]
+            r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ab"
+
+
+def test_queue_full_message_says_retry_later_once():
+    from specdial._core import QueueFullError
+    from specdial.server.app import _engine_error
+
+    for core in ("queue full: 3 requests (max_queued_requests = 2); retry later",
+                 "2 requests already queued"):
+        err = _engine_error(QueueFullError(core), {})
+        assert err.status == 503 and err.code == "queue_full"
+        assert err.message.count("retry later") == 1, err.message
+        assert err.message.startswith("The server is overloaded (") and err.message.endswith(
+            "); retry later")
+        assert "max_queued_requests = 2" in err.message or "already queued" in err.message
+
+
 def test_unknown_route_is_json_404(live):
     r = httpx.get(live.url + "/v2/nothing", timeout=TIMEOUT)
     assert r.status_code == 404 and "error" in r.json()
@@ -379,8 +452,9 @@ def test_full_queue_is_503_and_the_server_recovers():
             t.start()
         assert wait_for(lambda: len(engine._running) + len(engine._waiting) == 2)
         r = post(live, "/v1/completions", {"prompt": "x", "max_tokens": 2})
-        error_of(r, 503, None, "queue_full")
+        err = error_of(r, 503, None, "queue_full")
         assert r.headers["retry-after"] == "1"
+        assert err["message"].count("retry later") == 1, err["message"]
         for t in threads:
             t.join(20)
         assert results == [200, 200]

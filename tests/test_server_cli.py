@@ -159,3 +159,50 @@ def test_options_parse_into_the_config():
     cfg = ServeConfig(**vars(args))
     assert cfg.speculative_adaptive is False and cfg.speculative_num_steps == 2
     assert cfg.port == 8001 and cfg.shutdown_timeout == 1.5 and cfg.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--port", "70000"), ("--port", "-1"), ("--port", "0"), ("--shutdown-timeout", "-5"),
+    ("--shutdown-timeout", "inf"), ("--shutdown-timeout", "nan"), ("--log-interval-s", "inf"),
+    ("--cpu-threads", "0")])
+def test_serve_bad_server_options_exit_2_before_loading(flag, value, capsys, monkeypatch):
+    def never(self):
+        raise AssertionError("the engine must not be built")
+
+    monkeypatch.setattr(ServeConfig, "build_engine", never)
+    assert main(["serve", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert flag in err and "Traceback" not in err, err
+
+
+def test_serve_bad_engine_options_exit_2(tiny_dirs, capsys, tmp_path, monkeypatch):
+    target, draft = tiny_dirs
+    bad = tmp_path / "BAD.json"
+    bad.write_text("{not json")
+    for args, words in (
+            (["--context-length", "0"], "context_length"),
+            (["--no-speculative-adaptive", "--speculative-adaptive-config", str(bad)],
+             "cannot start the engine"),
+            (["--draft-model-path", str(draft), "--no-speculative-adaptive",
+              "--speculative-adaptive-config", str(bad)], "cannot start the engine")):
+        assert main(["serve", "--model-path", str(target), *args]) == 2, args
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err, (args, err)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["serve", "--model-path", str(target), "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "device" in err and "CUDA is not available" in err and "Traceback" not in err
+
+
+def test_serve_check_accepts_good_server_options():
+    ServeConfig(port=1, shutdown_timeout=0).check()
+    ServeConfig(port=65535, shutdown_timeout=2.5, log_interval_s=0).check()
+
+
+def test_serve_help_describes_the_shutdown():
+    exe = Path(sys.executable).with_name("specdial")
+    proc = subprocess.run([str(exe), "serve", "--help"], capture_output=True, text=True,
+                          timeout=120)
+    help_text = " ".join(proc.stdout.split())
+    assert "new connections are refused" in help_text
+    assert "already-open connections get 503" in help_text

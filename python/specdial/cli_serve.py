@@ -46,8 +46,10 @@ def add_subcommands(sub: Any) -> None:
         "serve", help="start the OpenAI-compatible HTTP server",
         description="Serve /v1/completions, /v1/chat/completions (SSE streaming or not), "
         "/v1/models, /health and /metrics (Prometheus) with adaptive speculative decoding. "
-        "SIGTERM stops admitting (503), lets running requests finish for --shutdown-timeout "
-        "seconds, aborts the rest and exits with status 0.")
+        "On SIGTERM or SIGINT the server closes its listening socket (new connections are "
+        "refused; requests arriving on already-open connections get 503), lets running "
+        "requests finish for --shutdown-timeout seconds, aborts the rest and exits with "
+        "status 0.")
     add_dataclass_arguments(serve, ServeConfig)
 
 
@@ -131,8 +133,13 @@ def run_generate(cfg: GenerateConfig) -> int:
 
 def run_serve(cfg: ServeConfig) -> int:
     """``specdial serve``: runs until SIGTERM/SIGINT; returns 0 after a graceful shutdown, 2
-    when the engine cannot be built, 1 when the server cannot start."""
+    for bad options (checked before the engine loads) or when the engine cannot be built, 1
+    when the server cannot start."""
     _setup_logging(cfg.log_level)
+    try:
+        cfg.check()  # the server's options too, before the (slow) engine load
+    except ValueError as e:
+        return _error(e)
     log = logging.getLogger("specdial.server")
     log.info("loading the engine (%s)", cfg.model_path or "built-in models")
     engine = _load_engine(cfg)

@@ -19,6 +19,8 @@ from prefill; 0.0 without verifies) and ``spec_steps_histogram`` (``{steps: iter
 
 from __future__ import annotations
 
+import logging
+import operator
 import os
 import threading
 import weakref
@@ -45,6 +47,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 FIXED_DEFAULT_STEPS = 3
 GRAPH_MODES = ("cuda", "eager", "emulate", None)
 
+logger = logging.getLogger("specdial.engine")
+
 
 def _check_choice(name: str, value: Any, allowed: Any) -> None:
     if value not in allowed:
@@ -65,6 +69,14 @@ def _device(device: str | torch.device) -> torch.device:
         dev = None
     if dev is None or dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'); got {device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: CUDA is not available on this machine "
+                             "(use device='cpu')")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"device {device!r}: no such CUDA device ({count} available: "
+                             f"cuda:0..cuda:{count - 1})")
     return dev
 
 
@@ -115,18 +127,22 @@ class Engine:
       candidates' union); fixed: the steps (default 3). ``ConfigError`` for a value that is a
       candidate of no slot or above the drafter's ``max_steps``.
     - ``speculative_adaptive`` / ``speculative_adaptive_config`` (an ``AdaptiveConfig``, a
-      dict, a JSON file path, or None for the default).
+      dict, a JSON file path, or None for the default). A given config is loaded and validated
+      (``ConfigError``) even when it is not used (adaptive off, or no drafter).
     - ``skip_zero_step_draft_extend``: skip the drafter extend at ``steps = 0`` (it catches up
       in one batched extend when steps turn positive).
-    - ``device`` ``"cpu"``/``"cuda"``; ``dtype`` ``"float32"``/``"bfloat16"``.
+    - ``device`` ``"cpu"``/``"cuda"``/``"cuda:N"`` (``ValueError`` when CUDA is not available
+      or there is no device N); ``dtype`` ``"float32"``/``"bfloat16"``.
     - keyword-only: ``max_running_requests`` (requests admitted at once, prefilling included),
-      ``max_queued_requests`` (waiting requests; beyond it submissions raise
+      ``max_queued_requests`` (new requests waiting beyond the free running slots; beyond it
+      submissions raise
       :class:`~specdial.engine_api.QueueFullError`; ``generate`` waits instead),
       ``kv_cache_tokens`` (KV slots; default ``max_running_requests * context_length`` capped
-      at 65536), ``page_size``, ``context_length`` (default the target's
-      ``max_position_embeddings``, at most the KV cache), ``max_prefill_tokens`` (prompt tokens
-      per prefill iteration; longer prompts are chunked), ``record_trace`` (a path: the
-      per-verify trace of ``specdial policy replay`` is appended to it), ``log_interval_s``
+      at 65536), ``page_size``, ``context_length`` (an int >= 1; default the target's
+      ``max_position_embeddings``, cut to the KV cache with a warning when that is smaller),
+      ``max_prefill_tokens`` (prompt tokens per prefill iteration; longer prompts are chunked),
+      ``record_trace`` (a path: the per-verify trace of ``specdial policy replay`` is appended
+      to it), ``log_interval_s``
       (seconds between log lines while decoding; None: off), ``seed`` (the engine's sampling
       generator, used by requests without a ``seed`` only), ``drafter_max_steps``, and the
       test hook ``steps_schedule``: a sequence (decode iteration ``i`` uses
@@ -244,6 +260,8 @@ class Engine:
                               f"got {num_steps!r}")
         self.adaptive_config: AdaptiveConfig | None = None
         self.steps_schedule = steps_schedule
+        # loaded (validated) whenever given, even when it is not used (adaptive off, no drafter)
+        loaded_config = None if adaptive_config is None else self._adaptive_config(adaptive_config)
         max_steps = self.drafter.max_steps if self.drafter is not None else 0
         policy: dict[str, Any]
         step_values: list[int] | None = None
@@ -260,7 +278,8 @@ class Engine:
             policy, step_values = ({"speculative_num_steps": 0, "adaptive": False},
                                    list(range(max_steps + 1)))
         elif adaptive:
-            config = self.adaptive_config = self._adaptive_config(adaptive_config)
+            config = self.adaptive_config = (loaded_config if loaded_config is not None
+                                             else AdaptiveConfig.default())
             union = config.candidate_steps
             initial = union[len(union) // 2] if num_steps is None else num_steps
             validate_initial_steps(config, initial)
@@ -279,12 +298,16 @@ class Engine:
                             ("max_queued_requests", max_queued_requests),
                             ("page_size", page_size), ("max_prefill_tokens", max_prefill_tokens)):
             _positive(name, value)
-        ctx = context_length or target.config.max_position_embeddings
+        ctx = (target.config.max_position_embeddings if context_length is None
+               else _positive("context_length", context_length))
         if kv_cache_tokens is None:
             kv_cache_tokens = min(max_running_requests * ctx, 65536)
         num_pages = -(-_positive("kv_cache_tokens", kv_cache_tokens) // page_size)
-        if context_length is None:
-            ctx = min(ctx, num_pages * page_size)
+        if context_length is None and num_pages * page_size < ctx:
+            logger.warning("kv_cache_tokens=%d (%d page(s) of %d tokens) is below the model's "
+                           "context length %d: the context length is cut to %d tokens",
+                           kv_cache_tokens, num_pages, page_size, ctx, num_pages * page_size)
+            ctx = num_pages * page_size
         self.context_length = ctx
         graph_sizes = self._graph_sizes(cuda_graph_bs, disable_cuda_graph, cuda_graph_mode,
                                         target.embed_tokens.weight.device, max_running_requests)
@@ -396,6 +419,9 @@ class Engine:
             raise RuntimeError("Engine is shut down")
         if (prompt is None) == (input_ids is None):
             raise RequestError("pass exactly one of prompt or input_ids", "prompt")
+        if prompt is not None and not isinstance(prompt, (str, list, tuple)):
+            raise RequestError("prompt must be a string or a list of strings, got "
+                               f"{type(prompt).__name__}", "prompt")
         single = isinstance(prompt, str) or (prompt is None and (
             not input_ids or not isinstance(input_ids[0], (list, tuple))))
         items: list[Any] = [prompt if prompt is not None else input_ids] if single else list(
@@ -444,9 +470,17 @@ class Engine:
 
     def abort(self, request_id: int) -> None:
         """Abort a request (queued or running) by its id; its stream ends with finish reason
-        ``abort``. Unknown or finished ids are ignored."""
+        ``abort``. Unknown or finished ids are ignored; a ``request_id`` that is not an int
+        raises ``TypeError``."""
+        try:
+            if isinstance(request_id, bool):
+                raise TypeError
+            rid = operator.index(request_id)
+        except TypeError:
+            raise TypeError(f"request_id must be an int, got {request_id!r} "
+                            f"({type(request_id).__name__})") from None
         if not self._closed and self._started:
-            self._loop.post(("abort", int(request_id)))
+            self._loop.post(("abort", rid))
 
     def stats(self) -> EngineStats:
         """A snapshot of the gauges and counters (thread-safe; see :class:`EngineStats`)."""

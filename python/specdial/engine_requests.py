@@ -46,7 +46,8 @@ def make_spec(prompt: Any, input_ids: Any, sampling_params: Any, stop: Any, *, t
     """Validate one request (``label`` prefixes the messages, e.g. ``"prompt 2: "``).
 
     Raises :class:`RequestError` (``param`` = ``prompt``, ``input_ids``, a sampling key or
-    ``stop``) for: both or neither of prompt / input_ids, a non-str prompt, an empty prompt,
+    ``stop``) for: both or neither of prompt / input_ids, a non-str prompt, a prompt that is not
+    valid Unicode (a lone surrogate), an empty prompt,
     token ids outside the vocabulary, a bad sampling value or unknown key, a prompt leaving no
     room for a completion, prompt + ``max_new_tokens`` above ``context_length``, bad stop
     strings (or stop strings without a tokenizer)."""
@@ -56,6 +57,11 @@ def make_spec(prompt: Any, input_ids: Any, sampling_params: Any, stop: Any, *, t
     if prompt is not None:
         if not isinstance(prompt, str):
             raise RequestError(f"{label}prompt must be a str", "prompt")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate: no tokenizer can encode it
+            raise RequestError(f"{label}prompt is not valid Unicode text (a lone surrogate "
+                               f"{prompt[e.start]!r} at character {e.start})", "prompt") from None
         ids: list[int] | None = encode(tokenizer, prompt)
     else:
         try:

@@ -26,7 +26,8 @@ default ``max_tokens``) and submits token ids; text from a tokenizer's chat temp
 without adding special tokens again.
 
 Status codes: 400 invalid request (JSON error naming ``param``), 404 unknown model or route,
-503 full queue (with ``Retry-After``) or shutting down, 500 engine failure. Finish reasons:
+503 full queue (with ``Retry-After``) or shutting down, 500 engine failure or any other
+unexpected error (also a JSON error, code ``internal_error``). Finish reasons:
 ``stop``, ``length``, or ``abort`` (the engine aborted the request, e.g. at shutdown). A client
 that disconnects aborts its engine requests (streaming: through the cancelled response body;
 non-streaming: a task waits for ``http.disconnect`` while the request runs).
@@ -37,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -258,7 +260,9 @@ async def _watch_disconnect(request: Request, run: _Run) -> None:
 def _engine_error(e: BaseException, params: dict[str, str]) -> APIError:
     """Map an engine exception to an API error; ``params`` maps engine names to OpenAI's."""
     if isinstance(e, QueueFullError):
-        return APIError(503, f"The server is overloaded ({e}); retry later",
+        # the core's message may already end with "retry later": say it once
+        detail = re.sub(r"[\s;,.]*retry later[.!]?\s*$", "", str(e), flags=re.IGNORECASE)
+        return APIError(503, f"The server is overloaded ({detail}); retry later",
                         type="server_overloaded", code="queue_full")
     if isinstance(e, RequestError):
         param = getattr(e, "param", None)
@@ -270,6 +274,39 @@ def _engine_error(e: BaseException, params: dict[str, str]) -> APIError:
     logger.error("engine failure", exc_info=e)
     return APIError(500, f"internal engine error: {type(e).__name__}: {e}",
                     type="internal_error", code="internal_error")
+
+
+class _InternalErrorMiddleware:
+    """Answer an unexpected exception of a route with a JSON 500 (``{"error": {...}}``, code
+    ``internal_error``) instead of Starlette's plain-text one, and without re-raising it, so
+    that uvicorn keeps the connection open. An exception after the response started (a
+    streaming body) cannot be answered any more and propagates."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Any) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as e:  # noqa: BLE001 - answered as JSON
+            if started:
+                raise
+            logger.error("internal error in %s %s", scope.get("method"), scope.get("path"),
+                         exc_info=e)
+            err = APIError(500, f"internal server error: {type(e).__name__}: {e}",
+                           type="internal_error", code="internal_error")
+            await JSONResponse(err.body(), status_code=500)(scope, receive, send)
 
 
 class _RunStreamingResponse(StreamingResponse):
@@ -362,6 +399,7 @@ def create_app(engine: Any, *, served_model_name: str = BUILTIN_MODEL_NAME,
     app = FastAPI(title="specdial", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.specdial = state
+    app.add_middleware(_InternalErrorMiddleware)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -71,8 +72,8 @@ class EngineArgs:
         "most requests decoded together (the batch capacity); default: the engine's (32)",
         metavar="N")
     max_queued_requests: int | None = _opt(
-        "most requests waiting for admission; beyond it new requests are refused (HTTP 503); "
-        "default: the engine's", metavar="N")
+        "most new requests waiting for admission beyond the free running slots; beyond it new "
+        "requests are refused (HTTP 503); default: the engine's", metavar="N")
     kv_cache_tokens: int | None = _opt(
         "KV cache size in tokens; default: the engine's (on CPU, max running requests x "
         "context length, capped)", metavar="N")
@@ -80,7 +81,8 @@ class EngineArgs:
                                  metavar="N")
     context_length: int | None = _opt(
         "most tokens per request, prompt plus completion; default: the target's "
-        "max_position_embeddings", metavar="N")
+        "max_position_embeddings, cut to --kv-cache-tokens (with a warning) when that is "
+        "smaller", metavar="N")
     record_trace: str | None = _opt(
         "write the per-verify trace (JSONL) that `specdial policy replay` reads", metavar="FILE")
     log_interval_s: float | None = _opt(
@@ -101,8 +103,10 @@ class EngineArgs:
         if self.cpu_threads is not None and (isinstance(self.cpu_threads, bool)
                                              or self.cpu_threads < 1):
             raise ValueError(f"--cpu-threads must be an integer >= 1, got {self.cpu_threads}")
-        if self.log_interval_s is not None and not self.log_interval_s >= 0:
-            raise ValueError(f"--log-interval-s must be >= 0 (0: off), got {self.log_interval_s}")
+        if self.log_interval_s is not None and not (self.log_interval_s >= 0
+                                                    and math.isfinite(self.log_interval_s)):
+            raise ValueError(f"--log-interval-s must be a finite number >= 0 (0: off), got "
+                             f"{self.log_interval_s}")
 
     def configure_process(self) -> None:
         """Apply the process-wide options (``cpu_threads``) before building engines; the
@@ -160,6 +164,17 @@ class ServeConfig(EngineArgs):
     shutdown_timeout: float = _opt(
         "on SIGTERM/SIGINT, seconds to let running requests finish before aborting them",
         default=30.0, metavar="SECONDS")
+
+    def check(self) -> None:
+        """:meth:`EngineArgs.check`, plus ``port`` in 1..65535 and ``shutdown_timeout`` a
+        finite number >= 0. Raises ``ValueError`` naming the option."""
+        super().check()
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not (
+                1 <= self.port <= 65535):
+            raise ValueError(f"--port must be an integer in 1..65535, got {self.port}")
+        if not (self.shutdown_timeout >= 0 and math.isfinite(self.shutdown_timeout)):
+            raise ValueError(f"--shutdown-timeout must be a finite number of seconds >= 0, got "
+                             f"{self.shutdown_timeout}")
 
     def model_name(self) -> str:
         """``served_model_name`` if set, else :meth:`EngineArgs.default_model_name`."""

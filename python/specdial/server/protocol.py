@@ -11,7 +11,10 @@ Validation order for a request body (each failure is an :class:`APIError`, answe
    400 "Unrecognized request argument supplied" (extra="forbid" semantics);
 3. types and ranges through the strict pydantic models below (no string-to-number coercion, no
    NaN or infinity; ``max_tokens`` >= 1, ``temperature`` >= 0, ``top_p`` in (0, 1]; null means
-   "default" for every optional field); the ``param`` of the error is the offending field.
+   "default" for every optional field); the ``param`` of the error is the offending field;
+4. text (``prompt``, message contents, ``stop``) must be valid Unicode: a lone surrogate
+   (``"\\ud800"`` in the JSON) is 400 ``invalid_value`` naming the field (``prompt`` for every
+   item of a prompt list, the message naming ``prompt[i]``; ``messages[i].content``).
 
 ``user`` is accepted and ignored: it is an informational end-user id in the OpenAI API with no
 effect on generation. ``model`` may be omitted (the served model is used); a different name is
@@ -203,13 +206,16 @@ def _pydantic_error(err: ValidationError) -> APIError:
     first = err.errors()[0]
     loc = [str(p) for p in first["loc"]]
     top = loc[0] if loc else None
+    if top == "messages" and len(loc) > 1 and loc[1].isdigit():
+        where = f"messages[{loc[1]}]" + "".join(f".{p}" for p in loc[2:3])
+        if first["type"] == "missing":
+            return bad_request(f"Missing required parameter: '{where}'", where,
+                               "missing_required_parameter")
+        return bad_request(f"Invalid value for '{where}': {first['msg']}", where,
+                           "invalid_value")
     if first["type"] == "missing":
         return bad_request(f"Missing required parameter: '{'.'.join(loc)}'", top,
                            "missing_required_parameter")
-    if top == "messages" and len(loc) > 1 and loc[1].isdigit():
-        where = f"messages[{loc[1]}]" + "".join(f".{p}" for p in loc[2:3])
-        return bad_request(f"Invalid value for '{where}': {first['msg']}", where,
-                           "invalid_value")
     if top == "prompt":
         return bad_request("'prompt' must be a string or a list of strings", "prompt",
                            "invalid_type")
@@ -218,6 +224,18 @@ def _pydantic_error(err: ValidationError) -> APIError:
                            "invalid_type")
     return bad_request(f"Invalid value for '{'.'.join(loc)}': {first['msg']}", top,
                        "invalid_value")
+
+
+def _check_text(text: str, where: str, param: str) -> None:
+    """400 ``invalid_value`` (``param``; ``where`` names the item in the message) for text that
+    is not valid Unicode: JSON ``\\ud800``-style escapes can carry lone surrogates, which no
+    tokenizer can encode (``str.encode("utf-8")`` raises)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad_request(f"Invalid value for '{where}': not valid Unicode text (a lone "
+                          f"surrogate {text[e.start]!r} at character {e.start})", param,
+                          "invalid_value") from None
 
 
 def parse_request(raw: bytes, kind: Literal["completion", "chat"]) -> CompletionRequest | ChatCompletionRequest:
@@ -245,9 +263,25 @@ def parse_request(raw: bytes, kind: Literal["completion", "chat"]) -> Completion
     if isinstance(req, CompletionRequest):
         if isinstance(req.prompt, list) and not req.prompt:
             raise bad_request("'prompt' must not be an empty list", "prompt", "invalid_value")
+        if isinstance(req.prompt, str):
+            _check_text(req.prompt, "prompt", "prompt")
+        else:
+            for i, p in enumerate(req.prompt):
+                _check_text(p, f"prompt[{i}]", "prompt")
+    else:
+        for i, m in enumerate(req.messages):
+            if isinstance(m.content, str):
+                _check_text(m.content, f"messages[{i}].content", f"messages[{i}].content")
+            else:
+                for j, part in enumerate(m.content):
+                    if isinstance(part.get("text"), str):
+                        where = f"messages[{i}].content[{j}]"
+                        _check_text(part["text"], where, where)
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if any(s == "" for s in stop):
         raise bad_request("'stop' strings must not be empty", "stop", "invalid_value")
+    for s in stop:
+        _check_text(s, "stop", "stop")
     if isinstance(req, ChatCompletionRequest):
         if (req.max_tokens is not None and req.max_completion_tokens is not None
                 and req.max_tokens != req.max_completion_tokens):
