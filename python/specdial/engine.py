@@ -135,16 +135,16 @@ class Engine:
       or there is no device N); ``dtype`` ``"float32"``/``"bfloat16"``.
     - keyword-only: ``max_running_requests`` (requests admitted at once, prefilling included),
       ``max_queued_requests`` (new requests waiting beyond the free running slots; beyond it
-      submissions raise
-      :class:`~specdial.engine_api.QueueFullError`; ``generate`` waits instead),
+      submissions raise :class:`~specdial.engine_api.QueueFullError`; ``generate`` waits
+      instead),
       ``kv_cache_tokens`` (KV slots; default ``max_running_requests * context_length`` capped
       at 65536), ``page_size``, ``context_length`` (an int >= 1; default the target's
       ``max_position_embeddings``, cut to the KV cache with a warning when that is smaller),
       ``max_prefill_tokens`` (prompt tokens per prefill iteration; longer prompts are chunked),
       ``record_trace`` (a path: the per-verify trace of ``specdial policy replay`` is appended
-      to it), ``log_interval_s``
-      (seconds between log lines while decoding; None: off), ``seed`` (the engine's sampling
-      generator, used by requests without a ``seed`` only), ``drafter_max_steps``, and the
+      to it), ``log_interval_s`` (seconds between log lines while decoding; None: off),
+      ``seed`` (the engine's sampling generator, used by requests without a ``seed`` only),
+      ``drafter_max_steps``, and the
       test hook ``steps_schedule``: a sequence (decode iteration ``i`` uses
       ``schedule[i % len]``) or a callable ``(iteration, batch_size) -> steps`` replacing the
       policy (runtime states for ``0..drafter_max_steps``).
