@@ -28,6 +28,8 @@ pub enum PolicyError {
          (accepted drafts per request, bonus token excluded, at current steps {steps})"
     )]
     Accepted { index: usize, value: i64, steps: u32 },
+    #[error("seconds must be a finite number > 0 (the decode iteration's wall time), got {0}")]
+    Seconds(f64),
     #[error("cuda_graph_bs[{index}] = {value}: graph batch sizes must be >= 1")]
     GraphBatchSize { index: usize, value: i64 },
 }

@@ -3,18 +3,22 @@
 //! - [`config`]: the adaptive config (SGLang `--speculative-adaptive-config` compatible).
 //! - [`slot`]: one per-batch-size slot's EMA + hysteresis state machine (the `ema` strategy).
 //! - [`policy`]: routing a batch size to its slot (with CUDA-graph padding) and the per-iteration decision.
+//! - [`goodput`]: the `goodput` strategy (acceptance estimates, online cost model, probes).
+//! - [`throughput`]: SGLang's `throughput_aware` strategy.
 //! - [`kv`]: the KV page allocator shared by the target and drafter pools.
 
 pub mod config;
 pub mod error;
+pub mod goodput;
 mod id_hash;
 pub mod kv;
 pub mod policy;
 pub mod scheduler;
 pub mod slot;
+pub mod throughput;
 
-pub use config::{AdaptiveConfig, SlotConfig, Strategy};
+pub use config::{AdaptiveConfig, GoodputConfig, SlotConfig, Strategy, ThroughputAwareConfig};
 pub use error::{ConfigError, PolicyError};
-pub use policy::{AdaptiveSpeculativeParams, StepDecision};
+pub use policy::{AdaptiveSpeculativeParams, Observation, SlotState, StepDecision};
 pub use scheduler::{Plan, PlanKind, Scheduler, SchedulerConfig, SchedulerError, StepsSource};
 pub use slot::AdaptiveStepSlot;

@@ -1,13 +1,26 @@
-//! Routing a batch size to its slot, and the per-iteration decision.
+//! Routing a batch size to its slot, and the per-iteration decision of every strategy.
 //!
 //! Names follow SGLang's `AdaptiveSpeculativeParams` (PR #24055) so that users and tests move
 //! between the two. Routing: with CUDA-graph batch sizes set, the batch size is first padded up to
 //! the first graph size >= it (left unchanged when larger than all); the slot is then the one with
 //! the largest lower bound <= the padded size, or the smallest slot if none.
+//!
+//! The contract every caller (the scheduler, users embedding the policy, the simulator) follows:
+//!
+//! - [`AdaptiveSpeculativeParams::decide`] once per decode iteration returns the steps and records
+//!   them as the slot's *pending* decision (a repeated `decide` before the report replaces it).
+//!   [`AdaptiveSpeculativeParams::get_steps_for_batch`] is a pure read of the slot's current steps.
+//! - [`AdaptiveSpeculativeParams::on_verify_complete_with`] reports that iteration: accepted drafts
+//!   per request (bonus excluded), checked against the steps it ran (the `steps` given, else the
+//!   pending decision, else the slot's current steps), and optionally its measured wall time and
+//!   the batch's context tokens, which the `goodput` strategy learns its cost model from (`ema` and
+//!   `throughput_aware` ignore both).
 
-use crate::config::AdaptiveConfig;
+use crate::config::{AdaptiveConfig, Strategy};
 use crate::error::PolicyError;
+use crate::goodput::{cost::bucket_of, GoodputPolicy};
 use crate::slot::AdaptiveStepSlot;
+use crate::throughput::ThroughputAwarePolicy;
 
 /// What one decode iteration runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,29 +36,74 @@ pub struct StepDecision {
     pub slot: usize,
 }
 
-/// The adaptive policy: one [`AdaptiveStepSlot`] per batch-size range, plus the router.
+/// What a report carries besides the accepted drafts. Every field is optional.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Observation {
+    /// Wall time of the decode iteration, seconds (finite, > 0).
+    pub seconds: Option<f64>,
+    /// Sum of the batch's KV lengths before the iteration, tokens.
+    pub context_tokens: Option<u64>,
+    /// The steps the iteration actually ran (overrides the pending decision).
+    pub steps: Option<u32>,
+}
+
+/// One slot's state as every strategy reports it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SlotState {
+    /// Batch-size lower bound of the slot.
+    pub lower_bound: u32,
+    /// Steps the slot runs now.
+    pub current_steps: u32,
+    /// `ema`: the EMA of accepted drafts (SGLang's `ema_accept_len`); `goodput` and
+    /// `throughput_aware`: the expected accepted drafts per request at the current steps from
+    /// their acceptance estimates (0 when unknown).
+    pub accepted_estimate: f64,
+    /// Verifies reported to the slot (`throughput_aware`: to the policy).
+    pub verify_count: u64,
+}
+
+#[derive(Debug, Clone)]
+enum Rules {
+    Ema(Vec<AdaptiveStepSlot>),
+    Goodput(GoodputPolicy),
+    ThroughputAware(ThroughputAwarePolicy),
+}
+
+/// The adaptive policy: the strategy's state per batch-size slot, plus the router.
 #[derive(Debug, Clone)]
 pub struct AdaptiveSpeculativeParams {
     config: AdaptiveConfig,
-    slots: Vec<AdaptiveStepSlot>,
-    /// Lower bounds of the slots, ascending (parallel to `slots`).
+    rules: Rules,
+    /// Lower bounds of the slots, ascending.
     bounds: Vec<u32>,
     graph_bs: Option<Vec<u32>>,
     candidate_union: Vec<u32>,
+    /// Per slot: the steps of the last `decide` not reported yet.
+    pending: Vec<Option<u32>>,
 }
 
 impl AdaptiveSpeculativeParams {
     /// One slot per config slot, each started at `initial_steps` (or its middle candidate when
-    /// `initial_steps` is not one of its candidates).
+    /// `initial_steps` is not one of its candidates; `throughput_aware`: one engine-wide steps
+    /// value, SGLang's rule).
     pub fn new(initial_steps: u32, config: AdaptiveConfig) -> Self {
-        let slots = config
-            .slots
-            .iter()
-            .map(|(_, c)| AdaptiveStepSlot::new(initial_steps, c.clone()))
-            .collect();
-        let bounds = config.slots.iter().map(|(b, _)| *b).collect();
+        let candidates: Vec<Vec<u32>> = config.slots.iter().map(|(_, c)| c.candidate_steps.clone()).collect();
         let candidate_union = config.candidate_union();
-        AdaptiveSpeculativeParams { config, slots, bounds, graph_bs: None, candidate_union }
+        let rules = match &config.strategy {
+            Strategy::Ema => Rules::Ema(
+                config.slots.iter().map(|(_, c)| AdaptiveStepSlot::new(initial_steps, c.clone())).collect(),
+            ),
+            Strategy::Goodput(g) => Rules::Goodput(GoodputPolicy::new(g.clone(), initial_steps, candidates)),
+            Strategy::ThroughputAware(t) => Rules::ThroughputAware(ThroughputAwarePolicy::new(
+                t.clone(),
+                initial_steps,
+                &config.slots[0].1.candidate_steps,
+                &candidate_union,
+            )),
+        };
+        let bounds = config.slots.iter().map(|(b, _)| *b).collect();
+        let pending = vec![None; config.slots.len()];
+        AdaptiveSpeculativeParams { config, rules, bounds, graph_bs: None, candidate_union, pending }
     }
 
     /// The validated config this policy was built from.
@@ -58,9 +116,75 @@ impl AdaptiveSpeculativeParams {
         &self.candidate_union
     }
 
-    /// The slots, ascending by lower bound, with their lower bounds.
-    pub fn slots(&self) -> impl Iterator<Item = (u32, &AdaptiveStepSlot)> {
-        self.bounds.iter().copied().zip(self.slots.iter())
+    /// The `ema` slots (None under another strategy).
+    pub fn ema_slots(&self) -> Option<&[AdaptiveStepSlot]> {
+        match &self.rules {
+            Rules::Ema(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// The `goodput` strategy's state (None under another strategy).
+    pub fn goodput(&self) -> Option<&GoodputPolicy> {
+        match &self.rules {
+            Rules::Goodput(g) => Some(g),
+            _ => None,
+        }
+    }
+
+    /// The `throughput_aware` strategy's state (None under another strategy).
+    pub fn throughput_aware(&self) -> Option<&ThroughputAwarePolicy> {
+        match &self.rules {
+            Rules::ThroughputAware(t) => Some(t),
+            _ => None,
+        }
+    }
+
+    /// Every slot's state, ascending by lower bound.
+    pub fn slot_states(&self) -> Vec<SlotState> {
+        (0..self.bounds.len())
+            .map(|i| {
+                let (current_steps, accepted_estimate, verify_count) = match &self.rules {
+                    Rules::Ema(s) => (s[i].current_steps(), s[i].ema_accept_len(), s[i].verify_count()),
+                    Rules::Goodput(g) => {
+                        let k = g.current_steps(i);
+                        (k, g.expected_accepted(k), g.verify_count(i))
+                    }
+                    Rules::ThroughputAware(t) => {
+                        let k = t.current_steps();
+                        (k, t.expected_tokens(k).map_or(0.0, |e| e - 1.0), t.batch_count())
+                    }
+                };
+                SlotState { lower_bound: self.bounds[i], current_steps, accepted_estimate, verify_count }
+            })
+            .collect()
+    }
+
+    /// Switches of the steps so far (every strategy; `goodput` probes excluded).
+    pub fn switches(&self) -> u64 {
+        match &self.rules {
+            Rules::Ema(_) => 0,
+            Rules::Goodput(g) => g.switches(),
+            Rules::ThroughputAware(t) => t.switches(),
+        }
+    }
+
+    /// Sets one entry of the `throughput_aware` cost table (or, under `goodput`, feeds the
+    /// measurement to its cost model, the optional startup sweep). Errors on seconds that are not
+    /// finite and > 0; a no-op under `ema`.
+    pub fn set_profiled_cost(&mut self, batch_size: u32, steps: u32, seconds: f64, context_tokens: u64) -> Result<(), PolicyError> {
+        if !(seconds.is_finite() && seconds > 0.0) {
+            return Err(PolicyError::Seconds(seconds));
+        }
+        if batch_size < 1 {
+            return Err(PolicyError::BatchSize(i64::from(batch_size)));
+        }
+        match &mut self.rules {
+            Rules::Ema(_) => {}
+            Rules::ThroughputAware(t) => t.set_cost(batch_size, steps, seconds),
+            Rules::Goodput(g) => g.seed_cost(bucket_of(batch_size), batch_size, steps, seconds, context_tokens),
+        }
+        Ok(())
     }
 
     /// Sets the captured CUDA-graph batch sizes (sorted and deduplicated here), or clears them.
@@ -107,27 +231,94 @@ impl AdaptiveSpeculativeParams {
         Ok((self.slot_for_padded(graph.unwrap_or(bs)), graph))
     }
 
-    /// Steps the slot for this batch size chooses now.
+    /// Steps the slot for this batch size runs now (a pure read).
     pub fn get_steps_for_batch(&self, batch_size: i64) -> Result<u32, PolicyError> {
         let (slot, _) = self.route(batch_size)?;
-        Ok(self.slots[slot].current_steps())
+        Ok(self.current_steps(slot))
     }
 
-    /// The full decision for one decode iteration.
-    pub fn decide(&self, batch_size: i64) -> Result<StepDecision, PolicyError> {
+    fn current_steps(&self, slot: usize) -> u32 {
+        match &self.rules {
+            Rules::Ema(s) => s[slot].current_steps(),
+            Rules::Goodput(g) => g.current_steps(slot),
+            Rules::ThroughputAware(t) => t.current_steps(),
+        }
+    }
+
+    /// The bucket and the batch size the cost model sees: the graph size where a graph replays.
+    fn cost_batch(batch_size: u32, graph: Option<u32>) -> (u32, u32) {
+        match graph {
+            Some(g) => (g, g),
+            None => (bucket_of(batch_size), batch_size),
+        }
+    }
+
+    /// The decision for one decode iteration of `batch_size` requests with `context_tokens`
+    /// tokens of context (the sum of their KV lengths before it; None: unknown). Records the steps
+    /// as the slot's pending decision.
+    pub fn decide(&mut self, batch_size: i64, context_tokens: Option<u64>) -> Result<StepDecision, PolicyError> {
         let (slot, graph_bs) = self.route(batch_size)?;
-        let steps = self.slots[slot].current_steps();
+        let b = batch_size as u32;
+        let steps = match &mut self.rules {
+            Rules::Ema(s) => s[slot].current_steps(),
+            Rules::Goodput(g) => {
+                let (bucket, b_cost) = Self::cost_batch(b, graph_bs);
+                g.decide(slot, bucket, b, b_cost, context_tokens.unwrap_or(0))
+            }
+            Rules::ThroughputAware(t) => t.decide(graph_bs.unwrap_or(b), &self.config.slots[slot].1.candidate_steps),
+        };
+        self.pending[slot] = Some(steps);
         Ok(StepDecision { steps, num_draft_tokens: steps + 1, graph_bs, slot })
     }
 
-    /// Feeds one verify's accepted drafts per request (bonus excluded, each in
-    /// `0..=steps`) to the slot of `batch_size`. Returns the slot's new steps if they changed.
+    /// [`Self::on_verify_complete_with`] with nothing but the accepted drafts.
     pub fn on_verify_complete<I>(&mut self, accepted: I, batch_size: i64) -> Result<Option<u32>, PolicyError>
     where
         I: IntoIterator<Item = i64>,
     {
-        let (slot, _) = self.route(batch_size)?;
-        self.slots[slot].update(accepted)
+        self.on_verify_complete_with(accepted, batch_size, Observation::default())
+    }
+
+    /// Reports one verify of the slot of `batch_size`: accepted drafts per request (bonus
+    /// excluded, each in `0..=steps` where `steps` = `obs.steps`, else the pending decision, else
+    /// the slot's current steps; requests capped below the steps near their end should be left
+    /// out). Returns the slot's new steps if they changed (`ema`: at this report; `goodput`,
+    /// `throughput_aware`: at the decision this report answers).
+    ///
+    /// `ema` feeds its EMA only with verifies at the slot's current steps (an EMA of another depth
+    /// means something else); `obs.seconds` and `obs.context_tokens` are used by `goodput` only.
+    ///
+    /// Errors (nothing changes): a batch size < 1, an accepted count out of range, seconds that
+    /// are not finite and > 0.
+    pub fn on_verify_complete_with<I>(&mut self, accepted: I, batch_size: i64, obs: Observation) -> Result<Option<u32>, PolicyError>
+    where
+        I: IntoIterator<Item = i64>,
+    {
+        let (slot, graph_bs) = self.route(batch_size)?;
+        if let Some(t) = obs.seconds {
+            if !(t.is_finite() && t > 0.0) {
+                return Err(PolicyError::Seconds(t));
+            }
+        }
+        let steps = obs.steps.or(self.pending[slot]).unwrap_or_else(|| self.current_steps(slot));
+        let mut values = Vec::new();
+        for (index, value) in accepted.into_iter().enumerate() {
+            if value < 0 || value > i64::from(steps) {
+                return Err(PolicyError::Accepted { index, value, steps });
+            }
+            values.push(value);
+        }
+        self.pending[slot] = None;
+        let b = batch_size as u32;
+        Ok(match &mut self.rules {
+            Rules::Ema(s) if steps == s[slot].current_steps() => s[slot].update(values)?,
+            Rules::Ema(_) => None,
+            Rules::Goodput(g) => {
+                let (bucket, b_cost) = Self::cost_batch(b, graph_bs);
+                g.observe(slot, bucket, b, b_cost, steps, &values, obs.seconds, obs.context_tokens.unwrap_or(0))
+            }
+            Rules::ThroughputAware(t) => t.observe(steps, &values),
+        })
     }
 
     /// The graph batch sizes whose slot can choose `steps` (only those graphs need capturing for
@@ -137,7 +328,7 @@ impl AdaptiveSpeculativeParams {
             sizes
                 .iter()
                 .copied()
-                .filter(|&g| self.slots[self.slot_for_padded(g)].config().candidate_steps.contains(&steps))
+                .filter(|&g| self.config.slots[self.slot_for_padded(g)].1.candidate_steps.contains(&steps))
                 .collect()
         })
     }
@@ -148,7 +339,7 @@ mod tests {
     use super::*;
 
     fn params() -> AdaptiveSpeculativeParams {
-        AdaptiveSpeculativeParams::new(3, AdaptiveConfig::default_config())
+        AdaptiveSpeculativeParams::new(3, AdaptiveConfig::ema_default())
     }
 
     #[test]
@@ -176,7 +367,7 @@ mod tests {
         assert_eq!(p.route(5).unwrap(), (1, Some(8)));
         // Larger than every graph: unchanged, eager.
         assert_eq!(p.route(40).unwrap(), (2, None));
-        let d = p.decide(5).unwrap();
+        let d = p.decide(5, None).unwrap();
         assert_eq!((d.steps, d.num_draft_tokens, d.graph_bs), (3, 4, Some(8)));
         assert!(p.set_cuda_graph_bs(Some(&[0])).is_err());
         p.set_cuda_graph_bs(None).unwrap();
@@ -187,7 +378,7 @@ mod tests {
     fn initial_steps_per_slot() {
         let p = params();
         // 3 is a candidate of slots 1 and 8; slot 32 falls back to its middle ([0, 1][1] = 1).
-        let steps: Vec<u32> = p.slots().map(|(_, s)| s.current_steps()).collect();
+        let steps: Vec<u32> = p.slot_states().iter().map(|s| s.current_steps).collect();
         assert_eq!(steps, vec![3, 3, 1, 0]);
         assert_eq!(p.candidate_steps(), &[0, 1, 3, 5, 7]);
     }
@@ -210,7 +401,7 @@ mod tests {
         for _ in 0..15 {
             p.on_verify_complete([0i64, 0, 0], 2).unwrap();
         }
-        let steps: Vec<u32> = p.slots().map(|(_, s)| s.current_steps()).collect();
+        let steps: Vec<u32> = p.slot_states().iter().map(|s| s.current_steps).collect();
         assert_eq!(steps, vec![1, 3, 1, 0]);
         assert!(p.on_verify_complete([0i64], 0).is_err());
     }

@@ -34,14 +34,17 @@
 //!   if any request is running, a decode iteration runs first. So a long prompt costs the running
 //!   requests at most every other iteration; short prompts are admitted with priority (as in
 //!   SGLang and nano-vllm), which is bounded by `max_running_requests`.
-//! - **Steps.** A decode iteration over `B` running requests asks the policy (the adaptive
-//!   [`AdaptiveSpeculativeParams`], or the fixed steps) for `steps` at `B`; request `r`, which may
-//!   still produce `rem` tokens (by `max_new_tokens` and the context end), gets
-//!   `steps_r = min(steps, rem - 1)` drafts, so one iteration never emits more than it may keep,
-//!   and reserves exactly `steps_r + 1` slots (positions `L ..= L + steps_r`).
+//! - **Steps.** A decode iteration over `B` running requests with `C` KV tokens asks the policy
+//!   (the adaptive [`AdaptiveSpeculativeParams::decide`] with `C` as `context_tokens`, once per
+//!   plan, or the fixed steps) for `steps` at `B`; request `r`, which may still produce `rem`
+//!   tokens (by `max_new_tokens` and the context end), gets `steps_r = min(steps, rem - 1)`
+//!   drafts, so one iteration never emits more than it may keep, and reserves exactly
+//!   `steps_r + 1` slots (positions `L ..= L + steps_r`).
 //! - **Capacity first.** The pages the iteration needs at the chosen steps are counted before
-//!   anything is reserved; while they exceed the free pages, the most recently admitted request
-//!   (prefilling or running) is preempted, and steps are chosen again for the smaller batch.
+//!   anything is reserved. While they exceed the free pages, the plan first runs fewer steps (the
+//!   slot's lower candidates, largest first; adaptive only), and only when even the lowest does
+//!   not fit preempts the most recently admitted request (prefilling or running) and decides
+//!   again for the smaller batch. The plan carries the steps it actually runs.
 //! - **Preemption.** A preempted request frees all its pages and goes back to the *front* of the
 //!   waiting queue (earlier-admitted ones in front), keeping its tokens. It is re-prefilled later
 //!   over `prompt + output[..-1]` (no token is sampled then) and continues where it stopped, so
@@ -51,10 +54,11 @@
 //!   drops what follows. Unfinished requests keep KV `L ..= L + accepted` (rejected drafts' slots
 //!   are freed); finished ones free everything.
 //! - **Policy feedback.** After a decode iteration the policy's slot for `B` is fed the accepted
-//!   drafts of the requests with `steps_r == steps` (all of them at `steps = 0`). Requests capped
-//!   near their end are left out: their count is bounded by the cap, not by the drafter, and
-//!   would drag the EMA down. No feed when every request was capped, nor in fixed-steps mode.
-
+//!   drafts of the requests with `steps_r == steps` (all of them at `steps = 0`), the steps the plan
+//!   ran, the batch's context tokens and, through [`Scheduler::report_timed`], the iteration's
+//!   measured seconds. Requests capped near their end are left out of the accepted drafts: their
+//!   count is bounded by the cap, not by the drafter. Not fed in fixed-steps mode.
+//!
 mod config;
 mod invariants;
 mod plan;
@@ -97,6 +101,8 @@ struct InFlight {
     steps: u32,
     /// Decode: the steps came from the policy (which is then fed the results).
     from_policy: bool,
+    /// Decode: the batch's KV tokens before the iteration (the policy's `context_tokens`).
+    context: u64,
     /// Decode: steps per request. Prefill: unused.
     steps_r: Vec<u32>,
     /// Prefill: the chunk ends the request's prefill.
@@ -443,16 +449,22 @@ impl Scheduler {
         self.requests.get(&request_id).map(|r| r.num_preemptions)
     }
 
-    /// Per adaptive slot, ascending: `(lower bound, current steps, EMA of accepted drafts,
-    /// verifies observed)`. Empty without a policy.
+    /// Per adaptive slot, ascending: `(lower bound, current steps, accepted-drafts estimate,
+    /// verifies observed)` ([`crate::SlotState`]). Empty without a policy.
     pub fn slot_states(&self) -> Vec<(u32, u32, f64, u64)> {
         self.policy
             .iter()
             .flat_map(|p| {
-                p.slots()
-                    .map(|(b, s)| (b, s.current_steps(), s.ema_accept_len(), s.verify_count()))
+                p.slot_states()
+                    .into_iter()
+                    .map(|s| (s.lower_bound, s.current_steps, s.accepted_estimate, s.verify_count))
             })
             .collect()
+    }
+
+    /// The adaptive policy, mutable (the engine's startup profiling feeds its cost table).
+    pub fn policy_mut(&mut self) -> Option<&mut AdaptiveSpeculativeParams> {
+        self.policy.as_mut()
     }
 
     /// Takes the per-verify trace recorded since the last call (empty unless

@@ -1,5 +1,7 @@
 //! `report`: checking an iteration's results against its plan and applying them.
 
+use crate::policy::Observation;
+
 use super::{
     Finished, InFlight, PlanKind, ReportOutcome, RequestState, Scheduler, SchedulerError,
     TraceRecord,
@@ -136,14 +138,37 @@ impl Scheduler {
         offsets: &[i64],
         accepted: Option<&[i64]>,
     ) -> Result<ReportOutcome, SchedulerError> {
+        self.report_timed(tokens, offsets, accepted, None)
+    }
+
+    /// [`Scheduler::report`] with the decode iteration's measured wall time, `seconds` (finite,
+    /// > 0; decode plans only), which the policy is fed with the batch's context tokens and the
+    /// steps the plan ran (the `goodput` strategy learns its cost model from them).
+    ///
+    /// Errors: those of `report`, and [`SchedulerError::InvalidReport`] naming `seconds`.
+    pub fn report_timed(
+        &mut self,
+        tokens: &[i64],
+        offsets: &[i64],
+        accepted: Option<&[i64]>,
+        seconds: Option<f64>,
+    ) -> Result<ReportOutcome, SchedulerError> {
         let fl = self
             .in_flight
             .as_ref()
             .ok_or(SchedulerError::NoPlanInFlight)?;
         validate(fl, tokens, offsets, accepted)?;
+        if let Some(t) = seconds {
+            if fl.kind == PlanKind::Prefill {
+                return Err(bad("seconds", "is reported for decode plans only".into()));
+            }
+            if !(t.is_finite() && t > 0.0) {
+                return Err(bad("seconds", format!("must be a finite number > 0 (the iteration's wall time), got {t}")));
+            }
+        }
         let fl = self.in_flight.take().expect("checked above");
         if fl.kind == PlanKind::Decode {
-            self.observe_verify(&fl, offsets);
+            self.observe_verify(&fl, offsets, seconds);
         }
         let ctx = u64::from(self.config.context_length);
         let b = fl.ids.len();
@@ -215,16 +240,17 @@ impl Scheduler {
     }
 
     /// Policy feedback, speculation counters and the trace record of one verify.
-    fn observe_verify(&mut self, fl: &InFlight, offsets: &[i64]) {
+    fn observe_verify(&mut self, fl: &InFlight, offsets: &[i64], seconds: Option<f64>) {
         let b = fl.ids.len();
         let accepted = |i: usize| offsets[i + 1] - offsets[i] - 1;
         let steps = fl.steps;
         if fl.from_policy {
             if let Some(p) = &mut self.policy {
                 let fed = (0..b).filter(|&i| fl.steps_r[i] == steps).map(accepted);
+                let obs = Observation { seconds, context_tokens: Some(fl.context), steps: Some(steps) };
                 let changed = p
-                    .on_verify_complete(fed, b as i64)
-                    .expect("accepted counts were validated");
+                    .on_verify_complete_with(fed, b as i64, obs)
+                    .expect("accepted counts and seconds were validated");
                 if changed.is_some() {
                     self.counters.step_switches += 1;
                 }

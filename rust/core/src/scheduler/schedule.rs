@@ -67,20 +67,52 @@ impl Scheduler {
         }
     }
 
-    /// `(steps, padded graph batch size)` for a decode batch of `b >= 1` requests.
-    fn decide(&self, b: usize) -> (u32, Option<u32>) {
+    /// `(steps, padded graph batch size, lower steps to fall back to when pages run short)` for a
+    /// decode batch of `b >= 1` requests with `context` tokens of context. Asks the policy's
+    /// `decide` (which records the steps as its pending decision) unless fixed steps are in force.
+    fn decide(&mut self, b: usize, context: u64) -> (u32, Option<u32>, Vec<u32>) {
         let graph = self
             .graph_bs
             .as_ref()
             .and_then(|g| g.get(g.partition_point(|&s| (s as usize) < b)).copied());
-        let steps = match (self.fixed_steps, &self.policy) {
-            (Some(k), _) => k,
-            (None, Some(p)) => p
-                .get_steps_for_batch(b as i64)
-                .expect("decode batch size is >= 1"),
+        match (self.fixed_steps, &mut self.policy) {
+            (Some(k), _) => (k, graph, Vec::new()),
+            (None, Some(p)) => {
+                let d = p.decide(b as i64, Some(context)).expect("decode batch size is >= 1");
+                let lower = p.config().slots[d.slot]
+                    .1
+                    .candidate_steps
+                    .iter()
+                    .rev()
+                    .copied()
+                    .filter(|&k| k < d.steps)
+                    .collect();
+                (d.steps, graph, lower)
+            }
             (None, None) => unreachable!("a scheduler has fixed steps or a policy"),
-        };
-        (steps, graph)
+        }
+    }
+
+    /// Fills `batch` with `(id, steps_r)` of every running request for `steps` and returns the
+    /// KV pages that needs and the KV positions the plan will cover.
+    fn decode_batch(&self, steps: u32, batch: &mut Vec<(u64, u32)>) -> (u64, u64) {
+        let ctx = u64::from(self.config.context_length);
+        batch.clear();
+        let (mut need, mut n_kv) = (0u64, 0u64);
+        for id in &self.admitted {
+            let r = &self.requests[id];
+            if r.state != RequestState::Running {
+                continue;
+            }
+            let steps_r = u64::from(steps).min(r.remaining(ctx) - 1);
+            need += self
+                .pool
+                .pages_needed(*id, steps_r + 1)
+                .expect("running request has a page table");
+            n_kv += r.kv_len + steps_r + 1;
+            batch.push((*id, steps_r as u32));
+        }
+        (need, n_kv)
     }
 
     fn schedule_prefill(&mut self) -> Option<Plan> {
@@ -221,6 +253,7 @@ impl Scheduler {
             ids,
             steps: 0,
             from_policy: false,
+            context: 0,
             steps_r: Vec::new(),
             done: done_v.iter().map(|&d| d == 1).collect(),
             sample: sample_v.iter().map(|&s| s == 1).collect(),
@@ -247,32 +280,28 @@ impl Scheduler {
     }
 
     fn schedule_decode(&mut self) -> Option<Plan> {
-        let ctx = u64::from(self.config.context_length);
         let page_size = u64::from(self.config.page_size);
         // (id, steps_r) of the running requests in admission order, for the chosen steps.
         let mut batch: Vec<(u64, u32)> = Vec::with_capacity(self.num_running);
-        let (steps, graph_bs, n_kv) = loop {
+        // Capacity first: the decided steps, else fewer (the slot's lower candidates), else
+        // preempt the most recently admitted request and decide again for the smaller batch.
+        let (steps, graph_bs, n_kv, context) = 'fit: loop {
             if self.num_running == 0 {
                 return None;
             }
-            let (steps, graph_bs) = self.decide(self.num_running);
-            batch.clear();
-            let (mut need, mut n_kv) = (0u64, 0u64);
-            for id in &self.admitted {
-                let r = &self.requests[id];
-                if r.state != RequestState::Running {
-                    continue;
+            let context: u64 = self
+                .admitted
+                .iter()
+                .map(|id| &self.requests[id])
+                .filter(|r| r.state == RequestState::Running)
+                .map(|r| r.kv_len)
+                .sum();
+            let (decided, graph_bs, lower) = self.decide(self.num_running, context);
+            for steps in std::iter::once(decided).chain(lower) {
+                let (need, n_kv) = self.decode_batch(steps, &mut batch);
+                if need <= u64::from(self.pool.num_free_pages()) {
+                    break 'fit (steps, graph_bs, n_kv, context);
                 }
-                let steps_r = u64::from(steps).min(r.remaining(ctx) - 1);
-                need += self
-                    .pool
-                    .pages_needed(*id, steps_r + 1)
-                    .expect("running request has a page table");
-                n_kv += r.kv_len + steps_r + 1;
-                batch.push((*id, steps_r as u32));
-            }
-            if need <= u64::from(self.pool.num_free_pages()) {
-                break (steps, graph_bs, n_kv);
             }
             self.preempt_last();
         };
@@ -311,6 +340,7 @@ impl Scheduler {
             ids: batch.iter().map(|&(id, _)| id).collect(),
             steps,
             from_policy: self.fixed_steps.is_none(),
+            context,
             steps_r: batch.iter().map(|&(_, s)| s).collect(),
             done: Vec::new(),
             sample: Vec::new(),

@@ -1,0 +1,297 @@
+//! The online cost model of the `goodput` strategy: the wall time of one decode iteration as a
+//! function of batch size `b` (the padded CUDA-graph size where a graph replays), steps `k`, the
+//! batch's context tokens `C` and the drafter's catch-up tokens after a steps-0 stretch.
+//!
+//! Two layers, both learned from measured iterations only (no startup profiling needed):
+//!
+//! 1. A *plane*, the structure every device shares to first order: `t = t0 + t1 k + (t2 + t3 k) b
+//!    + (t4 + t5 k) C + t6 catch_up` (fixed cost per forward, per draft step, per request and per
+//!    context token, each with a per-draft-step part). It is an exponentially weighted ridge
+//!    least-squares fit over every observation, pulled toward a prior in which each draft step
+//!    adds `PRIOR_STEP_SHARE` of the iteration (a memory-bound accelerator's shape), scaled by the
+//!    first measurement. On a CPU the plane alone is close; on an accelerator the roofline's knee
+//!    bends it.
+//! 2. *Cells* `(bucket of b, k)`: per cell the weighted mean of the measured seconds and of its
+//!    features. A cell's residual (its mean minus the plane at its mean features) corrects the
+//!    plane there; a cell not measured yet borrows the residuals of measured neighbours (nearby
+//!    buckets and steps), so the knee learned at one batch size carries to the next. A cell's own
+//!    residual takes over as it is measured (shrinkage with one pseudo-observation).
+//!
+//! Measurements more than `OUTLIER` times away from a well-measured cell's mean are clipped, so a
+//! stall of the machine does not poison a cell.
+
+use std::collections::BTreeMap;
+
+/// Features: 1, k, b, k b, C, k C, catch-up tokens (normalised to order 1).
+const F: usize = 7;
+const K_SCALE: f64 = 8.0;
+const B_SCALE: f64 = 64.0;
+const C_SCALE: f64 = 1_048_576.0;
+const CATCH_SCALE: f64 = 4096.0;
+/// Prior: each draft step adds this share of a plain decode iteration.
+pub const PRIOR_STEP_SHARE: f64 = 0.1;
+/// Ridge weight of the prior (features are order 1): enough to hold directions the data has not
+/// excited yet at the prior, small enough that a few measurements override it.
+const RIDGE: f64 = 1e-3;
+const OUTLIER: f64 = 3.0;
+
+/// Batch-size buckets without CUDA graphs: powers of two and 1.5x between them.
+pub fn bucket_of(b: u32) -> u32 {
+    if b <= 2 {
+        return b.max(1);
+    }
+    let p = 31 - b.leading_zeros(); // 2^p <= b < 2^(p+1)
+    let lo = 1u32 << p;
+    let mid = lo + lo / 2;
+    if b >= mid {
+        mid
+    } else {
+        lo
+    }
+}
+
+fn features(b: f64, k: u32, ctx: f64, catch_up: f64) -> [f64; F] {
+    let k = f64::from(k) / K_SCALE;
+    let b = b / B_SCALE;
+    let c = ctx / C_SCALE;
+    [1.0, k, b, k * b, c, k * c, catch_up / CATCH_SCALE]
+}
+
+#[derive(Debug, Clone, PartialEq, Default)]
+struct Cell {
+    /// Decayed weight (saturates at the window).
+    w: f64,
+    mean_t: f64,
+    mean_b: f64,
+    mean_c: f64,
+    mean_catch: f64,
+    /// Measurements ever taken.
+    count: u64,
+}
+
+/// The cost model (see the module docs). Units: seconds, tokens, requests.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CostModel {
+    cells: BTreeMap<(u32, u32), Cell>,
+    cell_decay: f64,
+    xtx: [[f64; F]; F],
+    xty: [f64; F],
+    plane_decay: f64,
+    prior: [f64; F],
+    theta: [f64; F],
+    observations: u64,
+}
+
+impl CostModel {
+    /// A model whose cells average over about `window` measurements each (the plane over
+    /// `4 * window`).
+    pub fn new(window: u32) -> Self {
+        let w = f64::from(window.max(1));
+        let mut prior = [0.0; F];
+        prior[0] = 1.0;
+        prior[1] = PRIOR_STEP_SHARE * K_SCALE;
+        CostModel {
+            cells: BTreeMap::new(),
+            cell_decay: 1.0 - 1.0 / w,
+            xtx: [[0.0; F]; F],
+            xty: [0.0; F],
+            plane_decay: 1.0 - 1.0 / (4.0 * w),
+            prior,
+            theta: prior,
+            observations: 0,
+        }
+    }
+
+    /// Measurements taken so far.
+    pub fn observations(&self) -> u64 {
+        self.observations
+    }
+
+    /// Measurements of cell `(bucket, k)` so far.
+    pub fn cell_count(&self, bucket: u32, k: u32) -> u64 {
+        self.cells.get(&(bucket, k)).map_or(0, |c| c.count)
+    }
+
+    /// Records one iteration of `seconds` (finite, > 0; checked by the caller) at bucket `bucket`
+    /// with `b` requests (padded), `k` steps, `ctx` context tokens and `catch_up` tokens the
+    /// drafter caught up on before drafting.
+    pub fn observe(&mut self, bucket: u32, b: u32, k: u32, ctx: f64, catch_up: f64, seconds: f64) {
+        if self.observations == 0 {
+            // Scale the prior to the device: the first measurement fixes the unit.
+            let unit = seconds / (1.0 + PRIOR_STEP_SHARE * f64::from(k));
+            for p in &mut self.prior {
+                *p *= unit;
+            }
+            self.theta = self.prior;
+        }
+        let cell = self.cells.entry((bucket, k)).or_default();
+        let t = if cell.count >= 3 {
+            seconds.clamp(cell.mean_t / OUTLIER, cell.mean_t * OUTLIER)
+        } else {
+            seconds
+        };
+        cell.w = cell.w * self.cell_decay + 1.0;
+        let a = 1.0 / cell.w;
+        let b = f64::from(b);
+        cell.mean_t += a * (t - cell.mean_t);
+        cell.mean_b += a * (b - cell.mean_b);
+        cell.mean_c += a * (ctx - cell.mean_c);
+        cell.mean_catch += a * (catch_up - cell.mean_catch);
+        cell.count += 1;
+        let x = features(b, k, ctx, catch_up);
+        for i in 0..F {
+            self.xty[i] = self.xty[i] * self.plane_decay + x[i] * t;
+            for j in 0..F {
+                self.xtx[i][j] = self.xtx[i][j] * self.plane_decay + x[i] * x[j];
+            }
+        }
+        self.observations += 1;
+        self.theta = self.solve();
+    }
+
+    /// Ridge solution `(X'X + RIDGE I) theta = X'y + RIDGE prior` by Cholesky.
+    fn solve(&self) -> [f64; F] {
+        let mut a = self.xtx;
+        let mut y = self.xty;
+        for i in 0..F {
+            a[i][i] += RIDGE;
+            y[i] += RIDGE * self.prior[i];
+        }
+        // In-place Cholesky: a = L L'.
+        for j in 0..F {
+            let mut d = a[j][j];
+            for k in 0..j {
+                d -= a[j][k] * a[j][k];
+            }
+            if d <= 1e-12 {
+                return self.prior;
+            }
+            let d = d.sqrt();
+            a[j][j] = d;
+            for i in j + 1..F {
+                let mut s = a[i][j];
+                for k in 0..j {
+                    s -= a[i][k] * a[j][k];
+                }
+                a[i][j] = s / d;
+            }
+        }
+        for i in 0..F {
+            let mut s = y[i];
+            for k in 0..i {
+                s -= a[i][k] * y[k];
+            }
+            y[i] = s / a[i][i];
+        }
+        for i in (0..F).rev() {
+            let mut s = y[i];
+            for k in i + 1..F {
+                s -= a[k][i] * y[k];
+            }
+            y[i] = s / a[i][i];
+        }
+        y
+    }
+
+    fn plane(&self, b: f64, k: u32, ctx: f64, catch_up: f64) -> f64 {
+        let x = features(b, k, ctx, catch_up);
+        x.iter().zip(&self.theta).map(|(x, t)| x * t).sum()
+    }
+
+    fn residual(&self, cell: &Cell, k: u32) -> f64 {
+        cell.mean_t - self.plane(cell.mean_b, k, cell.mean_c, cell.mean_catch)
+    }
+
+    /// Residual borrowed from measured cells near `(bucket, k)`: weights fall by `e^-1.5` per
+    /// doubling of the bucket and per two steps.
+    fn neighbour_residual(&self, bucket: u32, k: u32) -> f64 {
+        let (mut num, mut den) = (0.0, 0.0);
+        let lb = f64::from(bucket).log2();
+        for (&(cb, ck), cell) in &self.cells {
+            let d = (f64::from(cb).log2() - lb).abs() + 0.5 * (f64::from(ck) - f64::from(k)).abs();
+            if d > 4.0 || (cb, ck) == (bucket, k) {
+                continue;
+            }
+            let w = (-1.5 * d).exp() * cell.w / (cell.w + 1.0);
+            num += w * self.residual(cell, ck);
+            den += w;
+        }
+        if den > 0.0 {
+            num / den
+        } else {
+            0.0
+        }
+    }
+
+    /// Predicted seconds of one iteration (always > 0).
+    pub fn predict(&self, bucket: u32, b: u32, k: u32, ctx: f64, catch_up: f64) -> f64 {
+        let base = self.plane(f64::from(b), k, ctx, catch_up);
+        let nb = self.neighbour_residual(bucket, k);
+        let resid = match self.cells.get(&(bucket, k)) {
+            Some(c) => {
+                let own = c.w / (c.w + 1.0);
+                own * self.residual(c, k) + (1.0 - own) * nb
+            }
+            None => nb,
+        };
+        let floor = 1e-3 * self.prior[0].abs().max(1e-12);
+        (base + resid).max(floor)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets() {
+        let got: Vec<u32> = [1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 17, 24, 33, 48, 63, 64, 100, 200, 256].iter().map(|&b| bucket_of(b)).collect();
+        assert_eq!(got, vec![1, 2, 3, 4, 4, 6, 6, 8, 8, 12, 16, 24, 32, 48, 48, 64, 96, 192, 256]);
+    }
+
+    #[test]
+    fn learns_a_linear_device_and_extrapolates_unmeasured_cells() {
+        // t = 2 ms + 0.5 ms per draft step + 0.1 ms per request-token.
+        let truth = |b: u32, k: u32| 0.002 + 0.0005 * f64::from(k) + 1e-4 * f64::from(b * (k + 1));
+        let mut m = CostModel::new(64);
+        for i in 0..400u32 {
+            let b = [4, 16, 40][(i % 3) as usize];
+            let k = [0, 2, 3][(i / 3 % 3) as usize];
+            m.observe(bucket_of(b), b, k, 0.0, 0.0, truth(b, k));
+        }
+        for (b, k) in [(64, 5), (8, 7), (100, 1), (2, 0)] {
+            let p = m.predict(bucket_of(b), b, k, 0.0, 0.0);
+            assert!((p / truth(b, k) - 1.0).abs() < 0.05, "b {b} k {k}: {p} vs {}", truth(b, k));
+        }
+    }
+
+    #[test]
+    fn a_measured_cell_overrides_the_plane_and_informs_its_neighbours() {
+        let mut m = CostModel::new(64);
+        // A knee: k = 0..2 cost 10 ms at bucket 64, k = 3 costs 30 ms.
+        for _ in 0..50 {
+            for k in 0..3 {
+                m.observe(64, 64, k, 0.0, 0.0, 0.010);
+            }
+            m.observe(64, 64, 3, 0.0, 0.0, 0.030);
+        }
+        assert!((m.predict(64, 64, 3, 0.0, 0.0) - 0.030).abs() < 0.002);
+        assert!((m.predict(64, 64, 1, 0.0, 0.0) - 0.010).abs() < 0.002);
+        // Bucket 48 was never measured: it borrows the knee.
+        assert!(m.predict(48, 48, 3, 0.0, 0.0) > 1.8 * m.predict(48, 48, 1, 0.0, 0.0));
+    }
+
+    #[test]
+    fn outliers_are_clipped_and_prior_scales_to_the_first_measurement() {
+        let mut m = CostModel::new(16);
+        m.observe(8, 8, 2, 0.0, 0.0, 0.012);
+        // Before a second measurement, other steps follow the prior shape (+10 % per step).
+        let p4 = m.predict(8, 8, 4, 0.0, 0.0);
+        assert!((p4 / 0.012 - 1.4 / 1.2).abs() < 0.05, "{p4}");
+        for _ in 0..10 {
+            m.observe(8, 8, 2, 0.0, 0.0, 0.012);
+        }
+        m.observe(8, 8, 2, 0.0, 0.0, 10.0); // a 10 s stall
+        assert!(m.predict(8, 8, 2, 0.0, 0.0) < 0.02);
+    }
+}

@@ -1,0 +1,287 @@
+//! The `goodput` strategy: each decode iteration, among the routed slot's candidate steps
+//! (0 included), the steps that maximise expected emitted tokens per second,
+//!
+//! ```text
+//! goodput(k) = b * E(k) / t(b, k, C)
+//! ```
+//!
+//! with `E(k)` the expected acceptance length from per-position conditional acceptance
+//! ([`acceptance`]) and `t` the iteration seconds an online cost model predicts for this batch
+//! size, steps and context ([`cost`]). The rule is SmartSpec's goodput criterion (arXiv 2406.14066)
+//! and SGLang's throughput-aware score (PR #28045), with the costs learned online instead of
+//! profiled at start, a context axis, and steps 0 inside the same decision.
+//!
+//! Keeping the estimates honest:
+//!
+//! - **Switches.** A slot moves from its current steps to the best candidate only when the
+//!   challenger's predicted goodput is `switch_margin` higher and the slot has kept its steps for
+//!   `min_dwell` iterations (no ping-pong between near-ties).
+//! - **Probes.** A cost the model has not measured, or acceptance while drafting is off, can only be
+//!   learned by running it. A slot earns probe credit of `probe_budget` times the seconds of every
+//!   iteration it runs and spends it on one-iteration probes: at steps 0 the smallest positive
+//!   candidate (which measures acceptance, so a change of content is noticed); otherwise the
+//!   candidates next to the current steps, least measured first (which keeps the local cost
+//!   slope measured). Probes therefore take at most `probe_budget` of the decode time, and their
+//!   tokens count like any others.
+//! - **Catch-up.** After a stretch at steps 0 with the drafter's extend skipped, the first drafting
+//!   iteration also runs the drafter over the missed tokens. The cost model learns that cost per
+//!   catch-up token; a switch away from 0 is charged for it, spread over `max(min_dwell, 8)`
+//!   iterations.
+//!
+//! Without measured seconds the cost model keeps its prior shape (each draft step adds 10 % to an
+//! iteration), so the choice then follows acceptance alone against that shape; probes are then
+//! budgeted on predicted seconds.
+
+pub mod acceptance;
+pub mod cost;
+
+use crate::config::GoodputConfig;
+use acceptance::{expected_tokens, AcceptanceModel};
+use cost::CostModel;
+
+/// Per-slot state of the strategy.
+#[derive(Debug, Clone, PartialEq)]
+struct Slot {
+    candidates: Vec<u32>,
+    current: u32,
+    /// Decode iterations since the last switch.
+    since_switch: u64,
+    /// Probe credit, seconds.
+    credit: f64,
+    /// Alternates the neighbour probed when both are equally measured.
+    probe_turn: bool,
+    /// A switch happened since the last report (returned by `observe`).
+    switched: bool,
+    verifies: u64,
+}
+
+/// What the last decision saw, for metrics and logs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecisionView {
+    /// Slot index.
+    pub slot: usize,
+    /// Batch size used for costs (padded to the graph size where one replays).
+    pub batch_size: u32,
+    /// Context tokens of the batch (0 when not given).
+    pub context_tokens: u64,
+    /// `(steps, predicted seconds, expected tokens per request)` per candidate of the slot.
+    pub candidates: Vec<(u32, f64, f64)>,
+    /// The steps returned.
+    pub steps: u32,
+    /// Whether they were a probe.
+    pub probe: bool,
+}
+
+/// The `goodput` strategy's state (see the module docs).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GoodputPolicy {
+    cfg: GoodputConfig,
+    acceptance: AcceptanceModel,
+    cost: CostModel,
+    slots: Vec<Slot>,
+    /// Decode iterations reported.
+    iteration: u64,
+    /// Tokens emitted at steps 0 since the last drafting iteration (what a skipped drafter must
+    /// catch up on).
+    catch_up: u64,
+    probes: u64,
+    switches: u64,
+    last: Option<DecisionView>,
+}
+
+impl GoodputPolicy {
+    /// One slot per candidate list; every slot starts at `initial_steps` if it is a candidate,
+    /// else at its middle candidate.
+    pub fn new(cfg: GoodputConfig, initial_steps: u32, candidates: Vec<Vec<u32>>) -> Self {
+        let max_steps = candidates.iter().flatten().copied().max().unwrap_or(0);
+        let slots = candidates
+            .into_iter()
+            .map(|c| {
+                let current = if c.contains(&initial_steps) { initial_steps } else { c[c.len() / 2] };
+                Slot {
+                    candidates: c,
+                    current,
+                    since_switch: u64::MAX / 2,
+                    credit: 0.0,
+                    probe_turn: false,
+                    switched: false,
+                    verifies: 0,
+                }
+            })
+            .collect();
+        GoodputPolicy {
+            acceptance: AcceptanceModel::new(max_steps.max(1), cfg.acceptance_window),
+            cost: CostModel::new(cfg.cost_window),
+            cfg,
+            slots,
+            iteration: 0,
+            catch_up: 0,
+            probes: 0,
+            switches: 0,
+            last: None,
+        }
+    }
+
+    /// Steps slot `slot` runs now (a pure read).
+    pub fn current_steps(&self, slot: usize) -> u32 {
+        self.slots[slot].current
+    }
+
+    /// Verifies reported to slot `slot`.
+    pub fn verify_count(&self, slot: usize) -> u64 {
+        self.slots[slot].verifies
+    }
+
+    /// Probes run so far.
+    pub fn probes(&self) -> u64 {
+        self.probes
+    }
+
+    /// Switches of a slot's steps so far (probes excluded).
+    pub fn switches(&self) -> u64 {
+        self.switches
+    }
+
+    /// The last decision's view (None before the first).
+    pub fn last_decision(&self) -> Option<&DecisionView> {
+        self.last.as_ref()
+    }
+
+    /// Conditional acceptance per draft position `1..=max candidate` now.
+    pub fn acceptance_rates(&self) -> Vec<f64> {
+        self.acceptance.clone().rates(self.iteration)
+    }
+
+    /// Expected accepted drafts per request at `steps` now (`E(steps) - 1`).
+    pub fn expected_accepted(&self, steps: u32) -> f64 {
+        expected_tokens(&self.acceptance_rates(), steps) - 1.0
+    }
+
+    /// Predicted seconds of an iteration at `(b, steps, context)` (no catch-up).
+    pub fn predict_seconds(&self, bucket: u32, b: u32, steps: u32, context_tokens: u64) -> f64 {
+        self.cost.predict(bucket, b, steps, context_tokens as f64, 0.0)
+    }
+
+    /// The decision for slot `slot` with `b` requests (`b_cost` after graph padding, bucketed as
+    /// `bucket`) and `context_tokens` tokens of context.
+    pub fn decide(&mut self, slot: usize, bucket: u32, b: u32, b_cost: u32, context_tokens: u64) -> u32 {
+        let alpha = self.acceptance.rates(self.iteration);
+        let ctx = context_tokens as f64;
+        let catch = self.catch_up as f64;
+        let horizon = f64::from(self.cfg.min_dwell.max(8));
+        let cost = &self.cost;
+        let s = &self.slots[slot];
+        let rows: Vec<(u32, f64, f64, f64)> = s
+            .candidates
+            .iter()
+            .map(|&k| {
+                let e = expected_tokens(&alpha, k);
+                let t = cost.predict(bucket, b_cost, k, ctx, 0.0);
+                // A switch from 0 to drafting pays the catch-up once, spread over the horizon.
+                let extra = if k > 0 && s.current == 0 && catch > 0.0 {
+                    (cost.predict(bucket, b_cost, k, ctx, catch) - t).max(0.0) / horizon
+                } else {
+                    0.0
+                };
+                (k, t, e, f64::from(b) * e / (t + extra))
+            })
+            .collect();
+        let score = |k: u32| rows.iter().find(|r| r.0 == k).map_or(0.0, |r| r.3);
+        let best = rows.iter().fold(rows[0], |a, r| if r.3 > a.3 { *r } else { a });
+        let margin = self.cfg.switch_margin;
+        let dwell = u64::from(self.cfg.min_dwell);
+        let s = &mut self.slots[slot];
+        if best.0 != s.current && best.3 > score(s.current) * (1.0 + margin) && s.since_switch >= dwell {
+            s.current = best.0;
+            s.since_switch = 0;
+            s.switched = true;
+            self.switches += 1;
+        }
+        let mut steps = s.current;
+        let mut probe = false;
+        if let Some(target) = Self::probe_target(s, cost, bucket) {
+            let t = rows.iter().find(|r| r.0 == target).map_or(0.0, |r| r.1);
+            if self.cfg.probe_budget > 0.0 && s.credit >= t {
+                s.credit -= t;
+                s.probe_turn = !s.probe_turn;
+                steps = target;
+                probe = true;
+                self.probes += 1;
+            }
+        }
+        self.last = Some(DecisionView {
+            slot,
+            batch_size: b_cost,
+            context_tokens,
+            candidates: rows.iter().map(|r| (r.0, r.1, r.2)).collect(),
+            steps,
+            probe,
+        });
+        steps
+    }
+
+    /// The candidate a probe would run now, if any: at steps 0 the smallest positive candidate;
+    /// otherwise the neighbour (next lower or higher candidate) measured least at this bucket,
+    /// alternating on ties.
+    fn probe_target(s: &Slot, cost: &CostModel, bucket: u32) -> Option<u32> {
+        let c = &s.candidates;
+        let i = c.iter().position(|&k| k == s.current)?;
+        if s.current == 0 {
+            return c.get(i + 1).copied();
+        }
+        let lower = i.checked_sub(1).map(|j| c[j]);
+        let upper = c.get(i + 1).copied();
+        match (lower, upper) {
+            (Some(l), Some(u)) => {
+                let (nl, nu) = (cost.cell_count(bucket, l), cost.cell_count(bucket, u));
+                Some(if nl < nu || (nl == nu && s.probe_turn) { l } else { u })
+            }
+            (l, u) => l.or(u),
+        }
+    }
+
+    /// Feeds one measurement of a startup sweep to the cost model (not a decode iteration:
+    /// acceptance, probe credit and slots are untouched).
+    pub fn seed_cost(&mut self, bucket: u32, b: u32, steps: u32, seconds: f64, context_tokens: u64) {
+        self.cost.observe(bucket, b, steps, context_tokens as f64, 0.0, seconds);
+    }
+
+    /// Records one decode iteration of slot `slot` at `steps` (validated by the caller):
+    /// accepted drafts of the requests that ran the full `steps`, measured `seconds` if any.
+    /// Returns the slot's new current steps if a switch happened since the last report.
+    #[allow(clippy::too_many_arguments)]
+    pub fn observe(
+        &mut self,
+        slot: usize,
+        bucket: u32,
+        b: u32,
+        b_cost: u32,
+        steps: u32,
+        accepted: &[i64],
+        seconds: Option<f64>,
+        context_tokens: u64,
+    ) -> Option<u32> {
+        self.iteration += 1;
+        if steps > 0 {
+            self.acceptance.observe(self.iteration, steps, accepted);
+        }
+        let catch = if steps > 0 { std::mem::take(&mut self.catch_up) } else { 0 };
+        let spent = match seconds {
+            Some(t) => {
+                self.cost.observe(bucket, b_cost, steps, context_tokens as f64, catch as f64, t);
+                t
+            }
+            None => self.cost.predict(bucket, b_cost, steps, context_tokens as f64, catch as f64),
+        };
+        if steps == 0 {
+            self.catch_up += u64::from(b);
+        }
+        let s = &mut self.slots[slot];
+        s.verifies += 1;
+        s.since_switch = s.since_switch.saturating_add(1);
+        // Credit is capped at a few iterations' worth, so a long quiet stretch does not buy a
+        // burst of probes.
+        s.credit = (s.credit + self.cfg.probe_budget * spent).min(4.0 * spent);
+        std::mem::take(&mut s.switched).then_some(s.current)
+    }
+}
