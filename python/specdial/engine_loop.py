@@ -9,7 +9,9 @@ through :meth:`EngineLoop.post` (a FIFO inbox) and get their results through eac
    :class:`~specdial.engine_api.RequestError` / :class:`~specdial.engine_api.QueueFullError`),
    aborts, cancellations of streams, shutdown; it blocks there while nothing is live;
 2. runs one iteration: ``plan = schedule()`` -> ``worker.prefill/decode(plan)`` ->
-   ``report(...)``; preempted requests lose their worker rows first;
+   ``report(...)``; preempted requests lose their worker rows first; a decode iteration is timed
+   from just before ``schedule()`` to just after the passes return (the worker's one host sync)
+   and reported as ``seconds``, which the adaptive policy's cost model learns from;
 3. post-processes the report: appends tokens, detokenizes, matches stop strings (finishing the
    request through ``finish_request``), frees the worker rows of finished requests, appends the
    per-verify trace (``record_trace``), refreshes the :class:`EngineStats` snapshot, logs every
@@ -234,6 +236,7 @@ class EngineLoop:
             sched, i = self.steps_schedule, self._decode_iters
             k = sched(i, self.sched.num_running) if callable(sched) else sched[i % len(sched)]
             self.sched.set_fixed_steps(int(k))
+        started = time.perf_counter()  # a decode iteration's seconds: schedule -> passes done
         plan = self.sched.schedule()
         if plan is None:  # live requests but nothing to run now (not expected)
             logger.warning("nothing schedulable with %d live requests", len(self.live))
@@ -252,7 +255,8 @@ class EngineLoop:
                 res = self.sched.report(out.tokens, out.offsets)
             else:
                 out = self.worker.decode(plan, self._sampling_for(rids), self.generator)
-                res = self.sched.report(out.tokens, out.offsets, out.accepted)
+                seconds = time.perf_counter() - started
+                res = self.sched.report(out.tokens, out.offsets, out.accepted, seconds=seconds)
                 self._decode_iters += 1
         except Exception as e:  # noqa: BLE001 - fail these requests, keep serving
             logger.exception("a %s iteration failed; aborting its %d requests", plan.kind,

@@ -89,10 +89,17 @@ impl PyAdaptiveConfig {
         guard(|| CoreConfig::from_value(&to_value(d)).map(|inner| Self { inner }).map_err(config_err))
     }
 
-    /// The built-in default: slot 1 [1,3,5,7] (down -0.25), 8 [0,1,3], 32 [0,1], 64 [0].
+    /// specdial's default: the `goodput` strategy over slot 1 `0..=7`, slot 64 `0..=4`, slot 256
+    /// `0..=3` (the candidates bound which CUDA graphs exist; goodput picks among them).
     #[staticmethod]
     fn default() -> Self {
         Self { inner: CoreConfig::default_config() }
+    }
+
+    /// SGLang's default EMA config: slot 1 [1,3,5,7] (down -0.25), 8 [0,1,3], 32 [0,1], 64 [0].
+    #[staticmethod]
+    fn ema_default() -> Self {
+        Self { inner: CoreConfig::ema_default() }
     }
 
     /// Canonical JSON: `strategy` plus one fully merged object per slot.
@@ -100,12 +107,24 @@ impl PyAdaptiveConfig {
         self.inner.to_json()
     }
 
-    /// Strategy name (`"ema"`).
+    /// Strategy name: `"ema"`, `"goodput"` or `"throughput_aware"`.
     #[getter]
     fn strategy(&self) -> &'static str {
-        match self.inner.strategy {
-            specdial_core::Strategy::Ema => "ema",
-        }
+        self.inner.strategy.name()
+    }
+
+    /// The startup profiling run this config asks for, as a dict of SGLang's `profile_run_*`
+    /// keys (`throughput_aware` always; `goodput` when a `profile_run_*` key was given), else None.
+    #[getter]
+    fn profile<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(p) = self.inner.profile() else { return Ok(None) };
+        let d = PyDict::new(py);
+        d.set_item("profile_run_batch_sizes", p.profile_run_batch_sizes.clone())?;
+        d.set_item("max_profile_run_batch_size", p.max_profile_run_batch_size)?;
+        d.set_item("profile_run_n_warmup", p.profile_run_n_warmup)?;
+        d.set_item("profile_run_n_measure", p.profile_run_n_measure)?;
+        d.set_item("profile_run_seq_len", p.profile_run_seq_len)?;
+        Ok(Some(d))
     }
 
     /// Batch-size lower bounds of the slots, ascending.

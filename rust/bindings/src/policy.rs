@@ -7,8 +7,9 @@
 use pyo3::buffer::{Element, PyBuffer};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
-use specdial_core::{AdaptiveSpeculativeParams, AdaptiveStepSlot, PolicyError, StepDecision};
+use specdial_core::{AdaptiveSpeculativeParams, AdaptiveStepSlot, Observation, PolicyError, StepDecision};
 
 use crate::config::{config_arg, config_err, slot_config_arg, PyAdaptiveConfig};
 use crate::guard;
@@ -193,15 +194,32 @@ impl PyAdaptiveSpeculativeParams {
         guard(|| self.inner.set_cuda_graph_bs(sizes.as_deref()).map_err(policy_err))
     }
 
-    /// Steps for a batch of `batch_size` requests (>= 1, else ValueError).
+    /// Steps the slot of a batch of `batch_size` requests (>= 1, else ValueError) runs now. A
+    /// pure read: nothing is recorded.
     fn get_steps_for_batch(&self, batch_size: i64) -> PyResult<u32> {
         guard(|| self.inner.get_steps_for_batch(batch_size).map_err(policy_err))
     }
 
-    /// Feeds one verify's accepted drafts per request (bonus excluded) to the slot of
-    /// `batch_size`. Returns that slot's new steps if they changed, else None. Raises ValueError.
-    fn on_verify_complete(&mut self, accepted: &Bound<'_, PyAny>, batch_size: i64) -> PyResult<Option<u32>> {
-        guard(|| with_accepted(accepted, |it| self.inner.on_verify_complete(it, batch_size))?.map_err(policy_err))
+    /// Reports one verify to the slot of `batch_size`: `accepted` drafts per request (bonus
+    /// excluded; a list or a 1-D integer array), each in `0..=steps` where `steps` is the keyword
+    /// if given, else the slot's pending decision (the last `decide`), else its current steps.
+    /// `seconds`: the decode iteration's wall time (a float > 0); `context_tokens`: the batch's KV
+    /// tokens before it. `ema` ignores both; `goodput` learns its cost model from them (without
+    /// seconds it keeps its prior cost shape, +10 % per draft step). Returns the slot's new steps
+    /// if they changed, else None. Raises ValueError naming the bad argument (nothing changes).
+    #[pyo3(signature = (accepted, batch_size, *, seconds=None, context_tokens=None, steps=None))]
+    fn on_verify_complete(
+        &mut self,
+        accepted: &Bound<'_, PyAny>,
+        batch_size: i64,
+        seconds: Option<&Bound<'_, PyAny>>,
+        context_tokens: Option<i64>,
+        steps: Option<i64>,
+    ) -> PyResult<Option<u32>> {
+        guard(|| {
+            let obs = observation(seconds, context_tokens, steps)?;
+            with_accepted(accepted, |it| self.inner.on_verify_complete_with(it, batch_size, obs))?.map_err(policy_err)
+        })
     }
 
     /// Graph batch sizes whose slot can choose `steps` (capture only those), or None if unset.
@@ -209,19 +227,127 @@ impl PyAdaptiveSpeculativeParams {
         self.inner.cuda_graph_bs_for_step(steps)
     }
 
-    /// The decision for one decode iteration at `batch_size` (>= 1, else ValueError).
-    fn decide(&self, batch_size: i64) -> PyResult<PyStepDecision> {
-        guard(|| self.inner.decide(batch_size).map(|inner| PyStepDecision { inner }).map_err(policy_err))
+    /// The decision for the next decode iteration at `batch_size` (>= 1, else ValueError) with
+    /// `context_tokens` tokens of context (the sum of the batch's KV lengths before it; None:
+    /// unknown). Records its steps as the slot's pending decision (a repeated `decide` before the
+    /// report replaces it).
+    #[pyo3(signature = (batch_size, context_tokens=None))]
+    fn decide(&mut self, batch_size: i64, context_tokens: Option<i64>) -> PyResult<PyStepDecision> {
+        guard(|| {
+            let ctx = non_negative("context_tokens", context_tokens)?;
+            self.inner.decide(batch_size, ctx).map(|inner| PyStepDecision { inner }).map_err(policy_err)
+        })
     }
 
     /// Per-slot state, ascending by lower bound: a list of
-    /// `(lower_bound, current_steps, ema_accept_len, verify_count)`.
+    /// `(lower_bound, current_steps, accepted_estimate, verify_count)`; `accepted_estimate` is the
+    /// EMA of accepted drafts under `ema` (SGLang's `ema_accept_len`), the expected accepted drafts
+    /// at the current steps under the other strategies.
     fn slot_states(&self) -> Vec<(u32, u32, f64, u64)> {
         self.inner
-            .slots()
-            .map(|(b, s)| (b, s.current_steps(), s.ema_accept_len(), s.verify_count()))
+            .slot_states()
+            .into_iter()
+            .map(|s| (s.lower_bound, s.current_steps, s.accepted_estimate, s.verify_count))
             .collect()
     }
+
+    /// Steps switches so far (`goodput`, `throughput_aware`; 0 under `ema`, whose switches are the
+    /// non-None returns of `on_verify_complete`). `goodput` probes are not switches.
+    #[getter]
+    fn switches(&self) -> u64 {
+        self.inner.switches()
+    }
+
+    /// The `goodput` strategy's state, or None under another strategy: a dict with
+    /// `acceptance` (conditional acceptance per draft position), `probes`, `switches`, and
+    /// `last_decision` (None before the first: `slot`, `batch_size`, `context_tokens`, `steps`,
+    /// `probe`, `predicted_seconds` {steps: seconds}, `expected_tokens` {steps: tokens per
+    /// request}).
+    fn goodput_state<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        guard(|| self.inner.goodput().map(|g| goodput_dict(py, g)).transpose())
+    }
+
+    /// Feeds one profiled measurement: under `throughput_aware` a cost-table entry (SGLang's
+    /// startup profiling), under `goodput` a seed of its cost model; ignored under `ema`.
+    /// `seconds` > 0 (per decode iteration), `batch_size` >= 1. Raises ValueError.
+    #[pyo3(signature = (batch_size, steps, seconds, context_tokens=0))]
+    fn set_profiled_cost(&mut self, batch_size: u32, steps: u32, seconds: f64, context_tokens: u64) -> PyResult<()> {
+        guard(|| self.inner.set_profiled_cost(batch_size, steps, seconds, context_tokens).map_err(policy_err))
+    }
+
+    /// The `throughput_aware` cost table as `[(batch_size, steps, seconds)]` (empty otherwise).
+    fn cost_table(&self) -> Vec<(u32, u32, f64)> {
+        self.inner.throughput_aware().map(|t| t.cost_table()).unwrap_or_default()
+    }
+}
+
+/// `None` or an int >= 0, as u64; ValueError naming `name` otherwise.
+pub(crate) fn non_negative(name: &str, v: Option<i64>) -> PyResult<Option<u64>> {
+    match v {
+        None => Ok(None),
+        Some(x) if x >= 0 => Ok(Some(x as u64)),
+        Some(x) => Err(PyValueError::new_err(format!("{name} must be an int >= 0 (tokens), got {x}"))),
+    }
+}
+
+/// The keyword arguments of a report as an [`Observation`]; ValueError naming a bad one.
+pub(crate) fn observation(
+    seconds: Option<&Bound<'_, PyAny>>,
+    context_tokens: Option<i64>,
+    steps: Option<i64>,
+) -> PyResult<Observation> {
+    let seconds = match seconds {
+        None => None,
+        Some(s) if s.is_none() => None,
+        Some(s) => {
+            let is_bool = s.is_instance_of::<pyo3::types::PyBool>();
+            let t: Option<f64> = if is_bool { None } else { s.extract::<f64>().ok() };
+            match t {
+                Some(t) if t.is_finite() && t > 0.0 => Some(t),
+                _ => {
+                    return Err(PyValueError::new_err(format!(
+                        "seconds must be a finite float > 0 (the decode iteration's wall time), got {}",
+                        s.repr().map(|r| r.to_string()).unwrap_or_default()
+                    )))
+                }
+            }
+        }
+    };
+    let steps = match steps {
+        None => None,
+        Some(k) if (0..=i64::from(specdial_core::config::MAX_CANDIDATE_STEPS)).contains(&k) => Some(k as u32),
+        Some(k) => return Err(PyValueError::new_err(format!("steps must be an int in 0..=32, got {k}"))),
+    };
+    Ok(Observation { seconds, context_tokens: non_negative("context_tokens", context_tokens)?, steps })
+}
+
+/// The `goodput_state` dict (see `AdaptiveSpeculativeParams.goodput_state`).
+pub(crate) fn goodput_dict<'py>(py: Python<'py>, g: &specdial_core::goodput::GoodputPolicy) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("acceptance", g.acceptance_rates())?;
+    d.set_item("probes", g.probes())?;
+    d.set_item("switches", g.switches())?;
+    match g.last_decision() {
+        None => d.set_item("last_decision", py.None())?,
+        Some(v) => {
+            let last = PyDict::new(py);
+            last.set_item("slot", v.slot)?;
+            last.set_item("batch_size", v.batch_size)?;
+            last.set_item("context_tokens", v.context_tokens)?;
+            last.set_item("steps", v.steps)?;
+            last.set_item("probe", v.probe)?;
+            let secs = PyDict::new(py);
+            let toks = PyDict::new(py);
+            for &(k, t, e) in &v.candidates {
+                secs.set_item(k, t)?;
+                toks.set_item(k, e)?;
+            }
+            last.set_item("predicted_seconds", secs)?;
+            last.set_item("expected_tokens", toks)?;
+            d.set_item("last_decision", last)?;
+        }
+    }
+    Ok(d)
 }
 
 /// Raises ConfigError when `steps` is a candidate of no slot of `config` (an AdaptiveConfig, a

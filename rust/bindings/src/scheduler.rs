@@ -769,18 +769,23 @@ impl PyScheduler {
     /// Decode: ``accepted[b] + 1`` tokens (accepted drafts, then the bonus token),
     /// ``accepted[b] <= steps_per_request[b]``. ``accepted`` (decode only, optional): accepted
     /// drafts per request, checked against ``offsets``. Arrays: 1-D integer buffers (numpy) or
-    /// lists. Results for requests aborted meanwhile are ignored. Raises SchedulerError with no
-    /// plan in flight, ValueError naming tokens / offsets / accepted when they do not match the
-    /// plan (which then stays in flight, unchanged).
-    #[pyo3(signature = (tokens, offsets, accepted=None))]
+    /// lists. ``seconds`` (decode plans only, optional): the iteration's wall time, a float > 0,
+    /// from just before ``schedule()`` to just after the passes returned; the adaptive policy
+    /// learns its cost model from it (``goodput``). Results for requests aborted meanwhile are
+    /// ignored. Raises SchedulerError with no plan in flight, ValueError naming tokens / offsets
+    /// / accepted / seconds when they do not match the plan (which then stays in flight,
+    /// unchanged).
+    #[pyo3(signature = (tokens, offsets, accepted=None, *, seconds=None))]
     fn report(
         &mut self,
         py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
         offsets: &Bound<'_, PyAny>,
         accepted: Option<&Bound<'_, PyAny>>,
+        seconds: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyReportResult> {
         guard(|| {
+            let seconds = crate::policy::observation(seconds, None, None)?.seconds;
             let tokens = int_array(tokens, "tokens")?;
             let offsets = int_array(offsets, "offsets")?;
             let accepted = match accepted {
@@ -789,7 +794,7 @@ impl PyScheduler {
             };
             let out = self
                 .inner
-                .report(&tokens, &offsets, accepted.as_deref())
+                .report_timed(&tokens, &offsets, accepted.as_deref(), seconds)
                 .map_err(core_err)?;
             PyReportResult::new(py, out)
         })
@@ -868,10 +873,64 @@ impl PyScheduler {
         self.inner.stats().into()
     }
 
-    /// Per adaptive slot, ascending: ``(lower_bound, current_steps, ema_accept_len,
-    /// verify_count)``. Empty without an adaptive policy.
+    /// Per adaptive slot, ascending: ``(lower_bound, current_steps, accepted_estimate,
+    /// verify_count)`` (``accepted_estimate``: the EMA of accepted drafts under ``ema``, the
+    /// expected accepted drafts at the current steps otherwise). Empty without an adaptive policy.
     fn slot_states(&self) -> Vec<(u32, u32, f64, u64)> {
         self.inner.slot_states()
+    }
+
+    /// The adaptive policy's strategy name (``"ema"``, ``"goodput"``, ``"throughput_aware"``),
+    /// or None without a policy.
+    #[getter]
+    fn policy_strategy(&self) -> Option<&'static str> {
+        self.inner.policy().map(|p| p.config().strategy.name())
+    }
+
+    /// The ``goodput`` strategy's state (``AdaptiveSpeculativeParams.goodput_state``), or None.
+    fn goodput_state<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        guard(|| {
+            self.inner
+                .policy()
+                .and_then(|p| p.goodput())
+                .map(|g| crate::policy::goodput_dict(py, g))
+                .transpose()
+        })
+    }
+
+    /// Predicted seconds of one decode iteration per candidate steps value of the slot serving a
+    /// batch of ``batch_size`` requests with ``context_tokens`` tokens (``goodput`` only; {}
+    /// otherwise). A pure read.
+    #[pyo3(signature = (batch_size, context_tokens=0))]
+    fn predicted_seconds(&self, batch_size: i64, context_tokens: u64) -> PyResult<std::collections::BTreeMap<u32, f64>> {
+        guard(|| {
+            let Some(p) = self.inner.policy() else { return Ok(Default::default()) };
+            let Some(g) = p.goodput() else { return Ok(Default::default()) };
+            let (slot, graph) = p.route(batch_size).map_err(|e| PyValueError::new_err(e.to_string()))?;
+            let b = batch_size as u32;
+            let (bucket, b_cost) = match graph {
+                Some(gb) => (gb, gb),
+                None => (specdial_core::goodput::cost::bucket_of(b), b),
+            };
+            Ok(p.config().slots[slot]
+                .1
+                .candidate_steps
+                .iter()
+                .map(|&k| (k, g.predict_seconds(bucket, b_cost, k, context_tokens)))
+                .collect())
+        })
+    }
+
+    /// Feeds one startup-profiling measurement to the policy (``AdaptiveSpeculativeParams.
+    /// set_profiled_cost``). Raises ValueError, or SchedulerError without an adaptive policy.
+    #[pyo3(signature = (batch_size, steps, seconds, context_tokens=0))]
+    fn set_profiled_cost(&mut self, batch_size: u32, steps: u32, seconds: f64, context_tokens: u64) -> PyResult<()> {
+        guard(|| match self.inner.policy_mut() {
+            None => Err(SchedulerError::new_err("this scheduler has no adaptive policy")),
+            Some(p) => p
+                .set_profiled_cost(batch_size, steps, seconds, context_tokens)
+                .map_err(|e| PyValueError::new_err(e.to_string())),
+        })
     }
 
     /// The per-verify trace since the last call, as JSON Lines text (each line

@@ -14,6 +14,7 @@ mod id_hash;
 pub mod kv;
 pub mod policy;
 pub mod scheduler;
+pub mod sim;
 pub mod slot;
 pub mod throughput;
 

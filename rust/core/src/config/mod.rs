@@ -149,14 +149,14 @@ impl AdaptiveConfig {
     }
 
     /// specdial's default: the `goodput` strategy with its default settings over slot 1
-    /// `0..=7`, slot 64 `0..=4`, slot 256 `0..=3`. The candidates only bound what can ever be
+    /// `0..=7`, slot 128 `0..=5`, slot 256 `0..=3`. The candidates only bound what can ever be
     /// chosen (and so which CUDA graphs are captured): the strategy picks among them by
     /// measured goodput, 0 included, on any hardware.
     pub fn default_config() -> Self {
         let range = |hi: u32| SlotConfig::with_candidates(&(0..=hi).collect::<Vec<_>>());
         AdaptiveConfig {
             strategy: Strategy::Goodput(GoodputConfig::default()),
-            slots: vec![(1, range(7)), (64, range(4)), (256, range(3))],
+            slots: vec![(1, range(7)), (128, range(5)), (256, range(3))],
         }
     }
 

@@ -154,10 +154,10 @@ pub struct GoodputConfig {
     /// replace them (in `[0, 1)`, default 0.05).
     pub switch_margin: f64,
     /// Decode iterations a slot keeps steps it switched to before it may switch again (>= 1,
-    /// default 4). Probes are not switches.
+    /// default 8). Probes are not switches.
     pub min_dwell: u32,
-    /// Time constant, in verifies, of the per-position acceptance estimates (>= 1, default 32):
-    /// each verify at steps > 0 discounts older observations by `1 - 1 / acceptance_window`.
+    /// Time constant, in decode iterations, of the per-position acceptance estimates (>= 1,
+    /// default 16): each iteration discounts older observations by `1 - 1 / acceptance_window`.
     pub acceptance_window: u32,
     /// Time constant, in observations of one (batch size, steps) cell, of the cost model's
     /// per-cell means (>= 1, default 64).
@@ -175,8 +175,8 @@ impl Default for GoodputConfig {
     fn default() -> Self {
         GoodputConfig {
             switch_margin: 0.05,
-            min_dwell: 4,
-            acceptance_window: 32,
+            min_dwell: 8,
+            acceptance_window: 16,
             cost_window: 64,
             probe_budget: 0.03,
             profile: None,

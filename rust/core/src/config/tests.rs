@@ -104,9 +104,9 @@ fn default_is_goodput_over_pruned_slots() {
     assert_eq!(c.strategy.name(), "goodput");
     assert_eq!(c.strategy, Strategy::Goodput(GoodputConfig::default()));
     let bounds: Vec<u32> = c.slots.iter().map(|s| s.0).collect();
-    assert_eq!(bounds, vec![1, 64, 256]);
+    assert_eq!(bounds, vec![1, 128, 256]);
     assert_eq!(c.slots[0].1.candidate_steps, (0..=7).collect::<Vec<_>>());
-    assert_eq!(c.slots[1].1.candidate_steps, vec![0, 1, 2, 3, 4]);
+    assert_eq!(c.slots[1].1.candidate_steps, vec![0, 1, 2, 3, 4, 5]);
     assert_eq!(c.slots[2].1.candidate_steps, vec![0, 1, 2, 3]);
     assert_eq!(AdaptiveConfig::from_json(&c.to_json()).unwrap(), c);
     assert!(c.profile().is_none());

@@ -122,11 +122,9 @@ impl AcceptanceModel {
             let l = &mut self.long_run[j];
             l.reached = l.reached * self.long_decay + reached;
             l.accepted = l.accepted * self.long_decay + acc;
+            // Deeper positions add zero counts when nobody reached them, but their long-run
+            // ratios still see this verify (leaving it out would bias them by selection).
             reached = acc;
-            if reached <= 0.0 {
-                // Deeper positions were not reached: nothing observed there.
-                break;
-            }
         }
         self.observed += 1;
     }

@@ -188,10 +188,10 @@ impl GoodputPolicy {
             .collect();
         let score = |k: u32| rows.iter().find(|r| r.0 == k).map_or(0.0, |r| r.3);
         let best = rows.iter().fold(rows[0], |a, r| if r.3 > a.3 { *r } else { a });
-        let margin = self.cfg.switch_margin;
+        let need = 1.0 + self.cfg.switch_margin;
         let dwell = u64::from(self.cfg.min_dwell);
         let s = &mut self.slots[slot];
-        if best.0 != s.current && best.3 > score(s.current) * (1.0 + margin) && s.since_switch >= dwell {
+        if best.0 != s.current && best.3 > score(s.current) * need && s.since_switch >= dwell {
             s.current = best.0;
             s.since_switch = 0;
             s.switched = true;

@@ -1,0 +1,126 @@
+//! `specdial policy simulate`: the strategies against each other and against a clairvoyant oracle,
+//! over named regimes ([`workload::Regime`]) and cost curves ([`curve::CostCurve`]), with noisy
+//! measured seconds. Seconds to run; the tests of the `goodput` strategy's quality run here
+//! (DESIGN.md, invariant 6).
+//!
+//! Contenders per (regime, curve): every fixed steps value `0..=max_steps`, the adaptive configs
+//! given (by default `goodput` with specdial's default config, `ema` with SGLang's default config
+//! and `throughput_aware` with the config of SGLang's docstring, profiled at start), and the oracle
+//! ([`run::run_oracle`]).
+
+pub mod curve;
+pub mod run;
+pub mod workload;
+
+use serde::Serialize;
+
+use crate::config::AdaptiveConfig;
+use curve::CostCurve;
+use run::{run_adaptive, run_fixed, run_oracle, Noise, RunOptions, RunResult};
+use workload::Regime;
+
+/// SGLang's throughput-aware example config (the docstring of `throughput_aware_controller.py`).
+pub const SGLANG_THROUGHPUT_AWARE_EXAMPLE: &str = r#"{"strategy": "throughput_aware", "window_size": 20,
+  "update_interval": 10, "1": {"candidate_steps": [1, 3, 5, 7]}, "8": {"candidate_steps": [1, 3, 5]},
+  "32": {"candidate_steps": [1, 3]}, "128": {"candidate_steps": [1]}}"#;
+
+/// What to simulate.
+#[derive(Debug, Clone)]
+pub struct SimSpec {
+    pub regimes: Vec<Regime>,
+    /// `(name, curve)`.
+    pub curves: Vec<(String, CostCurve)>,
+    /// `(name, config)` of the adaptive contenders.
+    pub policies: Vec<(String, AdaptiveConfig)>,
+    /// Fixed steps `0..=max_steps` run beside, and the oracle's range.
+    pub max_steps: u32,
+    /// Segments of work per regime (tokens per request, [`workload`]).
+    pub segments: u32,
+    pub seed: u64,
+    pub noise: Noise,
+    pub skip_zero_step_draft_extend: bool,
+}
+
+impl SimSpec {
+    /// Every regime and named curve, `goodput` / `ema` / `throughput_aware` with their default
+    /// configs, steps up to 7, 16000 segments, seed 0, default noise.
+    pub fn standard() -> Self {
+        SimSpec {
+            regimes: Regime::ALL.to_vec(),
+            curves: CostCurve::NAMES.iter().map(|n| (n.to_string(), CostCurve::named(n).expect("named"))).collect(),
+            policies: default_policies(),
+            max_steps: 7,
+            segments: 16000,
+            seed: 0,
+            noise: Noise::default(),
+            skip_zero_step_draft_extend: false,
+        }
+    }
+}
+
+/// `goodput` (specdial's default config), `ema` (SGLang's default), `throughput_aware`
+/// (SGLang's example config).
+pub fn default_policies() -> Vec<(String, AdaptiveConfig)> {
+    vec![
+        ("goodput".into(), AdaptiveConfig::default_config()),
+        ("ema".into(), AdaptiveConfig::ema_default()),
+        (
+            "throughput_aware".into(),
+            AdaptiveConfig::from_json(SGLANG_THROUGHPUT_AWARE_EXAMPLE).expect("valid example"),
+        ),
+    ]
+}
+
+/// One (regime, curve) cell of the report.
+#[derive(Debug, Clone, Serialize)]
+pub struct Case {
+    pub regime: String,
+    pub steady: bool,
+    pub curve: String,
+    pub oracle: RunResult,
+    /// Adaptive contenders, then `fixed-0..fixed-max`.
+    pub results: Vec<RunResult>,
+}
+
+impl Case {
+    /// The contender named `name`.
+    pub fn get(&self, name: &str) -> Option<&RunResult> {
+        self.results.iter().find(|r| r.name == name)
+    }
+
+    /// The best fixed steps value's result.
+    pub fn best_fixed(&self) -> &RunResult {
+        self.results
+            .iter()
+            .filter(|r| r.name.starts_with("fixed-"))
+            .max_by(|a, b| a.goodput.total_cmp(&b.goodput))
+            .expect("fixed contenders")
+    }
+
+    /// `name`'s goodput over the oracle's.
+    pub fn ratio(&self, name: &str) -> f64 {
+        self.get(name).map_or(f64::NAN, |r| r.goodput / self.oracle.goodput)
+    }
+}
+
+/// Runs one (regime, curve) cell.
+pub fn run_case(spec: &SimSpec, regime: Regime, curve_name: &str, curve: &CostCurve) -> Case {
+    let w = regime.generate(spec.segments, spec.seed);
+    let opts = RunOptions { seed: spec.seed, noise: spec.noise, skip_zero_step_draft_extend: spec.skip_zero_step_draft_extend };
+    let (oracle, _) = run_oracle(&w, curve, spec.max_steps, &opts);
+    let mut results: Vec<RunResult> =
+        spec.policies.iter().map(|(name, cfg)| run_adaptive(&w, curve, name, cfg, &opts)).collect();
+    results.extend((0..=spec.max_steps).map(|k| run_fixed(&w, curve, k, &opts)));
+    Case { regime: regime.name.into(), steady: regime.steady, curve: curve_name.into(), oracle, results }
+}
+
+/// Every cell of `spec`.
+pub fn run_all(spec: &SimSpec) -> Vec<Case> {
+    let mut out = Vec::new();
+    for regime in &spec.regimes {
+        for (name, curve) in &spec.curves {
+            out.push(run_case(spec, *regime, name, curve));
+        }
+    }
+    out
+}

@@ -1,0 +1,262 @@
+//! Running one contender (a fixed steps value, an adaptive policy, or the clairvoyant oracle) over
+//! a generated workload and a cost curve.
+//!
+//! A contender runs decode iterations through the workload's segments ([`super::workload`]): an
+//! iteration in segment `i` at steps `k` moves on by `E_i(k) / b_i` segments. Each iteration draws
+//! its noise and acceptance uniforms from a generator seeded by `(seed, segment)`, the same for
+//! every contender (common random numbers), so differences come from the decisions alone. A
+//! policy sees what an engine sees: the batch size, the context tokens, then the accepted drafts
+//! per request and the *noisy* measured seconds. It is scored by what its decisions are worth:
+//! the expected tokens of the chosen steps (from the requests' true acceptance) over their
+//! noise-free seconds, summed over the run.
+
+use rand::rngs::SmallRng;
+use rand::{RngExt, SeedableRng};
+use serde::Serialize;
+
+use super::curve::CostCurve;
+use super::workload::{normal, Workload, MAX_STEPS};
+use crate::config::AdaptiveConfig;
+use crate::policy::{AdaptiveSpeculativeParams, Observation};
+
+/// Measurement noise of the simulated device.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Noise {
+    /// Standard deviation of the lognormal factor on each iteration's seconds.
+    pub sigma: f64,
+    /// Probability that an iteration is a stall, 1.5x to 3x slower.
+    pub spike_probability: f64,
+}
+
+impl Default for Noise {
+    fn default() -> Self {
+        Noise { sigma: 0.1, spike_probability: 0.01 }
+    }
+}
+
+/// Options shared by every contender of a run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunOptions {
+    pub seed: u64,
+    pub noise: Noise,
+    /// Steps 0 skip the drafter's extend (it catches up when drafting resumes).
+    pub skip_zero_step_draft_extend: bool,
+}
+
+/// What one contender achieved.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RunResult {
+    pub name: String,
+    /// Expected emitted tokens of the chosen steps, summed.
+    pub tokens: f64,
+    /// Noise-free seconds of the chosen steps, summed.
+    pub seconds: f64,
+    /// `tokens / seconds`.
+    pub goodput: f64,
+    /// Iterations whose steps differ from the previous iteration's (probes included).
+    pub steps_changes: u64,
+    /// Probes (the `goodput` strategy), else 0.
+    pub probes: u64,
+    /// Iterations per steps value `0..=max`.
+    pub steps_histogram: Vec<u64>,
+}
+
+/// The per-iteration random draws: the noise factor and `MAX_STEPS` uniforms per request.
+struct Draws {
+    factor: f64,
+    uniforms: Vec<[f64; MAX_STEPS]>,
+}
+
+fn draws(seed: u64, i: usize, b: usize, noise: Noise) -> Draws {
+    let mut rng = SmallRng::seed_from_u64(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (i as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
+    let mut factor = (noise.sigma * normal(&mut rng) - 0.5 * noise.sigma * noise.sigma).exp();
+    if rng.random::<f64>() < noise.spike_probability {
+        factor *= 1.5 + 1.5 * rng.random::<f64>();
+    }
+    let uniforms = (0..b).map(|_| std::array::from_fn(|_| rng.random::<f64>())).collect();
+    Draws { factor, uniforms }
+}
+
+/// Seconds of iteration `i` at steps `k` on `curve` (the batch padded to the curve's graph
+/// sizes), with `catch_up` tokens for a skipped drafter.
+pub fn iteration_seconds(curve: &CostCurve, w: &Workload, i: usize, k: u32, catch_up: f64, skip: bool) -> f64 {
+    let b = padded(curve, w.batch(i).len() as u32);
+    let ctx = w.context(i);
+    let t = curve.seconds(b, k, ctx, catch_up);
+    if skip && k == 0 {
+        t - curve.zero_step_extend(b, ctx)
+    } else {
+        t
+    }
+}
+
+fn padded(curve: &CostCurve, b: u32) -> u32 {
+    match curve.graph_sizes() {
+        Some(g) => g.get(g.partition_point(|&s| s < b)).copied().unwrap_or(b),
+        None => b,
+    }
+}
+
+struct Tally {
+    name: String,
+    tokens: f64,
+    seconds: f64,
+    prev: Option<u32>,
+    changes: u64,
+    histogram: Vec<u64>,
+}
+
+impl Tally {
+    fn new(name: &str) -> Self {
+        Tally { name: name.into(), tokens: 0.0, seconds: 0.0, prev: None, changes: 0, histogram: vec![0; MAX_STEPS + 1] }
+    }
+
+    fn add(&mut self, k: u32, tokens: f64, seconds: f64) {
+        self.tokens += tokens;
+        self.seconds += seconds;
+        if self.prev.is_some_and(|p| p != k) {
+            self.changes += 1;
+        }
+        self.prev = Some(k);
+        self.histogram[(k as usize).min(MAX_STEPS)] += 1;
+    }
+
+    fn finish(self, probes: u64) -> RunResult {
+        RunResult {
+            goodput: self.tokens / self.seconds,
+            name: self.name,
+            tokens: self.tokens,
+            seconds: self.seconds,
+            steps_changes: self.changes,
+            probes,
+            steps_histogram: self.histogram,
+        }
+    }
+}
+
+/// Runs `choose(segment, params)` through the workload (see the module docs) and tallies it. The
+/// adaptive contenders report each iteration to their policy inside `choose`'s companion
+/// `report`.
+fn walk(
+    w: &Workload,
+    curve: &CostCurve,
+    name: &str,
+    opts: &RunOptions,
+    mut choose: impl FnMut(usize) -> u32,
+    mut report: impl FnMut(usize, u32, f64, &Draws),
+) -> Tally {
+    let mut tally = Tally::new(name);
+    let skip = opts.skip_zero_step_draft_extend;
+    let mut zero_tokens = 0.0;
+    let mut x = 0.0f64;
+    while (x as usize) < w.len() {
+        let i = x as usize;
+        let b = w.batch(i).len();
+        let k = choose(i);
+        let catch = if skip && k > 0 { std::mem::take(&mut zero_tokens) } else { 0.0 };
+        if skip && k == 0 {
+            zero_tokens += b as f64;
+        }
+        let t = iteration_seconds(curve, w, i, k, catch, skip);
+        let e = w.expected_tokens(i, k);
+        report(i, k, t, &draws(opts.seed, i, b, opts.noise));
+        tally.add(k, e, t);
+        x += e / b as f64;
+    }
+    tally
+}
+
+/// A fixed steps value for the whole run.
+pub fn run_fixed(w: &Workload, curve: &CostCurve, k: u32, opts: &RunOptions) -> RunResult {
+    walk(w, curve, &format!("fixed-{k}"), opts, |_| k, |_, _, _, _| {}).finish(0)
+}
+
+/// The startup profiling run of a config that asks for one: mean noisy seconds per (steps, batch
+/// size) at `profile_run_seq_len` (default 2048) tokens per request, fed to the policy.
+fn profile(params: &mut AdaptiveSpeculativeParams, curve: &CostCurve, opts: &RunOptions) {
+    let Some(p) = params.config().profile().cloned() else { return };
+    let sizes: Vec<u32> = p
+        .profile_run_batch_sizes
+        .clone()
+        .or_else(|| curve.graph_sizes())
+        .unwrap_or_else(|| vec![1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256])
+        .into_iter()
+        .filter(|&b| p.max_profile_run_batch_size.is_none_or(|m| b <= m))
+        .collect();
+    let seq = f64::from(p.profile_run_seq_len.unwrap_or(2048));
+    let steps = params.candidate_steps().to_vec();
+    let mut n = 0usize;
+    for &k in &steps {
+        for &b in &sizes {
+            let reachable = params.cuda_graph_bs_for_step(k).is_none_or(|g| g.contains(&b));
+            if !reachable {
+                continue;
+            }
+            let mut total = 0.0;
+            for _ in 0..p.profile_run_n_measure {
+                n += 1;
+                let f = draws(opts.seed ^ 0xF00D, n, 0, opts.noise).factor;
+                total += curve.seconds(padded(curve, b), k, f64::from(b) * seq, 0.0) * f;
+            }
+            params
+                .set_profiled_cost(b, k, total / f64::from(p.profile_run_n_measure), (f64::from(b) * seq) as u64)
+                .expect("positive seconds");
+        }
+    }
+}
+
+/// An adaptive policy built from `config`, started as the engine starts it (the middle of the
+/// candidates' union), with the curve's graph sizes and the config's startup profiling.
+pub fn run_adaptive(w: &Workload, curve: &CostCurve, name: &str, config: &AdaptiveConfig, opts: &RunOptions) -> RunResult {
+    let union = config.candidate_union();
+    let mut params = AdaptiveSpeculativeParams::new(union[union.len() / 2], config.clone());
+    let graphs: Option<Vec<i64>> = curve.graph_sizes().map(|g| g.iter().map(|&x| i64::from(x)).collect());
+    params.set_cuda_graph_bs(graphs.as_deref()).expect("graph sizes >= 1");
+    profile(&mut params, curve, opts);
+    let params = std::cell::RefCell::new(params);
+    let tally = walk(
+        w,
+        curve,
+        name,
+        opts,
+        |i| {
+            let d = params.borrow_mut().decide(w.batch(i).len() as i64, Some(w.context(i) as u64)).expect("batch >= 1");
+            d.steps
+        },
+        |i, k, t, r| {
+            let batch = w.batch(i);
+            let accepted: Vec<i64> = batch
+                .iter()
+                .zip(&r.uniforms)
+                .map(|(&id, u)| {
+                    let alpha = &w.requests[id as usize].alpha;
+                    (0..k as usize).take_while(|&j| u[j] < alpha[j]).count() as i64
+                })
+                .collect();
+            let obs = Observation { seconds: Some(t * r.factor), context_tokens: Some(w.context(i) as u64), steps: Some(k) };
+            params.borrow_mut().on_verify_complete_with(accepted, batch.len() as i64, obs).expect("valid report");
+        },
+    );
+    let probes = params.borrow().goodput().map_or(0, |g| g.probes());
+    tally.finish(probes)
+}
+
+/// The clairvoyant oracle: knows every request's true acceptance and the noise-free cost, and
+/// maximises total tokens / total seconds over the run, choosing from `0..=max_steps`. With the
+/// work fixed (every request's tokens must be emitted, [`super::workload`]), total seconds are
+/// `sum_i b_i t_i(k_i) / E_i(k_i)` over the segments, so the maximum is reached by the steps of
+/// highest `E_i(k) / t_i(k)` in each segment, which is what it runs. Returns its result and its
+/// choice per segment.
+pub fn run_oracle(w: &Workload, curve: &CostCurve, max_steps: u32, opts: &RunOptions) -> (RunResult, Vec<u32>) {
+    let skip = opts.skip_zero_step_draft_extend;
+    let best = |i: usize| {
+        (0..=max_steps)
+            .map(|k| (k, w.expected_tokens(i, k) / iteration_seconds(curve, w, i, k, 0.0, skip)))
+            .max_by(|a, b| a.1.total_cmp(&b.1))
+            .expect("steps 0 at least")
+            .0
+    };
+    let choice: Vec<u32> = (0..w.len()).map(best).collect();
+    let tally = walk(w, curve, "oracle", opts, |i| choice[i], |_, _, _, _| {});
+    (tally.finish(0), choice)
+}
