@@ -20,7 +20,7 @@ from eagle_heads import (EAGLE1_LAYOUTS, EAGLE3_CASES, EXPECTED_AUX, build_eagle
 from specdial.attention import TorchAttentionBackend
 from specdial.models import (Eagle3Head, EagleHead, ForwardBatch, infer_draft_algorithm,
                              load_drafter, load_eagle3_head, load_eagle_head, load_model,
-                             resolve_draft_algorithm)
+                             resolve_draft_algorithm, save_eagle_head)
 from specdial.worker.drafters import Eagle3Drafter, make_drafter
 
 def one_batch(ids: list[int]) -> ForwardBatch:
@@ -185,6 +185,12 @@ def test_eagle1_layouts_load(tiny, tmp_path, layout):
         a = head(batch, head.make_kv_pool(64), backend, hidden_states=feats)
         b = loaded(batch, loaded.make_kv_pool(64), backend, hidden_states=feats)
     torch.testing.assert_close(a, b, rtol=0, atol=0)
+    save_eagle_head(loaded, tmp_path / "resaved")  # written in SGLang's layout, same head
+    cfg = json.loads((tmp_path / "resaved" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle"]
+    again = load_eagle_head(tmp_path / "resaved", target)
+    assert all(torch.equal(x, y) for x, y in zip(again.state_dict().values(),
+                                                  loaded.state_dict().values()))
     # the reference EAGLE layer: no input norm, x = fc(cat(embed, hidden)), Llama layer
     with torch.no_grad():
         x = head.fc(torch.cat([target.embed_tokens(batch.input_ids), feats], -1))

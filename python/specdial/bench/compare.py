@@ -163,7 +163,7 @@ class EngineFactory:
             algo = algo if a.speculative_algorithm is not None else "EAGLE"
             draft_dir = (Path(a.draft_model_path) if a.draft_model_path else
                          builtin_model_path("eagle" if algo == "EAGLE" else "draft")
-                         if algo else None)
+                         if algo in ("EAGLE", "DRAFT") else None)
         else:
             model_dir = Path(a.model_path)
             draft_dir = Path(a.draft_model_path) if a.draft_model_path else None

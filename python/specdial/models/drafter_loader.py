@@ -100,9 +100,10 @@ def infer_draft_algorithm(path: str | Path) -> str:
 
 def resolve_draft_algorithm(path: str | Path, requested: str | None = None) -> str:
     """The algorithm to load ``path`` with: ``requested`` if given and compatible, else the
-    inferred one. A plain ``LlamaForCausalLM``/``Qwen2ForCausalLM`` label may be loaded as
-    ``"EAGLE"``/``"EAGLE3"`` on request (SGLang and vLLM rename it when the algorithm is named);
-    other disagreements raise ``ValueError`` naming both."""
+    inferred one. An EAGLE head labelled ``LlamaForCausalLM``/``Qwen2ForCausalLM`` (inferred
+    from its tensors) loads as whichever of ``"EAGLE"``/``"EAGLE3"`` is requested (SGLang and
+    vLLM rename the label after the algorithm named); other disagreements raise
+    ``ValueError`` naming both."""
     inferred = infer_draft_algorithm(path)
     if requested is None or requested == inferred:
         return inferred
@@ -110,7 +111,8 @@ def resolve_draft_algorithm(path: str | Path, requested: str | None = None) -> s
         raise ValueError(f"speculative_algorithm must be one of {DRAFT_ALGORITHMS}, got "
                          f"{requested!r}")
     arch = _architecture(_read_config(Path(path)), Path(path))
-    if arch in SUPPORTED_ARCHITECTURES and inferred == "DRAFT":
+    heads = ("EAGLE", "EAGLE3")
+    if arch in SUPPORTED_ARCHITECTURES and inferred in heads and requested in heads:
         return requested
     raise ValueError(f"speculative_algorithm={requested!r} does not match the drafter in {path} "
                      f"(architecture {arch}, loads as {inferred!r})")
