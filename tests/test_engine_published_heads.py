@@ -231,3 +231,15 @@ def test_generate_with_a_published_eagle3_head(cli_dirs, capsys):
     args = build_parser().parse_args(["serve", "--speculative-draft-model-path", str(head),
                                       "--speculative-algorithm", "EAGLE3"])
     assert args.draft_model_path == str(head) and args.speculative_algorithm == "EAGLE3"
+
+
+def test_eagle3_in_bfloat16(heads):
+    """bf16 weights, features and KV: the run completes, frees everything, and starts like the
+    float32 reference (later tokens may flip at bf16 near-ties, see test_engine_greedy)."""
+    eng, ref = engine(heads, "eagle3-vllm", dtype="bfloat16", speculative_adaptive=False,
+                      speculative_num_steps=3)
+    assert eng.drafter.module.fc.weight.dtype == torch.bfloat16
+    assert eng.worker.hidden is not None and eng.worker.hidden.dtype == torch.bfloat16
+    out, _ = generate(eng)
+    for o, r in zip(out, ref):
+        assert len(o["output_ids"]) == N and o["output_ids"][:2] == r[:2]

@@ -132,6 +132,18 @@ def load_drafter(path: str | Path, target: LlamaForCausalLM, algorithm: str | No
     return algo, load_model(path, dtype=dtype, device=device)
 
 
+def _head_config(path: Path, kind: str, archs: tuple[str, ...]) -> tuple[dict[str, Any], str]:
+    """The config dict and architecture of a head directory; ``ValueError`` unless the
+    architecture is one of ``archs`` or a plain Llama/Qwen2 label."""
+    raw = _read_config(path)
+    arch = _architecture(raw, path)
+    if arch not in archs + SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{path}: architecture {arch} is not an {kind} head; supported: "
+                         f"{', '.join(archs)} (or a head labelled "
+                         f"{' / '.join(SUPPORTED_ARCHITECTURES)})")
+    return raw, arch
+
+
 def _strip_model(name: str) -> str:
     return name if name.startswith("lm_head.") else name.removeprefix("model.")
 
@@ -145,12 +157,7 @@ def load_eagle_head(path: str | Path, target: LlamaForCausalLM,
     architecture, a config that does not match the target, or missing, unexpected or
     mis-shaped tensors, naming them."""
     path = Path(path)
-    raw = _read_config(path)
-    arch = _architecture(raw, path)
-    if arch not in EAGLE_ARCHITECTURES + SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"{path}: architecture {arch} is not an EAGLE-1 head; supported: "
-                         f"{', '.join(EAGLE_ARCHITECTURES)} (or a head labelled "
-                         f"{' / '.join(SUPPORTED_ARCHITECTURES)})")
+    raw, arch = _head_config(path, "EAGLE-1", EAGLE_ARCHITECTURES)
     own = arch == EAGLE_ARCHITECTURE
     config = ModelConfig.from_dict(raw)
     files = _checkpoint_index(path)
@@ -232,12 +239,7 @@ def load_eagle3_head(path: str | Path, target: LlamaForCausalLM,
     field), for a reduced vocabulary without ``lm_head.weight``, or a bad ``d2t``/``t2d``.
     """
     path = Path(path)
-    raw = _read_config(path)
-    arch = _architecture(raw, path)
-    if arch not in EAGLE3_ARCHITECTURES + SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"{path}: architecture {arch} is not an EAGLE-3 head; supported: "
-                         f"{', '.join(EAGLE3_ARCHITECTURES)} (or a head labelled "
-                         f"{' / '.join(SUPPORTED_ARCHITECTURES)})")
+    raw, arch = _head_config(path, "EAGLE-3", EAGLE3_ARCHITECTURES)
     config, fields = _eagle3_config(raw, arch, target.config)
     files = _checkpoint_index(path)
     names: dict[str, str | None] = {}
@@ -277,7 +279,8 @@ def load_eagle3_head(path: str | Path, target: LlamaForCausalLM,
     head = _build(Eagle3Head, config, spec, target.embed_tokens,
                   None if own_lm_head else target.lm_head, own_embedding=own_embedding)
     _assign(head, files, names, dtype, device)
-    head.set_vocab_map(*(_read_tensor(files, special[k]) if k in special else None
-                         for k in ("d2t", "t2d")), device=device)
+    d2t, t2d = (_read_tensor(files, special[k]) if k in special else None
+                for k in ("d2t", "t2d"))
+    head.set_vocab_map(d2t, t2d, device=device)
     head.rotary.to(device)
     return head.eval()
