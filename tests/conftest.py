@@ -98,3 +98,67 @@ def tiny1(tmp_path_factory):
     noisy.load_state_dict(head.state_dict())
     return SimpleNamespace(path=path, hf=hf, target=target, eagle_same=head.eval(),
                            eagle_noisy=_perturbed(noisy, 0.003, 6))
+
+
+def _save_exact(path, seed: int):
+    """A 4-layer HF Llama built for exact EAGLE heads (tests/eagle_heads.py): embedding entries
+    +-1 with column 0 = +1, ``rms_norm_eps`` 0, layer 0's input norm and the final norm weight
+    1, layers 1..3 adding nothing (``o_proj`` and ``down_proj`` zero); layer 0 and the LM head
+    random, so the next-token function is a non-trivial function of the whole prefix."""
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256, rms_norm_eps=0.0,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config._attn_implementation = "eager"
+    model = transformers.LlamaForCausalLM(config).eval()
+    _randomize(model, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        emb = torch.randn(VOCAB, 64, generator=gen).sign()
+        emb[:, 0] = 1.0
+        model.model.embed_tokens.weight.copy_(emb)
+        model.model.layers[0].input_layernorm.weight.fill_(1.0)
+        model.model.norm.weight.fill_(1.0)
+        for layer in model.model.layers[1:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def exact(tmp_path_factory):
+    """The exact-head target (``_save_exact``), its greedy continuations of ``PROMPTS`` from
+    transformers (40 tokens), a draft vocabulary holding every token they contain plus others
+    (120 of 192, shuffled), an EAGLE-3 head reproducing the target (``eagle3_same``) and a
+    perturbed copy (``eagle3_noisy``, partial acceptance)."""
+    from eagle_heads import exact_eagle3_head, perturb
+
+    path = tmp_path_factory.mktemp("exact_target")
+    hf = _save_exact(path, seed=20)
+    target = load_model(path)
+    with torch.no_grad():
+        greedy = [hf.generate(torch.tensor([p]), max_new_tokens=40, do_sample=False)[0, len(p):]
+                  .tolist() for p in PROMPTS]
+    used = sorted({t for g in greedy for t in g})
+    gen = torch.Generator().manual_seed(21)
+    others = [t for t in torch.randperm(VOCAB, generator=gen).tolist() if t not in used]
+    vocab = used + others[: max(0, 120 - len(used))]
+    vocab = [vocab[i] for i in torch.randperm(len(vocab), generator=gen).tolist()]
+    same = exact_eagle3_head(target, vocab)
+    noisy = exact_eagle3_head(target, vocab)
+    perturb(noisy, 0.003, 22)
+    return SimpleNamespace(path=path, hf=hf, target=target, greedy=greedy, draft_vocab=vocab,
+                           eagle3_same=same.eval(), eagle3_noisy=noisy.eval())
+
+
+DEEP_LAYERS = 8  # SGLang's / vLLM's default EAGLE-3 aux layers (2, 4, 5) are distinct
+
+
+@pytest.fixture(scope="session")
+def deep(tmp_path_factory):
+    """A random 8-layer HF Llama (hidden 64, vocabulary 192): ``(path, hf model, specdial
+    model)``."""
+    path = tmp_path_factory.mktemp("deep_target")
+    hf = _save_hf(path, layers=DEEP_LAYERS, seed=30)
+    return path, hf, load_model(path)

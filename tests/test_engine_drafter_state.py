@@ -1,6 +1,8 @@
 """Drafter state (DESIGN.md invariant 3): after draft extend, and after skipped zero-step extends
 plus the catch-up, the drafter's KV of a request equals a fresh drafter prefill of the same
-tokens; acceptance after a zero-step interval equals acceptance without skipping."""
+tokens (and an EAGLE drafter's per-slot target features equal the true sequence's); acceptance
+after a zero-step interval equals acceptance without skipping. Drafters: a draft model, an
+EAGLE-1 head and an EAGLE-3 head."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from conftest import PROMPTS
 from specdial._core import Scheduler, SchedulerConfig
 from specdial.attention import TorchAttentionBackend
 from specdial.models import ForwardBatch
-from specdial.worker.drafters import make_drafter
+from specdial.worker.drafters import make_drafter, run_target
 from specdial.worker.sampling import BatchSampling, SamplingParams
 from specdial.worker.worker import SpecWorker
 
@@ -20,7 +22,8 @@ SCHEDULE = [3, 0, 0, 2, 5, 0, 0, 0, 7, 1, 0, 4]
 
 
 def fresh_drafter_kv(target, module, tokens):
-    """K/V of a fresh drafter prefill of ``tokens`` (slots 0..T-1): ``[layers, T, kvh, d]`` x2."""
+    """K/V of a fresh drafter prefill of ``tokens`` (slots 0..T-1): ``[layers, T, kvh, d]`` x2,
+    and the target features of ``tokens`` (``[T, F]``, None for a draft model)."""
     t = len(tokens)
     backend = TorchAttentionBackend()
     ar = torch.arange(t)
@@ -28,12 +31,12 @@ def fresh_drafter_kv(target, module, tokens):
                                                                   torch.tensor([t]), ar))
     drafter = make_drafter(module, target)
     pool = drafter.init_kv(t)
-    feats = None
-    if drafter.needs_target_hidden:
-        hidden = target(batch, target.make_kv_pool(t), backend)
-        feats = torch.cat([torch.zeros_like(hidden[:1]), hidden[:-1]])  # h_{p-1}, zeros at 0
-    drafter.prefill(batch, backend, hidden_states=feats)
-    return pool.k_buffer[:, :t], pool.v_buffer[:, :t]
+    _, feats = run_target(target, drafter, batch, target.make_kv_pool(t), backend)
+    shifted = None
+    if feats is not None:
+        shifted = torch.cat([torch.zeros_like(feats[:1]), feats[:-1]])  # h_{p-1}, zeros at 0
+    drafter.prefill(batch, backend, hidden_states=shifted)
+    return pool.k_buffer[:, :t], pool.v_buffer[:, :t], feats
 
 
 def models(request, name):
@@ -41,6 +44,9 @@ def models(request, name):
     if name == "draft":
         tiny = request.getfixturevalue("tiny")
         return tiny.target, tiny.draft_noisy
+    if name == "eagle3":
+        exact = request.getfixturevalue("exact")
+        return exact.target, exact.eagle3_noisy
     tiny1 = request.getfixturevalue("tiny1")
     return tiny1.target, tiny1.eagle_noisy
 
@@ -61,9 +67,11 @@ def check_drafter_kv(target, worker, module, rows):
         n = int(worker.draft_len[row])
         tokens = worker.tables.req_to_ids[row, :n].tolist()
         slots = worker.tables.req_to_token[row, :n]
-        k_ref, v_ref = fresh_drafter_kv(target, module, tokens)
+        k_ref, v_ref, feats = fresh_drafter_kv(target, module, tokens)
         torch.testing.assert_close(kv.k_buffer[:, slots], k_ref, atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(kv.v_buffer[:, slots], v_ref, atol=2e-5, rtol=1e-4)
+        if feats is not None:  # the features kept per slot are the true sequence's
+            torch.testing.assert_close(worker.hidden[slots], feats, atol=2e-5, rtol=1e-4)
 
 
 def run_schedule(target, module, skip, check):
@@ -110,13 +118,13 @@ def run_schedule(target, module, skip, check):
 
 
 @pytest.mark.parametrize("skip", [False, True])
-@pytest.mark.parametrize("name", ["draft", "eagle"])
+@pytest.mark.parametrize("name", ["draft", "eagle", "eagle3"])
 def test_drafter_kv_equals_fresh_prefill(request, name, skip):
     accepted = run_schedule(*models(request, name), skip, check=True)
     assert sum(int(a.sum()) for a in accepted) > 0  # extends over accepted drafts happened
 
 
-@pytest.mark.parametrize("name", ["draft", "eagle"])
+@pytest.mark.parametrize("name", ["draft", "eagle", "eagle3"])
 def test_acceptance_after_skipped_zero_steps_is_unchanged(request, name):
     warm = run_schedule(*models(request, name), skip=False, check=False)
     caught_up = run_schedule(*models(request, name), skip=True, check=False)

@@ -1,8 +1,9 @@
 """The Engine with CUDA-graph runners (issue 7), on the CPU with emulated graphs
 (``cuda_graph_mode="emulate"``: captured once, each replay re-runs the pass into the captured
-output tensors, padding included): greedy outputs equal the eager engine's for both drafters,
-fixed steps and a switching adaptive run, padded replays, eager fallbacks above the largest
-captured size and for sampling drafts, and the options' defaults and errors."""
+output tensors, padding included): greedy outputs equal the eager engine's for the draft model,
+EAGLE-1 and EAGLE-3 drafters, fixed steps and a switching adaptive run, padded replays, eager
+fallbacks above the largest captured size and for sampling drafts, and the options' defaults
+and errors."""
 
 from __future__ import annotations
 
@@ -26,12 +27,15 @@ ADAPTIVE = {"strategy": "ema",
                   "warmup_batches": 0, "down_hysteresis": 0.0}}
 
 
-@pytest.fixture(params=["draft", "eagle"])
+@pytest.fixture(params=["draft", "eagle", "eagle3"])
 def models(request):
     """(target, drafter module) with partial acceptance: extends of several lengths run."""
     if request.param == "draft":
         tiny = request.getfixturevalue("tiny")
         return tiny.target, tiny.draft_noisy
+    if request.param == "eagle3":
+        exact = request.getfixturevalue("exact")
+        return exact.target, exact.eagle3_noisy
     tiny1 = request.getfixturevalue("tiny1")
     return tiny1.target, tiny1.eagle_noisy
 
@@ -105,12 +109,12 @@ def test_batch_above_largest_graph_falls_back_to_eager(tiny):
     assert stats["replays"]["verify"] > 0 and stats["replays"]["draft"] > 0
 
 
-def test_sampling_drafts_fall_back_to_eager(tiny1):
+def test_sampling_drafts_fall_back_to_eager(models):
+    target, drafter = models
     spec = dict(speculative_adaptive=False, speculative_num_steps=3, seed=7)
     sp = dict(temperature=1.0)
-    eager, _, _ = run(Engine.from_modules(tiny1.target, tiny1.eagle_noisy, **spec, **KW), **sp)
-    graphs, _, stats = run(Engine.from_modules(tiny1.target, tiny1.eagle_noisy, **spec,
-                                               **GRAPHS, **KW), **sp)
+    eager, _, _ = run(Engine.from_modules(target, drafter, **spec, **KW), **sp)
+    graphs, _, stats = run(Engine.from_modules(target, drafter, **spec, **GRAPHS, **KW), **sp)
     assert stats["eager"].get("draft:sampling", 0) > 0 and stats["replays"]["verify"] > 0
     assert graphs == eager
 

@@ -209,7 +209,7 @@ def test_bfloat16_within_logits_tolerance(tiny, reference, tmp_path, algorithm):
 
 def test_errors(tiny, tmp_path):
     with pytest.raises(ValueError,
-                       match=r"speculative_algorithm.*'EAGLE', 'DRAFT', None.*'MEDUSA'"):
+                       match=r"speculative_algorithm.*'EAGLE', 'EAGLE3', 'DRAFT', None.*'MEDUSA'"):
         Engine(str(tiny.path), speculative_algorithm="MEDUSA")
     with pytest.raises(ValueError, match="speculative_algorithm"):
         Engine.from_modules(tiny.target, tiny.eagle_random, speculative_algorithm="medusa")

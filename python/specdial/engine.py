@@ -34,15 +34,14 @@ from specdial._core import (AdaptiveConfig, ConfigError, Scheduler,
 from specdial.engine_api import EngineStats, RequestError, StreamChunk
 from specdial.engine_loop import EngineLoop, RequestSpec, StepsSchedule
 from specdial.engine_requests import async_stream, collect, make_spec, sync_stream
-from specdial.models import LlamaForCausalLM, load_eagle_head, load_model, load_tokenizer
-from specdial.models.config import ModelConfig
-from specdial.models.eagle import EAGLE_ARCHITECTURE
+from specdial.models import (LlamaForCausalLM, load_drafter, load_model, load_tokenizer,
+                             resolve_draft_algorithm)
 from specdial.worker.cuda_graphs import default_cuda_graph_bs, normalize_graph_bs
 from specdial.worker.drafters import DEFAULT_MAX_STEPS, Drafter, make_drafter
 from specdial.worker.worker import SpecWorker
 
 _DEFAULT: Any = object()
-ALGORITHMS = ("EAGLE", "DRAFT", None)
+ALGORITHMS = ("EAGLE", "EAGLE3", "DRAFT", None)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 FIXED_DEFAULT_STEPS = 3
 GRAPH_MODES = ("cuda", "eager", "emulate", None)
@@ -120,9 +119,13 @@ class Engine:
 
     - ``model_path``: local HF Llama/Qwen2 directory; ``None``: the built-in models (target +
       EAGLE head, adaptive steps); ``NotImplementedError`` when they are not installed.
-    - ``draft_model_path``: a draft model directory (same tokenizer) or an EAGLE head directory.
-    - ``speculative_algorithm``: ``"EAGLE"``, ``"DRAFT"`` or ``None``. Default: inferred from
-      ``draft_model_path`` (none: no speculation); the built-in models use EAGLE.
+    - ``draft_model_path``: a draft model directory (same tokenizer), or an EAGLE-1 or EAGLE-3
+      head directory in specdial's, SGLang's or vLLM's layout
+      (:mod:`specdial.models.drafter_loader`).
+    - ``speculative_algorithm``: ``"EAGLE"``, ``"EAGLE3"``, ``"DRAFT"`` or ``None``. Default:
+      inferred from ``draft_model_path`` (none: no speculation); the built-in models use EAGLE.
+      Naming EAGLE or EAGLE3 loads a head labelled ``LlamaForCausalLM`` as that kind of head,
+      as SGLang and vLLM do.
     - ``speculative_num_steps``: adaptive: the initial steps (default the middle of the
       candidates' union); fixed: the steps (default 3). ``ConfigError`` for a value that is a
       candidate of no slot or above the drafter's ``max_steps``.
@@ -188,10 +191,9 @@ class Engine:
         else:
             model_dir = Path(model_path)
         if algo is _DEFAULT:
-            algo = None
-            if draft_dir is not None:
-                arch = ModelConfig.from_file(draft_dir).architecture
-                algo = "EAGLE" if arch == EAGLE_ARCHITECTURE else "DRAFT"
+            algo = None if draft_dir is None else resolve_draft_algorithm(draft_dir)
+        elif algo is not None and draft_dir is not None:
+            algo = resolve_draft_algorithm(draft_dir, algo)
         if algo is not None and draft_dir is None:
             raise ValueError(f"speculative_algorithm={algo!r} needs draft_model_path (a draft "
                              "model or EAGLE head directory)")
@@ -199,10 +201,9 @@ class Engine:
             raise ValueError("draft_model_path is given but speculative_algorithm is None")
         target = load_model(model_dir, dtype=torch_dtype, device=dev)
         drafter_module: torch.nn.Module | None = None
-        if algo == "EAGLE" and draft_dir is not None:
-            drafter_module = load_eagle_head(draft_dir, target, torch_dtype, dev)
-        elif algo == "DRAFT" and draft_dir is not None:
-            drafter_module = load_model(draft_dir, dtype=torch_dtype, device=dev)
+        if algo is not None and draft_dir is not None:
+            _, drafter_module = load_drafter(draft_dir, target, algo, dtype=torch_dtype,
+                                             device=dev)
         try:
             tokenizer = load_tokenizer(model_dir)
         except FileNotFoundError:
@@ -219,16 +220,15 @@ class Engine:
                      speculative_adaptive_config: Any = None,
                      skip_zero_step_draft_extend: bool = False, **kwargs: Any) -> "Engine":
         """An Engine over already-built modules (tests, notebooks). ``drafter``: an
-        :class:`EagleHead` (EAGLE), a :class:`LlamaForCausalLM` (DRAFT), a :class:`Drafter`, or
-        None; the algorithm is inferred from it (an explicit ``speculative_algorithm`` that
-        disagrees raises ``ValueError``). ``kwargs``: the keyword-only options of
-        :class:`Engine`."""
+        :class:`EagleHead` (EAGLE), an :class:`Eagle3Head` (EAGLE3), a :class:`LlamaForCausalLM`
+        (DRAFT), a :class:`Drafter`, or None; the algorithm is inferred from it (an explicit
+        ``speculative_algorithm`` that disagrees raises ``ValueError``). ``kwargs``: the
+        keyword-only options of :class:`Engine`."""
         if speculative_algorithm is not _DEFAULT:
             _check_choice("speculative_algorithm", speculative_algorithm, ALGORITHMS)
         wrapped = make_drafter(drafter, target,
                                max_steps=kwargs.get("drafter_max_steps", DEFAULT_MAX_STEPS))
-        inferred = None if wrapped is None else (
-            "EAGLE" if wrapped.needs_target_hidden else "DRAFT")
+        inferred = None if wrapped is None else wrapped.algorithm
         if speculative_algorithm is not _DEFAULT and speculative_algorithm != inferred:
             raise ValueError(f"speculative_algorithm={speculative_algorithm!r} does not match "
                              f"the drafter given ({type(drafter).__name__})")

@@ -149,9 +149,8 @@ class EngineFactory:
     def _load_modules(self) -> tuple[Any, Any, Any]:
         import torch
 
-        from specdial.models import load_eagle_head, load_model, load_tokenizer
-        from specdial.models.config import ModelConfig
-        from specdial.models.eagle import EAGLE_ARCHITECTURE
+        from specdial.models import (load_drafter, load_model, load_tokenizer,
+                                     resolve_draft_algorithm)
 
         a = self.args
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
@@ -164,18 +163,16 @@ class EngineFactory:
             algo = algo if a.speculative_algorithm is not None else "EAGLE"
             draft_dir = (Path(a.draft_model_path) if a.draft_model_path else
                          builtin_model_path("eagle" if algo == "EAGLE" else "draft")
-                         if algo else None)
+                         if algo in ("EAGLE", "DRAFT") else None)
         else:
             model_dir = Path(a.model_path)
             draft_dir = Path(a.draft_model_path) if a.draft_model_path else None
             if a.speculative_algorithm is None and draft_dir is not None:
-                arch = ModelConfig.from_file(draft_dir).architecture
-                algo = "EAGLE" if arch == EAGLE_ARCHITECTURE else "DRAFT"
+                algo = resolve_draft_algorithm(draft_dir)
         target = load_model(model_dir, dtype=dtype, device=device)
         drafter = None
         if algo is not None and draft_dir is not None:
-            drafter = (load_eagle_head(draft_dir, target, dtype, device) if algo == "EAGLE"
-                       else load_model(draft_dir, dtype=dtype, device=device))
+            _, drafter = load_drafter(draft_dir, target, algo, dtype=dtype, device=device)
         try:
             tokenizer = load_tokenizer(model_dir)
         except FileNotFoundError:

@@ -7,7 +7,12 @@ target's ``lm_head``. ``embed_tokens`` and ``lm_head`` are the target's modules 
 copied). The head has its own :class:`~specdial.kv_pool.KVPool` with 1 layer, indexed by the
 same slots as the target's.
 
-Checkpoint layout (a directory, see :func:`specdial.models.loader.save_eagle_head`):
+Two variants of the same computation, both loaded by :func:`specdial.models.load_eagle_head`:
+specdial's own layout below (input norm kept, ``fc`` with bias), and the layouts SGLang and
+vLLM load (``LlamaForCausalLMEagle`` / ``EagleLlamaForCausalLM``: the decoder layer has no input
+norm, as in the EAGLE reference code; ``fc.bias`` when the checkpoint has one).
+
+specdial's checkpoint layout (a directory, see :func:`specdial.models.save_eagle_head`):
 
 - ``config.json``: ``{"architectures": ["SpecdialEagleHead"], "hidden_size",
   "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim" (optional),
@@ -39,14 +44,17 @@ class EagleHead(nn.Module):
 
     ``config.num_hidden_layers`` must be 1 and ``hidden_size``/``vocab_size`` must match the
     shared modules; raises ``ValueError`` otherwise. The shared modules are not registered as
-    submodules, so ``state_dict()`` holds only ``fc.*`` and ``layers.0.*``.
+    submodules, so ``state_dict()`` holds only ``fc.*`` and ``layers.0.*``. ``input_norm``:
+    keep the decoder layer's input RMSNorm (specdial's layout; False for SGLang's and vLLM's);
+    ``fc_bias``: ``fc`` has a bias.
     """
 
     embed_tokens: nn.Embedding
     lm_head: nn.Linear
 
     def __init__(self, config: ModelConfig, target_embed: nn.Embedding,
-                 target_lm_head: nn.Linear) -> None:
+                 target_lm_head: nn.Linear, *, input_norm: bool = True,
+                 fc_bias: bool = True) -> None:
         super().__init__()
         if config.num_hidden_layers != 1:
             raise ValueError("EagleHead has one decoder layer, config says "
@@ -63,8 +71,9 @@ class EagleHead(nn.Module):
         # plain attributes: shared with the target, not parameters of the head
         object.__setattr__(self, "embed_tokens", target_embed)
         object.__setattr__(self, "lm_head", target_lm_head)
-        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=True)
-        self.layers = nn.ModuleList([DecoderLayer(config, 0)])
+        self.input_norm = input_norm
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=fc_bias)
+        self.layers = nn.ModuleList([DecoderLayer(config, 0, input_norm=input_norm)])
         self.rotary = RotaryEmbedding(config)
 
     def forward(self, batch: ForwardBatch, kv: KVPool, backend: AttentionBackend, *,

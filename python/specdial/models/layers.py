@@ -102,9 +102,14 @@ class MLP(nn.Module):
 
 
 class Attention(nn.Module):
-    """GQA self-attention writing K/V for the new tokens to the pool, then reading it back."""
+    """GQA self-attention writing K/V for the new tokens to the pool, then reading it back.
 
-    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+    ``input_size``: width of the q/k/v projections' input (default ``hidden_size``; an EAGLE-3
+    midlayer reads ``cat(embeds, hidden)``, ``2 * hidden_size``). The output is
+    ``hidden_size`` wide either way.
+    """
+
+    def __init__(self, config: ModelConfig, layer_id: int, input_size: int | None = None) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = config.num_attention_heads
@@ -112,9 +117,10 @@ class Attention(nn.Module):
         self.head_dim = d = config.head_dim
         self.scale = d ** -0.5
         h = config.hidden_size
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.qkv_bias)
+        i = input_size or h
+        self.q_proj = nn.Linear(i, self.num_heads * d, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(i, self.num_kv_heads * d, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(i, self.num_kv_heads * d, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.o_bias)
 
     def write_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -137,14 +143,18 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm decoder layer: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
 
-    ``layer_id`` is the layer's index in the KV pool it reads and writes.
+    ``layer_id`` is the layer's index in the KV pool it reads and writes. ``input_norm=False``
+    replaces the input RMSNorm by the identity (no parameter): the first layer of the EAGLE-1
+    heads SGLang and vLLM load (``LlamaForCausalLMEagle`` / ``EagleLlamaForCausalLM``), as in
+    the EAGLE reference code, which drops that norm.
     """
 
-    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, *, input_norm: bool = True) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer_id)
         self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm: nn.Module = (RMSNorm(config.hidden_size, config.rms_norm_eps)
+                                           if input_norm else nn.Identity())
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import cast
 
 import torch
@@ -17,15 +17,25 @@ from specdial.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 
 def run_layers(layers: nn.ModuleList, rotary: RotaryEmbedding, x: torch.Tensor,
                batch: ForwardBatch, kv: KVPool, backend: AttentionBackend,
-               kv_only: bool) -> torch.Tensor | None:
-    """Run ``layers`` over ``x`` ``[T, hidden]``; ``kv_only``: the last layer only writes K/V."""
+               kv_only: bool, capture: Sequence[int] = (),
+               captured: list[torch.Tensor] | None = None) -> torch.Tensor | None:
+    """Run ``layers`` over ``x`` ``[T, hidden]``; ``kv_only``: the last layer only writes K/V.
+
+    ``capture``: residual-stream indices to append to ``captured``, in ascending order:
+    index ``i < len(layers)`` is the input of layer ``i`` (0: the embeddings), index
+    ``len(layers)`` the last layer's output (before any final norm).
+    """
     cos, sin = rotary(batch.positions, x.dtype)
     last = len(layers) - 1
     for i, layer in enumerate(cast(Iterable[DecoderLayer], layers)):
+        if captured is not None and i in capture:
+            captured.append(x)
         if kv_only and i == last:
             layer.write_kv_only(x, cos, sin, batch, kv)
             return None
         x = layer(x, cos, sin, batch, kv, backend)
+    if captured is not None and len(layers) in capture:
+        captured.append(x)
     return x
 
 
@@ -64,6 +74,29 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(batch.input_ids) if input_embeds is None else input_embeds
         x = run_layers(self.layers, self.rotary, x, batch, kv, backend, kv_only)
         return None if x is None else self.norm(x)
+
+    def forward_with_aux(self, batch: ForwardBatch, kv: KVPool, backend: AttentionBackend,
+                         aux_layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward`, also returning the residual stream at ``aux_layers`` (EAGLE-3).
+
+        ``aux_layers``: distinct indices in ``0..num_hidden_layers``, ascending: index ``i`` is
+        the input of layer ``i`` (the output of layer ``i - 1``; 0 is the embeddings), index
+        ``num_hidden_layers`` the last layer's output before the final norm. This is where
+        SGLang and vLLM capture EAGLE-3's auxiliary hidden states (``hidden_states +
+        residual`` before a layer). Returns ``(final hidden [T, hidden], aux [T,
+        len(aux_layers) * hidden])``, the captured states concatenated in ascending layer
+        order. Raises ``ValueError`` for indices that are out of range, repeated or unsorted.
+        """
+        n = self.config.num_hidden_layers
+        layers = tuple(aux_layers)
+        if not layers or list(layers) != sorted(set(layers)) or layers[0] < 0 or layers[-1] > n:
+            raise ValueError(f"aux_layers must be distinct ascending indices in 0..{n} "
+                             f"(the residual stream before each layer), got {list(layers)}")
+        captured: list[torch.Tensor] = []
+        x = run_layers(self.layers, self.rotary, self.embed_tokens(batch.input_ids), batch, kv,
+                       backend, False, layers, captured)
+        assert x is not None
+        return self.norm(x), torch.cat(captured, -1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[N, hidden]`` -> float32 logits ``[N, vocab_size]``."""

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from specdial.models.config import ModelConfig
-from specdial.models.eagle import EAGLE_ARCHITECTURE, EagleHead
 from specdial.models.llama import LlamaForCausalLM
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
@@ -58,31 +56,35 @@ def _tensor_shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _assign(model: nn.Module, prefix: str, files: dict[str, Path],
-            dtype: torch.dtype, device: torch.device | str, skip: set[str]) -> None:
+def _assign(model: nn.Module, files: dict[str, Path], names: dict[str, str | None],
+            dtype: torch.dtype, device: torch.device | str,
+            ckpt_name: Callable[[str], str] = lambda p: p) -> None:
     """Check the checkpoint against ``model`` and assign its tensors.
 
-    Checkpoint names are parameter names with ``prefix`` (``lm_head.*`` never has one);
-    names in ``skip`` may be present and are ignored. Raises ``ValueError`` naming missing,
-    unexpected or mis-shaped tensors (by checkpoint name).
+    ``files``: every checkpoint tensor and its file; ``names``: checkpoint name -> parameter
+    name of ``model`` for the tensors to load (None: a name the layout does not allow);
+    tensors absent from ``names`` are skipped. ``ckpt_name``: the checkpoint name expected
+    for a parameter (error messages). Raises ``ValueError`` naming missing, unexpected,
+    duplicated or mis-shaped tensors (by checkpoint name).
     """
-    def to_ckpt(param: str) -> str:
-        return param if param.startswith("lm_head.") else prefix + param
+    def listing(items: list[str]) -> str:
+        return f"{items[:8]}" + (f" (+{len(items) - 8} more)" if len(items) > 8 else "")
 
-    names = {c: (c if c.startswith("lm_head.") else c.removeprefix(prefix)) for c in files}
     # named_parameters() lists a tied lm_head once, under embed_tokens
     expected = {n: tuple(t.shape) for n, t in model.named_parameters()}
     shapes = _tensor_shapes(files)
-    unexpected = sorted(c for c, p in names.items()
-                        if (p not in expected or to_ckpt(p) != c) and c not in skip)
+    unexpected = sorted(c for c, p in names.items() if p is None or p not in expected)
     if unexpected:
-        raise ValueError(f"unexpected tensors in checkpoint: {unexpected[:8]}"
-                         + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else ""))
-    present = {p: c for c, p in names.items() if c not in skip}
-    missing = sorted(to_ckpt(p) for p in set(expected) - set(present))
+        raise ValueError(f"unexpected tensors in checkpoint: {listing(unexpected)}")
+    present: dict[str, str] = {}
+    for ckpt, param in names.items():
+        assert param is not None
+        if param in present:
+            raise ValueError(f"tensors {present[param]!r} and {ckpt!r} both hold {param!r}")
+        present[param] = ckpt
+    missing = sorted(ckpt_name(p) for p in set(expected) - set(present))
     if missing:
-        raise ValueError(f"tensors missing from checkpoint: {missing[:8]}"
-                         + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
+        raise ValueError(f"tensors missing from checkpoint: {listing(missing)}")
     for param, ckpt in present.items():
         if shapes[ckpt] != expected[param]:
             raise ValueError(f"tensor {ckpt!r} has shape {list(shapes[ckpt])}, "
@@ -98,12 +100,18 @@ def _assign(model: nn.Module, prefix: str, files: dict[str, Path],
                 setattr(model.get_submodule(owner), attr, nn.Parameter(tensor, requires_grad=False))
 
 
+def _read_tensor(files: dict[str, Path], name: str) -> torch.Tensor:
+    """One checkpoint tensor, as stored, on the CPU."""
+    with safe_open(str(files[name]), framework="pt", device="cpu") as f:
+        return f.get_tensor(name)
+
+
 M = TypeVar("M", bound=nn.Module)
 
 
-def _build(cls: type[M], *args: Any) -> M:
+def _build(cls: type[M], *args: Any, **kwargs: Any) -> M:
     with torch.device("meta"):
-        return cls(*args)
+        return cls(*args, **kwargs)
 
 
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
@@ -127,47 +135,18 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     skip = {c for c in files if c.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings:
         skip.add("lm_head.weight")  # some tied checkpoints still store it
-    _assign(model, "model.", files, dtype, device, skip)
+
+    def param(c: str) -> str | None:
+        if c.startswith("lm_head."):
+            return c
+        return c.removeprefix("model.") if c.startswith("model.") else None
+
+    _assign(model, files, {c: param(c) for c in files if c not in skip}, dtype, device,
+            lambda p: p if p.startswith("lm_head.") else "model." + p)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary.to(device)
     return model.eval()
-
-
-def load_eagle_head(path: str | Path, target: LlamaForCausalLM, dtype: torch.dtype = torch.float32,
-                    device: torch.device | str = "cpu") -> EagleHead:
-    """Load an :class:`EagleHead` checkpoint (layout in :mod:`specdial.models.eagle`).
-
-    The head shares ``target.embed_tokens`` and ``target.lm_head``. Raises
-    ``FileNotFoundError`` / ``ValueError`` like :func:`load_model` (architecture must be
-    ``SpecdialEagleHead``; hidden size and vocab must match the target).
-    """
-    path = Path(path)
-    raw = _read_config(path)
-    archs = raw.get("architectures") or []
-    if archs != [EAGLE_ARCHITECTURE]:
-        raise ValueError(f"unsupported architecture {archs!r} in {path / 'config.json'}; "
-                         f"supported: {EAGLE_ARCHITECTURE}")
-    config = ModelConfig.from_dict(raw)
-    head = _build(EagleHead, config, target.embed_tokens, target.lm_head)
-    files = _checkpoint_index(path)
-    skip = {c for c in files if c.endswith("rotary_emb.inv_freq")}
-    _assign(head, "", files, dtype, device, skip)
-    head.rotary.to(device)
-    return head.eval()
-
-
-def save_eagle_head(head: EagleHead, path: str | Path) -> None:
-    """Write ``head`` as ``path/config.json`` + ``path/model.safetensors`` (creates ``path``)."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    cfg = head.config.to_dict()
-    cfg["architectures"] = [EAGLE_ARCHITECTURE]
-    cfg["num_hidden_layers"] = 1
-    with open(path / "config.json", "w") as f:
-        json.dump(cfg, f, indent=2)
-    tensors = {n: t.detach().to("cpu").contiguous() for n, t in head.state_dict().items()}
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
 def load_tokenizer(path: str | Path):

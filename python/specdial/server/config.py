@@ -34,7 +34,7 @@ _NOT_ENGINE_KWARGS = frozenset({"log_level", "cpu_threads"})
 
 def _opt(help: str, default: Any = None, **extra: Any) -> Any:
     """A dataclass field with argparse metadata (``help``, optional ``choices``, ``metavar``,
-    ``positional``)."""
+    ``positional``, ``aliases``: more flags for the option, e.g. SGLang's spelling)."""
     return field(default=default, metadata={"help": help, **extra})
 
 
@@ -46,13 +46,14 @@ class EngineArgs:
         "target model: a local Hugging Face Llama/Qwen2 checkpoint directory; default: the "
         "built-in models", metavar="DIR")
     draft_model_path: str | None = _opt(
-        "drafter: a draft model directory sharing the target's tokenizer, or an EAGLE head "
-        "directory; default: none for a user model, the built-in drafter for the built-in "
-        "models", metavar="DIR")
+        "drafter: a draft model directory sharing the target's tokenizer, or an EAGLE or "
+        "EAGLE-3 head directory (specdial's, SGLang's or vLLM's layout); default: none for a "
+        "user model, the built-in drafter for the built-in models", metavar="DIR",
+        aliases=("--speculative-draft-model-path",))
     speculative_algorithm: str | None = _opt(
-        f"EAGLE, DRAFT or {NO_SPECULATION} (plain decoding); default: inferred from "
+        f"EAGLE, EAGLE3, DRAFT or {NO_SPECULATION} (plain decoding); default: inferred from "
         "--draft-model-path (the built-in models use EAGLE)",
-        choices=("EAGLE", "DRAFT", NO_SPECULATION))
+        choices=("EAGLE", "EAGLE3", "DRAFT", NO_SPECULATION))
     speculative_num_steps: int | None = _opt(
         "draft tokens per request per decode iteration. With --speculative-adaptive: the "
         "initial steps (default: the middle candidate); without: the fixed steps (default 3)",
@@ -245,8 +246,8 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             extra["choices"] = meta["choices"]
         if "metavar" in meta:
             extra["metavar"] = meta["metavar"]
-        parser.add_argument(flag, dest=f.name, type=kind, default=f.default, help=help_text,
-                            **extra)
+        parser.add_argument(flag, *meta.get("aliases", ()), dest=f.name, type=kind,
+                            default=f.default, help=help_text, **extra)
 
 
 def config_from_args(cls: type[_C], args: argparse.Namespace) -> _C:

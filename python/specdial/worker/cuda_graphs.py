@@ -73,6 +73,7 @@ from specdial.attention.flashinfer_backend import expand_kv_indices
 from specdial.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
 from specdial.kv_pool import KVPool
 from specdial.models.batch import ForwardBatch
+from specdial.worker.drafters import run_target
 from specdial.worker.sampling import BatchSampling, SamplingParams
 
 I64 = torch.int64
@@ -214,40 +215,46 @@ class CapturePlan:
 
 # --------------------------------------------------------------------------- static buffers
 def static_buffer_shapes(*, max_bs: int, max_steps: int, hidden_size: int, vocab_size: int,
-                         kv_capacity: int) -> dict[str, tuple[int, ...]]:
+                         kv_capacity: int,
+                         feature_size: int | None = None) -> dict[str, tuple[int, ...]]:
     """Shape of every static buffer (and graph output) for batches up to ``max_bs`` requests and
     steps up to ``max_steps`` (``rows = max_bs * (max_steps + 1)`` verify tokens).
+    ``feature_size``: width of the drafter's target features (EAGLE-1: ``hidden_size``, the
+    default; EAGLE-3: the head's hidden size, its fused aux states).
 
     Inputs (fixed addresses, allocated by :class:`StaticBuffers`; int64 unless noted):
 
     - ``verify_input_ids`` / ``verify_positions`` / ``verify_out_loc`` ``[rows]``;
     - ``draft_input_ids`` / ``draft_positions`` / ``draft_out_loc`` ``[max_steps, max_bs]``,
-      ``draft_first_hidden`` ``[max_bs, hidden]`` (model dtype; EAGLE's ``h_{L-1}``);
+      ``draft_first_hidden`` ``[max_bs, feature_size]`` (model dtype; EAGLE's ``h_{L-1}``);
     - ``extend_input_ids`` / ``extend_positions`` / ``extend_out_loc`` ``[rows]``,
-      ``extend_hidden`` ``[rows, hidden]`` (model dtype; EAGLE features);
+      ``extend_hidden`` ``[rows, feature_size]`` (model dtype; EAGLE features);
     - per attention call site ``kv_capacity`` KV positions per request (the static attention
       metadata: ``[max_bs, kv_capacity]`` slots).
 
     Graph outputs (allocated in the graph pool at capture, listed for sizing):
-    ``verify_hidden_out`` ``[rows, hidden]``, ``verify_logits_out`` ``[rows, vocab]`` float32,
-    ``draft_tokens_out`` ``[max_bs, max_steps]``. Raises ``ValueError`` for sizes < 1 or
-    ``max_steps < 0``.
+    ``verify_hidden_out`` ``[rows, hidden]``, ``verify_features_out`` ``[rows, feature_size]``
+    (EAGLE-3; EAGLE-1 features are the hidden states), ``verify_logits_out`` ``[rows, vocab]``
+    float32, ``draft_tokens_out`` ``[max_bs, max_steps]`` (target ids, also for a drafter with
+    a reduced vocabulary). Raises ``ValueError`` for sizes < 1 or ``max_steps < 0``.
     """
-    if min(max_bs, hidden_size, vocab_size, kv_capacity) < 1 or max_steps < 0:
+    feat = hidden_size if feature_size is None else feature_size
+    if min(max_bs, hidden_size, vocab_size, kv_capacity, feat) < 1 or max_steps < 0:
         raise ValueError("static_buffer_shapes: sizes must be >= 1 and max_steps >= 0")
     rows = max_bs * (max_steps + 1)
     return {
         "verify_input_ids": (rows,), "verify_positions": (rows,), "verify_out_loc": (rows,),
         "draft_input_ids": (max_steps, max_bs), "draft_positions": (max_steps, max_bs),
-        "draft_out_loc": (max_steps, max_bs), "draft_first_hidden": (max_bs, hidden_size),
+        "draft_out_loc": (max_steps, max_bs), "draft_first_hidden": (max_bs, feat),
         "extend_input_ids": (rows,), "extend_positions": (rows,), "extend_out_loc": (rows,),
-        "extend_hidden": (rows, hidden_size), "attention_slots": (max_bs, kv_capacity),
-        "verify_hidden_out": (rows, hidden_size), "verify_logits_out": (rows, vocab_size),
-        "draft_tokens_out": (max_bs, max_steps),
+        "extend_hidden": (rows, feat), "attention_slots": (max_bs, kv_capacity),
+        "verify_hidden_out": (rows, hidden_size), "verify_features_out": (rows, feat),
+        "verify_logits_out": (rows, vocab_size), "draft_tokens_out": (max_bs, max_steps),
     }
 
 
-_OUTPUTS = ("verify_hidden_out", "verify_logits_out", "draft_tokens_out", "attention_slots")
+_OUTPUTS = ("verify_hidden_out", "verify_features_out", "verify_logits_out", "draft_tokens_out",
+            "attention_slots")
 _FLOAT_BUFFERS = ("draft_first_hidden", "extend_hidden")
 
 
@@ -255,18 +262,20 @@ class StaticBuffers:
     """The fixed-address inputs of every graph, shared by all runners of an engine.
 
     Sized by :func:`static_buffer_shapes` from ``max_bs`` and ``max_steps`` (the largest
-    candidate steps, never the initial one); int64 on ``device`` except the hidden-state
-    buffers, which are ``dtype``. :meth:`check` validates a :class:`CapturePlan` against them.
+    candidate steps, never the initial one) and the drafter's ``feature_size``; int64 on
+    ``device`` except the feature buffers, which are ``dtype``. :meth:`check` validates a
+    :class:`CapturePlan` against them.
     """
 
     def __init__(self, *, max_bs: int, max_steps: int, hidden_size: int, vocab_size: int,
-                 kv_capacity: int, dtype: torch.dtype, device: torch.device | str) -> None:
+                 kv_capacity: int, dtype: torch.dtype, device: torch.device | str,
+                 feature_size: int | None = None) -> None:
         self.max_bs, self.max_steps, self.kv_capacity = max_bs, max_steps, kv_capacity
         self.rows = max_bs * (max_steps + 1)
         self.device = torch.device(device)
         self.shapes = static_buffer_shapes(max_bs=max_bs, max_steps=max_steps,
                                            hidden_size=hidden_size, vocab_size=vocab_size,
-                                           kv_capacity=kv_capacity)
+                                           kv_capacity=kv_capacity, feature_size=feature_size)
         for name, shape in self.shapes.items():
             if name in _OUTPUTS:
                 continue
@@ -499,11 +508,14 @@ class VerifyOutput:
     """Verify pass results for ``B`` requests x ``n = steps + 1`` tokens.
 
     ``hidden`` ``[B * n, H]`` (model dtype, after the final norm); ``logits`` ``[B * n, V]``
-    float32, or None when the runner does not compute logits. Graph-pool tensors after a replay.
+    float32, or None when the runner does not compute logits; ``features`` ``[B * n, F]``: the
+    drafter's target features (:func:`~specdial.worker.drafters.run_target`; None without an
+    EAGLE drafter). Graph-pool tensors after a replay.
     """
 
     hidden: torch.Tensor
     logits: torch.Tensor | None
+    features: torch.Tensor | None = None
 
 
 @dataclass
@@ -567,10 +579,9 @@ class CudaGraphRunner:
         self.extend_attn = (make_static_attention(backend, mb, self.n, kv_capacity, dev)
                             if drafter is not None else None)
         self.needs_hidden = bool(drafter is not None and drafter.needs_target_hidden)
-        layers = getattr(getattr(drafter, "module", None), "layers", None)
         # a one-layer drafter's KV-only extend never runs attention (the last layer only
         # writes K/V), so its extend needs no attention plan
-        self.extend_uses_attention = drafter is not None and (layers is None or len(layers) > 1)
+        self.extend_uses_attention = drafter is not None and drafter.num_layers > 1
         self.graphs: dict[tuple[str, int], _Graph] = {}
         self.sizes: list[int] = []  # captured batch sizes, ascending
         self.stats = RunnerStats()
@@ -646,9 +657,10 @@ class CudaGraphRunner:
                              self._verify_meta)
 
         def body():
-            hidden = self.target(batch, self.target_kv, self.backend)
+            hidden, feats = run_target(self.target, self.drafter, batch, self.target_kv,
+                                       self.backend)
             logits = self.target.compute_logits(hidden) if self.logits_in_graph else None
-            return hidden, logits
+            return hidden, logits, feats
         return body
 
     def _draft_body(self, g: int) -> Callable[[], Any]:
@@ -765,9 +777,11 @@ class CudaGraphRunner:
         if g is None:
             return self._verify_eager(input_ids, positions, out_loc, kv, start)
         self._fill_verify(g, input_ids, positions, out_loc, kv, start)
-        hidden, logits = self.graphs[("verify", g)].replay()
+        hidden, logits, feats = self.graphs[("verify", g)].replay()
         self.stats.replays["verify"] += 1
-        return VerifyOutput(hidden[: b * n], None if logits is None else logits[: b * n])
+        m = b * n
+        return VerifyOutput(hidden[:m], None if logits is None else logits[:m],
+                            None if feats is None else feats[:m])
 
     @torch.inference_mode()
     def draft(self, input_ids: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor,
@@ -849,9 +863,10 @@ class CudaGraphRunner:
                                 np.minimum(kv.lens, start + n))
         batch = ForwardBatch(input_ids.reshape(-1), positions.reshape(-1), out_loc.reshape(-1),
                              meta)
-        hidden = self.target(batch, self.target_kv, self.backend)
+        hidden, feats = run_target(self.target, self.drafter, batch, self.target_kv,
+                                   self.backend)
         logits = self.target.compute_logits(hidden) if self.logits_in_graph else None
-        return VerifyOutput(hidden, logits)
+        return VerifyOutput(hidden, logits, feats)
 
     def _draft_eager(self, input_ids, positions, out_loc, kv, start, first_hidden, sampling,
                      generator, sample_positions=None):
@@ -938,7 +953,8 @@ def build_runners(plan: CapturePlan, *, target, target_kv: KVPool, drafter, back
     buffers = StaticBuffers(max_bs=plan.max_bs, max_steps=plan.max_steps,
                             hidden_size=target.config.hidden_size,
                             vocab_size=target.config.vocab_size, kv_capacity=kv_capacity,
-                            dtype=w.dtype, device=w.device)
+                            dtype=w.dtype, device=w.device,
+                            feature_size=None if drafter is None else drafter.feature_size)
     return {s: CudaGraphRunner(s, target=target, target_kv=target_kv, drafter=drafter,
                                backend=backend, buffers=buffers, pool=pool,
                                kv_capacity=kv_capacity, logits_in_graph=logits_in_graph,

@@ -1,14 +1,24 @@
 """Drafters: what proposes the ``k`` draft tokens of a decode iteration.
 
-Two implementations behind one :class:`Drafter` interface (chain drafting, top-1, no trees):
+Three implementations behind one :class:`Drafter` interface (chain drafting, top-1, no trees):
 
 - :class:`DraftModelDrafter`: a small :class:`~specdial.models.LlamaForCausalLM` sharing the
   target's tokenizer, with its own :class:`~specdial.kv_pool.KVPool`.
 - :class:`EagleDrafter`: an EAGLE-1 head (Li et al. 2024, arXiv 2401.15077) over
   ``cat(embed(token), target hidden)``, with its own 1-layer pool.
+- :class:`Eagle3Drafter`: an EAGLE-3 head (Li et al. 2025, arXiv 2503.01840) over the fused
+  residual stream of a few target layers, drafting over its own reduced vocabulary whose ids
+  it maps to the target's (``d2t``).
 
-Both pools are indexed by the *same* slot indices as the target's: one
+All pools are indexed by the *same* slot indices as the target's: one
 :class:`specdial._core.KvPagePool` allocation serves target and drafter.
+
+Target features (EAGLE heads, ``needs_target_hidden``): every target forward goes through
+:func:`run_target`, which returns the final hidden states and the drafter's per-token
+*features*, the ``h`` its first draft step reads: the final hidden state itself for EAGLE-1,
+``fc(cat(aux states))`` for EAGLE-3 (the target runs with
+:meth:`~specdial.models.LlamaForCausalLM.forward_with_aux`). The worker stores features per KV
+slot (``[num_slots + 2, feature_size]``); below, "hidden" of the target means these features.
 
 Position / validity convention (used by :mod:`specdial.worker.worker`):
 
@@ -19,8 +29,9 @@ Position / validity convention (used by :mod:`specdial.worker.worker`):
   (so ``L`` becomes ``L + a + 1``).
 - Drafter: per request ``draft_len`` = positions whose drafter KV is valid (was computed from
   the true sequence). EAGLE's input at position ``p`` is ``(embed(x_p), h_{p-1})`` where
-  ``h_{p-1}`` is the target's final hidden state (after its final norm) at ``p - 1``, zeros for
-  ``p = 0``; its output predicts ``x_{p+1}``. Draft step 1 feeds ``(x_L, h_{L-1})`` at position
+  ``h_{p-1}`` is the target's feature at ``p - 1`` (EAGLE-1: the final hidden state after the
+  final norm; EAGLE-3: the fused aux states), zeros for ``p = 0``; its output predicts
+  ``x_{p+1}``. Draft step 1 feeds ``(x_L, h_{L-1})`` at position
   ``L``, step ``i > 1`` feeds ``(d_{i-1}, head output of step i-1)`` at ``L + i - 1``. After a
   verify, EAGLE's valid ``draft_len`` is ``L + 1`` (``d_1..d_a`` were fed approximate hiddens),
   so the draft extend recomputes ``L+1..L+a`` with true hiddens. The draft model wrote true
@@ -50,6 +61,7 @@ from specdial.attention.base import AttentionBackend
 from specdial.kv_pool import KVPool
 from specdial.models.batch import ForwardBatch
 from specdial.models.eagle import EagleHead
+from specdial.models.eagle3 import Eagle3Head
 from specdial.models.llama import LlamaForCausalLM
 from specdial.worker.sampling import (PURPOSE_DRAFT, BatchSampling, sample_from_probs,
                                      target_probs)
@@ -62,13 +74,18 @@ DEFAULT_MAX_STEPS = 16
 class Drafter(abc.ABC):
     """A chain drafter with its own KV pool over the target's slot indices.
 
-    Attributes: ``max_steps`` (largest ``k`` it supports), ``needs_target_hidden`` (EAGLE: the
-    worker must keep the target's hidden states per slot), ``kv`` (its
-    :class:`~specdial.kv_pool.KVPool`, set by :meth:`init_kv`), ``vocab_size``.
+    Attributes: ``max_steps`` (largest ``k`` it supports), ``algorithm`` (``"DRAFT"``,
+    ``"EAGLE"``, ``"EAGLE3"``), ``needs_target_hidden`` (EAGLE heads: the worker keeps the
+    target features of :func:`run_target` per slot, ``feature_size`` wide), ``kv`` (its
+    :class:`~specdial.kv_pool.KVPool`, set by :meth:`init_kv`), ``vocab_size`` (the target's:
+    drafted tokens are target ids), ``num_layers`` (decoder layers; a one-layer drafter's
+    KV-only extend runs no attention).
     """
 
     max_steps: int
+    algorithm: str
     needs_target_hidden: bool = False
+    num_layers: int = 1
     kv: KVPool
     module: nn.Module
 
@@ -80,6 +97,27 @@ class Drafter(abc.ABC):
     @property
     @abc.abstractmethod
     def vocab_size(self) -> int: ...
+
+    @property
+    def feature_size(self) -> int | None:
+        """Width of the per-slot target features (None: the drafter reads none)."""
+        return None
+
+    def run_target(self, target: LlamaForCausalLM, batch: ForwardBatch, kv: KVPool,
+                   backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Target forward for this drafter: ``(final hidden [T, H], features [T, F] or
+        None)`` (EAGLE-1: the final hidden state is the feature)."""
+        hidden = target(batch, kv, backend)
+        return hidden, (hidden if self.needs_target_hidden else None)
+
+    def to_target_ids(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Drafter token ids -> target ids (identity unless the drafter has its own vocab)."""
+        return tokens
+
+    def to_target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[N, V_draft]`` -> ``[N, V]`` logits over the target vocabulary (identity unless the
+        drafter has its own vocab; then ``-inf`` outside it, so ``q`` is 0 there)."""
+        return logits
 
     @abc.abstractmethod
     def init_kv(self, num_slots: int) -> KVPool:
@@ -152,9 +190,9 @@ class Drafter(abc.ABC):
             assert h is not None
             logits = self.compute_logits(h)
             if sampling.all_greedy:
-                tok = logits.argmax(-1)
+                tok = self.to_target_ids(logits.argmax(-1))
             else:
-                q = target_probs(logits.unsqueeze(1), sampling).squeeze(1)
+                q = target_probs(self.to_target_logits(logits).unsqueeze(1), sampling).squeeze(1)
                 tok = sample_from_probs(
                     q, generator, sampling=sampling, purpose=PURPOSE_DRAFT,
                     positions=None if sample_positions is None else sample_positions + i)
@@ -173,6 +211,8 @@ class DraftModelDrafter(Drafter):
     model's (``ValueError`` if they differ).
     """
 
+    algorithm = "DRAFT"
+
     def __init__(self, model: LlamaForCausalLM, *, target_vocab_size: int | None = None,
                  max_steps: int = DEFAULT_MAX_STEPS) -> None:
         super().__init__(max_steps)
@@ -180,6 +220,7 @@ class DraftModelDrafter(Drafter):
             raise ValueError(f"draft model vocab_size {model.config.vocab_size} differs from "
                              f"the target's {target_vocab_size}")
         self.module = self.model = model
+        self.num_layers = model.config.num_hidden_layers
 
     @property
     def vocab_size(self) -> int:
@@ -202,15 +243,21 @@ class DraftModelDrafter(Drafter):
 class EagleDrafter(Drafter):
     """EAGLE-1 head: needs the target's final hidden states (``needs_target_hidden``)."""
 
+    algorithm = "EAGLE"
     needs_target_hidden = True
 
-    def __init__(self, head: EagleHead, *, max_steps: int = DEFAULT_MAX_STEPS) -> None:
+    def __init__(self, head: EagleHead | Eagle3Head, *,
+                 max_steps: int = DEFAULT_MAX_STEPS) -> None:
         super().__init__(max_steps)
         self.module = self.head = head
 
     @property
     def vocab_size(self) -> int:
         return self.head.config.vocab_size
+
+    @property
+    def feature_size(self) -> int | None:
+        return self.head.config.hidden_size
 
     def init_kv(self, num_slots: int) -> KVPool:
         self.kv = self.head.make_kv_pool(num_slots)
@@ -229,17 +276,74 @@ class EagleDrafter(Drafter):
         return target_len + 1
 
 
+class Eagle3Drafter(EagleDrafter):
+    """EAGLE-3 head (:class:`~specdial.models.Eagle3Head`).
+
+    The target runs with its residual stream captured at ``head.spec.aux_layers``; the
+    features are ``head.fuse(aux)``. Draft logits are over the head's ``draft_vocab_size``
+    tokens: greedy drafts take their argmax mapped to target ids (``draft_to_target``),
+    sampling drafts sample from ``target_probs`` of the logits scattered into the target
+    vocabulary with ``-inf`` elsewhere (as vLLM's ``compute_logits`` does), so ``q`` is a
+    distribution over target ids, zero outside the draft vocabulary, and the rejection rule
+    stays lossless. Raises ``ValueError`` when the target's vocabulary or hidden size does not
+    match the head or an aux layer is outside the target.
+    """
+
+    algorithm = "EAGLE3"
+
+    def __init__(self, head: Eagle3Head, target: LlamaForCausalLM, *,
+                 max_steps: int = DEFAULT_MAX_STEPS) -> None:
+        super().__init__(head, max_steps=max_steps)
+        n, v = target.config.num_hidden_layers, target.config.vocab_size
+        if head.config.vocab_size != v or head.spec.target_hidden_size != target.config.hidden_size:
+            raise ValueError(f"EAGLE-3 head (vocab {head.config.vocab_size}, target hidden "
+                             f"{head.spec.target_hidden_size}) does not fit the target (vocab "
+                             f"{v}, hidden {target.config.hidden_size})")
+        if head.spec.aux_layers[-1] > n:
+            raise ValueError(f"EAGLE-3 aux layers {list(head.spec.aux_layers)} outside the "
+                             f"target's residual stream 0..{n}")
+        self.aux_layers = head.spec.aux_layers
+        #: draft id -> target id, or None when they coincide (no mapping work)
+        self.draft_to_target = None if head.identity_vocab else head.draft_to_target
+
+    def run_target(self, target, batch, kv, backend):
+        hidden, aux = target.forward_with_aux(batch, kv, backend, self.aux_layers)
+        return hidden, self.head.fuse(aux)
+
+    def to_target_ids(self, tokens: torch.Tensor) -> torch.Tensor:
+        return tokens if self.draft_to_target is None else self.draft_to_target[tokens]
+
+    def to_target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.draft_to_target is None:
+            return logits
+        out = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+        return out.index_copy_(1, self.draft_to_target, logits)
+
+
+def run_target(target: LlamaForCausalLM, drafter: Drafter | None, batch: ForwardBatch,
+               kv: KVPool, backend: AttentionBackend
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target forward of a prefill or verify: ``(final hidden [T, H], drafter features
+    [T, F] or None)`` (:meth:`Drafter.run_target`; ``drafter`` None: plain forward)."""
+    if drafter is None:
+        return target(batch, kv, backend), None
+    return drafter.run_target(target, batch, kv, backend)
+
+
 def make_drafter(module: nn.Module | Drafter | None, target: LlamaForCausalLM, *,
                  max_steps: int = DEFAULT_MAX_STEPS) -> Drafter | None:
     """Wrap ``module``: a :class:`Drafter` is returned as is, an :class:`EagleHead` becomes an
-    :class:`EagleDrafter`, a :class:`LlamaForCausalLM` a :class:`DraftModelDrafter`. Raises
-    ``TypeError`` for anything else (None gives None)."""
+    :class:`EagleDrafter`, an :class:`Eagle3Head` an :class:`Eagle3Drafter`, a
+    :class:`LlamaForCausalLM` a :class:`DraftModelDrafter`. Raises ``TypeError`` for anything
+    else (None gives None)."""
     if module is None or isinstance(module, Drafter):
         return module
+    if isinstance(module, Eagle3Head):
+        return Eagle3Drafter(module, target, max_steps=max_steps)
     if isinstance(module, EagleHead):
         return EagleDrafter(module, max_steps=max_steps)
     if isinstance(module, LlamaForCausalLM):
         return DraftModelDrafter(module, target_vocab_size=target.config.vocab_size,
                                  max_steps=max_steps)
-    raise TypeError(f"drafter must be an EagleHead, a LlamaForCausalLM or a Drafter, "
-                    f"got {type(module).__name__}")
+    raise TypeError(f"drafter must be an EagleHead, an Eagle3Head, a LlamaForCausalLM or a "
+                    f"Drafter, got {type(module).__name__}")

@@ -29,6 +29,7 @@ import torch
 from specdial.attention.base import AttentionBackend
 from specdial.kv_pool import KVPool
 from specdial.worker.cuda_graphs import KVLayout, VerifyOutput
+from specdial.worker.drafters import run_target
 
 if TYPE_CHECKING:
     from specdial.worker.cuda_graphs import CudaGraphRunner
@@ -238,16 +239,18 @@ class RuntimeState:
 
     # Pass runners: eager, or through :attr:`runner` when the batches carry a KV layout.
     def run_verify(self, target, kv: KVPool, batch: ForwardBatch,
-                   batches: DecodeBatches | None = None) -> VerifyOutput:
-        """Target forward of the verify pass -> final hidden ``[B * (steps + 1), H]`` and,
-        through the runner, the logits (graph-pool tensors: consume them before the next
-        replay); eager: logits None (the caller computes them)."""
+                   batches: DecodeBatches | None = None, drafter=None) -> VerifyOutput:
+        """Target forward of the verify pass -> final hidden ``[B * (steps + 1), H]``, the
+        ``drafter``'s features (:func:`~specdial.worker.drafters.run_target`) and, through the
+        runner, the logits (graph-pool tensors: consume them before the next replay); eager:
+        logits None (the caller computes them)."""
         if self.runner is not None and batches is not None and batches.layout is not None:
             assert batches.target_len is not None
             return self.runner.verify(batch.input_ids, batch.positions, batch.out_loc,
                                       batches.layout, batches.target_len,
                                       graph_bs=batches.graph_bs)
-        return VerifyOutput(target(batch, kv, self.backend), None)
+        hidden, feats = run_target(target, drafter, batch, kv, self.backend)
+        return VerifyOutput(hidden, None, feats)
 
     def run_draft(self, drafter, batches: DecodeBatches, **kwargs):
         """All ``steps`` draft forwards -> ``(tokens [B, k], probs [B, k, V] | None)``."""

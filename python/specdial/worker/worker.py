@@ -44,7 +44,7 @@ from specdial.attention.select import select_backend
 from specdial.models.llama import LlamaForCausalLM
 from specdial.worker.cuda_graphs import (CapturePlan, CaptureReport, CudaGraphRunner, GraphPool,
                                          build_runners, capture_all)
-from specdial.worker.drafters import Drafter
+from specdial.worker.drafters import Drafter, run_target
 from specdial.worker.runtime import DecodeBatches, RequestTables, RuntimeState
 from specdial.worker.sampling import BatchSampling, sample, speculative_accept
 
@@ -127,12 +127,12 @@ class SpecWorker:
         self.tables = RequestTables(max_running_requests, context_length + steps[-1] + 2, device)
         self.states = {s: RuntimeState(s, max_running_requests, self.tables, self.backend)
                        for s in steps}
-        # Target final hidden per KV slot (EAGLE input); row num_slots is the pad sentinel,
-        # row num_slots + 1 stays zero (h_{-1}).
+        # Target features per KV slot (EAGLE input: the final hidden state, or EAGLE-3's fused
+        # aux states); row num_slots is the pad sentinel, row num_slots + 1 stays zero (h_{-1}).
         self.hidden: torch.Tensor | None = None
         self.zero_row = num_slots + 1
-        if drafter is not None and drafter.needs_target_hidden:
-            self.hidden = torch.zeros(num_slots + 2, target.config.hidden_size,
+        if drafter is not None and drafter.feature_size is not None:
+            self.hidden = torch.zeros(num_slots + 2, drafter.feature_size,
                                       dtype=target.embed_tokens.weight.dtype, device=device)
         self.target_len = np.zeros(max_running_requests, np.int64)
         self.draft_len = np.zeros(max_running_requests, np.int64)
@@ -227,9 +227,9 @@ class SpecWorker:
         self.tables.write(rows, starts, qo, slots=_i64(plan.out_loc), ids=_i64(plan.input_ids))
         state = self.states[min(self.states)]
         batch, _ = state.prepare_ragged(rows, starts, ends)
-        hidden = self.target(batch, self.kv, self.backend)
-        if self.hidden is not None:
-            self.hidden.index_copy_(0, batch.out_loc, hidden)
+        hidden, feats = run_target(self.target, self.drafter, batch, self.kv, self.backend)
+        if self.hidden is not None and feats is not None:
+            self.hidden.index_copy_(0, batch.out_loc, feats)
         self.target_len[rows] = ends
         sample_first = _i64(plan.sample_first)
         tokens = np.zeros(0, np.int64)
@@ -313,10 +313,11 @@ class SpecWorker:
             drafts = batches.verify_ids[:, 1:]
         else:
             drafts = batches.verify_ids[:, 1:]  # [B, 0]
-        verified = state.run_verify(self.target, self.kv, batches.verify, batches)
+        verified = state.run_verify(self.target, self.kv, batches.verify, batches,
+                                    drafter=self.drafter)
         hidden = verified.hidden
-        if self.hidden is not None:
-            self.hidden.index_copy_(0, batches.verify.out_loc, hidden)
+        if self.hidden is not None and verified.features is not None:
+            self.hidden.index_copy_(0, batches.verify.out_loc, verified.features)
         logits = (verified.logits if verified.logits is not None
                   else self.target.compute_logits(hidden)).view(b, n, -1)
         accepted, out = speculative_accept(drafts, probs, logits, sampling, generator,
