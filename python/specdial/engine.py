@@ -31,9 +31,11 @@ import torch
 
 from specdial._core import (AdaptiveConfig, ConfigError, Scheduler,
                             SchedulerConfig, validate_initial_steps)
-from specdial.engine_api import EngineStats, RequestError, StreamChunk
+from specdial.engine_api import EngineStats, LogprobOptions, RequestError, StreamChunk
 from specdial.engine_loop import EngineLoop, RequestSpec, StepsSchedule
-from specdial.engine_requests import async_stream, collect, make_spec, sync_stream
+from specdial.engine_output import OutputAccumulator
+from specdial.engine_requests import (async_collect, async_stream, collect, make_spec,
+                                      sync_stream)
 from specdial.models import LlamaForCausalLM, load_eagle_head, load_model, load_tokenizer
 from specdial.models.config import ModelConfig
 from specdial.models.eagle import EAGLE_ARCHITECTURE
@@ -101,6 +103,28 @@ def _builtin_dirs(draft_dir: Path | None, algo: Any) -> tuple[Path, Path | None,
                                   f"available: {e}; or pass model_path=<local HF checkpoint "
                                   "directory>") from e
     return target, draft_dir, algo
+
+
+def logprob_options(return_logprob: Any, logprob_start_len: Any,
+                    top_logprobs_num: Any) -> LogprobOptions | None:
+    """SGLang's ``return_logprob`` / ``logprob_start_len`` (-1: no prompt logprobs) /
+    ``top_logprobs_num`` as :class:`LogprobOptions` (None without ``return_logprob``).
+    Raises :class:`RequestError` for a wrong type, or for the other two set without
+    ``return_logprob``; the ranges are checked per request (they depend on the prompt)."""
+    if not isinstance(return_logprob, bool):
+        raise RequestError(f"return_logprob must be a bool, got {return_logprob!r}",
+                           "return_logprob")
+    for name, value in (("logprob_start_len", logprob_start_len),
+                        ("top_logprobs_num", top_logprobs_num)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise RequestError(f"{name} must be an int, got {value!r}", name)
+    if not return_logprob:
+        if logprob_start_len != -1 or top_logprobs_num != 0:
+            raise RequestError("logprob_start_len and top_logprobs_num need "
+                               "return_logprob=True", "return_logprob")
+        return None
+    return LogprobOptions(top_n=top_logprobs_num,
+                          prompt_start=None if logprob_start_len == -1 else logprob_start_len)
 
 
 def _release_loop(loop: EngineLoop) -> None:
@@ -387,11 +411,11 @@ class Engine:
 
     # ----------------------------------------------------------------- requests
     def _spec(self, prompt: Any, input_ids: Any, sampling_params: Any, stop: Any,
-              label: str = "") -> RequestSpec:
+              label: str = "", logprobs: LogprobOptions | None = None) -> RequestSpec:
         return make_spec(prompt, input_ids, sampling_params, stop, tokenizer=self.tokenizer,
                          vocab_size=self.target.config.vocab_size,
                          context_length=self.context_length, eos_token_ids=self.eos_token_ids,
-                         label=label)
+                         label=label, logprobs=logprobs)
 
     def _post(self, message: tuple[Any, ...]) -> None:
         with self._lock:
@@ -404,17 +428,14 @@ class Engine:
                 self._started = True
             self._loop.post(message)
 
-    # ----------------------------------------------------------------- public API
-    def generate(self, prompt: str | list[str] | None = None, sampling_params: Any = None,
-                 input_ids: list[int] | list[list[int]] | None = None) -> Any:
-        """Generate for one prompt (returns a dict) or a list (returns a list of dicts).
+    def _decode_token(self, token: int) -> str:
+        return str(self.tokenizer.decode([token]))
 
-        ``prompt``: a str or list of str (needs a tokenizer), or ``input_ids``: a list of ints
-        or a list of lists; exactly one of the two. ``sampling_params``: a dict (shared) or a
-        list of dicts (one per prompt) with keys of :class:`SamplingParams`. Blocks until every
-        request finished; concurrent calls share the running batch; a full queue makes it wait.
-        Raises :class:`RequestError` (a ``ValueError``) for an invalid request (nothing runs).
-        """
+    def _batch(self, prompt: Any, sampling_params: Any, input_ids: Any,
+               return_logprob: Any, logprob_start_len: Any, top_logprobs_num: Any,
+               return_text_in_logprobs: Any
+               ) -> tuple[bool, list[RequestSpec], list[OutputAccumulator]]:
+        """Validate a ``generate`` / ``async_generate`` call: ``(single, specs, outputs)``."""
         if self._closed:
             raise RuntimeError("Engine is shut down")
         if (prompt is None) == (input_ids is None):
@@ -433,31 +454,117 @@ class Engine:
             sps = list(sampling_params)
         else:
             sps = [sampling_params] * len(items)
+        lp = logprob_options(return_logprob, logprob_start_len, top_logprobs_num)
+        if not isinstance(return_text_in_logprobs, bool):
+            raise RequestError(f"return_text_in_logprobs must be a bool, got "
+                               f"{return_text_in_logprobs!r}", "return_text_in_logprobs")
+        if return_text_in_logprobs and self.tokenizer is None:
+            raise RequestError("return_text_in_logprobs needs a tokenizer", "return_text_in_logprobs")
         specs = [self._spec(x if prompt is not None else None,
                             x if prompt is None else None, sp, None,
-                            "" if single else f"prompt {i}: ")
+                            "" if single else f"prompt {i}: ", lp)
                  for i, (x, sp) in enumerate(zip(items, sps))]
-        out = collect(self._post, self._cancel, specs)
+        decode = self._decode_token if return_text_in_logprobs else None
+        outs = [OutputAccumulator(s.prompt_ids, return_logprob=lp is not None, decode=decode)
+                for s in specs]
+        return single, specs, outs
+
+    # ----------------------------------------------------------------- public API
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: Any = None,
+                 input_ids: list[int] | list[list[int]] | None = None, *,
+                 return_logprob: bool = False, logprob_start_len: int = -1,
+                 top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
+                 stream: bool = False) -> Any:
+        """Generate for one prompt (returns a dict) or a list (returns a list of dicts).
+
+        ``prompt``: a str or list of str (needs a tokenizer), or ``input_ids``: a list of ints
+        or a list of lists; exactly one of the two. ``sampling_params``: a dict (shared) or a
+        list of dicts (one per prompt) with keys of :class:`SamplingParams`, plus SGLang's
+        ``stop`` (a string or a list of strings). Blocks until every request finished;
+        concurrent calls share the running batch; a full queue makes it wait.
+
+        ``return_logprob`` (SGLang's): add ``output_token_logprobs`` / ``output_top_logprobs``
+        (``top_logprobs_num`` alternatives, 0..20) and, with ``logprob_start_len >= 0``,
+        ``input_token_logprobs`` / ``input_top_logprobs`` from that prompt position to
+        ``meta_info`` (:mod:`specdial.engine_output`; the target's log-probabilities before
+        sampling processors); ``return_text_in_logprobs`` fills their token texts.
+
+        ``stream=True`` (one prompt only) returns an iterator of dicts of the same shape,
+        cumulative (``text`` and ``output_ids`` so far), as SGLang's ``generate(...,
+        stream=True)``; closing it early aborts the request.
+
+        Raises :class:`RequestError` (a ``ValueError``) for an invalid request (nothing runs).
+        """
+        single, specs, outs = self._batch(prompt, sampling_params, input_ids, return_logprob,
+                                          logprob_start_len, top_logprobs_num,
+                                          return_text_in_logprobs)
+        if stream:
+            if not single:
+                raise RequestError("generate(stream=True) streams one prompt; call it once per "
+                                   "prompt, or use async_stream", "prompt")
+            return self._stream_dicts(specs[0], outs[0])
+        out = collect(self._post, self._cancel, specs, outs)
+        return out[0] if single else out
+
+    def _stream_dicts(self, spec: RequestSpec, out: OutputAccumulator) -> Iterator[dict[str, Any]]:
+        for chunk in sync_stream(self._post, self._cancel, spec):
+            out.add(chunk)
+            yield out.result()
+
+    async def _astream_dicts(self, spec: RequestSpec,
+                             out: OutputAccumulator) -> AsyncIterator[dict[str, Any]]:
+        chunks = async_stream(self._post, self._cancel, spec)
+        try:
+            async for chunk in chunks:
+                out.add(chunk)
+                yield out.result()
+        finally:
+            await chunks.aclose()
+
+    async def async_generate(self, prompt: str | list[str] | None = None,
+                             sampling_params: Any = None,
+                             input_ids: list[int] | list[list[int]] | None = None, *,
+                             return_logprob: bool = False, logprob_start_len: int = -1,
+                             top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
+                             stream: bool = False) -> Any:
+        """:meth:`generate` on an asyncio loop (SGLang's ``async_generate``): awaits the dict
+        (or list of dicts); with ``stream=True`` (one prompt) returns an async iterator of
+        cumulative dicts (``async for out in await engine.async_generate(..., stream=True)``).
+        Raises :class:`RequestError` for an invalid request."""
+        single, specs, outs = self._batch(prompt, sampling_params, input_ids, return_logprob,
+                                          logprob_start_len, top_logprobs_num,
+                                          return_text_in_logprobs)
+        if stream:
+            if not single:
+                raise RequestError("async_generate(stream=True) streams one prompt; call it "
+                                   "once per prompt", "prompt")
+            return self._astream_dicts(specs[0], outs[0])
+        out = await async_collect(self._post, self._cancel, specs, outs)
         return out[0] if single else out
 
     def stream(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
                sampling_params: dict[str, Any] | None = None,
-               stop: list[str] | None = None) -> Iterator[StreamChunk]:
+               stop: list[str] | None = None,
+               logprobs: LogprobOptions | None = None) -> Iterator[StreamChunk]:
         """Stream one request (synchronous). Submitted on the first ``next()``, which raises
         :class:`RequestError` / :class:`QueueFullError`; closing the iterator early aborts
-        the request."""
+        the request. ``logprobs``: fills the chunks' logprob fields."""
         yield from sync_stream(self._post, self._cancel,
-                               self._spec(prompt, input_ids, sampling_params, stop))
+                               self._spec(prompt, input_ids, sampling_params, stop,
+                                          logprobs=logprobs))
 
     async def async_stream(self, prompt: str | None = None, *,
                            input_ids: list[int] | None = None,
                            sampling_params: dict[str, Any] | None = None,
-                           stop: list[str] | None = None) -> AsyncIterator[StreamChunk]:
+                           stop: list[str] | None = None,
+                           logprobs: LogprobOptions | None = None) -> AsyncIterator[StreamChunk]:
         """Stream one request (asyncio). Submitted on the first ``__anext__``, which raises
         :class:`RequestError` / :class:`QueueFullError` before any chunk; ``aclose()`` or
-        cancelling the task awaiting a chunk aborts the request."""
+        cancelling the task awaiting a chunk aborts the request. ``logprobs``: fills the
+        chunks' logprob fields."""
         chunks = async_stream(self._post, self._cancel,
-                              self._spec(prompt, input_ids, sampling_params, stop))
+                              self._spec(prompt, input_ids, sampling_params, stop,
+                                         logprobs=logprobs))
         try:
             async for chunk in chunks:
                 yield chunk
