@@ -98,6 +98,7 @@ class ServerState:
         self.metrics = ServerMetrics(engine, model_name)
         self.created = int(time.time())
         self.decode = TokenDecoder(engine.tokenizer)
+        self.server_args: dict[str, Any] = {}
         self.draining = False
         self.shutdown_engine_on_exit = shutdown_engine_on_exit
         self._engine_shut_down = False
@@ -142,8 +143,8 @@ class _Choice:
     last_token_s: float | None = None
     completion_tokens: int = 0
     done: bool = False
-    # with logprobs: every emitted token, its logprob and top alternatives; the prompt's
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # every emitted token
+    # with logprobs: each token's logprob and top alternatives; the prompt's
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None
@@ -255,8 +256,8 @@ class _Run:
                 assert c.last_token_s is not None
                 self.state.metrics.observe_inter_token(now - c.last_token_s)
             c.last_token_s = now
+        c.token_ids += chunk.token_ids
         if chunk.logprobs is not None:
-            c.token_ids += chunk.token_ids
             c.logprobs += chunk.logprobs
             c.top_logprobs += chunk.top_logprobs or [[] for _ in chunk.token_ids]
         if chunk.prompt_logprobs is not None:
@@ -439,12 +440,15 @@ def _stop(req: CompletionRequest | ChatCompletionRequest) -> list[str] | None:
 
 # ---------------------------------------------------------------------------- the app
 def create_app(engine: Any, *, served_model_name: str = BUILTIN_MODEL_NAME,
-               shutdown_engine_on_exit: bool = True) -> FastAPI:
+               shutdown_engine_on_exit: bool = True,
+               server_args: dict[str, Any] | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (an :class:`specdial.engine_api.EngineProtocol`)
     under the model name ``served_model_name``. ``app.state.specdial`` is the
     :class:`ServerState` (``begin_drain()`` makes new requests 503). At lifespan shutdown the
-    engine is shut down (``drain=False``) unless ``shutdown_engine_on_exit`` is False."""
+    engine is shut down (``drain=False``) unless ``shutdown_engine_on_exit`` is False.
+    ``server_args``: the options the server was started with, reported by ``/server_info``."""
     state = ServerState(engine, served_model_name, shutdown_engine_on_exit)
+    state.server_args = dict(server_args or {})
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -676,6 +680,9 @@ def create_app(engine: Any, *, served_model_name: str = BUILTIN_MODEL_NAME,
             yield f"data: {json.dumps(_engine_error(e, {}).body())}\n\n"
         yield _DONE
 
+    from specdial.server.sglang_api import add_sglang_routes
+
+    add_sglang_routes(app, state, check_admitting)
     return app
 
 
