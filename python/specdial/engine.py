@@ -64,6 +64,23 @@ def _dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[str(dtype)]
 
 
+def _auto_dtype(model_dir: Path, device: torch.device) -> torch.dtype:
+    """``dtype="auto"`` (vLLM's): float32 on the CPU; on CUDA the checkpoint's ``torch_dtype``
+    (``dtype`` in newer configs) from its config.json, float32 when it names none. Raises
+    ``ValueError`` for a checkpoint dtype this engine does not run (float16)."""
+    if device.type == "cpu":
+        return torch.float32
+    import json
+
+    with open(model_dir / "config.json", encoding="utf-8") as f:
+        cfg = json.load(f)
+    name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+    if name not in DTYPES:
+        raise ValueError(f"dtype='auto': the checkpoint's dtype {name!r} is not supported; "
+                         f"pass dtype={' or '.join(map(repr, DTYPES))}")
+    return DTYPES[name]
+
+
 def _device(device: str | torch.device) -> torch.device:
     try:
         dev = torch.device(device)
@@ -156,7 +173,9 @@ class Engine:
     - ``skip_zero_step_draft_extend``: skip the drafter extend at ``steps = 0`` (it catches up
       in one batched extend when steps turn positive).
     - ``device`` ``"cpu"``/``"cuda"``/``"cuda:N"`` (``ValueError`` when CUDA is not available
-      or there is no device N); ``dtype`` ``"float32"``/``"bfloat16"``.
+      or there is no device N); ``dtype`` ``"float32"``/``"bfloat16"``, or ``"auto"`` (the
+      checkpoint's dtype on CUDA, float32 on the CPU). A given adaptive config is validated
+      before any model loads.
     - keyword-only: ``max_running_requests`` (requests admitted at once, prefilling included),
       ``max_queued_requests`` (new requests waiting beyond the free running slots; beyond it
       submissions raise :class:`~specdial.engine_api.QueueFullError`; ``generate`` waits
@@ -204,13 +223,18 @@ class Engine:
                  dtype: str = "float32", **kwargs: Any) -> None:
         if speculative_algorithm is not _DEFAULT:
             _check_choice("speculative_algorithm", speculative_algorithm, ALGORITHMS)
-        torch_dtype, dev = _dtype(dtype), _device(device)
+        dev = _device(device)
+        torch_dtype = None if dtype == "auto" else _dtype(dtype)
         draft_dir = None if draft_model_path is None else Path(draft_model_path)
         algo = speculative_algorithm
+        if speculative_adaptive_config is not None:  # validated before any model loads
+            speculative_adaptive_config = self._adaptive_config(speculative_adaptive_config)
         if model_path is None:
             model_dir, draft_dir, algo = _builtin_dirs(draft_dir, algo)
         else:
             model_dir = Path(model_path)
+        if torch_dtype is None:
+            torch_dtype = _auto_dtype(model_dir, dev)
         if algo is _DEFAULT:
             algo = None
             if draft_dir is not None:
