@@ -675,3 +675,10 @@ def test_render_chat_with_an_hf_tokenizer():
     tok.chat_template = "{{ raise_exception('roles must alternate') }}"
     with pytest.raises(ValueError, match="roles must alternate"):
         render_chat(tok, messages)
+
+
+def test_every_unsupported_field_names_what_to_use_instead():
+    from specdial.server.protocol import (INSTEAD, UNSUPPORTED_CHAT_FIELDS,
+                                          UNSUPPORTED_COMPLETION_FIELDS)
+
+    assert set(UNSUPPORTED_COMPLETION_FIELDS) | set(UNSUPPORTED_CHAT_FIELDS) == set(INSTEAD)

@@ -122,6 +122,26 @@ UNSUPPORTED_CHAT_FIELDS: dict[str, tuple[Any, ...]] = {
 }
 
 
+_OMIT = "omit it: this server has no such feature"
+_NO_TOOLS = "describe the tools in the messages and parse the reply text"
+#: What to use instead of each unsupported field (in its 400 message).
+INSTEAD: dict[str, str] = {
+    "suffix": "no fill-in-the-middle: send the prefix as 'prompt'",
+    "frequency_penalty": "no penalties are implemented: use temperature, top_p or stop",
+    "presence_penalty": "no penalties are implemented: use temperature, top_p or stop",
+    "logit_bias": "no logit processors are implemented: use stop strings, or rank 'n' "
+                  "choices by their 'logprobs'",
+    "service_tier": _OMIT, "tools": _NO_TOOLS, "tool_choice": _NO_TOOLS,
+    "parallel_tool_calls": _NO_TOOLS, "functions": _NO_TOOLS, "function_call": _NO_TOOLS,
+    "response_format": "ask for the format in the messages (no constrained decoding)",
+    "audio": "text only", "modalities": "text only ([\"text\"])",
+    "prediction": "omit it: speculative decoding is built in",
+    "reasoning_effort": _OMIT, "store": _OMIT, "metadata": _OMIT,
+    "web_search_options": _OMIT, "verbosity": _OMIT, "prompt_cache_key": _OMIT,
+    "safety_identifier": "omit it, or use 'user'",
+}
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -233,9 +253,9 @@ def _check_fields(body: dict[str, Any], model: type[BaseModel],
             neutral = unsupported[key]
             # bool is an int in Python: `n: true` must not pass as `n: 1`
             if not any(value == v and type(value) is type(v) or value is v for v in neutral):
-                raise bad_request(f"'{key}' is not supported by this server"
-                                  f"{'' if value is None else f' (got {json.dumps(value)})'}",
-                                  key, "unsupported_parameter")
+                got = '' if value is None else f' (got {json.dumps(value)})'
+                raise bad_request(f"'{key}' is not supported by this server{got}; "
+                                  f"{INSTEAD.get(key, _OMIT)}", key, "unsupported_parameter")
         elif key not in model.model_fields:
             raise bad_request(f"Unrecognized request argument supplied: {key}", key,
                               "unrecognized_parameter")
