@@ -4,8 +4,11 @@ This module holds only plain types, no torch, so that the HTTP server, the CLI a
 can import it cheaply. The Engine implements the contract; the server (``specdial.server``)
 consumes it:
 
-- ``engine.async_stream(prompt=None, *, input_ids=None, sampling_params=None, stop=None)`` ->
-  ``AsyncIterator[StreamChunk]``: the request is submitted on the first iteration;
+- ``engine.async_stream(prompt=None, *, input_ids=None, sampling_params=None, stop=None,
+  logprobs=None)`` -> ``AsyncIterator[StreamChunk]`` (``logprobs``: a :class:`LogprobOptions`
+  fills the chunks' logprob fields; callers pass it only when they want logprobs, so engines
+  without them keep working for everything else): the request is submitted on the first
+  iteration;
   :class:`RequestError` or :class:`QueueFullError` is raised then, before any chunk. If the
   consumer stops iterating (``aclose()``, or cancellation of the task awaiting the next chunk,
   e.g. a disconnected HTTP client) the request is aborted and everything it held is freed.
@@ -151,11 +154,13 @@ class EngineProtocol(Protocol):
 
     def async_stream(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
                      sampling_params: dict[str, Any] | None = None,
-                     stop: list[str] | None = None) -> AsyncIterator[StreamChunk]: ...
+                     stop: list[str] | None = None,
+                     logprobs: LogprobOptions | None = None) -> AsyncIterator[StreamChunk]: ...
 
     def stream(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
                sampling_params: dict[str, Any] | None = None,
-               stop: list[str] | None = None) -> Iterator[StreamChunk]: ...
+               stop: list[str] | None = None,
+               logprobs: LogprobOptions | None = None) -> Iterator[StreamChunk]: ...
 
     def generate(self, prompt: Any = None, sampling_params: Any = None,
                  input_ids: Any = None) -> Any: ...
