@@ -444,7 +444,9 @@ def section_parity(sh: Shapes, log) -> dict:
 
 
 def section_engine_parity(sh: Shapes, log) -> dict:
-    """Greedy outputs of Engine.generate with graphs vs disable_cuda_graph (needs the wiring)."""
+    """Greedy outputs of Engine.generate with graphs vs disable_cuda_graph (needs the wiring),
+    and their logprobs (issue 13: computed from the verify logits, copied to the host on the
+    step's sync): equal within 1e-3 between the two, finite, top-1 >= the chosen token's."""
     from specdial.engine import Engine
     target, head = build_models(sh.model, torch.float32, sh.device, seed=1)
     rng = np.random.default_rng(1)
@@ -459,13 +461,18 @@ def section_engine_parity(sh: Shapes, log) -> dict:
              for s in sh.parity_steps] + [("adaptive", {})]
     ok_all = True
     for name, spec in cases:
-        outs, stats = {}, {}
+        outs, stats, lps = {}, {}, {}
         try:
             for label, disable in (("graphs", False), ("eager", True)):
                 engine = Engine.from_modules(target, head, disable_cuda_graph=disable,
                                              cuda_graph_mode=sh.graph_mode, **spec, **kw)
-                outs[label] = [o["output_ids"] for o in engine.generate(input_ids=prompts,
-                                                                        sampling_params=sp)]
+                gen = engine.generate(input_ids=prompts, sampling_params=sp,
+                                      return_logprob=True, top_logprobs_num=2,
+                                      logprob_start_len=0)
+                outs[label] = [o["output_ids"] for o in gen]
+                lps[label] = [(lp, top[0][0]) for o in gen for lp, top in zip(
+                    (x[0] for x in o["meta_info"]["output_token_logprobs"]),
+                    o["meta_info"]["output_top_logprobs"])]
                 stats[label] = engine.graph_stats()
                 engine.shutdown()
         except TypeError as e:
@@ -474,10 +481,14 @@ def section_engine_parity(sh: Shapes, log) -> dict:
                 return {"status": "SKIP", "reason": f"not wired: {e}"}
             raise
         same = outs["graphs"] == outs["eager"]
+        lp_ok = same and len(lps["graphs"]) == len(lps["eager"]) and all(
+            np.isfinite(a) and abs(a - b) < 1e-3 and top >= a - 1e-6
+            for (a, top), (b, _) in zip(lps["graphs"], lps["eager"]))
         replays = stats["graphs"]["replays"]
-        ok = same and (sh.graph_mode == "eager" or replays.get("verify", 0) > 0)
+        ok = same and lp_ok and (sh.graph_mode == "eager" or replays.get("verify", 0) > 0)
         ok_all &= ok
         results[name] = {"status": "PASS" if ok else "FAIL", "graphs_equal_eager": same,
+                         "logprobs_equal": lp_ok,
                          "replays": replays, "eager_fallbacks": stats["graphs"]["eager"],
                          "graphs_captured": stats["graphs"]["captured"]}
         log(f"engine parity {name}: {results[name]['status']} "

@@ -2,7 +2,7 @@
 
     .venv/bin/python benches/iteration_profile.py [--concurrency 1,64] [--configs no-spec,fixed-3,adaptive]
 
-Runs the built-in models (float32, CPU) on ``benches/prompts/code.jsonl`` at each concurrency
+Runs the built-in models (float32, CPU) on ``python/specdial/bench/prompts/code.jsonl`` at each concurrency
 (``max_running_requests`` = concurrency, ``2 x concurrency`` requests submitted at once) and
 splits the wall time of the engine loop's decode and prefill iterations into:
 

@@ -40,6 +40,7 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert engine["status"] == "PASS", engine
     for name in ("steps=0", "steps=7", "adaptive"):
         assert engine[name]["graphs_equal_eager"] and engine[name]["replays"]["verify"] > 0
+        assert engine[name]["logprobs_equal"]
     timing = res["timing"]
     assert set(timing["rows"]) == {"plain", "steps=0", "steps=1", "steps=3", "steps=0 skip"}
     cell = timing["rows"]["steps=3"]["4"]

@@ -211,14 +211,16 @@ def test_metrics(live, client):
     for name in ("specdial:spec_decode_num_drafts_total",
                  "specdial:spec_decode_num_draft_tokens_total",
                  "specdial:spec_decode_num_accepted_tokens_total",
-                 'specdial:spec_decode_num_accepted_tokens_per_pos_total{position="0"}',
-                 'specdial:spec_decode_num_steps{slot="1"} 3.0',
-                 'specdial:spec_decode_num_steps{slot="8"} 0.0',
+                 'specdial:spec_decode_num_accepted_tokens_per_pos_total{model_name="specdial-default",position="0"}',
+                 'specdial:spec_decode_num_steps{model_name="specdial-default",slot="1"} 3.0',
+                 'specdial:spec_decode_num_steps{model_name="specdial-default",slot="8"} 0.0',
                  "specdial:num_requests_running", "specdial:num_requests_waiting",
                  "specdial:kv_cache_usage_perc", "specdial:spec_decode_step_switches_total",
                  "specdial:num_preemptions_total", "specdial:num_requests_finished_total",
                  "specdial:prompt_tokens_total", "specdial:generation_tokens_total",
-                 'specdial:request_success_total{finished_reason="length"}',
+                 'specdial:request_success_total{finished_reason="length",model_name="specdial-default"}',
+                 "specdial:request_queue_time_seconds_bucket",
+                 "specdial:inter_token_latency_seconds_count",
                  "specdial:time_to_first_token_seconds_bucket",
                  "specdial:time_per_output_token_seconds_count",
                  "specdial:e2e_request_latency_seconds_sum"):
@@ -228,7 +230,8 @@ def test_metrics(live, client):
     assert float(ttft[0].split()[-1]) >= 1
     # counters are the engine's cumulative totals
     stats = live.engine.stats()
-    assert f"specdial:spec_decode_num_drafts_total {float(stats.num_drafts)}" in text
+    assert (f"specdial:spec_decode_num_drafts_total{{model_name=\"{NAME}\"}} "
+            f"{float(stats.num_drafts)}") in text
 
 
 def test_two_apps_in_one_process_have_separate_registries():
@@ -238,8 +241,9 @@ def test_two_apps_in_one_process_have_separate_registries():
     apps = [create_app(a), create_app(b)]
     a._counts["num_drafts"] = 7
     texts = [app.state.specdial.metrics.render().decode() for app in apps]
-    assert "specdial:spec_decode_num_drafts_total 7.0" in texts[0]
-    assert "specdial:spec_decode_num_drafts_total 0.0" in texts[1]
+    label = '{model_name="specdial-default"}'
+    assert f"specdial:spec_decode_num_drafts_total{label} 7.0" in texts[0]
+    assert f"specdial:spec_decode_num_drafts_total{label} 0.0" in texts[1]
 
 
 # ------------------------------------------------------------------ errors
@@ -274,7 +278,20 @@ BAD = [
      "context_length_exceeded"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt", None),
     ("/v1/completions", {"prompt": []}, 400, "prompt", None),
-    ("/v1/completions", {"prompt": [1, 2, 3]}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": [1, -2, 3]}, 400, "prompt", "invalid_value"),
+    ("/v1/completions", {"prompt": [[1, 2], []]}, 400, "prompt", "invalid_value"),
+    ("/v1/completions", {"prompt": [1, "a"]}, 400, "prompt", "invalid_type"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "n": True}, 400, "n", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "echo": "yes"}, 400, "echo", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "top_logprobs": 2}, 400, "top_logprobs",
+     "unrecognized_parameter"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "top_logprobs": 2}, 400, "top_logprobs", "invalid_value"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
+     "invalid_value"),
     ("/v1/completions", {"prompt": 5}, 400, "prompt", None),
     ("/v1/completions", {}, 400, "prompt", "missing_required_parameter"),
     ("/v1/completions", {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens", None),
@@ -320,13 +337,9 @@ BAD = [
 ]
 
 UNSUPPORTED = [
-    ("/v1/completions", "n", 2), ("/v1/completions", "n", True),
-    ("/v1/completions", "logprobs", 1), ("/v1/completions", "echo", True),
     ("/v1/completions", "best_of", 2), ("/v1/completions", "suffix", "x"),
     ("/v1/completions", "presence_penalty", 0.5), ("/v1/completions", "frequency_penalty", -1),
-    ("/v1/completions", "logit_bias", {"5": 10}), ("/v1/completions", "top_logprobs", 2),
-    ("/v1/chat/completions", "n", 3), ("/v1/chat/completions", "logprobs", True),
-    ("/v1/chat/completions", "top_logprobs", 1),
+    ("/v1/completions", "logit_bias", {"5": 10}),
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("/v1/chat/completions", "tool_choice", "auto"),
     ("/v1/chat/completions", "response_format", {"type": "json_object"}),
@@ -369,7 +382,7 @@ def test_openai_client_sees_errors_and_the_server_keeps_serving(client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x")
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=NAME, prompt="x", n=2)
+        client.completions.create(model=NAME, prompt="x", n=2, best_of=3)
     assert client.completions.create(model=NAME, prompt="x", max_tokens=2).choices[0].text == "ab"
 
 
@@ -662,3 +675,10 @@ def test_render_chat_with_an_hf_tokenizer():
     tok.chat_template = "{{ raise_exception('roles must alternate') }}"
     with pytest.raises(ValueError, match="roles must alternate"):
         render_chat(tok, messages)
+
+
+def test_every_unsupported_field_names_what_to_use_instead():
+    from specdial.server.protocol import (INSTEAD, UNSUPPORTED_CHAT_FIELDS,
+                                          UNSUPPORTED_COMPLETION_FIELDS)
+
+    assert set(UNSUPPORTED_COMPLETION_FIELDS) | set(UNSUPPORTED_CHAT_FIELDS) == set(INSTEAD)

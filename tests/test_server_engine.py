@@ -98,9 +98,15 @@ def complete(server, prompt, n=24, **kw):
 
 
 def metric(server, name, labels=""):
+    """The value of the sample ``name`` whose labels include ``labels`` (``'{k="v"}'``)."""
+    from specdial.bench.driver import parse_prometheus
+
     text = httpx.get(server.url + "/metrics", timeout=30).text
-    m = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.M)
-    return None if m is None else float(m.group(1))
+    want = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+    for lab, value in parse_prometheus(text).get(name, []):
+        if all(lab.get(k) == v for k, v in want.items()):
+            return value
+    return None
 
 
 def test_greedy_equals_speculation_off(plain, spec):

@@ -41,3 +41,20 @@ def test_stubtest_notices_a_missing_name(tmp_path):
 
 def test_py_typed_ships():
     assert (Path(specdial.__file__).parent / "py.typed").exists()
+
+
+def test_type_checkers_see_the_engine_class(tmp_path):
+    """``specdial.Engine`` is imported lazily at run time; mypy must still see the class
+    (issue 13: it saw ``object``) and its offline API."""
+    src = tmp_path / "use_engine.py"
+    src.write_text("import specdial\n"
+                   "reveal_type(specdial.Engine)\n"
+                   "engine = specdial.Engine(model_path=None)\n"
+                   "reveal_type(engine.async_generate)\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mypy", str(src), "--follow-imports=silent",
+         "--ignore-missing-imports", "--cache-dir", str(tmp_path / "cache")],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "-> specdial.engine.Engine" in proc.stdout, proc.stdout
+    assert "return_logprob: bool" in proc.stdout, proc.stdout

@@ -5,6 +5,8 @@ of accepted drafts with hysteresis; Python runs the torch passes. See DESIGN.md 
 and README.md for the terms.
 """
 
+from typing import TYPE_CHECKING
+
 from specdial._core import (
     AdaptiveConfig,
     AdaptiveSpeculativeParams,
@@ -51,6 +53,10 @@ __all__ = [
     "__version__",
     "validate_initial_steps",
 ]
+
+
+if TYPE_CHECKING:  # type checkers see the class; at run time it is imported lazily below
+    from specdial.engine import Engine
 
 
 def __getattr__(name: str) -> object:

@@ -26,6 +26,7 @@ from typing import Any
 
 from specdial.server.config import (GenerateConfig, ServeConfig, add_dataclass_arguments,
                                     config_from_args)
+from specdial.server.flags import add_compat_flags, resolve_compat
 
 __all__ = ["add_subcommands", "format_generation", "run_generate", "run_serve", "run_subcommand"]
 
@@ -42,6 +43,7 @@ def add_subcommands(sub: Any) -> None:
         description="Generate one completion with the engine and print it, then the "
         "speculation statistics (verify count, acceptance length, steps histogram, tokens/s).")
     add_dataclass_arguments(gen, GenerateConfig)
+    add_compat_flags(gen)
     serve = sub.add_parser(
         "serve", help="start the OpenAI-compatible HTTP server",
         description="Serve /v1/completions, /v1/chat/completions (SSE streaming or not), "
@@ -51,15 +53,29 @@ def add_subcommands(sub: Any) -> None:
         "requests finish for --shutdown-timeout seconds, aborts the rest and exits with "
         "status 0.")
     add_dataclass_arguments(serve, ServeConfig)
+    add_compat_flags(serve, positional_model=True)
 
 
 def run_subcommand(args: argparse.Namespace) -> int:
-    """Run ``args.command`` (``generate`` or ``serve``); returns the exit status."""
+    """Run ``args.command`` (``generate`` or ``serve``); returns the exit status (2 for a bad
+    SGLang/vLLM-style flag, :mod:`specdial.server.flags`)."""
+    try:
+        resolve_compat(args, _defaults(GenerateConfig if args.command == "generate"
+                                       else ServeConfig))
+    except ValueError as e:
+        return _error(e)
     if args.command == "generate":
         return run_generate(config_from_args(GenerateConfig, args))
     if args.command == "serve":
         return run_serve(config_from_args(ServeConfig, args))
     raise ValueError(f"not a serving subcommand: {args.command!r}")
+
+
+def _defaults(cls: type) -> argparse.ArgumentParser:
+    """A parser holding ``cls``'s option defaults (what an alias may override)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_dataclass_arguments(parser, cls)
+    return parser
 
 
 def _setup_logging(level: str) -> None:
@@ -107,9 +123,14 @@ def format_generation(out: dict[str, Any], seconds: float, algorithm: str | None
 
 
 def run_generate(cfg: GenerateConfig) -> int:
-    """``specdial generate``: returns 0, or 2 (message on stderr) when the engine cannot be
-    built or rejects the prompt/sampling options."""
+    """``specdial generate``: returns 0, or 2 (message on stderr) for bad options (checked
+    before the engine loads), or when the engine cannot be built or rejects the
+    prompt/sampling options."""
     _setup_logging(cfg.log_level)
+    try:
+        cfg.check()
+    except ValueError as e:
+        return _error(e)
     engine = _load_engine(cfg)
     if engine is None:
         return 2
@@ -148,7 +169,10 @@ def run_serve(cfg: ServeConfig) -> int:
     from specdial.server.app import create_app
     from specdial.server.launch import make_server, serve_forever
 
-    app = create_app(engine, served_model_name=cfg.model_name())
+    import dataclasses
+
+    app = create_app(engine, served_model_name=cfg.model_name(),
+                     server_args=dataclasses.asdict(cfg))
     server = make_server(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                          shutdown_timeout=cfg.shutdown_timeout)
     log.info("serving %r on http://%s:%d", cfg.model_name(), cfg.host, cfg.port)

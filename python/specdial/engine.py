@@ -31,9 +31,11 @@ import torch
 
 from specdial._core import (AdaptiveConfig, ConfigError, Scheduler,
                             SchedulerConfig, validate_initial_steps)
-from specdial.engine_api import EngineStats, RequestError, StreamChunk
+from specdial.engine_api import EngineStats, LogprobOptions, RequestError, StreamChunk
 from specdial.engine_loop import EngineLoop, RequestSpec, StepsSchedule
-from specdial.engine_requests import async_stream, collect, make_spec, sync_stream
+from specdial.engine_output import OutputAccumulator
+from specdial.engine_requests import (async_collect, async_stream, collect, make_spec,
+                                      sync_stream)
 from specdial.models import (LlamaForCausalLM, load_drafter, load_model, load_tokenizer,
                              resolve_draft_algorithm)
 from specdial.worker.cuda_graphs import default_cuda_graph_bs, normalize_graph_bs
@@ -59,6 +61,23 @@ def _dtype(dtype: str | torch.dtype) -> torch.dtype:
         return dtype
     _check_choice("dtype", dtype, list(DTYPES))
     return DTYPES[str(dtype)]
+
+
+def _auto_dtype(model_dir: Path, device: torch.device) -> torch.dtype:
+    """``dtype="auto"`` (vLLM's): float32 on the CPU; on CUDA the checkpoint's ``torch_dtype``
+    (``dtype`` in newer configs) from its config.json, float32 when it names none. Raises
+    ``ValueError`` for a checkpoint dtype this engine does not run (float16)."""
+    if device.type == "cpu":
+        return torch.float32
+    import json
+
+    with open(model_dir / "config.json", encoding="utf-8") as f:
+        cfg = json.load(f)
+    name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+    if name not in DTYPES:
+        raise ValueError(f"dtype='auto': the checkpoint's dtype {name!r} is not supported; "
+                         f"pass dtype={' or '.join(map(repr, DTYPES))}")
+    return DTYPES[name]
 
 
 def _device(device: str | torch.device) -> torch.device:
@@ -102,6 +121,28 @@ def _builtin_dirs(draft_dir: Path | None, algo: Any) -> tuple[Path, Path | None,
     return target, draft_dir, algo
 
 
+def logprob_options(return_logprob: Any, logprob_start_len: Any,
+                    top_logprobs_num: Any) -> LogprobOptions | None:
+    """SGLang's ``return_logprob`` / ``logprob_start_len`` (-1: no prompt logprobs) /
+    ``top_logprobs_num`` as :class:`LogprobOptions` (None without ``return_logprob``).
+    Raises :class:`RequestError` for a wrong type, or for the other two set without
+    ``return_logprob``; the ranges are checked per request (they depend on the prompt)."""
+    if not isinstance(return_logprob, bool):
+        raise RequestError(f"return_logprob must be a bool, got {return_logprob!r}",
+                           "return_logprob")
+    for name, value in (("logprob_start_len", logprob_start_len),
+                        ("top_logprobs_num", top_logprobs_num)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise RequestError(f"{name} must be an int, got {value!r}", name)
+    if not return_logprob:
+        if logprob_start_len != -1 or top_logprobs_num != 0:
+            raise RequestError("logprob_start_len and top_logprobs_num need "
+                               "return_logprob=True", "return_logprob")
+        return None
+    return LogprobOptions(top_n=top_logprobs_num,
+                          prompt_start=None if logprob_start_len == -1 else logprob_start_len)
+
+
 def _release_loop(loop: EngineLoop) -> None:
     """Finalizer of an Engine never shut down (collected, or alive at interpreter exit): abort
     its requests and join its loop thread, so that the thread is not torn down inside a torch
@@ -135,7 +176,9 @@ class Engine:
     - ``skip_zero_step_draft_extend``: skip the drafter extend at ``steps = 0`` (it catches up
       in one batched extend when steps turn positive).
     - ``device`` ``"cpu"``/``"cuda"``/``"cuda:N"`` (``ValueError`` when CUDA is not available
-      or there is no device N); ``dtype`` ``"float32"``/``"bfloat16"``.
+      or there is no device N); ``dtype`` ``"float32"``/``"bfloat16"``, or ``"auto"`` (the
+      checkpoint's dtype on CUDA, float32 on the CPU). A given adaptive config is validated
+      before any model loads.
     - keyword-only: ``max_running_requests`` (requests admitted at once, prefilling included),
       ``max_queued_requests`` (new requests waiting beyond the free running slots; beyond it
       submissions raise :class:`~specdial.engine_api.QueueFullError`; ``generate`` waits
@@ -183,13 +226,18 @@ class Engine:
                  dtype: str = "float32", **kwargs: Any) -> None:
         if speculative_algorithm is not _DEFAULT:
             _check_choice("speculative_algorithm", speculative_algorithm, ALGORITHMS)
-        torch_dtype, dev = _dtype(dtype), _device(device)
+        dev = _device(device)
+        torch_dtype = None if dtype == "auto" else _dtype(dtype)
         draft_dir = None if draft_model_path is None else Path(draft_model_path)
         algo = speculative_algorithm
+        if speculative_adaptive_config is not None:  # validated before any model loads
+            speculative_adaptive_config = self._adaptive_config(speculative_adaptive_config)
         if model_path is None:
             model_dir, draft_dir, algo = _builtin_dirs(draft_dir, algo)
         else:
             model_dir = Path(model_path)
+        if torch_dtype is None:
+            torch_dtype = _auto_dtype(model_dir, dev)
         if algo is _DEFAULT:
             algo = None if draft_dir is None else resolve_draft_algorithm(draft_dir)
         elif algo is not None and draft_dir is not None:
@@ -387,11 +435,11 @@ class Engine:
 
     # ----------------------------------------------------------------- requests
     def _spec(self, prompt: Any, input_ids: Any, sampling_params: Any, stop: Any,
-              label: str = "") -> RequestSpec:
+              label: str = "", logprobs: LogprobOptions | None = None) -> RequestSpec:
         return make_spec(prompt, input_ids, sampling_params, stop, tokenizer=self.tokenizer,
                          vocab_size=self.target.config.vocab_size,
                          context_length=self.context_length, eos_token_ids=self.eos_token_ids,
-                         label=label)
+                         label=label, logprobs=logprobs)
 
     def _post(self, message: tuple[Any, ...]) -> None:
         with self._lock:
@@ -404,17 +452,14 @@ class Engine:
                 self._started = True
             self._loop.post(message)
 
-    # ----------------------------------------------------------------- public API
-    def generate(self, prompt: str | list[str] | None = None, sampling_params: Any = None,
-                 input_ids: list[int] | list[list[int]] | None = None) -> Any:
-        """Generate for one prompt (returns a dict) or a list (returns a list of dicts).
+    def _decode_token(self, token: int) -> str:
+        return str(self.tokenizer.decode([token]))
 
-        ``prompt``: a str or list of str (needs a tokenizer), or ``input_ids``: a list of ints
-        or a list of lists; exactly one of the two. ``sampling_params``: a dict (shared) or a
-        list of dicts (one per prompt) with keys of :class:`SamplingParams`. Blocks until every
-        request finished; concurrent calls share the running batch; a full queue makes it wait.
-        Raises :class:`RequestError` (a ``ValueError``) for an invalid request (nothing runs).
-        """
+    def _batch(self, prompt: Any, sampling_params: Any, input_ids: Any,
+               return_logprob: Any, logprob_start_len: Any, top_logprobs_num: Any,
+               return_text_in_logprobs: Any
+               ) -> tuple[bool, list[RequestSpec], list[OutputAccumulator]]:
+        """Validate a ``generate`` / ``async_generate`` call: ``(single, specs, outputs)``."""
         if self._closed:
             raise RuntimeError("Engine is shut down")
         if (prompt is None) == (input_ids is None):
@@ -433,31 +478,117 @@ class Engine:
             sps = list(sampling_params)
         else:
             sps = [sampling_params] * len(items)
+        lp = logprob_options(return_logprob, logprob_start_len, top_logprobs_num)
+        if not isinstance(return_text_in_logprobs, bool):
+            raise RequestError(f"return_text_in_logprobs must be a bool, got "
+                               f"{return_text_in_logprobs!r}", "return_text_in_logprobs")
+        if return_text_in_logprobs and self.tokenizer is None:
+            raise RequestError("return_text_in_logprobs needs a tokenizer", "return_text_in_logprobs")
         specs = [self._spec(x if prompt is not None else None,
                             x if prompt is None else None, sp, None,
-                            "" if single else f"prompt {i}: ")
+                            "" if single else f"prompt {i}: ", lp)
                  for i, (x, sp) in enumerate(zip(items, sps))]
-        out = collect(self._post, self._cancel, specs)
+        decode = self._decode_token if return_text_in_logprobs else None
+        outs = [OutputAccumulator(s.prompt_ids, return_logprob=lp is not None, decode=decode)
+                for s in specs]
+        return single, specs, outs
+
+    # ----------------------------------------------------------------- public API
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: Any = None,
+                 input_ids: list[int] | list[list[int]] | None = None, *,
+                 return_logprob: bool = False, logprob_start_len: int = -1,
+                 top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
+                 stream: bool = False) -> Any:
+        """Generate for one prompt (returns a dict) or a list (returns a list of dicts).
+
+        ``prompt``: a str or list of str (needs a tokenizer), or ``input_ids``: a list of ints
+        or a list of lists; exactly one of the two. ``sampling_params``: a dict (shared) or a
+        list of dicts (one per prompt) with keys of :class:`SamplingParams`, plus SGLang's
+        ``stop`` (a string or a list of strings). Blocks until every request finished;
+        concurrent calls share the running batch; a full queue makes it wait.
+
+        ``return_logprob`` (SGLang's): add ``output_token_logprobs`` / ``output_top_logprobs``
+        (``top_logprobs_num`` alternatives, 0..20) and, with ``logprob_start_len >= 0``,
+        ``input_token_logprobs`` / ``input_top_logprobs`` from that prompt position to
+        ``meta_info`` (:mod:`specdial.engine_output`; the target's log-probabilities before
+        sampling processors); ``return_text_in_logprobs`` fills their token texts.
+
+        ``stream=True`` (one prompt only) returns an iterator of dicts of the same shape,
+        cumulative (``text`` and ``output_ids`` so far), as SGLang's ``generate(...,
+        stream=True)``; closing it early aborts the request.
+
+        Raises :class:`RequestError` (a ``ValueError``) for an invalid request (nothing runs).
+        """
+        single, specs, outs = self._batch(prompt, sampling_params, input_ids, return_logprob,
+                                          logprob_start_len, top_logprobs_num,
+                                          return_text_in_logprobs)
+        if stream:
+            if not single:
+                raise RequestError("generate(stream=True) streams one prompt; call it once per "
+                                   "prompt, or use async_stream", "prompt")
+            return self._stream_dicts(specs[0], outs[0])
+        out = collect(self._post, self._cancel, specs, outs)
+        return out[0] if single else out
+
+    def _stream_dicts(self, spec: RequestSpec, out: OutputAccumulator) -> Iterator[dict[str, Any]]:
+        for chunk in sync_stream(self._post, self._cancel, spec):
+            out.add(chunk)
+            yield out.result()
+
+    async def _astream_dicts(self, spec: RequestSpec,
+                             out: OutputAccumulator) -> AsyncIterator[dict[str, Any]]:
+        chunks = async_stream(self._post, self._cancel, spec)
+        try:
+            async for chunk in chunks:
+                out.add(chunk)
+                yield out.result()
+        finally:
+            await chunks.aclose()
+
+    async def async_generate(self, prompt: str | list[str] | None = None,
+                             sampling_params: Any = None,
+                             input_ids: list[int] | list[list[int]] | None = None, *,
+                             return_logprob: bool = False, logprob_start_len: int = -1,
+                             top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
+                             stream: bool = False) -> Any:
+        """:meth:`generate` on an asyncio loop (SGLang's ``async_generate``): awaits the dict
+        (or list of dicts); with ``stream=True`` (one prompt) returns an async iterator of
+        cumulative dicts (``async for out in await engine.async_generate(..., stream=True)``).
+        Raises :class:`RequestError` for an invalid request."""
+        single, specs, outs = self._batch(prompt, sampling_params, input_ids, return_logprob,
+                                          logprob_start_len, top_logprobs_num,
+                                          return_text_in_logprobs)
+        if stream:
+            if not single:
+                raise RequestError("async_generate(stream=True) streams one prompt; call it "
+                                   "once per prompt", "prompt")
+            return self._astream_dicts(specs[0], outs[0])
+        out = await async_collect(self._post, self._cancel, specs, outs)
         return out[0] if single else out
 
     def stream(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
                sampling_params: dict[str, Any] | None = None,
-               stop: list[str] | None = None) -> Iterator[StreamChunk]:
+               stop: list[str] | None = None,
+               logprobs: LogprobOptions | None = None) -> Iterator[StreamChunk]:
         """Stream one request (synchronous). Submitted on the first ``next()``, which raises
         :class:`RequestError` / :class:`QueueFullError`; closing the iterator early aborts
-        the request."""
+        the request. ``logprobs``: fills the chunks' logprob fields."""
         yield from sync_stream(self._post, self._cancel,
-                               self._spec(prompt, input_ids, sampling_params, stop))
+                               self._spec(prompt, input_ids, sampling_params, stop,
+                                          logprobs=logprobs))
 
     async def async_stream(self, prompt: str | None = None, *,
                            input_ids: list[int] | None = None,
                            sampling_params: dict[str, Any] | None = None,
-                           stop: list[str] | None = None) -> AsyncIterator[StreamChunk]:
+                           stop: list[str] | None = None,
+                           logprobs: LogprobOptions | None = None) -> AsyncIterator[StreamChunk]:
         """Stream one request (asyncio). Submitted on the first ``__anext__``, which raises
         :class:`RequestError` / :class:`QueueFullError` before any chunk; ``aclose()`` or
-        cancelling the task awaiting a chunk aborts the request."""
+        cancelling the task awaiting a chunk aborts the request. ``logprobs``: fills the
+        chunks' logprob fields."""
         chunks = async_stream(self._post, self._cancel,
-                              self._spec(prompt, input_ids, sampling_params, stop))
+                              self._spec(prompt, input_ids, sampling_params, stop,
+                                         logprobs=logprobs))
         try:
             async for chunk in chunks:
                 yield chunk

@@ -4,8 +4,11 @@ This module holds only plain types, no torch, so that the HTTP server, the CLI a
 can import it cheaply. The Engine implements the contract; the server (``specdial.server``)
 consumes it:
 
-- ``engine.async_stream(prompt=None, *, input_ids=None, sampling_params=None, stop=None)`` ->
-  ``AsyncIterator[StreamChunk]``: the request is submitted on the first iteration;
+- ``engine.async_stream(prompt=None, *, input_ids=None, sampling_params=None, stop=None,
+  logprobs=None)`` -> ``AsyncIterator[StreamChunk]`` (``logprobs``: a :class:`LogprobOptions`
+  fills the chunks' logprob fields; callers pass it only when they want logprobs, so engines
+  without them keep working for everything else): the request is submitted on the first
+  iteration;
   :class:`RequestError` or :class:`QueueFullError` is raised then, before any chunk. If the
   consumer stops iterating (``aclose()``, or cancellation of the task awaiting the next chunk,
   e.g. a disconnected HTTP client) the request is aborted and everything it held is freed.
@@ -33,7 +36,27 @@ from typing import Any, AsyncIterator, Iterator, Protocol
 
 from specdial import _core
 
-__all__ = ["EngineProtocol", "EngineStats", "QueueFullError", "RequestError", "StreamChunk"]
+__all__ = ["EngineProtocol", "EngineStats", "LogprobOptions", "QueueFullError", "RequestError",
+           "StreamChunk", "TopLogprobs"]
+
+#: Per token: the ``top_n`` most likely ``(token_id, logprob)`` pairs, most likely first.
+TopLogprobs = list[tuple[int, float]]
+
+
+@dataclass(frozen=True)
+class LogprobOptions:
+    """What log-probabilities a request wants (SGLang's ``return_logprob``,
+    ``top_logprobs_num``, ``logprob_start_len``; OpenAI's ``logprobs`` / ``top_logprobs`` /
+    ``echo``).
+
+    Values are the target model's ``log_softmax`` of its raw logits, before temperature, top-k
+    and top-p (vLLM's default ``raw_logprobs``), natural log. ``top_n``: alternatives per token
+    (0..20). ``prompt_start``: None for none, else prompt logprobs for prompt positions
+    ``prompt_start..P-1`` (position 0 has no logprob: reported as None).
+    """
+
+    top_n: int = 0
+    prompt_start: int | None = None
 
 
 @dataclass
@@ -48,7 +71,12 @@ class StreamChunk:
     - ``finish_reason``: None until finished; then SGLang style ``{"type": "length", "length": n}``,
       ``{"type": "stop", "matched": token_id_or_str}`` or ``{"type": "abort", "message": str}``.
     - ``meta_info``: cumulative so far: ``prompt_tokens``, ``completion_tokens``,
-      ``spec_verify_ct``, ``spec_accept_length``, ``spec_steps_histogram``.
+      ``spec_verify_ct``, ``spec_accept_length``, ``spec_steps_histogram``, and
+      ``queue_time_s`` (seconds from submission to the first prefill) once scheduled.
+    - With :class:`LogprobOptions` only (else None): ``logprobs`` (one float per
+      ``token_ids`` entry), ``top_logprobs`` (one :data:`TopLogprobs` per token); on the first
+      chunk that carries tokens, ``prompt_logprobs`` (positions ``prompt_start..P-1``, None
+      at position 0) and ``prompt_top_logprobs`` (None at position 0), when asked for.
     """
 
     request_id: int
@@ -57,6 +85,10 @@ class StreamChunk:
     finished: bool
     finish_reason: dict[str, Any] | None = None
     meta_info: dict[str, Any] = field(default_factory=dict)
+    logprobs: list[float] | None = None
+    top_logprobs: list[TopLogprobs] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[TopLogprobs | None] | None = None
 
 
 # Raised at submission when the engine's waiting queue is full (``max_queued_requests``); the
@@ -87,6 +119,12 @@ class EngineStats:
     ``accepted_per_pos`` (accepted tokens per draft position, index 0 = the first draft),
     ``step_switches``, ``preemptions``, ``requests_finished``, ``prompt_tokens`` and
     ``generation_tokens``.
+
+    Policy state: ``slot_states``: one dict per adaptive slot, ascending, from the scheduler's
+    ``slot_states()`` (``lower_bound``, ``steps``, ``ema_accept_len``, ``verify_count``; empty
+    without an adaptive policy; new keys may be added); ``last_decode_steps`` and
+    ``last_decode_batch_size`` (padded to the CUDA-graph size when graphs are used): the
+    latest decode iteration's, None before the first.
     """
 
     running: int = 0
@@ -103,6 +141,9 @@ class EngineStats:
     requests_finished: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    slot_states: list[dict[str, Any]] = field(default_factory=list)
+    last_decode_steps: int | None = None
+    last_decode_batch_size: int | None = None
 
 
 class EngineProtocol(Protocol):
@@ -113,11 +154,13 @@ class EngineProtocol(Protocol):
 
     def async_stream(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
                      sampling_params: dict[str, Any] | None = None,
-                     stop: list[str] | None = None) -> AsyncIterator[StreamChunk]: ...
+                     stop: list[str] | None = None,
+                     logprobs: LogprobOptions | None = None) -> AsyncIterator[StreamChunk]: ...
 
     def stream(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
                sampling_params: dict[str, Any] | None = None,
-               stop: list[str] | None = None) -> Iterator[StreamChunk]: ...
+               stop: list[str] | None = None,
+               logprobs: LogprobOptions | None = None) -> Iterator[StreamChunk]: ...
 
     def generate(self, prompt: Any = None, sampling_params: Any = None,
                  input_ids: Any = None) -> Any: ...

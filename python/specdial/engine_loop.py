@@ -38,7 +38,8 @@ import torch
 
 from specdial._core import InvalidRequestError, QueueFullError
 from specdial.detokenize import IncrementalText
-from specdial.engine_api import EngineStats, RequestError, StreamChunk
+from specdial.engine_api import EngineStats, LogprobOptions, RequestError, StreamChunk
+from specdial.worker.logprobs import HostLogprobs, LogprobRows, PromptLogprobPlan
 from specdial.worker.sampling import BatchSampling, SamplingParams
 from specdial.worker.worker import SpecWorker
 
@@ -57,7 +58,8 @@ class Submitted:
 @dataclass(eq=False)
 class RequestSpec:
     """A validated request on its way to the loop. ``stop_token_ids`` includes the EOS ids
-    unless ``ignore_eos``. ``rid`` is set by the loop when the scheduler accepts it."""
+    unless ``ignore_eos``. ``rid`` is set by the loop when the scheduler accepts it.
+    ``logprobs``: the log-probabilities it wants (None: none)."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -65,6 +67,7 @@ class RequestSpec:
     stop: tuple[str, ...]
     sink: Callable[[Any], None]
     rid: int | None = None
+    logprobs: LogprobOptions | None = None
 
 
 @dataclass(eq=False)
@@ -75,13 +78,46 @@ class _Live:
     output: list[int] = field(default_factory=list)
     verify_ct: int = 0
     hist: dict[int, int] = field(default_factory=dict)
+    submitted: float = field(default_factory=time.perf_counter)
+    queue_time: float | None = None
+    # prompt logprobs (LogprobOptions.prompt_start): per prompt position, filled by prefill
+    prompt_lp: np.ndarray | None = None
+    prompt_top: tuple[np.ndarray, np.ndarray] | None = None
+    prompt_done: bool = False
+    prompt_sent: bool = False
 
     def meta(self) -> dict[str, Any]:
         n = len(self.output)
-        return {"prompt_tokens": len(self.spec.prompt_ids), "completion_tokens": n,
+        meta = {"prompt_tokens": len(self.spec.prompt_ids), "completion_tokens": n,
                 "spec_verify_ct": self.verify_ct,
                 "spec_accept_length": (n - 1) / self.verify_ct if self.verify_ct else 0.0,
                 "spec_steps_histogram": dict(sorted(self.hist.items()))}
+        if self.queue_time is not None:
+            meta["queue_time_s"] = self.queue_time
+        return meta
+
+    def top_n(self) -> int | None:
+        """The logprob rows entry of this request (None: no logprobs)."""
+        return None if self.spec.logprobs is None else self.spec.logprobs.top_n
+
+    def wants_prompt(self) -> bool:
+        lp = self.spec.logprobs
+        return lp is not None and lp.prompt_start is not None and not self.prompt_done
+
+    def prompt_chunk(self) -> tuple[list[float | None], list[Any]] | None:
+        """Prompt logprobs (and top alternatives) to send with the first chunk, once."""
+        lp = self.spec.logprobs
+        if lp is None or lp.prompt_start is None or self.prompt_sent or self.prompt_lp is None:
+            return None
+        self.prompt_sent = True
+        start = lp.prompt_start
+        values: list[float | None] = self.prompt_lp[start:].tolist()
+        assert self.prompt_top is not None
+        ids, top = self.prompt_top[0][start:].tolist(), self.prompt_top[1][start:].tolist()
+        tops: list[Any] = [list(zip(i, t)) for i, t in zip(ids, top)]
+        if start == 0:  # the first prompt token has no context: no logprob
+            values[0], tops[0] = None, None
+        return values, tops
 
 
 def _param_of(message: str) -> str | None:
@@ -120,6 +156,8 @@ class EngineLoop:
         self._outbox: list[tuple[Callable[[Any], None], Any]] = []
         self._sampling_key: tuple[int, ...] | None = None
         self._sampling: BatchSampling | None = None
+        self._lp_rows: LogprobRows | None = None
+        self._last_decode: tuple[int, int] | None = None  # (steps, padded batch size)
         self._decode_iters = 0
         self._prompt_tokens = 0
         self._verify_reqs = self._verify_tokens = 0
@@ -141,7 +179,8 @@ class EngineLoop:
         """The latest snapshot (a copy; refreshed after every iteration and inbox turn)."""
         s = self._stats
         return dataclasses.replace(s, steps_per_slot=dict(s.steps_per_slot),
-                                   accepted_per_pos=list(s.accepted_per_pos))
+                                   accepted_per_pos=list(s.accepted_per_pos),
+                                   slot_states=[dict(d) for d in s.slot_states])
 
     # ------------------------------------------------------------------ the loop
     def _main(self) -> None:
@@ -248,30 +287,91 @@ class EngineLoop:
         rids = plan.request_ids.tolist()
         try:
             if plan.is_prefill:
-                first = [self.live[r].spec.params for r, f in
-                         zip(rids, plan.sample_first.tolist()) if f]
-                sampling = BatchSampling.from_params(first, self.device) if first else None
-                out = self.worker.prefill(plan, sampling, self.generator)
+                now = time.perf_counter()
+                for rid in rids:
+                    lv = self.live[rid]
+                    if lv.queue_time is None:
+                        lv.queue_time = now - lv.submitted
+                first_live = [self.live[r] for r, f in zip(rids, plan.sample_first.tolist()) if f]
+                sampling = (BatchSampling.from_params([lv.spec.params for lv in first_live],
+                                                      self.device) if first_live else None)
+                lp_rows = LogprobRows.build([lv.top_n() for lv in first_live], self.device)
+                prompt_plan, owners = self._prompt_plan(plan, rids)
+                out = self.worker.prefill(plan, sampling, self.generator, lp_rows, prompt_plan)
                 res = self.sched.report(out.tokens, out.offsets)
+                self._store_prompt_logprobs(out.prompt_logprobs, owners)
             else:
-                out = self.worker.decode(plan, self._sampling_for(rids), self.generator)
+                sampling = self._sampling_for(rids)
+                out = self.worker.decode(plan, sampling, self.generator, self._lp_rows)
                 seconds = time.perf_counter() - started
                 res = self.sched.report(out.tokens, out.offsets, out.accepted, seconds=seconds)
                 self._decode_iters += 1
+                self._last_decode = (int(plan.steps), int(plan.graph_bs or plan.batch_size))
         except Exception as e:  # noqa: BLE001 - fail these requests, keep serving
             logger.exception("a %s iteration failed; aborting its %d requests", plan.kind,
                              len(rids))
             self._fail_plan(plan, rids, e)
             return
-        self._after_report(plan, rids, res)
+        self._after_report(plan, rids, res, out.logprobs)
 
     def _sampling_for(self, rids: list[int]) -> BatchSampling:
         key = tuple(rids)
         if key != self._sampling_key or self._sampling is None:
-            self._sampling = BatchSampling.from_params([self.live[r].spec.params for r in rids],
+            live = [self.live[r] for r in rids]
+            self._sampling = BatchSampling.from_params([lv.spec.params for lv in live],
                                                        self.device)
+            self._lp_rows = LogprobRows.build([lv.top_n() for lv in live], self.device)
             self._sampling_key = key
         return self._sampling
+
+    def _prompt_plan(self, plan: Any, rids: list[int]
+                     ) -> tuple[PromptLogprobPlan | None, list[tuple[_Live, int, int, int]]]:
+        """Positions of this prefill chunk whose next prompt token's logprob is wanted:
+        position ``p`` (of a chunk ``[s, e)``) predicts prompt token ``p + 1``; wanted for
+        ``p + 1`` in ``max(prompt_start, 1)..P-1``. ``owners``: ``(live, first position,
+        count, chunk end)`` per request, in the plan's order."""
+        owners: list[tuple[_Live, int, int, int]] = []
+        index, targets = [], []
+        top = 0
+        qo, ends = plan.qo_lens.tolist(), plan.kv_lens.tolist()
+        base = 0
+        for b, rid in enumerate(rids):
+            lv = self.live.get(rid)
+            s, e = ends[b] - qo[b], ends[b]
+            if lv is not None and lv.wants_prompt():
+                assert lv.spec.logprobs is not None and lv.spec.logprobs.prompt_start is not None
+                prompt = lv.spec.prompt_ids
+                lo = max(s, max(lv.spec.logprobs.prompt_start, 1) - 1)
+                hi = min(e, len(prompt) - 1)
+                if hi > lo:
+                    index.append(np.arange(base + lo - s, base + hi - s))
+                    targets.append(np.asarray(prompt[lo + 1:hi + 1], np.int64))
+                    top = max(top, lv.spec.logprobs.top_n)
+                owners.append((lv, lo, max(hi - lo, 0), e))
+            base += qo[b]
+        if not index:
+            return None, owners
+        return PromptLogprobPlan(np.concatenate(index), np.concatenate(targets), top), owners
+
+    def _store_prompt_logprobs(self, host: HostLogprobs | None,
+                               owners: list[tuple[_Live, int, int, int]]) -> None:
+        off = 0
+        for lv, lo, count, end in owners:
+            prompt_len = len(lv.spec.prompt_ids)
+            if lv.prompt_lp is None:
+                assert lv.spec.logprobs is not None
+                k = lv.spec.logprobs.top_n
+                lv.prompt_lp = np.full(prompt_len, np.nan, np.float32)
+                lv.prompt_top = (np.zeros((prompt_len, k), np.int64),
+                                 np.zeros((prompt_len, k), np.float32))
+            if count and host is not None:
+                assert lv.prompt_top is not None
+                k = lv.prompt_top[0].shape[1]
+                lv.prompt_lp[lo + 1:lo + 1 + count] = host.logprob[0, off:off + count]
+                lv.prompt_top[0][lo + 1:lo + 1 + count] = host.top_ids[0, off:off + count, :k]
+                lv.prompt_top[1][lo + 1:lo + 1 + count] = host.top_logprob[0, off:off + count, :k]
+                off += count
+            lv.prompt_done = lv.prompt_done or end >= prompt_len
 
     def _fail_plan(self, plan: Any, rids: list[int], error: Exception) -> None:
         message = f"internal error: {type(error).__name__}: {error}"
@@ -291,12 +391,19 @@ class EngineLoop:
         self._refresh_stats()
         self._flush()
 
-    def _after_report(self, plan: Any, rids: list[int], res: Any) -> None:
+    def _after_report(self, plan: Any, rids: list[int], res: Any,
+                      logprobs: HostLogprobs | None = None) -> None:
         decode = not plan.is_prefill
         steps = int(plan.steps)
         finished = {f.request_id: f for f in res.finished}
         tokens = np.asarray(res.new_tokens)
         offsets = res.new_offsets.tolist()
+        lp_row: dict[int, int] = {}
+        if logprobs is not None:
+            # decode rows are plan rows; prefill rows count the sample_first requests only
+            plan_rows = (np.arange(len(rids)) if decode
+                         else np.flatnonzero(np.asarray(plan.sample_first)))
+            lp_row = {int(plan_rows[r]): i for i, r in enumerate(logprobs.rows.tolist())}
         for b, rid in enumerate(rids):
             lv = self.live.get(rid)
             if lv is None:
@@ -310,8 +417,12 @@ class EngineLoop:
             fin = finished.get(rid)
             if not new and fin is None:
                 continue
+            i = lp_row.get(b)
+            token_lp = None if i is None or logprobs is None else (
+                logprobs.logprob[i, :len(new)], logprobs.top_ids[i, :len(new)],
+                logprobs.top_logprob[i, :len(new)])
             try:
-                self._emit(lv, new, fin)
+                self._emit(lv, new, fin, token_lp)
             except Exception as e:  # noqa: BLE001 - fail this request only
                 logger.exception("post-processing request %d failed", rid)
                 if rid in self.live:
@@ -323,7 +434,24 @@ class EngineLoop:
             self._maybe_log()
         self._flush()
 
-    def _emit(self, lv: _Live, new: list[int], fin: Any) -> None:
+    def _chunk(self, lv: _Live, text: str, new: list[int], finished: bool,
+               reason: dict[str, Any] | None, token_lp: Any) -> StreamChunk:
+        chunk = StreamChunk(lv.rid, text, new, finished, reason, lv.meta())
+        if lv.spec.logprobs is None:
+            return chunk
+        if token_lp is not None:
+            values, ids, top = token_lp
+            chunk.logprobs = values.tolist()
+            chunk.top_logprobs = [list(zip(i, t)) for i, t in zip(ids.tolist(), top.tolist())]
+        elif not new:
+            chunk.logprobs, chunk.top_logprobs = [], []
+        if new:
+            prompt = lv.prompt_chunk()
+            if prompt is not None:
+                chunk.prompt_logprobs, chunk.prompt_top_logprobs = prompt
+        return chunk
+
+    def _emit(self, lv: _Live, new: list[int], fin: Any, token_lp: Any = None) -> None:
         lv.output.extend(new)
         text = lv.text.update(lv.output, final=fin is not None)
         if lv.text.matched is not None and fin is None:
@@ -331,7 +459,7 @@ class EngineLoop:
             if fin is None:
                 raise RuntimeError(f"request {lv.rid} is not live in the scheduler")
         if fin is None:
-            self._out(lv.spec.sink, StreamChunk(lv.rid, text, new, False, None, lv.meta()))
+            self._out(lv.spec.sink, self._chunk(lv, text, new, False, None, token_lp))
             return
         del self.live[lv.rid]
         self.worker.release([lv.rid])
@@ -343,7 +471,7 @@ class EngineLoop:
             reason = {"type": "stop", "matched": fin.stop_token_id}
         else:
             reason = {"type": "abort", "message": "aborted"}
-        self._out(lv.spec.sink, StreamChunk(lv.rid, text, new, True, reason, lv.meta()))
+        self._out(lv.spec.sink, self._chunk(lv, text, new, True, reason, token_lp))
 
     def _finish_now(self, rid: int, message: str) -> None:
         """Abort a live request now (between iterations): free everything, final chunk."""
@@ -353,8 +481,8 @@ class EngineLoop:
         finally:
             self.worker.release([rid])
         self._sampling_key = None
-        self._out(lv.spec.sink, StreamChunk(rid, "", [], True,
-                                            {"type": "abort", "message": message}, lv.meta()))
+        self._out(lv.spec.sink, self._chunk(lv, "", [], True,
+                                            {"type": "abort", "message": message}, None))
 
     # ------------------------------------------------------------------ outputs
     def _out(self, sink: Callable[[Any], None], item: Any) -> None:
@@ -376,7 +504,9 @@ class EngineLoop:
 
     def _refresh_stats(self) -> None:
         s = self.sched.stats()
-        slots = {int(lb): int(k) for lb, k, _, _ in self.sched.slot_states()}
+        states = [{"lower_bound": int(lb), "steps": int(k), "ema_accept_len": float(ema),
+                   "verify_count": int(n)} for lb, k, ema, n in self.sched.slot_states()]
+        slots = {st["lower_bound"]: st["steps"] for st in states}
         if not slots and self.sched.fixed_steps is not None:
             slots = {1: int(self.sched.fixed_steps)}
         self._stats = EngineStats(
@@ -386,7 +516,10 @@ class EngineLoop:
             num_accepted_tokens=s.spec_num_accepted_tokens,
             accepted_per_pos=list(s.spec_accepted_per_pos), step_switches=s.step_switches,
             preemptions=s.preemptions, requests_finished=s.requests_finished,
-            prompt_tokens=self._prompt_tokens, generation_tokens=s.tokens_generated)
+            prompt_tokens=self._prompt_tokens, generation_tokens=s.tokens_generated,
+            slot_states=states,
+            last_decode_steps=None if self._last_decode is None else self._last_decode[0],
+            last_decode_batch_size=None if self._last_decode is None else self._last_decode[1])
 
     def _mark(self) -> tuple[float, int, int, int]:
         return (time.monotonic(), self._stats.generation_tokens, self._verify_reqs,

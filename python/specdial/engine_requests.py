@@ -4,6 +4,7 @@
   :class:`~specdial.engine_api.RequestError` naming the field).
 - :func:`collect`: ``generate``'s driver: submits a batch, waits (retrying requests refused by a
   full queue) and builds the SGLang-style output dicts.
+- :func:`async_collect`: ``async_generate``'s driver (the same dicts, on an asyncio loop).
 - :func:`sync_stream` / :func:`async_stream`: one request as an iterator of
   :class:`~specdial.engine_api.StreamChunk`; submission on the first ``next`` / ``__anext__``;
   leaving early cancels (aborts) the request.
@@ -20,15 +21,15 @@ import re
 from typing import Any, AsyncGenerator, Callable, Iterator
 
 from specdial._core import QueueFullError
-from specdial.engine_api import RequestError, StreamChunk
+from specdial.engine_api import LogprobOptions, RequestError, StreamChunk
 from specdial.engine_loop import RequestSpec, Submitted
+from specdial.engine_output import OutputAccumulator
+from specdial.worker.logprobs import MAX_TOP_LOGPROBS
 from specdial.worker.sampling import SamplingParams
 
 Post = Callable[[tuple[Any, ...]], None]
 Cancel = Callable[[RequestSpec], None]
 
-META_KEYS = ("prompt_tokens", "completion_tokens", "finish_reason", "spec_verify_ct",
-             "spec_accept_length", "spec_steps_histogram")
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
@@ -40,9 +41,40 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     return [int(t) for t in getattr(enc, "ids", enc)]
 
 
+def _check_logprobs(lp: Any, prompt_len: int, label: str) -> LogprobOptions | None:
+    if lp is None:
+        return None
+    if not isinstance(lp, LogprobOptions):
+        raise RequestError(f"{label}logprobs must be a LogprobOptions or None", "logprobs")
+    if isinstance(lp.top_n, bool) or not isinstance(lp.top_n, int) or not (
+            0 <= lp.top_n <= MAX_TOP_LOGPROBS):
+        raise RequestError(f"{label}top_logprobs_num: invalid value {lp.top_n!r}; allowed: "
+                           f"int in 0..{MAX_TOP_LOGPROBS}", "top_logprobs_num")
+    start = lp.prompt_start
+    if start is not None and (isinstance(start, bool) or not isinstance(start, int)
+                              or not 0 <= start < prompt_len):
+        raise RequestError(f"{label}logprob_start_len: invalid value {start!r}; allowed: -1 "
+                           f"(no prompt logprobs) or an int in 0..{prompt_len - 1} (a position "
+                           "of the prompt)", "logprob_start_len")
+    return lp
+
+
+def _split_stop(sampling_params: Any, stop: Any, label: str) -> tuple[Any, Any]:
+    """SGLang's ``sampling_params["stop"]`` moved out of the sampling params (stop strings are
+    matched by the engine loop, not sampled); a different ``stop`` argument is an error."""
+    if not isinstance(sampling_params, dict) or "stop" not in sampling_params:
+        return sampling_params, stop
+    params = dict(sampling_params)
+    in_params = params.pop("stop")
+    if stop is not None and in_params is not None and in_params != stop:
+        raise RequestError(f"{label}stop is given both in sampling_params and as an argument, "
+                           "with different values; give it once", "stop")
+    return params, stop if in_params is None else in_params
+
+
 def make_spec(prompt: Any, input_ids: Any, sampling_params: Any, stop: Any, *, tokenizer: Any,
               vocab_size: int, context_length: int, eos_token_ids: frozenset[int],
-              label: str = "") -> RequestSpec:
+              label: str = "", logprobs: LogprobOptions | None = None) -> RequestSpec:
     """Validate one request (``label`` prefixes the messages, e.g. ``"prompt 2: "``).
 
     Raises :class:`RequestError` (``param`` = ``prompt``, ``input_ids``, a sampling key or
@@ -50,7 +82,10 @@ def make_spec(prompt: Any, input_ids: Any, sampling_params: Any, stop: Any, *, t
     valid Unicode (a lone surrogate), an empty prompt,
     token ids outside the vocabulary, a bad sampling value or unknown key, a prompt leaving no
     room for a completion, prompt + ``max_new_tokens`` above ``context_length``, bad stop
-    strings (or stop strings without a tokenizer)."""
+    strings (or stop strings without a tokenizer), bad :class:`LogprobOptions` (``top_n``
+    outside 0..20, ``prompt_start`` outside the prompt). ``sampling_params`` may hold SGLang's
+    ``stop`` (a string or a list), equivalent to the ``stop`` argument."""
+    sampling_params, stop = _split_stop(sampling_params, stop, label)
     if (prompt is None) == (input_ids is None):
         raise RequestError(f"{label}pass exactly one of prompt or input_ids", "prompt")
     field = "prompt" if input_ids is None else "input_ids"
@@ -95,20 +130,22 @@ def make_spec(prompt: Any, input_ids: Any, sampling_params: Any, stop: Any, *, t
             raise RequestError(f"{label}stop strings need a tokenizer", "stop")
         stops = tuple(stop)
     stop_ids = params.stop_token_ids + (() if params.ignore_eos else tuple(sorted(eos_token_ids)))
-    return RequestSpec(ids, params, stop_ids, stops, sink=lambda _: None)
+    return RequestSpec(ids, params, stop_ids, stops, sink=lambda _: None,
+                       logprobs=_check_logprobs(logprobs, len(ids), label))
 
 
-def collect(post: Post, cancel: Cancel, specs: list[RequestSpec]) -> list[dict[str, Any]]:
+def collect(post: Post, cancel: Cancel, specs: list[RequestSpec],
+            outs: list[OutputAccumulator] | None = None) -> list[dict[str, Any]]:
     """Run ``specs`` to the end; SGLang-style dicts (``text`` is the concatenation of the
-    streamed deltas). A request refused by a full queue is submitted again when the queue
+    streamed deltas), built by ``outs`` (one :class:`OutputAccumulator` per spec; default:
+    without logprobs). A request refused by a full queue is submitted again when the queue
     may have room (polled every 20 ms). Raises the first other submission error (after
     cancelling the rest)."""
     q: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
     for i, spec in enumerate(specs):
         spec.sink = (lambda i: lambda item: q.put((i, item)))(i)
-    ids: list[list[int]] = [[] for _ in specs]
-    texts: list[list[str]] = [[] for _ in specs]
-    last: list[StreamChunk | None] = [None] * len(specs)
+    if outs is None:
+        outs = [OutputAccumulator(spec.prompt_ids) for spec in specs]
     left, in_submit = len(specs), len(specs)
     retry: list[RequestSpec] = []
     try:
@@ -128,21 +165,14 @@ def collect(post: Post, cancel: Cancel, specs: list[RequestSpec]) -> list[dict[s
             elif isinstance(item, BaseException):
                 raise item
             else:
-                ids[i] += item.token_ids
-                texts[i].append(item.text)
+                outs[i].add(item)
                 if item.finished:
-                    last[i], left = item, left - 1
+                    left -= 1
     finally:
         if left:
             for spec in specs:
                 cancel(spec)
-    results = []
-    for i, chunk in enumerate(last):
-        assert chunk is not None
-        meta = {**chunk.meta_info, "finish_reason": chunk.finish_reason}
-        results.append({"text": "".join(texts[i]), "output_ids": ids[i],
-                        "meta_info": {k: meta[k] for k in META_KEYS}})
-    return results
+    return [out.result() for out in outs]
 
 
 def sync_stream(post: Post, cancel: Cancel, spec: RequestSpec) -> Iterator[StreamChunk]:
@@ -199,3 +229,27 @@ async def async_stream(post: Post, cancel: Cancel, spec: RequestSpec
     finally:
         if not done:
             cancel(spec)
+
+
+async def async_collect(post: Post, cancel: Cancel, specs: list[RequestSpec],
+                        outs: list[OutputAccumulator]) -> list[dict[str, Any]]:
+    """:func:`collect` on the running event loop: every spec streams concurrently into its
+    accumulator; a spec refused by a full queue is submitted again every 20 ms; another
+    submission error is raised after cancelling the others."""
+
+    async def one(spec: RequestSpec, out: OutputAccumulator) -> None:
+        while True:
+            try:
+                async for chunk in async_stream(post, cancel, spec):
+                    out.add(chunk)
+                return
+            except QueueFullError:
+                await asyncio.sleep(0.02)
+
+    tasks = [asyncio.ensure_future(one(s, o)) for s, o in zip(specs, outs)]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+    return [out.result() for out in outs]

@@ -1,6 +1,6 @@
 """``specdial bench``: serving benchmarks of the engine or a server, and the comparison mode.
 
-- :mod:`specdial.bench.datasets`: prompt sets (``benches/prompts/*.jsonl``, a user's JSONL, the
+- :mod:`specdial.bench.datasets`: prompt sets (package data ``specdial/bench/prompts``, a user's JSONL, the
   mixed code/hard workload);
 - :mod:`specdial.bench.driver`: the in-process engine and HTTP drivers, Poisson arrivals and the
   run loop;

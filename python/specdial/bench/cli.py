@@ -51,8 +51,8 @@ class _BenchCommon(EngineArgs):
 
     log_level: str = _opt("log level of specdial", default="warning", choices=_LOG_LEVELS)
     prompts_dir: str | None = _opt(
-        "directory of code.jsonl, prose.jsonl and hard.jsonl; default: ./benches/prompts, "
-        "else the source checkout's", metavar="DIR")
+        "directory of code.jsonl, prose.jsonl and hard.jsonl; default: the package's prompt "
+        "sets", metavar="DIR")
     max_new_tokens: int = _opt("output tokens per request (fixed with --ignore-eos)",
                                default=128, metavar="N")
     ignore_eos: bool = _opt("keep generating past EOS so every request has max_new_tokens "
@@ -76,8 +76,24 @@ class BenchConfig(_BenchCommon):
     base_url: str = _opt("server URL for --backend http", default="http://127.0.0.1:30000")
     served_model_name: str | None = _opt(
         "--backend http: the request's model; default: the first of /v1/models", metavar="NAME")
-    dataset: str = _opt("code, prose, hard, mixed, or a JSONL file (field 'prompt', or "
-                        "'input_ids')", default="code", metavar="NAME|PATH")
+    dataset: str = _opt("code, prose, hard, mixed, sharegpt (--dataset-path), random "
+                        "(--random-*), or a JSONL file (field 'prompt', or 'input_ids')",
+                        default="code", metavar="NAME|PATH")
+    dataset_path: str | None = _opt("--dataset sharegpt: the ShareGPT JSON file",
+                                    metavar="FILE")
+    sharegpt_output_len: int | None = _opt(
+        "--dataset sharegpt: output tokens per request; default: the reply's length",
+        metavar="N")
+    random_input_len: int = _opt("--dataset random: mean prompt tokens", default=128,
+                                 metavar="N")
+    random_output_len: int = _opt("--dataset random: mean output tokens", default=128,
+                                  metavar="N")
+    random_range_ratio: float = _opt(
+        "--dataset random: lengths drawn uniformly in [len * (1 - r), len * (1 + r)]",
+        default=0.0, metavar="R")
+    random_vocab_size: int | None = _opt(
+        "--dataset random: token ids in [0, V); default: the engine's vocabulary (required "
+        "with --backend http)", metavar="V")
     num_prompts: int = _opt("requests to send", default=32, metavar="N")
     concurrency: int | None = _opt(
         "most requests in flight; default: no limit (all at once unless --request-rate). "
@@ -248,14 +264,57 @@ async def _bench_async(driver: Any, requests: list[Any], warm: list[Any],
         await driver.close()
 
 
+def missing_extra(module: str, what: str) -> str | None:
+    """None when ``module`` imports, else the message naming the ``bench`` extra."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is not None:
+        return None
+    return (f"{what} needs {module}, which is not installed: pip install 'specdial[bench]' "
+            f"(or pip install {module})")
+
+
+def _requests(cfg: BenchConfig, driver: Any, engine: Any) -> list[Any]:
+    """The run's requests (:mod:`specdial.bench.datasets` or, for ``sharegpt`` / ``random``,
+    :mod:`specdial.bench.serving_datasets`). Raises :class:`DatasetError`."""
+    from specdial.bench.serving_datasets import random_requests, sharegpt_requests
+
+    if cfg.dataset == "random":
+        vocab = cfg.random_vocab_size or (engine.target.config.vocab_size
+                                          if engine is not None else None)
+        if vocab is None:
+            raise DatasetError("--dataset random with --backend http needs --random-vocab-size")
+        reqs = random_requests(cfg.num_prompts, vocab_size=vocab,
+                               input_len=cfg.random_input_len,
+                               output_len=cfg.random_output_len,
+                               range_ratio=cfg.random_range_ratio, seed=cfg.seed)
+        kept = [r for r in (driver.prepare(x, x.max_new_tokens) for x in reqs) if r is not None]
+        if len(kept) != len(reqs):
+            raise DatasetError(f"--dataset random: {len(reqs) - len(kept)} requests do not fit "
+                               "the context; lower --random-input-len/--random-output-len")
+        return kept
+    if cfg.dataset == "sharegpt":
+        if cfg.dataset_path is None:
+            raise DatasetError("--dataset sharegpt needs --dataset-path FILE (a ShareGPT JSON)")
+        return sharegpt_requests(cfg.dataset_path, cfg.num_prompts, encode=driver.encode,
+                                 seed=cfg.seed, output_len=cfg.sharegpt_output_len,
+                                 fits=driver.fits)
+    return build_requests(cfg.dataset, cfg.num_prompts, seed=cfg.seed,
+                          mix_every=cfg.mix_every, directory=cfg.prompts_dir,
+                          keep=lambda r: driver.prepare(r, cfg.max_new_tokens))
+
+
 def run_bench(cfg: BenchConfig) -> int:
-    """``specdial bench``: returns 0, or 2 (message on stderr)."""
+    """``specdial bench``: returns 0, or 2 (message on stderr) for bad options or a missing
+    extra (checked before anything runs)."""
     import asyncio
 
+    _setup_logging(cfg.log_level)
+    if cfg.backend == "http" and (msg := missing_extra("httpx", "--backend http")):
+        return _error(msg)
     from specdial.bench.driver import EngineDriver, HttpDriver
     from specdial.bench.metrics import summarize, timeline_series
 
-    _setup_logging(cfg.log_level)
     try:
         cfg.configure_process()
     except ValueError as e:
@@ -280,9 +339,7 @@ def run_bench(cfg: BenchConfig) -> int:
               "ignore_eos": cfg.ignore_eos}
     try:
         try:
-            requests = build_requests(cfg.dataset, cfg.num_prompts, seed=cfg.seed,
-                                      mix_every=cfg.mix_every, directory=cfg.prompts_dir,
-                                      keep=lambda r: driver.prepare(r, cfg.max_new_tokens))
+            requests = _requests(cfg, driver, engine)
         except DatasetError as e:
             return _error(e)
         warm = requests[:max(cfg.warmup_prompts, 0)]
@@ -318,6 +375,8 @@ def run_compare(cfg: CompareConfig, argv: list[str] | None = None) -> int:
     from specdial.bench.compare import write_outputs
 
     _setup_logging(cfg.log_level)
+    if cfg.plots and (msg := missing_extra("matplotlib", "--plots (the PNG plots)")):
+        return _error(f"{msg}; or pass --no-plots")
     try:
         cfg.configure_process()
     except ValueError as e:

@@ -505,24 +505,27 @@ def format_markdown(result: Mapping[str, Any]) -> str:
 
 def write_outputs(result: dict[str, Any], output_dir: str | Path, *, plots: bool = True
                   ) -> dict[str, str]:
-    """Write ``compare.json``, ``compare.md`` and (``plots``) the PNG plots into
-    ``output_dir`` (created). Returns ``{kind: path}``; the JSON records the file list too."""
+    """Write ``compare.json`` and ``compare.md`` into ``output_dir`` (created), then
+    (``plots``) the PNG plots, and the two files again listing them: the results are on disk
+    before any plotting starts, so a plotting failure loses nothing. Returns ``{kind: path}``;
+    the JSON records the file list too."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    md, js = out / "compare.md", out / "compare.json"
     files: dict[str, str] = {}
+
+    def write() -> None:
+        result["files"] = {**files, "markdown": str(md), "json": str(js)}
+        md.write_text(format_markdown(result) + _plot_links(files), encoding="utf-8")
+        js.write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
+
+    write()
     if plots:
         from specdial.bench.plots import plot_comparison
 
         files.update(plot_comparison(result, out))
-    result["files"] = dict(files)
-    md = out / "compare.md"
-    md.write_text(format_markdown(result) + _plot_links(files), encoding="utf-8")
-    files["markdown"] = str(md)
-    js = out / "compare.json"
-    result["files"] = {**files, "json": str(js)}
-    js.write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
-    files["json"] = str(js)
-    return files
+        write()
+    return {**files, "markdown": str(md), "json": str(js)}
 
 
 def _plot_links(files: Mapping[str, str]) -> str:

@@ -2,8 +2,9 @@
 
 A dataset is named by ``--dataset``:
 
-- ``code``, ``prose``, ``hard``: ``benches/prompts/{name}.jsonl`` (issue 4's prompt files; see
-  :func:`prompts_dir` for where they are looked up);
+- ``code``, ``prose``, ``hard``: ``{name}.jsonl`` of the package's prompt sets (issue 4's prompt
+  files, package data in ``specdial/bench/prompts``; ``--prompts-dir`` replaces them);
+- ``sharegpt`` and ``random``: :mod:`specdial.bench.serving_datasets`;
 - ``mixed``: ``code`` and ``hard`` prompts in phases: ``mix_every`` code requests, then
   ``mix_every`` hard ones, and so on (the adaptive policy meets high- and low-acceptance phases);
 - any other value: a path to a JSONL file.
@@ -25,7 +26,7 @@ from typing import Callable, Sequence
 __all__ = ["BUILTIN_DATASETS", "BenchRequest", "DatasetError", "build_requests", "load_jsonl",
            "prompts_dir"]
 
-#: Dataset names that resolve to ``benches/prompts/{name}.jsonl``.
+#: Dataset names that resolve to ``{name}.jsonl`` of :func:`prompts_dir`.
 BUILTIN_DATASETS = ("code", "prose", "hard")
 #: The two prompt sets the ``mixed`` workload alternates between.
 MIXED_PHASES = ("code", "hard")
@@ -39,12 +40,14 @@ class DatasetError(ValueError):
 class BenchRequest:
     """One benchmark request: ``prompt`` text and/or ``input_ids``; ``workload`` is the prompt
     set it came from (``code``, ``hard``, ... or the file stem), ``index`` its position in the
-    request sequence."""
+    request sequence; ``max_new_tokens``: its own output length (ShareGPT, random datasets),
+    None for the run's."""
 
     index: int
     workload: str
     prompt: str | None = None
     input_ids: tuple[int, ...] | None = None
+    max_new_tokens: int | None = None
 
     @property
     def prompt_tokens(self) -> int | None:
@@ -52,16 +55,14 @@ class BenchRequest:
         return None if self.input_ids is None else len(self.input_ids)
 
 
+#: The built-in prompt sets, shipped as package data (in the wheel too).
+PACKAGE_PROMPTS = Path(__file__).resolve().parent / "prompts"
+
+
 def prompts_dir(explicit: str | Path | None = None) -> Path:
     """The directory holding ``code.jsonl``, ``prose.jsonl`` and ``hard.jsonl``: ``explicit``
-    if given, else ``./benches/prompts`` when it exists, else the source checkout's
-    ``benches/prompts`` (beside ``python/specdial``)."""
-    if explicit is not None:
-        return Path(explicit)
-    here = Path.cwd() / "benches" / "prompts"
-    if here.is_dir():
-        return here
-    return Path(__file__).resolve().parents[3] / "benches" / "prompts"
+    if given, else the package's :data:`PACKAGE_PROMPTS`."""
+    return PACKAGE_PROMPTS if explicit is None else Path(explicit)
 
 
 def load_jsonl(path: str | Path, workload: str | None = None) -> list[BenchRequest]:
@@ -157,5 +158,5 @@ def build_requests(dataset: str, num_prompts: int, *, seed: int = 0, mix_every: 
         src = sources[phase]
         r = src[cursors[phase] % len(src)]
         cursors[phase] += 1
-        out.append(BenchRequest(len(out), r.workload, r.prompt, r.input_ids))
+        out.append(BenchRequest(len(out), r.workload, r.prompt, r.input_ids, r.max_new_tokens))
     return out

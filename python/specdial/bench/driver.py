@@ -78,7 +78,9 @@ class Driver(Protocol):
         ...
 
     def generate_batch(self, reqs: Sequence[BenchRequest],
-                       params: dict[str, Any]) -> list[dict[str, Any]]: ...
+                       params: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Run ``reqs`` in one batch (``params``: one dict per request)."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -107,9 +109,22 @@ class EngineDriver:
                 return None
             ids = tuple(_encode(tok, req.prompt))
         ctx = getattr(self.engine, "context_length", None)
+        max_new_tokens = req.max_new_tokens or max_new_tokens
         if not ids or (ctx is not None and len(ids) + max_new_tokens > int(ctx)):
             return None
-        return BenchRequest(req.index, req.workload, req.prompt, ids)
+        return BenchRequest(req.index, req.workload, req.prompt, ids, req.max_new_tokens)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (the engine's tokenizer; ``ValueError`` without one)."""
+        tok = getattr(self.engine, "tokenizer", None)
+        if tok is None:
+            raise ValueError("this engine has no tokenizer")
+        return _encode(tok, text)
+
+    def fits(self, prompt_tokens: int, output_tokens: int) -> bool:
+        """Whether a request of these lengths fits the engine's context."""
+        ctx = getattr(self.engine, "context_length", None)
+        return ctx is None or prompt_tokens + output_tokens <= int(ctx)
 
     async def start(self) -> None:
         return None
@@ -144,9 +159,9 @@ class EngineDriver:
                 await aclose()
 
     def generate_batch(self, reqs: Sequence[BenchRequest],
-                       params: dict[str, Any]) -> list[dict[str, Any]]:
+                       params: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out = self.engine.generate(input_ids=[list(r.input_ids or ()) for r in reqs],
-                                   sampling_params=dict(params))
+                                   sampling_params=[dict(p) for p in params])
         return list(out)
 
     async def close(self) -> None:
@@ -218,7 +233,8 @@ class HttpDriver:
     ``model``: the ``model`` field; None = the first id of ``GET /v1/models`` (omitted if that
     fails). ``ignore_eos`` is sent as the vLLM/SGLang extension field (``specdial serve``
     accepts it); a server that answers 400 naming it gets requests without it from then on, and the output lengths are then those the model chooses up to
-    ``max_tokens``. Prompts must be text (``prompt`` in the JSONL).
+    ``max_tokens``. Prompts are text, else token ids (``input_ids``; the server must take
+    token-id prompts, as specdial's and vLLM's do).
     """
 
     streaming = True
@@ -234,7 +250,23 @@ class HttpDriver:
         self._has_metrics = True
 
     def prepare(self, req: BenchRequest, max_new_tokens: int) -> BenchRequest | None:
-        return req if req.prompt else None
+        return req if req.prompt or req.input_ids else None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` from the server's ``POST /tokenize`` (specdial's, vLLM's and
+        SGLang's)."""
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        r = httpx.post(self.base_url + "/tokenize", json={"prompt": text}, headers=headers,
+                       timeout=self.timeout_s)
+        r.raise_for_status()
+        return list(r.json()["tokens"])
+
+    def fits(self, prompt_tokens: int, output_tokens: int) -> bool:
+        """Always True: the server answers what does not fit with an error, counted as a
+        failed request."""
+        return True
 
     async def start(self) -> None:
         import httpx
@@ -266,7 +298,8 @@ class HttpDriver:
         return prometheus_snapshot(r.text)
 
     def _body(self, req: BenchRequest, params: Mapping[str, Any]) -> dict[str, Any]:
-        body: dict[str, Any] = {"prompt": req.prompt, "max_tokens": params["max_new_tokens"],
+        prompt: Any = req.prompt if req.prompt else list(req.input_ids or ())
+        body: dict[str, Any] = {"prompt": prompt, "max_tokens": params["max_new_tokens"],
                                 "temperature": params.get("temperature", 0.0), "stream": True,
                                 "stream_options": {"include_usage": True}}
         if self.model is not None:
@@ -331,7 +364,7 @@ class HttpDriver:
             rec.error = f"finish_reason {rec.finish_reason!r}"
 
     def generate_batch(self, reqs: Sequence[BenchRequest],
-                       params: dict[str, Any]) -> list[dict[str, Any]]:
+                       params: list[dict[str, Any]]) -> list[dict[str, Any]]:
         raise NotImplementedError("the HTTP driver always streams")
 
     async def close(self) -> None:
@@ -414,6 +447,13 @@ async def run_benchmark(driver: Driver, requests: Sequence[BenchRequest], *,
     return RunData(records, duration, timeline, streaming=driver.streaming)
 
 
+def _params_of(req: BenchRequest, params: dict[str, Any]) -> dict[str, Any]:
+    """The run's sampling params with ``req``'s own output length, when it has one."""
+    if req.max_new_tokens is None:
+        return params
+    return {**params, "max_new_tokens": req.max_new_tokens}
+
+
 async def _run_streaming(driver: Driver, requests: Sequence[BenchRequest],
                          records: list[RequestRecord], params: dict[str, Any],
                          concurrency: int | None, clock: Clock, bar: Any) -> None:
@@ -428,7 +468,7 @@ async def _run_streaming(driver: Driver, requests: Sequence[BenchRequest],
         try:
             rec.send_time = clock()
             try:
-                await driver.send(req, params, rec, clock)
+                await driver.send(req, _params_of(req, params), rec, clock)
             except Exception as e:  # noqa: BLE001 - a failed request is a figure, not a crash
                 rec.success, rec.error = False, f"{type(e).__name__}: {e}"
             if rec.end_time is None:
@@ -456,8 +496,9 @@ async def _run_batches(driver: Driver, requests: Sequence[BenchRequest],
             batch.append(pending.popleft())
         start = clock()
         try:
-            outs = await asyncio.to_thread(driver.generate_batch,
-                                           [requests[i] for i in batch], params)
+            reqs = [requests[i] for i in batch]
+            outs = await asyncio.to_thread(driver.generate_batch, reqs,
+                                           [_params_of(r, params) for r in reqs])
             error = None
         except Exception as e:  # noqa: BLE001
             outs, error = [], f"{type(e).__name__}: {e}"

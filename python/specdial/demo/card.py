@@ -61,7 +61,7 @@ def render_card(stats: dict[str, Any], sizes_mb: dict[str, float]) -> str:
     add("```")
     add("")
     add("Stages: `data` (split + tokenizer), `target`, `draft`, `eagle`, `eval` (held-out "
-        "perplexity), `prompts` (benches/prompts/*.jsonl), `card` (this file). Fixed seeds; "
+        "perplexity), `prompts` (python/specdial/bench/prompts/*.jsonl), `card` (this file). Fixed seeds; "
         f"{stats.get('threads', 2)} torch threads (results can differ with another thread "
         "count). Software: " + ", ".join(f"{k} {x}" for k, x in v.items()) + ".")
     runs = stats.get("runs", [])

@@ -1,6 +1,6 @@
 """Benchmark prompts from the held-out standard-library modules.
 
-``python -m specdial.demo.prompts [--out benches/prompts] [--tokenizer DIR]`` regenerates
+``python -m specdial.demo.prompts [--out python/specdial/bench/prompts] [--tokenizer DIR]`` regenerates
 (deterministically, from the running interpreter's standard library and the split of
 :mod:`specdial.demo.data`):
 
@@ -43,7 +43,7 @@ from specdial.demo import data
 MAX_PROMPT_TOKENS = 224
 MAX_PROMPT_CHARS = 1200  # used when no tokenizer is available
 SEED = 2024
-REPO_PROMPTS = Path(__file__).resolve().parents[3] / "benches" / "prompts"
+REPO_PROMPTS = Path(__file__).resolve().parents[1] / "bench" / "prompts"  # package data
 
 
 def _counter(tokenizer_dir: Path | None) -> Callable[[str], int] | None:

@@ -14,7 +14,7 @@ stages' outputs from ``--out``):
   drafting would hold).
 - ``eval``: held-out perplexity per token of the target and the draft model.
 - ``card``: ``MODEL_CARD.md`` from ``training_stats.json``.
-- ``prompts``: ``benches/prompts/*.jsonl`` (:mod:`specdial.demo.prompts`).
+- ``prompts``: ``python/specdial/bench/prompts/*.jsonl`` (:mod:`specdial.demo.prompts`).
 
 Weights are saved in float16. The teachers of the draft and EAGLE stages are the *saved*
 target weights (loaded as float32), i.e. the model that is served. Deterministic for a fixed
@@ -501,7 +501,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=PACKAGE_BUILTIN,
                     help="output directory (default: the package's builtin/)")
     ap.add_argument("--prompts-out", type=Path, default=None,
-                    help="prompt directory (default: benches/prompts of the source checkout)")
+                    help="prompt directory (default: the package prompt sets, python/specdial/bench/prompts)")
     ap.add_argument("--threads", type=int, default=2)
     for name, d in DEFAULTS.items():
         ap.add_argument(f"--{name}-steps", type=int, default=d["steps"])

@@ -3,11 +3,19 @@
 
 Endpoints:
 
-- ``POST /v1/completions``: ``prompt`` is a string or a list of strings; a list gives one choice
-  per prompt (``index`` = position in the list), each its own engine request, all running
-  concurrently.
+- ``POST /v1/completions``: ``prompt`` is a string, a list of strings, a list of token ids or a
+  list of such lists; each prompt gives ``n`` choices (``index`` = prompt position * n +
+  choice), each its own engine request sharing nothing but the prompt, all running
+  concurrently. With a ``seed``, choice ``i`` of a prompt uses
+  :func:`~specdial.server.protocol.choice_seed` ``(seed, i)`` (choice 0: the seed itself).
+  ``logprobs: N`` reports the target's log-probabilities (:mod:`specdial.server.logprob_format`);
+  ``echo`` prepends the prompt to the text (and its tokens, with the prefill's prompt
+  logprobs, to ``logprobs``): lm-evaluation-harness's loglikelihood payload.
 - ``POST /v1/chat/completions``: ``messages`` rendered by the tokenizer's chat template, or by
-  the simple template of :mod:`specdial.server.chat` when it has none.
+  the simple template of :mod:`specdial.server.chat` when it has none; ``n`` choices, and
+  ``logprobs`` / ``top_logprobs``.
+- SGLang's native endpoints (``/generate``, ``/server_info``, ``/tokenize``, ...):
+  :mod:`specdial.server.sglang_api`.
 - both: non-streaming JSON, or server-sent events (``stream: true``) in OpenAI's chunk format
   ending with ``data: [DONE]``; ``stream_options.include_usage`` adds a last chunk with empty
   ``choices`` and the ``usage`` (other chunks then carry ``"usage": null``). ``usage`` holds
@@ -36,6 +44,7 @@ non-streaming: a task waits for ``http.disconnect`` while the request runs).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -50,12 +59,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from specdial.engine_api import QueueFullError, RequestError, StreamChunk
+from specdial.engine_api import LogprobOptions, QueueFullError, RequestError, StreamChunk
 from specdial.server.chat import render_chat
 from specdial.server.config import BUILTIN_MODEL_NAME
+from specdial.server.logprob_format import TokenDecoder, chat_logprobs, completion_logprobs
 from specdial.server.metrics import CONTENT_TYPE, ServerMetrics
 from specdial.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                      bad_request, parse_request)
+                                      bad_request, choice_seed, parse_request)
 
 __all__ = ["ServerState", "create_app"]
 
@@ -85,8 +95,10 @@ class ServerState:
 
     def __init__(self, engine: Any, model_name: str, shutdown_engine_on_exit: bool) -> None:
         self.engine, self.model_name = engine, model_name
-        self.metrics = ServerMetrics(engine)
+        self.metrics = ServerMetrics(engine, model_name)
         self.created = int(time.time())
+        self.decode = TokenDecoder(engine.tokenizer)
+        self.server_args: dict[str, Any] = {}
         self.draining = False
         self.shutdown_engine_on_exit = shutdown_engine_on_exit
         self._engine_shut_down = False
@@ -116,6 +128,9 @@ class _Job:
     input_ids: list[int] | None
     sampling_params: dict[str, Any]
     stop: list[str] | None
+    logprobs: LogprobOptions | None = None
+    counts_prompt: bool = True  # the first choice of its prompt (usage counts prompts once)
+    echo: str | None = None  # prompt text prepended to the choice's text
 
 
 @dataclass
@@ -125,8 +140,15 @@ class _Choice:
     finish_reason: dict[str, Any] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     first_token_s: float | None = None
+    last_token_s: float | None = None
     completion_tokens: int = 0
     done: bool = False
+    token_ids: list[int] = field(default_factory=list)  # every emitted token
+    # with logprobs: each token's logprob and top alternatives; the prompt's
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[Any] | None = None
 
     @property
     def reason(self) -> str | None:
@@ -164,9 +186,10 @@ class _Run:
     async def _pump(self, job: _Job) -> None:
         stream: Any = None
         try:
+            extra = {} if job.logprobs is None else {"logprobs": job.logprobs}
             stream = self.state.engine.async_stream(
                 prompt=job.prompt, input_ids=job.input_ids,
-                sampling_params=job.sampling_params, stop=job.stop)
+                sampling_params=job.sampling_params, stop=job.stop, **extra)
             async for chunk in stream:
                 self.queue.put_nowait((job.index, chunk, None))
         except asyncio.CancelledError:
@@ -229,6 +252,19 @@ class _Run:
             if c.first_token_s is None:
                 c.first_token_s = now
                 self.state.metrics.observe_first_token(now)
+            else:
+                assert c.last_token_s is not None
+                self.state.metrics.observe_inter_token(now - c.last_token_s)
+            c.last_token_s = now
+        c.token_ids += chunk.token_ids
+        if chunk.logprobs is not None:
+            c.logprobs += chunk.logprobs
+            c.top_logprobs += chunk.top_logprobs or [[] for _ in chunk.token_ids]
+        if chunk.prompt_logprobs is not None:
+            c.prompt_logprobs = chunk.prompt_logprobs
+            c.prompt_top_logprobs = chunk.prompt_top_logprobs
+        if chunk.meta_info and "queue_time_s" in chunk.meta_info and "queue_time_s" not in c.meta:
+            self.state.metrics.observe_queue_time(float(chunk.meta_info["queue_time_s"]))
         if chunk.meta_info:
             c.meta = chunk.meta_info
             c.completion_tokens = int(chunk.meta_info.get("completion_tokens",
@@ -241,7 +277,8 @@ class _Run:
         return c
 
     def usage(self) -> dict[str, int]:
-        prompt = sum(int(c.meta.get("prompt_tokens", 0)) for c in self.choices)
+        prompt = sum(int(c.meta.get("prompt_tokens", 0))
+                     for c, j in zip(self.choices, self.jobs) if j.counts_prompt)
         completion = sum(c.completion_tokens for c in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
@@ -334,18 +371,22 @@ def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
     return [int(t) for t in getattr(enc, "ids", enc)]
 
 
-def _make_job(state: ServerState, index: int, text: str, *, templated: bool,
+def _make_job(state: ServerState, index: int, prompt: str | list[int], *, templated: bool,
               max_tokens: int | None, max_tokens_param: str, prompt_param: str, label: str,
               chat: bool, sampling: dict[str, Any], stop: list[str] | None) -> _Job:
-    """One engine request for the prompt ``text``; ``label`` names it in error messages.
-    Raises :class:`APIError` 400 for an empty prompt or one that does not fit the context."""
+    """One engine request for ``prompt`` (text, or token ids); ``label`` names it in error
+    messages. Raises :class:`APIError` 400 for an empty prompt or one that does not fit the
+    context."""
     engine = state.engine
     ctx = int(engine.context_length)
     tokenizer = engine.tokenizer
-    if tokenizer is None:  # the engine reports what it cannot do (RequestError)
+    if isinstance(prompt, list):
+        ids = prompt
+    elif tokenizer is None:  # the engine reports what it cannot do (RequestError)
         n = DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
-        return _Job(index, text, None, {**sampling, "max_new_tokens": n}, stop)
-    ids = _encode(tokenizer, text, add_special_tokens=not templated)
+        return _Job(index, prompt, None, {**sampling, "max_new_tokens": n}, stop)
+    else:
+        ids = _encode(tokenizer, prompt, add_special_tokens=not templated)
     if not ids:
         raise bad_request(f"'{label}' is empty (0 tokens)", prompt_param, "invalid_value")
     if len(ids) >= ctx:
@@ -362,6 +403,22 @@ def _make_job(state: ServerState, index: int, text: str, *, templated: bool,
     if max_tokens is None:
         max_tokens = ctx - len(ids) if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, ctx - len(ids))
     return _Job(index, None, ids, {**sampling, "max_new_tokens": max_tokens}, stop)
+
+
+def _choices(jobs: list[_Job], n: int) -> list[_Job]:
+    """``n`` choices per job (choice ``i`` of prompt ``p``: index ``p * n + i``), seeded
+    choices with :func:`choice_seed`."""
+    if n == 1:
+        return jobs
+    out = []
+    for job in jobs:
+        for i in range(n):
+            params = dict(job.sampling_params)
+            if "seed" in params:
+                params["seed"] = choice_seed(int(params["seed"]), i)
+            out.append(dataclasses.replace(job, index=job.index * n + i, sampling_params=params,
+                                           counts_prompt=i == 0))
+    return out
 
 
 def _sampling(req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
@@ -383,12 +440,15 @@ def _stop(req: CompletionRequest | ChatCompletionRequest) -> list[str] | None:
 
 # ---------------------------------------------------------------------------- the app
 def create_app(engine: Any, *, served_model_name: str = BUILTIN_MODEL_NAME,
-               shutdown_engine_on_exit: bool = True) -> FastAPI:
+               shutdown_engine_on_exit: bool = True,
+               server_args: dict[str, Any] | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (an :class:`specdial.engine_api.EngineProtocol`)
     under the model name ``served_model_name``. ``app.state.specdial`` is the
     :class:`ServerState` (``begin_drain()`` makes new requests 503). At lifespan shutdown the
-    engine is shut down (``drain=False``) unless ``shutdown_engine_on_exit`` is False."""
+    engine is shut down (``drain=False``) unless ``shutdown_engine_on_exit`` is False.
+    ``server_args``: the options the server was started with, reported by ``/server_info``."""
     state = ServerState(engine, served_model_name, shutdown_engine_on_exit)
+    state.server_args = dict(server_args or {})
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -415,6 +475,11 @@ def create_app(engine: Any, *, served_model_name: str = BUILTIN_MODEL_NAME,
         if state.draining:
             raise APIError(503, "The server is shutting down", type="service_unavailable",
                            code="shutting_down")
+
+    def check_tokenizer(field: str) -> None:
+        if engine.tokenizer is None:
+            raise bad_request(f"'{field}' needs the model's tokenizer (token texts); this "
+                              "server has none", field, "unsupported_parameter")
 
     def check_model(model: str | None) -> None:
         if model is not None and model != state.model_name:
@@ -450,13 +515,23 @@ def create_app(engine: Any, *, served_model_name: str = BUILTIN_MODEL_NAME,
         check_admitting()
         req = cast(CompletionRequest, parse_request(await request.body(), "completion"))
         check_model(req.model)
-        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        prompts = req.prompts()
         sampling, stop = _sampling(req), _stop(req)
-        jobs = [_make_job(state, i, p, templated=False, max_tokens=req.max_tokens,
-                          max_tokens_param="max_tokens", prompt_param="prompt",
-                          label="prompt" if len(prompts) == 1 else f"prompt[{i}]", chat=False,
-                          sampling=sampling, stop=stop) for i, p in enumerate(prompts)]
-        return await _serve(request, req, jobs, arrival, chat=False,
+        logprobs = None
+        if req.logprobs is not None or req.echo:
+            check_tokenizer("logprobs" if req.logprobs is not None else "echo")
+        if req.logprobs is not None:
+            logprobs = LogprobOptions(top_n=req.logprobs, prompt_start=0 if req.echo else None)
+        jobs = []
+        for i, p in enumerate(prompts):
+            job = _make_job(state, i, p, templated=False, max_tokens=req.max_tokens,
+                            max_tokens_param="max_tokens", prompt_param="prompt",
+                            label="prompt" if len(prompts) == 1 else f"prompt[{i}]",
+                            chat=False, sampling=sampling, stop=stop)
+            echo = (p if isinstance(p, str) else str(engine.tokenizer.decode(p))) if req.echo \
+                else None
+            jobs.append(dataclasses.replace(job, logprobs=logprobs, echo=echo))
+        return await _serve(request, req, _choices(jobs, req.n or 1), arrival, chat=False,
                             params={"max_new_tokens": "max_tokens", "input_ids": "prompt",
                                     "prompt": "prompt"})
 
@@ -477,7 +552,10 @@ def create_app(engine: Any, *, served_model_name: str = BUILTIN_MODEL_NAME,
                         max_tokens_param=max_param, prompt_param="messages",
                         label="messages", chat=True,
                         sampling=_sampling(req), stop=_stop(req))
-        return await _serve(request, req, [job], arrival, chat=True,
+        if req.logprobs:
+            check_tokenizer("logprobs")
+            job.logprobs = LogprobOptions(top_n=req.top_logprobs or 0)
+        return await _serve(request, req, _choices([job], req.n or 1), arrival, chat=True,
                             params={"max_new_tokens": max_param, "input_ids": "messages",
                                     "prompt": "messages"})
 
@@ -509,16 +587,35 @@ def create_app(engine: Any, *, served_model_name: str = BUILTIN_MODEL_NAME,
             if not streaming:
                 run.close()
 
+    def _logprobs(c: _Choice, job: _Job, chat: bool, start: int = 0,
+                  offset: int = 0) -> tuple[dict[str, Any] | None, int]:
+        """The ``logprobs`` of ``c``'s tokens from ``start`` (with the echoed prompt first
+        when ``start == 0``), and the text offset after them."""
+        if job.logprobs is None:
+            return None, offset
+        tokens, lps = c.token_ids[start:], c.logprobs[start:]
+        tops = c.top_logprobs[start:]
+        if chat:
+            return chat_logprobs(tokens, lps, tops, state.decode), offset
+        if start == 0 and job.echo is not None and c.prompt_logprobs is not None:
+            assert job.input_ids is not None and c.prompt_top_logprobs is not None
+            tokens = job.input_ids + tokens
+            lps = c.prompt_logprobs + lps  # type: ignore[operator]
+            tops = c.prompt_top_logprobs + tops
+        return completion_logprobs(tokens, lps, tops, state.decode, offset)
+
     def _full_response(run: _Run, chat: bool) -> dict[str, Any]:
         choices: list[dict[str, Any]] = []
-        for c in run.choices:
+        for c, job in zip(run.choices, run.jobs):
             text = "".join(c.parts)
+            logprobs, _ = _logprobs(c, job, chat)
             if chat:
-                choices.append({"index": c.index, "logprobs": None, "finish_reason": c.reason,
+                choices.append({"index": c.index, "logprobs": logprobs,
+                                "finish_reason": c.reason,
                                 "message": {"role": "assistant", "content": text}})
             else:
-                choices.append({"index": c.index, "text": text, "logprobs": None,
-                                "finish_reason": c.reason})
+                choices.append({"index": c.index, "text": (job.echo or "") + text,
+                                "logprobs": logprobs, "finish_reason": c.reason})
         return {"id": _new_id(chat), "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": state.model_name, "choices": choices,
                 "usage": run.usage()}
@@ -534,29 +631,47 @@ def create_app(engine: Any, *, served_model_name: str = BUILTIN_MODEL_NAME,
                 body["usage"] = None
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-        def choice(index: int, text: str | None, reason: str | None,
-                   role: bool = False) -> dict[str, Any]:
+        jobs = {c.index: j for c, j in zip(run.choices, run.jobs)}
+        progress: dict[int, tuple[int, int]] = {}  # index -> (tokens reported, text offset)
+
+        def logprobs(c: _Choice) -> dict[str, Any] | None:
+            sent, offset = progress.get(c.index, (0, 0))
+            if sent == len(c.token_ids) and sent:
+                return None
+            lp, offset = _logprobs(c, jobs[c.index], chat, sent, offset)
+            progress[c.index] = (len(c.token_ids), offset)
+            return lp
+
+        def choice(c: _Choice, text: str | None, reason: str | None,
+                   role: bool = False, lp: dict[str, Any] | None = None) -> dict[str, Any]:
             if not chat:
-                return {"index": index, "text": text or "", "logprobs": None,
+                return {"index": c.index, "text": text or "", "logprobs": lp,
                         "finish_reason": reason}
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else (
                 {} if text is None else {"content": text})
-            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": reason}
 
         try:
             if chat:
                 for c in run.choices:
-                    yield event([choice(c.index, None, None, role=True)])
+                    yield event([choice(c, None, None, role=True)])
+            started: set[int] = set()
             async for c, chunk in run.events():
+                text = chunk.text
+                echo = jobs[c.index].echo
+                if echo is not None and c.index not in started and (text or chunk.token_ids
+                                                                     or chunk.finished):
+                    text = echo + text
+                started.add(c.index)
+                lp = logprobs(c) if chunk.token_ids else None
                 if chunk.finished:
-                    if chat and chunk.text:
-                        yield event([choice(c.index, chunk.text, None)])
-                        yield event([choice(c.index, None, c.reason)])
+                    if chat and (text or lp):
+                        yield event([choice(c, text, None, lp=lp)])
+                        yield event([choice(c, None, c.reason)])
                     else:
-                        yield event([choice(c.index, chunk.text if not chat else None,
-                                            c.reason)])
-                elif chunk.text:
-                    yield event([choice(c.index, chunk.text, None)])
+                        yield event([choice(c, text if not chat else None, c.reason, lp=lp)])
+                elif text or lp:
+                    yield event([choice(c, text, None, lp=lp)])
             if include_usage:
                 yield event([], usage=run.usage())
         except _ClientGone:
@@ -565,6 +680,9 @@ def create_app(engine: Any, *, served_model_name: str = BUILTIN_MODEL_NAME,
             yield f"data: {json.dumps(_engine_error(e, {}).body())}\n\n"
         yield _DONE
 
+    from specdial.server.sglang_api import add_sglang_routes
+
+    add_sglang_routes(app, state, check_admitting)
     return app
 
 

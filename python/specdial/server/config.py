@@ -29,12 +29,12 @@ NO_SPECULATION = "NONE"
 
 
 #: EngineArgs fields that configure the process, not the Engine.
-_NOT_ENGINE_KWARGS = frozenset({"log_level", "cpu_threads"})
+_NOT_ENGINE_KWARGS = frozenset({"log_level", "cpu_threads", "chat_template"})
 
 
 def _opt(help: str, default: Any = None, **extra: Any) -> Any:
     """A dataclass field with argparse metadata (``help``, optional ``choices``, ``metavar``,
-    ``positional``, ``aliases``: more flags for the option, e.g. SGLang's spelling)."""
+    ``positional``)."""
     return field(default=default, metadata={"help": help, **extra})
 
 
@@ -48,12 +48,12 @@ class EngineArgs:
     draft_model_path: str | None = _opt(
         "drafter: a draft model directory sharing the target's tokenizer, or an EAGLE or "
         "EAGLE-3 head directory (specdial's, SGLang's or vLLM's layout); default: none for a "
-        "user model, the built-in drafter for the built-in models", metavar="DIR",
-        aliases=("--speculative-draft-model-path",))
+        "user model, the built-in drafter for the built-in models", metavar="DIR")
     speculative_algorithm: str | None = _opt(
-        f"EAGLE, EAGLE3, DRAFT or {NO_SPECULATION} (plain decoding); default: inferred from "
-        "--draft-model-path (the built-in models use EAGLE)",
-        choices=("EAGLE", "EAGLE3", "DRAFT", NO_SPECULATION))
+        f"EAGLE, EAGLE3, DRAFT (STANDALONE: SGLang's name for it) or {NO_SPECULATION} "
+        "(plain decoding); default: inferred from --draft-model-path (the built-in models use "
+        "EAGLE)",
+        choices=("EAGLE", "EAGLE3", "DRAFT", "STANDALONE", NO_SPECULATION))
     speculative_num_steps: int | None = _opt(
         "draft tokens per request per decode iteration. With --speculative-adaptive: the "
         "initial steps (default: the middle candidate); without: the fixed steps (default 3)",
@@ -68,7 +68,8 @@ class EngineArgs:
         "at steps 0, skip the drafter's extend pass (it catches up in one batched pass when "
         "drafting resumes)", default=False)
     device: str = _opt("cpu, cuda or cuda:N", default="cpu")
-    dtype: str = _opt("model dtype", default="float32", choices=("float32", "bfloat16"))
+    dtype: str = _opt("model dtype; auto: the checkpoint's torch_dtype on CUDA, float32 on the "
+                      "CPU", default="float32", choices=("auto", "float32", "bfloat16"))
     max_running_requests: int | None = _opt(
         "most requests decoded together (the batch capacity); default: the engine's (32)",
         metavar="N")
@@ -80,6 +81,17 @@ class EngineArgs:
         "context length, capped)", metavar="N")
     page_size: int | None = _opt("tokens per KV cache page; default: the engine's (16)",
                                  metavar="N")
+    max_prefill_tokens: int | None = _opt(
+        "prompt tokens per prefill iteration (longer prompts are prefilled in chunks); default: "
+        "the engine's (4096)", metavar="N")
+    cuda_graph_bs: list[int] | None = _opt(
+        "batch sizes to capture CUDA graphs for (space- or comma-separated); default: SGLang's "
+        "sizes up to --max-running-requests", metavar="N")
+    disable_cuda_graph: bool = _opt("run the decode passes eagerly on CUDA (no graphs)",
+                                    default=False)
+    chat_template: str | None = _opt(
+        "chat template for /v1/chat/completions: a Jinja file, or the template text itself; "
+        "replaces the tokenizer's", metavar="FILE|TEMPLATE")
     context_length: int | None = _opt(
         "most tokens per request, prompt plus completion; default: the target's "
         "max_position_embeddings, cut to --kv-cache-tokens (with a warning) when that is "
@@ -108,7 +120,41 @@ class EngineArgs:
                                                     and math.isfinite(self.log_interval_s)):
             raise ValueError(f"--log-interval-s must be a finite number >= 0 (0: off), got "
                              f"{self.log_interval_s}")
+        self._check_files()
 
+    def _check_files(self) -> None:
+        """The files the options name, read and validated before any model loads: model
+        directories hold a config.json, the adaptive config parses (and knows the initial
+        steps), the chat template is readable. Raises ``ValueError`` naming the option."""
+        from pathlib import Path
+
+        for flag, path in (("--model-path", self.model_path),
+                           ("--draft-model-path", self.draft_model_path)):
+            if path is not None and not (Path(path) / "config.json").is_file():
+                raise ValueError(f"{flag} {path}: not a model directory (no config.json)")
+        if self.speculative_adaptive_config is not None:
+            from specdial._core import AdaptiveConfig, validate_initial_steps
+
+            config = AdaptiveConfig.from_file(self.speculative_adaptive_config)
+            if self.speculative_adaptive and self.speculative_num_steps is not None:
+                validate_initial_steps(config, self.speculative_num_steps)
+        self.chat_template_text()
+
+    def chat_template_text(self) -> str | None:
+        """``--chat-template`` as template text: the file's content, or the value itself when
+        it is a template (contains ``{{`` or ``{%``). Raises ``ValueError`` otherwise."""
+        value = self.chat_template
+        if value is None:
+            return None
+        from pathlib import Path
+
+        if "{{" in value or "{%" in value:
+            return value
+        try:
+            return Path(value).read_text(encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"--chat-template {value}: neither a readable file nor a Jinja "
+                             f"template ({e.strerror})") from None
     def configure_process(self) -> None:
         """Apply the process-wide options (``cpu_threads``) before building engines; the
         engine's loop thread takes the thread count of the thread that builds it."""
@@ -135,6 +181,8 @@ class EngineArgs:
                 value = None
             if f.name == "log_interval_s" and value == 0:
                 value = None  # the Engine's "off"
+            if f.name == "disable_cuda_graph" and not value:
+                continue  # the Engine's default
             kwargs[f.name] = value
         return kwargs
 
@@ -145,7 +193,15 @@ class EngineArgs:
         from specdial.engine import Engine
 
         self.configure_process()
-        return Engine(**self.engine_kwargs())
+        engine = Engine(**self.engine_kwargs())
+        template = self.chat_template_text()
+        if template is not None:
+            if not hasattr(engine.tokenizer, "apply_chat_template"):
+                engine.shutdown()
+                raise ValueError("--chat-template needs a transformers tokenizer; this model's "
+                                 "tokenizer has none")
+            engine.tokenizer.chat_template = template
+        return engine
 
     def default_model_name(self) -> str:
         """The model name clients use: :data:`BUILTIN_MODEL_NAME` for the built-in models,
@@ -211,8 +267,24 @@ class GenerateConfig(EngineArgs):
 _C = TypeVar("_C")
 
 
+def _int_list(text: str) -> list[int]:
+    """One command-line word of a list of ints: ``"8"`` or ``"1,2,4"``."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers, got {text!r}") from None
+
+
+class _ExtendInts(argparse.Action):
+    """``--x 1 2 4`` or ``--x 1,2,4`` -> ``[1, 2, 4]``."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, [v for part in values for v in part])
+
+
 def _scalar_type(annotation: Any) -> type:
-    """``int | None`` -> ``int``; ``str`` -> ``str``."""
+    """``int | None`` -> ``int``; ``str`` -> ``str``; ``list[int]`` stays."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         if len(args) != 1:
@@ -242,12 +314,14 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
                                 default=f.default, help=f"{meta.get('help', '')} (default: {state})")
             continue
         extra: dict[str, Any] = {}
+        if typing.get_origin(kind) is list:
+            extra.update(type=_int_list, nargs="+", action=_ExtendInts)
         if "choices" in meta:
             extra["choices"] = meta["choices"]
         if "metavar" in meta:
             extra["metavar"] = meta["metavar"]
-        parser.add_argument(flag, *meta.get("aliases", ()), dest=f.name, type=kind,
-                            default=f.default, help=help_text, **extra)
+        extra.setdefault("type", kind)
+        parser.add_argument(flag, dest=f.name, default=f.default, help=help_text, **extra)
 
 
 def config_from_args(cls: type[_C], args: argparse.Namespace) -> _C:

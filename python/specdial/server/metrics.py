@@ -1,7 +1,8 @@
 """Prometheus metrics of the server (``GET /metrics``).
 
 Each app owns a :class:`prometheus_client.CollectorRegistry` (several apps in one process never
-collide). Two sources:
+collide). Every sample carries the label ``model_name`` (the served model name, as vLLM's),
+added at scrape time to whatever the registry holds. Two sources:
 
 - the engine, read at scrape time from :meth:`EngineProtocol.stats` by :class:`EngineCollector`
   (counters are the engine's cumulative totals);
@@ -36,6 +37,11 @@ name                                                        type     meaning
 ``specdial:time_per_output_token_seconds``                  hist.    (last - first token time) /
                                                                      (completion tokens - 1)
 ``specdial:e2e_request_latency_seconds``                    hist.    arrival -> finished
+``specdial:request_queue_time_seconds``                     hist.    engine submission -> first
+                                                                     prefill (waiting in the queue)
+``specdial:inter_token_latency_seconds``                    hist.    gap between consecutive token
+                                                                     deliveries of a request (one
+                                                                     verify can deliver several)
 ==========================================================  =======  ================================
 """
 
@@ -121,11 +127,31 @@ class EngineCollector:
         yield per_pos
 
 
-class ServerMetrics:
-    """The registry of one app: the engine collector plus per-request histograms (seconds)."""
+class _ModelNameLabel:
+    """A collector re-exporting every metric of ``inner`` with ``model_name`` added to each
+    sample's labels."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, inner: CollectorRegistry, model_name: str) -> None:
+        self.inner, self.model_name = inner, model_name
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        for metric in self.inner.collect():
+            metric.samples = [s._replace(labels={**s.labels, "model_name": self.model_name})
+                              for s in metric.samples]
+            yield metric
+
+
+class ServerMetrics:
+    """The registry of one app: the engine collector plus per-request histograms (seconds);
+    ``model_name`` labels every sample."""
+
+    def __init__(self, engine: Any, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
+        self._exported = CollectorRegistry()
+        self._exported.register(_ModelNameLabel(self.registry, model_name))  # type: ignore[arg-type]
         self.registry.register(EngineCollector(engine))  # type: ignore[arg-type]
         self.ttft = Histogram("specdial:time_to_first_token_seconds",
                               "Time from request arrival to its first token, seconds.",
@@ -136,6 +162,14 @@ class ServerMetrics:
         self.e2e = Histogram("specdial:e2e_request_latency_seconds",
                              "Time from request arrival to its last token, seconds.",
                              buckets=_E2E_BUCKETS, registry=self.registry)
+        self.queue_time = Histogram("specdial:request_queue_time_seconds",
+                                    "Time a request waited between its submission to the "
+                                    "engine and its first prefill, seconds.",
+                                    buckets=_E2E_BUCKETS, registry=self.registry)
+        self.itl = Histogram("specdial:inter_token_latency_seconds",
+                             "Time between consecutive token deliveries of a request "
+                             "(a verify can deliver several tokens at once), seconds.",
+                             buckets=_TPOT_BUCKETS, registry=self.registry)
         self.finished = Counter("specdial:request_success",
                                 "Engine requests served to the end, by finish reason "
                                 "(stop, length, abort).", ["finished_reason"],
@@ -144,6 +178,14 @@ class ServerMetrics:
     def observe_first_token(self, seconds: float) -> None:
         """Record one request's time to first token."""
         self.ttft.observe(seconds)
+
+    def observe_queue_time(self, seconds: float) -> None:
+        """Record one request's time in the engine's queue (submission -> first prefill)."""
+        self.queue_time.observe(seconds)
+
+    def observe_inter_token(self, seconds: float) -> None:
+        """Record the gap between two consecutive token deliveries of one request."""
+        self.itl.observe(seconds)
 
     def observe_finished(self, *, reason: str, e2e_s: float, first_token_s: float | None,
                          completion_tokens: int) -> None:
@@ -156,4 +198,4 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         """The text exposition of every metric (calls ``engine.stats()`` once)."""
-        return generate_latest(self.registry)
+        return generate_latest(self._exported)

@@ -5,13 +5,17 @@ Validation order for a request body (each failure is an :class:`APIError`, answe
 
 1. the body is JSON (else 400, ``param`` null) and a JSON object;
 2. every key is a field of the endpoint: a known OpenAI field that this server does not
-   implement is 400 "not supported" unless it has its neutral value (``n: 1``, ``echo: false``,
-   penalties ``0``, ``logprobs: false``/null, ``best_of: 1``, null for the others: see
+   implement is 400 "not supported" unless it has its neutral value (penalties ``0``,
+   ``best_of: 1`` or equal to ``n``, null for the others: see
    :data:`UNSUPPORTED_COMPLETION_FIELDS` / :data:`UNSUPPORTED_CHAT_FIELDS`); any other key is
    400 "Unrecognized request argument supplied" (extra="forbid" semantics);
 3. types and ranges through the strict pydantic models below (no string-to-number coercion, no
-   NaN or infinity; ``max_tokens`` >= 1, ``temperature`` >= 0, ``top_p`` in (0, 1]; null means
-   "default" for every optional field); the ``param`` of the error is the offending field;
+   NaN or infinity; ``max_tokens`` >= 1, ``temperature`` >= 0, ``top_p`` in (0, 1]; ``n`` in
+   1..:data:`MAX_N`; completions ``logprobs`` an int in 0..20 (the alternatives per token) and
+   ``echo`` a bool; chat ``logprobs`` a bool and ``top_logprobs`` 0..20, which needs
+   ``logprobs: true``; ``prompt`` a string, a list of strings, a list of token ids or a list
+   of such lists; null means "default" for every optional field); the ``param`` of the error
+   is the offending field;
 4. text (``prompt``, message contents, ``stop``) must be valid Unicode: a lone surrogate
    (``"\\ud800"`` in the JSON) is 400 ``invalid_value`` naming the field (``prompt`` for every
    item of a prompt list, the message naming ``prompt[i]``; ``messages[i].content``).
@@ -28,8 +32,32 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-__all__ = ["APIError", "ChatCompletionRequest", "ChatMessage", "CompletionRequest",
-           "UNSUPPORTED_CHAT_FIELDS", "UNSUPPORTED_COMPLETION_FIELDS", "parse_request"]
+__all__ = ["APIError", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "MAX_N",
+           "UNSUPPORTED_CHAT_FIELDS", "UNSUPPORTED_COMPLETION_FIELDS", "choice_seed",
+           "parse_request"]
+
+#: Most choices per prompt (``n``).
+MAX_N = 128
+#: Most alternatives per token (``logprobs`` of completions, ``top_logprobs`` of chat; vLLM's
+#: default ``max_logprobs``).
+MAX_LOGPROBS = 20
+
+_MASK64 = (1 << 64) - 1
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` (0..n-1) of a request with ``seed`` and ``n > 1``.
+
+    Choice 0 keeps ``seed`` (so ``n: 1`` and the first of ``n`` choices agree); choice ``i > 0``
+    uses SplitMix64's output function (Steele, Lea, Flood 2014) applied to
+    ``seed + i * 0x9E3779B97F4A7C15`` mod 2**64: distinct, well-mixed 64-bit seeds, a pure
+    function of ``(seed, i)``, so each choice is reproducible on its own."""
+    if index == 0:
+        return seed
+    z = (seed + index * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 class APIError(Exception):
@@ -60,9 +88,6 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 # Known OpenAI fields this server does not implement -> the values that mean "off" and are
 # therefore accepted. Anything else for these keys is 400 "not supported".
 _COMMON_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "n": (1, None),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "frequency_penalty": (None, 0, 0.0),
     "presence_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
@@ -72,8 +97,6 @@ _COMMON_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 #: ``/v1/completions`` fields that are known but not implemented (key -> accepted neutral values).
 UNSUPPORTED_COMPLETION_FIELDS: dict[str, tuple[Any, ...]] = {
     **_COMMON_UNSUPPORTED,
-    "best_of": (None, 1),
-    "echo": (None, False),
     "suffix": (None,),
 }
 
@@ -99,6 +122,26 @@ UNSUPPORTED_CHAT_FIELDS: dict[str, tuple[Any, ...]] = {
 }
 
 
+_OMIT = "omit it: this server has no such feature"
+_NO_TOOLS = "describe the tools in the messages and parse the reply text"
+#: What to use instead of each unsupported field (in its 400 message).
+INSTEAD: dict[str, str] = {
+    "suffix": "no fill-in-the-middle: send the prefix as 'prompt'",
+    "frequency_penalty": "no penalties are implemented: use temperature, top_p or stop",
+    "presence_penalty": "no penalties are implemented: use temperature, top_p or stop",
+    "logit_bias": "no logit processors are implemented: use stop strings, or rank 'n' "
+                  "choices by their 'logprobs'",
+    "service_tier": _OMIT, "tools": _NO_TOOLS, "tool_choice": _NO_TOOLS,
+    "parallel_tool_calls": _NO_TOOLS, "functions": _NO_TOOLS, "function_call": _NO_TOOLS,
+    "response_format": "ask for the format in the messages (no constrained decoding)",
+    "audio": "text only", "modalities": "text only ([\"text\"])",
+    "prediction": "omit it: speculative decoding is built in",
+    "reasoning_effort": _OMIT, "store": _OMIT, "metadata": _OMIT,
+    "web_search_options": _OMIT, "verbosity": _OMIT, "prompt_cache_key": _OMIT,
+    "safety_identifier": "omit it, or use 'user'",
+}
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -121,10 +164,8 @@ class _CommonRequest(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # informational only (see the module docstring)
+    n: int | None = Field(None, ge=1, le=MAX_N)
     # validated as neutral by _check_fields; here so that extra="forbid" lets them through
-    n: int | None = None
-    logprobs: Any = None
-    top_logprobs: Any = None
     frequency_penalty: Any = None
     presence_penalty: Any = None
     logit_bias: Any = None
@@ -132,13 +173,29 @@ class _CommonRequest(_Strict):
 
 
 class CompletionRequest(_CommonRequest):
-    """``POST /v1/completions`` body (supported fields; see the module docstring)."""
+    """``POST /v1/completions`` body (supported fields; see the module docstring).
 
-    prompt: str | list[str]
+    ``prompt``: text, texts, token ids, or lists of token ids (lm-evaluation-harness sends
+    token ids). ``logprobs``: alternatives per token (0..20; 0 = only the chosen token's);
+    ``echo``: the prompt is prepended to the text, and to the logprobs when asked for.
+    ``best_of``: only null or equal to ``n`` (no server-side ranking: use ``n`` and rank the
+    choices by their ``logprobs``)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(None, ge=1)
-    best_of: Any = None
-    echo: Any = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
     suffix: Any = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one per prompt of the request (texts or token-id lists)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(t, int) for t in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
 
 
 class ChatMessage(_Strict):
@@ -169,6 +226,8 @@ class ChatCompletionRequest(_CommonRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
@@ -194,9 +253,9 @@ def _check_fields(body: dict[str, Any], model: type[BaseModel],
             neutral = unsupported[key]
             # bool is an int in Python: `n: true` must not pass as `n: 1`
             if not any(value == v and type(value) is type(v) or value is v for v in neutral):
-                raise bad_request(f"'{key}' is not supported by this server"
-                                  f"{'' if value is None else f' (got {json.dumps(value)})'}",
-                                  key, "unsupported_parameter")
+                got = '' if value is None else f' (got {json.dumps(value)})'
+                raise bad_request(f"'{key}' is not supported by this server{got}; "
+                                  f"{INSTEAD.get(key, _OMIT)}", key, "unsupported_parameter")
         elif key not in model.model_fields:
             raise bad_request(f"Unrecognized request argument supplied: {key}", key,
                               "unrecognized_parameter")
@@ -217,8 +276,8 @@ def _pydantic_error(err: ValidationError) -> APIError:
         return bad_request(f"Missing required parameter: '{'.'.join(loc)}'", top,
                            "missing_required_parameter")
     if top == "prompt":
-        return bad_request("'prompt' must be a string or a list of strings", "prompt",
-                           "invalid_type")
+        return bad_request("'prompt' must be a string, a list of strings, a list of token ids "
+                           "or a list of lists of token ids", "prompt", "invalid_type")
     if top == "stop":
         return bad_request("'stop' must be a string or a list of strings", "stop",
                            "invalid_type")
@@ -263,11 +322,19 @@ def parse_request(raw: bytes, kind: Literal["completion", "chat"]) -> Completion
     if isinstance(req, CompletionRequest):
         if isinstance(req.prompt, list) and not req.prompt:
             raise bad_request("'prompt' must not be an empty list", "prompt", "invalid_value")
-        if isinstance(req.prompt, str):
-            _check_text(req.prompt, "prompt", "prompt")
-        else:
-            for i, p in enumerate(req.prompt):
-                _check_text(p, f"prompt[{i}]", "prompt")
+        prompts = req.prompts()
+        for i, p in enumerate(prompts):
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            if isinstance(p, str):
+                _check_text(p, where, "prompt")
+            elif not p or min(p) < 0:
+                raise bad_request(f"'{where}' must be a non-empty list of token ids >= 0",
+                                  "prompt", "invalid_value")
+        if req.best_of is not None and req.best_of != (req.n or 1):
+            raise bad_request(f"'best_of' ({req.best_of}) different from 'n' ({req.n or 1}) is "
+                              "not supported: the server does not rank candidates; request "
+                              "'n' choices with 'logprobs' and rank them yourself", "best_of",
+                              "unsupported_parameter")
     else:
         for i, m in enumerate(req.messages):
             if isinstance(m.content, str):
@@ -277,6 +344,9 @@ def parse_request(raw: bytes, kind: Literal["completion", "chat"]) -> Completion
                     if isinstance(part.get("text"), str):
                         where = f"messages[{i}].content[{j}]"
                         _check_text(part["text"], where, where)
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs",
+                              "invalid_value")
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if any(s == "" for s in stop):
         raise bad_request("'stop' strings must not be empty", "stop", "invalid_value")

@@ -45,6 +45,8 @@ from specdial.models.llama import LlamaForCausalLM
 from specdial.worker.cuda_graphs import (CapturePlan, CaptureReport, CudaGraphRunner, GraphPool,
                                          build_runners, capture_all)
 from specdial.worker.drafters import Drafter, run_target
+from specdial.worker.logprobs import (HostLogprobs, LogprobRows, PromptLogprobPlan,
+                                      prompt_logprobs, token_logprobs)
 from specdial.worker.runtime import DecodeBatches, RequestTables, RuntimeState
 from specdial.worker.sampling import BatchSampling, sample, speculative_accept
 
@@ -63,12 +65,19 @@ class StepOutput:
     token; prefill: the first token of the ``sample_first`` requests); ``offsets`` ``[B + 1]``:
     request ``b`` emitted ``tokens[offsets[b]:offsets[b + 1]]``; ``accepted`` ``[B]``
     (decode; None for prefill): accepted drafts, ``0..steps_per_request[b]``.
+    ``logprobs``: the target's log-probabilities of the emitted tokens for the rows that asked
+    (:mod:`specdial.worker.logprobs`; decode: ``[R, steps + 1]``, row ``r`` emitted its first
+    ``offsets`` count; prefill: ``[R, 1]`` over the ``sample_first`` requests); None when no
+    row asked. ``prompt_logprobs``: the prefill's prompt positions of a
+    :class:`~specdial.worker.logprobs.PromptLogprobPlan` (``[1, N]``), or None.
     """
 
     steps: int
     tokens: np.ndarray
     offsets: np.ndarray
     accepted: np.ndarray | None
+    logprobs: HostLogprobs | None = None
+    prompt_logprobs: HostLogprobs | None = None
 
     def tokens_of(self, b: int) -> np.ndarray:
         return self.tokens[self.offsets[b]:self.offsets[b + 1]]
@@ -212,14 +221,17 @@ class SpecWorker:
     # ----------------------------------------------------------------- passes
     @torch.inference_mode()
     def prefill(self, plan: Any, sampling: BatchSampling | None,
-                generator: torch.Generator | None) -> StepOutput:
+                generator: torch.Generator | None, logprobs: LogprobRows | None = None,
+                prompt_plan: PromptLogprobPlan | None = None) -> StepOutput:
         """Run a prefill plan (a :class:`specdial._core.SchedulePlan`).
 
         Target forward over every chunk in one ragged batch, then the drafter over the same
         positions (KV only; EAGLE reads the target hidden states just written). ``sampling``:
         the options of the ``sample_first`` requests only, in plan order (None when none); each
         of them samples its first token from the logits at ``logits_indices`` (a seeded one
-        with keys at position ``P``, its prompt length).
+        with keys at position ``P``, its prompt length). ``logprobs``: rows of those
+        ``sample_first`` requests that want the first token's log-probability;
+        ``prompt_plan``: prompt positions whose next token's log-probability is wanted.
         """
         rids, qo, ends = _i64(plan.request_ids), _i64(plan.qo_lens), _i64(plan.kv_lens)
         starts = ends - qo
@@ -233,6 +245,10 @@ class SpecWorker:
         self.target_len[rows] = ends
         sample_first = _i64(plan.sample_first)
         tokens = np.zeros(0, np.int64)
+        pending = []  # host copies in flight (logprobs), completed by the blocking copy
+        if prompt_plan is not None and len(prompt_plan.index):
+            pending.append(("prompt", prompt_logprobs(hidden, self.target.compute_logits,
+                                                      prompt_plan).to_host()))
         if sample_first.any():
             if sampling is None or sampling.batch_size != int(sample_first.sum()):
                 raise ValueError("prefill: sampling must cover the sample_first requests")
@@ -240,13 +256,20 @@ class SpecWorker:
             positions = None  # of the first tokens: the prompt lengths (seeded rows' keys)
             if sampling.any_seeded:
                 positions = torch.from_numpy(ends[sample_first != 0]).to(self.device)
-            first = sample(self.target.compute_logits(hidden[idx]), sampling, generator,
-                           positions)
+            first_logits = self.target.compute_logits(hidden[idx])
+            first = sample(first_logits, sampling, generator, positions)
+            if logprobs is not None:
+                pending.append(("first", token_logprobs(first_logits[:, None], first[:, None],
+                                                        logprobs).to_host()))
             tokens = first.cpu().numpy().astype(np.int64)
+        if pending and not sample_first.any() and self.device.type == "cuda":
+            # a middle chunk of an echo prompt: no token copy to complete the logprob copies
+            torch.cuda.current_stream(self.device).synchronize()
+        done = {name: finish() for name, finish in pending}
         if self.drafter is not None:
             self._draft_extend(rows, state)  # the drafter prefill: an extend over the chunk
         offsets = np.concatenate([[0], np.cumsum(sample_first)]).astype(np.int64)
-        return StepOutput(0, tokens, offsets, None)
+        return StepOutput(0, tokens, offsets, None, done.get("first"), done.get("prompt"))
 
     def _draft_extend(self, rows: np.ndarray, state: RuntimeState,
                       batches: DecodeBatches | None = None) -> None:
@@ -273,13 +296,16 @@ class SpecWorker:
 
     @torch.inference_mode()
     def decode(self, plan: Any, sampling: BatchSampling,
-               generator: torch.Generator | None) -> StepOutput:
+               generator: torch.Generator | None,
+               logprobs: LogprobRows | None = None) -> StepOutput:
         """Run a decode plan: ``plan.steps`` drafts per request, verify, accept, draft extend.
 
         ``sampling``: the requests' options in plan order; seeded rows key their draws by the
         sequence index of the token decided (draft ``i`` and verify position ``i`` decide
-        ``L + i``; see :func:`speculative_accept`). Raises ``ValueError`` for a steps value
-        without a runtime state.
+        ``L + i``; see :func:`speculative_accept`). ``logprobs``: rows wanting the target's
+        log-probabilities of their emitted tokens (from the verify logits, in batch; their
+        host copy rides on the step's one synchronization). Raises ``ValueError`` for a steps
+        value without a runtime state.
         """
         steps = int(plan.steps)
         state = self.states.get(steps)
@@ -324,7 +350,10 @@ class SpecWorker:
                                            first_pos)
         # emitted tokens go to positions L+1..L+a+1 (later columns are stale, never read)
         self.tables.req_to_ids[batches.rows[:, None], batches.verify_positions + 1] = out
+        lp_pending = (None if logprobs is None
+                      else token_logprobs(logits, out, logprobs).to_host())
         host = torch.cat([accepted[:, None], out], 1).cpu().numpy()  # the one sync
+        lp_host = None if lp_pending is None else lp_pending()
         out_np = host[:, 1:]
         # a capped request keeps at most its own steps; the token at column s is then the
         # target's (an accepted draft equals the target's choice there), so nothing changes
@@ -339,4 +368,4 @@ class SpecWorker:
         emitted = np.arange(n)[None, :] <= acc[:, None]
         offsets = np.concatenate([[0], np.cumsum(acc + 1)]).astype(np.int64)
         return StepOutput(steps, out_np[emitted].astype(np.int64), offsets,
-                          acc.astype(np.int64))
+                          acc.astype(np.int64), lp_host)

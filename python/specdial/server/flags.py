@@ -1,0 +1,183 @@
+"""SGLang's and vLLM's command-line names on ``specdial serve`` / ``generate`` / ``bench``.
+
+Aliases (same meaning, so they set the specdial option; giving both with different values is
+an error):
+
+=================================== ============================ ===================================
+flag (origin)                        specdial option              note
+=================================== ============================ ===================================
+``--model`` (both), ``serve MODEL``  ``--model-path``             positional: vLLM's ``vllm serve``
+``--speculative-draft-model-path``   ``--draft-model-path``       SGLang
+``--max-num-seqs`` (vLLM)            ``--max-running-requests``
+``--max-model-len`` (vLLM)           ``--context-length``
+``--max-total-tokens`` (SGLang)      ``--kv-cache-tokens``
+``--chunked-prefill-size`` (SGLang)  ``--max-prefill-tokens``
+``--speculative-num-draft-tokens``   ``--speculative-num-steps``  must be steps + 1 (chain drafts)
+``--speculative-eagle-topk``         (none)                       must be 1: specdial drafts chains
+``--cuda-graph-max-bs`` (SGLang)     ``--cuda-graph-bs``          SGLang's sizes up to N
+``--speculative-config`` (vLLM)      the speculation options     JSON: ``method``, ``model``,
+                                                                   ``num_speculative_tokens``
+=================================== ============================ ===================================
+
+``--speculative-algorithm STANDALONE`` (SGLang's name for a separate draft model) is ``DRAFT``.
+Flags whose meaning differs from any specdial option are errors naming the equivalent:
+``--mem-fraction-static`` / ``--gpu-memory-utilization`` (a fraction of GPU memory; specdial
+sizes its KV cache in tokens: ``--kv-cache-tokens``) and ``--max-num-batched-tokens`` (vLLM's
+budget includes decode tokens; specdial budgets prompt tokens: ``--max-prefill-tokens``).
+
+:func:`add_compat_flags` registers them on a parser built by
+:func:`~specdial.server.config.add_dataclass_arguments`; :func:`resolve_compat` folds them into
+the canonical attributes (raising ``ValueError`` naming the flag) before the config object is
+built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+__all__ = ["ALIASES", "DIFFERENT", "add_compat_flags", "resolve_compat"]
+
+#: alias flag -> canonical attribute
+ALIASES: dict[str, str] = {
+    "--model": "model_path",
+    "--speculative-draft-model-path": "draft_model_path",
+    "--max-num-seqs": "max_running_requests",
+    "--max-model-len": "context_length",
+    "--max-total-tokens": "kv_cache_tokens",
+    "--chunked-prefill-size": "max_prefill_tokens",
+}
+
+#: flag whose meaning differs -> what to use instead
+DIFFERENT: dict[str, str] = {
+    "--mem-fraction-static": "specdial sizes the KV cache in tokens, not as a fraction of GPU "
+                             "memory: use --kv-cache-tokens N",
+    "--gpu-memory-utilization": "specdial sizes the KV cache in tokens, not as a fraction of "
+                                "GPU memory: use --kv-cache-tokens N",
+    "--max-num-batched-tokens": "vLLM's budget counts decode tokens too; specdial budgets the "
+                                "prompt tokens of a prefill iteration: use "
+                                "--max-prefill-tokens N",
+}
+
+#: vLLM ``--speculative-config`` ``method`` -> ``--speculative-algorithm``
+_METHODS = {"eagle": "EAGLE", "draft_model": "DRAFT"}
+_PREFIX = "compat_"
+
+
+class _Different(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        parser.error(f"{option_string}: {DIFFERENT[str(option_string)]}")
+
+
+def add_compat_flags(parser: argparse.ArgumentParser, *, positional_model: bool = False) -> None:
+    """Register the aliases and refusals of the module docstring on ``parser``;
+    ``positional_model``: also vLLM's positional ``MODEL`` (``specdial serve MODEL``)."""
+    types = {a.dest: a.type for a in parser._actions}
+    for flag, dest in ALIASES.items():
+        parser.add_argument(flag, dest=_PREFIX + dest, type=types.get(dest), default=None,
+                            metavar=dest.upper(), help=f"alias of --{dest.replace('_', '-')}")
+    if positional_model:
+        parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                            help="model directory (vLLM's `vllm serve MODEL`): same as "
+                            "--model-path")
+    parser.add_argument("--speculative-num-draft-tokens", dest=_PREFIX + "num_draft_tokens",
+                        type=int, default=None, metavar="N",
+                        help="SGLang's tokens verified per request: must be "
+                        "--speculative-num-steps + 1 (sets the steps when they are not given)")
+    parser.add_argument("--speculative-eagle-topk", dest=_PREFIX + "eagle_topk", type=int,
+                        default=None, metavar="K",
+                        help="SGLang's draft tree width: must be 1 (specdial drafts chains)")
+    parser.add_argument("--cuda-graph-max-bs", dest=_PREFIX + "cuda_graph_max_bs", type=int,
+                        default=None, metavar="N",
+                        help="capture SGLang's default CUDA-graph batch sizes up to N")
+    parser.add_argument("--speculative-config", dest=_PREFIX + "speculative_config",
+                        default=None, metavar="JSON",
+                        help="vLLM's speculation config: method (eagle, draft_model), model, "
+                        "num_speculative_tokens")
+    for flag, instead in DIFFERENT.items():
+        parser.add_argument(flag, action=_Different, nargs="?", help=f"refused: {instead}")
+
+
+def _set(args: argparse.Namespace, dest: str, value: Any, flag: str,
+         defaults: dict[str, Any]) -> None:
+    current = getattr(args, dest, None)
+    if current is not None and current != defaults.get(dest) and current != value:
+        raise ValueError(f"{flag} {value} conflicts with --{dest.replace('_', '-')} {current}; "
+                         "give one of them")
+    setattr(args, dest, value)
+
+
+def _speculative_config(text: str) -> dict[str, Any]:
+    """vLLM's ``--speculative-config`` JSON -> specdial attributes."""
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config: not JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError("--speculative-config: expected a JSON object")
+    out: dict[str, Any] = {}
+    for key, value in cfg.items():
+        if key == "method":
+            if value not in _METHODS:
+                raise ValueError(f"--speculative-config: method {value!r} is not supported; "
+                                 f"supported: {', '.join(_METHODS)}")
+            out["speculative_algorithm"] = _METHODS[value]
+        elif key == "model":
+            out["draft_model_path"] = value
+        elif key == "num_speculative_tokens":
+            out["speculative_num_steps"] = value
+        else:
+            raise ValueError(f"--speculative-config: key {key!r} has no specdial equivalent; "
+                             "supported keys: method, model, num_speculative_tokens (the steps "
+                             "adapt unless --no-speculative-adaptive; see "
+                             "--speculative-adaptive-config)")
+    return out
+
+
+def resolve_compat(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None
+                   ) -> argparse.Namespace:
+    """Fold the compat attributes of ``args`` into the canonical ones (in place; returned).
+    ``parser`` gives the canonical defaults (a canonical option left at its default yields to
+    an alias). Raises ``ValueError`` naming the flag for conflicts and bad values."""
+    defaults = {a.dest: a.default for a in parser._actions} if parser is not None else {}
+    for flag, dest in ALIASES.items():
+        value = getattr(args, _PREFIX + dest, None)
+        if value is not None:
+            _set(args, dest, value, flag, defaults)
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        _set(args, "model_path", tag, "MODEL", defaults)
+    spec = getattr(args, _PREFIX + "speculative_config", None)
+    if spec is not None:
+        for dest, value in _speculative_config(spec).items():
+            _set(args, dest, value, "--speculative-config", defaults)
+    if getattr(args, "speculative_algorithm", None) == "STANDALONE":
+        args.speculative_algorithm = "DRAFT"
+    topk = getattr(args, _PREFIX + "eagle_topk", None)
+    if topk is not None and topk != 1:
+        raise ValueError(f"--speculative-eagle-topk {topk}: specdial drafts one chain per "
+                         "request (no draft trees), so only 1 is accepted")
+    n = getattr(args, _PREFIX + "num_draft_tokens", None)
+    if n is not None:
+        steps = getattr(args, "speculative_num_steps", None)
+        if steps is None:
+            if n < 1:
+                raise ValueError(f"--speculative-num-draft-tokens {n}: must be >= 1 (steps + 1)")
+            args.speculative_num_steps = n - 1
+        elif n != steps + 1:
+            raise ValueError(f"--speculative-num-draft-tokens {n} must equal "
+                             f"--speculative-num-steps + 1 = {steps + 1}: with chain drafting "
+                             "each request verifies its last token plus its drafts")
+    max_bs = getattr(args, _PREFIX + "cuda_graph_max_bs", None)
+    if max_bs is not None:
+        if getattr(args, "cuda_graph_bs", None) is not None:
+            raise ValueError("--cuda-graph-max-bs and --cuda-graph-bs: give one of them")
+        from specdial.worker.cuda_graphs import default_cuda_graph_bs  # torch: only when used
+
+        try:
+            args.cuda_graph_bs = default_cuda_graph_bs(max_bs)
+        except ValueError as e:
+            raise ValueError(f"--cuda-graph-max-bs: {e}") from None
+    return args
