@@ -130,7 +130,7 @@ pub struct ReportOutcome {
 }
 
 /// One verify, as `specdial policy replay` reads it (`{"batch_size", "accepted", "steps"}`).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct TraceRecord {
     pub batch_size: u32,
     pub steps: u32,
@@ -140,17 +140,25 @@ pub struct TraceRecord {
     /// `max_new_tokens` or the context end): every request's `steps_per_request`. The live
     /// policy was fed only the requests with `steps_per_request == steps`.
     pub steps_per_request: Option<Vec<i64>>,
+    /// The batch's KV tokens before the iteration.
+    pub context_tokens: u64,
+    /// The iteration's measured seconds, when reported.
+    pub seconds: Option<f64>,
 }
 
 impl TraceRecord {
-    /// One JSON line (no newline): `{"batch_size": B, "accepted": [...], "steps": k}` plus
-    /// `"steps_per_request"` when present.
+    /// One JSON line (no newline): `{"batch_size": B, "accepted": [...], "steps": k,
+    /// "context_tokens": C}` plus `"seconds"` and `"steps_per_request"` when present.
     pub fn to_json(&self) -> String {
         let mut v = serde_json::json!({
             "batch_size": self.batch_size,
             "accepted": self.accepted,
             "steps": self.steps,
+            "context_tokens": self.context_tokens,
         });
+        if let Some(t) = self.seconds {
+            v["seconds"] = serde_json::json!(t);
+        }
         if let Some(s) = &self.steps_per_request {
             v["steps_per_request"] = serde_json::json!(s);
         }

@@ -285,6 +285,8 @@ impl Scheduler {
                 accepted: (0..b).map(accepted).collect(),
                 steps_per_request: capped
                     .then(|| fl.steps_r.iter().map(|&s| i64::from(s)).collect()),
+                context_tokens: fl.context,
+                seconds,
             });
         }
     }

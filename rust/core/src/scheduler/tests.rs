@@ -749,11 +749,11 @@ fn the_adaptive_policy_is_fed_uncapped_requests_and_switches() {
     assert_eq!(trace.len(), 2);
     assert_eq!(
         trace[0].to_json(),
-        r#"{"accepted":[0,1],"batch_size":2,"steps":3,"steps_per_request":[3,1]}"#
+        r#"{"accepted":[0,1],"batch_size":2,"context_tokens":4,"steps":3,"steps_per_request":[3,1]}"#
     );
     assert_eq!(
         trace[1].to_json(),
-        r#"{"accepted":[1],"batch_size":1,"steps":1}"#
+        r#"{"accepted":[1],"batch_size":1,"context_tokens":3,"steps":1}"#
     );
     assert!(s.drain_trace().is_empty());
     let st = s.stats();
@@ -844,4 +844,29 @@ fn stats_count_requests_and_tokens() {
     assert_eq!(st.prefill_iterations, 1);
     // 5 tokens after the first: steps 2 emits 3, then capped to 1 emits 2.
     assert_eq!(st.decode_iterations, 2);
+}
+
+#[test]
+fn short_pages_run_fewer_steps_before_any_preemption() {
+    // Two requests of 8 prompt tokens in 6 pages of 4 slots. The first decode (steps 3) accepts
+    // nothing: each then holds positions 0..=8 in 3 pages, no page is free. Steps 3 would need
+    // position 12 (a 4th page each); the slot's lower candidate 2 fits in the pages held.
+    let cfg = AdaptiveConfig::from_json(r#"{"1": {"candidate_steps": [0, 2, 3], "warmup_batches": 100}}"#).unwrap();
+    let params = AdaptiveSpeculativeParams::new(3, cfg);
+    let sc = SchedulerConfig { record_trace: true, context_length: 24, ..config(6, 4) };
+    let mut s = Scheduler::new(sc, StepsSource::Adaptive(params)).unwrap();
+    s.add_request(vec![1; 8], 20, vec![], false).unwrap();
+    s.add_request(vec![1; 8], 20, vec![], false).unwrap();
+    step(&mut s, &mut full).unwrap(); // prefill
+    let (plan, _) = step(&mut s, &mut |_, _| 0).unwrap();
+    assert_eq!(plan.steps, 3);
+    assert_eq!(s.pool().num_free_pages(), 0);
+    let (plan, _) = step(&mut s, &mut |_, _| 0).unwrap();
+    assert_eq!((plan.kind, plan.steps, plan.batch_size()), (PlanKind::Decode, 2, 2));
+    assert!(plan.preempted.is_empty());
+    assert_eq!(s.stats().preemptions, 0);
+    // The trace records the steps actually run; the ema slot (at 3) was not fed a depth-2 verify.
+    let trace = s.drain_trace();
+    assert_eq!(trace[1].steps, 2);
+    assert_eq!(s.slot_states()[0].3, 1);
 }

@@ -171,8 +171,13 @@ pub fn run_fixed(w: &Workload, curve: &CostCurve, k: u32, opts: &RunOptions) -> 
     walk(w, curve, &format!("fixed-{k}"), opts, |_| k, |_, _, _, _| {}).finish(0)
 }
 
-/// The startup profiling run of a config that asks for one: mean noisy seconds per (steps, batch
-/// size) at `profile_run_seq_len` (default 2048) tokens per request, fed to the policy.
+/// Iterations at the start of each profiled point that run cold (twice as slow: first-touch
+/// allocations, autotuning, caches), which `profile_run_n_warmup` exists to skip.
+const COLD_ITERATIONS: u32 = 3;
+
+/// The startup profiling run of a config that asks for one: per (steps, batch size),
+/// `profile_run_n_warmup` untimed then `profile_run_n_measure` timed noisy iterations at
+/// `profile_run_seq_len` (default 2048) tokens per request; the mean is fed to the policy.
 fn profile(params: &mut AdaptiveSpeculativeParams, curve: &CostCurve, opts: &RunOptions) {
     let Some(p) = params.config().profile().cloned() else { return };
     let sizes: Vec<u32> = p
@@ -193,10 +198,13 @@ fn profile(params: &mut AdaptiveSpeculativeParams, curve: &CostCurve, opts: &Run
                 continue;
             }
             let mut total = 0.0;
-            for _ in 0..p.profile_run_n_measure {
+            for j in 0..p.profile_run_n_warmup + p.profile_run_n_measure {
                 n += 1;
                 let f = draws(opts.seed ^ 0xF00D, n, 0, opts.noise).factor;
-                total += curve.seconds(padded(curve, b), k, f64::from(b) * seq, 0.0) * f;
+                let cold = if j < COLD_ITERATIONS { 2.0 } else { 1.0 };
+                if j >= p.profile_run_n_warmup {
+                    total += curve.seconds(padded(curve, b), k, f64::from(b) * seq, 0.0) * f * cold;
+                }
             }
             params
                 .set_profiled_cost(b, k, total / f64::from(p.profile_run_n_measure), (f64::from(b) * seq) as u64)
