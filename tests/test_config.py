@@ -19,8 +19,32 @@ def test_exceptions_are_typed():
     assert ConfigError.__module__ == "specdial"
 
 
-def test_default_config():
+def test_default_config_is_goodput():
     c = canonical(AdaptiveConfig.default())
+    assert c["strategy"] == "goodput" and AdaptiveConfig.default().strategy == "goodput"
+    assert c["1"] == {"candidate_steps": [0, 1, 2, 3, 4, 5, 6, 7]}
+    assert c["128"] == {"candidate_steps": [0, 1, 2, 3, 4, 5]}
+    assert c["256"] == {"candidate_steps": [0, 1, 2, 3]}
+    assert c["switch_margin"] == 0.05 and c["min_dwell"] == 8 and c["probe_budget"] == 0.03
+    assert AdaptiveConfig.default().profile is None
+    assert AdaptiveConfig.from_json(AdaptiveConfig.default().to_json()) == AdaptiveConfig.default()
+
+
+def test_goodput_and_throughput_aware_from_dict():
+    cfg = AdaptiveConfig.from_dict({"strategy": "goodput", "1": {"candidate_steps": [0, 1, 2, 3, 4, 5, 6, 7]}})
+    assert cfg.strategy == "goodput" and cfg.candidate_steps == list(range(8))
+    ta = AdaptiveConfig.from_dict({"strategy": "throughput_aware", "window_size": 20, "update_interval": 10,
+                                   "switch_hysteresis": 0.1, "profile_run_batch_sizes": None,
+                                   "max_profile_run_batch_size": 128, "profile_run_n_warmup": 5,
+                                   "profile_run_n_measure": 10, "profile_run_seq_len": 128,
+                                   "1": {"candidate_steps": [1, 3, 5, 7]}, "8": {"candidate_steps": [1, 3]}})
+    assert ta.strategy == "throughput_aware"
+    assert ta.profile == {"profile_run_batch_sizes": None, "max_profile_run_batch_size": 128,
+                          "profile_run_n_warmup": 5, "profile_run_n_measure": 10, "profile_run_seq_len": 128}
+
+
+def test_ema_default_config():
+    c = canonical(AdaptiveConfig.ema_default())
     assert c["strategy"] == "ema"
     assert c["1"]["candidate_steps"] == [1, 3, 5, 7] and c["1"]["down_hysteresis"] == -0.25
     assert c["8"]["candidate_steps"] == [0, 1, 3] and c["8"]["down_hysteresis"] == 0.0
@@ -28,7 +52,7 @@ def test_default_config():
     for slot in ("1", "8", "32", "64"):
         assert c[slot]["up_hysteresis"] == 0.0 and c[slot]["ceiling_coeff"] == 0.0
         assert c[slot]["ema_alpha"] == 0.2 and c[slot]["update_interval"] == 5 and c[slot]["warmup_batches"] == 10
-    assert AdaptiveConfig.default().candidate_steps == [0, 1, 3, 5, 7]
+    assert AdaptiveConfig.ema_default().candidate_steps == [0, 1, 3, 5, 7]
 
 
 def test_constructors_agree(tmp_path):
@@ -101,8 +125,12 @@ S = {"candidate_steps": [1, 3]}
         ({"1": {**S, "emaalpha": 0.1}}, r'unknown key "emaalpha" in slot "1"; allowed: candidate_steps'),
         ({"1": S, "verbose": True}, r'unknown key "verbose" in adaptive config; allowed: slot keys'),
         ({"1": {**S, "strategy": "ema"}}, "strategy is a global key"),
-        ({"1": S, "strategy": "throughput_aware"}, "not yet supported"),
-        ({"1": S, "strategy": "greedy"}, 'strategy must be "ema"'),
+        ({"1": {"candidate_steps": [0, 1]}, "strategy": "throughput_aware"}, "takes steps > 0"),
+        ({"1": S, "strategy": "greedy"}, 'strategy must be one of "ema", "goodput", "throughput_aware"'),
+        ({"1": S, "strategy": "goodput", "ema_alpha": 0.2}, 'ema_alpha is a setting of strategy "ema"'),
+        ({"1": {**S, "min_dwell": 2}, "strategy": "goodput"}, "global key of strategy \"goodput\""),
+        ({"1": S, "strategy": "goodput", "switch_margin": 1.5}, r"switch_margin must be in \[0, 1\)"),
+        ({"1": S, "switch_margin": 0.1}, 'switch_margin is a setting of strategy "goodput"'),
         ({"1": [1, 3]}, 'slot "1" must be an object'),
         ({"ema_alpha": 5, "1": {**S, "ema_alpha": 0.5}}, r"ema_alpha must be in \(0, 1\]"),
         ({(1, 2): S}, "unknown key"),
@@ -126,8 +154,9 @@ def test_validate_initial_steps():
     specdial.validate_initial_steps(None, 3)
     specdial.validate_initial_steps({"1": {"candidate_steps": [2]}}, 2)
     specdial.validate_initial_steps(AdaptiveConfig.default(), 0)
+    specdial.validate_initial_steps(None, 2)  # the default goodput config offers 0..=7
     with pytest.raises(ConfigError, match=r"speculative_num_steps = 2 is a candidate of no slot; candidates: \[0, 1, 3, 5, 7\]"):
-        specdial.validate_initial_steps(None, 2)
+        specdial.validate_initial_steps(AdaptiveConfig.ema_default(), 2)
     with pytest.raises(ConfigError):
         specdial.validate_initial_steps(None, -1)
     with pytest.raises(TypeError, match="config must be an AdaptiveConfig, a dict or None"):

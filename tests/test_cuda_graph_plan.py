@@ -47,14 +47,14 @@ def test_default_cuda_graph_bs_follows_sglang_grid():
 
 
 def _params(sizes):
-    p = AdaptiveSpeculativeParams(3, AdaptiveConfig.default())
+    p = AdaptiveSpeculativeParams(3, AdaptiveConfig.ema_default())
     p.set_cuda_graph_bs(sizes)
     return p
 
 
 def test_capture_plan_prunes_with_the_policy_and_orders_largest_first():
     sizes = default_cuda_graph_bs(64)
-    config = AdaptiveConfig.default()
+    config = AdaptiveConfig.ema_default()
     params = _params(sizes)
     plan = CapturePlan.build(config.candidate_steps, sizes, params)
     assert plan.pruned and plan.graph_bs == tuple(sizes)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 
 import pytest
+
+from specdial import AdaptiveConfig
 import torch
 
 from conftest import PROMPTS
@@ -141,10 +143,10 @@ def test_identical_eagle_after_zero_interval_accepts_everything(tiny1):
 
 def test_adaptive_default_and_path_constructors(tiny, reference, tmp_path):
     engine = Engine.from_modules(tiny.target, tiny.eagle_random, **KW)  # adaptive, default config
-    assert engine.adaptive_config is not None
-    assert engine.adaptive_config.candidate_steps == [0, 1, 3, 5, 7]
-    assert engine.scheduler.candidate_steps == [0, 1, 3, 5, 7]
-    assert sorted(engine.worker.states) == [0, 1, 3, 5, 7]
+    assert engine.adaptive_config is not None and engine.adaptive_config.strategy == "goodput"
+    assert engine.adaptive_config.candidate_steps == list(range(8))
+    assert engine.scheduler.candidate_steps == list(range(8))
+    assert sorted(engine.worker.states) == list(range(8))
     assert [o["output_ids"] for o in run(engine)] == reference
 
     save_eagle_head(tiny.eagle_random, tmp_path / "eagle")
@@ -161,11 +163,24 @@ def test_adaptive_default_and_path_constructors(tiny, reference, tmp_path):
 
 
 def test_adaptive_policy_climbs_with_an_identical_drafter(tiny):
-    """on_verify_complete is wired: full acceptance moves batch-size slot 1 from 3 up to 7."""
-    engine = Engine.from_modules(tiny.target, tiny.draft_same, **KW)
+    """The ema strategy is wired: full acceptance moves batch-size slot 1 from 3 up to 7."""
+    engine = Engine.from_modules(tiny.target, tiny.draft_same,
+                                 speculative_adaptive_config=AdaptiveConfig.ema_default(), **KW)
     out = run(engine, max_new_tokens=230)
     hist = out[0]["meta_info"]["spec_steps_histogram"]
     assert min(hist) == 3 and max(hist) == 7, hist
+
+
+def test_goodput_policy_settles_on_deep_drafts_with_an_identical_drafter(tiny):
+    """The default goodput strategy is wired (measured seconds reach it): with every draft
+    accepted, the deepest candidate pays most and most iterations run it."""
+    engine = Engine.from_modules(tiny.target, tiny.draft_same, **KW)
+    out = run(engine, max_new_tokens=230)
+    hist = out[0]["meta_info"]["spec_steps_histogram"]
+    assert max(hist) == 7 and hist[7] >= 0.6 * sum(hist.values()), hist
+    state = engine.scheduler.goodput_state()
+    assert state is not None and state["acceptance"][0] > 0.95
+    assert set(state["last_decision"]["predicted_seconds"]) == set(range(8))
 
 
 def test_single_prompt_stop_tokens_and_eos(tiny, reference):
@@ -227,7 +242,8 @@ def test_errors(tiny, tmp_path):
     with pytest.raises(ValueError, match="draft_model_path"):
         Engine(str(tiny.path), speculative_algorithm="EAGLE")
     with pytest.raises(ConfigError, match="candidate of no slot"):
-        Engine.from_modules(tiny.target, tiny.eagle_random, speculative_num_steps=4, **KW)
+        Engine.from_modules(tiny.target, tiny.eagle_random, speculative_num_steps=4,
+                            speculative_adaptive_config=AdaptiveConfig.ema_default(), **KW)
     with pytest.raises(ConfigError, match="max_steps=7"):
         Engine.from_modules(tiny.target, tiny.eagle_random, drafter_max_steps=7,
                             speculative_adaptive_config={"candidate_steps": [1, 9]}, **KW)

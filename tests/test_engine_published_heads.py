@@ -15,6 +15,8 @@ import json
 import shutil
 
 import pytest
+
+from specdial.server.flags import resolve_compat
 import torch
 import transformers
 
@@ -228,8 +230,8 @@ def test_generate_with_a_published_eagle3_head(cli_dirs, capsys):
     assert main([*common, "--draft-model-path", str(head), "--speculative-algorithm",
                  "EAGLE"]) == 2
     assert "does not match" in capsys.readouterr().err
-    args = build_parser().parse_args(["serve", "--speculative-draft-model-path", str(head),
-                                      "--speculative-algorithm", "EAGLE3"])
+    args = resolve_compat(build_parser().parse_args(
+        ["serve", "--speculative-draft-model-path", str(head), "--speculative-algorithm", "EAGLE3"]))
     assert args.draft_model_path == str(head) and args.speculative_algorithm == "EAGLE3"
 
 

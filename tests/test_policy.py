@@ -70,9 +70,10 @@ def test_bad_accepted(bad, exc, match):
 
 
 def test_params_surface():
-    p = AdaptiveSpeculativeParams(3)
+    assert AdaptiveSpeculativeParams(3).config == AdaptiveConfig.default()
+    p = AdaptiveSpeculativeParams(3, AdaptiveConfig.ema_default())
     assert p.candidate_steps == [0, 1, 3, 5, 7]
-    assert p.config == AdaptiveConfig.default()
+    assert p.config == AdaptiveConfig.ema_default()
     assert [p.get_steps_for_batch(b) for b in (1, 8, 32, 64)] == [3, 3, 1, 0]
     assert p.decide(9) == p.decide(20)
     d = p.decide(9)
@@ -196,7 +197,7 @@ def test_every_accepted_key_changes_behaviour(key, value):
 
 def test_every_slot_key_is_covered_by_the_behaviour_test():
     # If a new key is added to the config, the test above must grow with it.
-    keys = set(json.loads(AdaptiveConfig.default().to_json())["1"])
+    keys = set(json.loads(AdaptiveConfig.ema_default().to_json())["1"])
     tested = {p[0] for p in test_every_accepted_key_changes_behaviour.pytestmark[0].args[1]}
     assert keys == tested
 

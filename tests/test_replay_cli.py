@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from specdial import AdaptiveConfig
 from specdial.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,8 +23,10 @@ def test_replay_sample_trace(capsys):
     assert "slot  iterations per steps" in out
 
 
-def test_replay_json_summary_is_consistent(capsys):
-    assert main(["policy", "replay", "--trace", str(TRACE), "--json"]) == 0
+def test_replay_json_summary_is_consistent(capsys, tmp_path):
+    ema = tmp_path / "ema.json"
+    ema.write_text(AdaptiveConfig.ema_default().to_json())
+    assert main(["policy", "replay", "--config", str(ema), "--trace", str(TRACE), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["verifies"] == 950
     total = sum(sum(c.values()) for c in summary["iterations_per_steps"].values())
@@ -66,6 +69,53 @@ def test_bad_config_and_initial_steps(tmp_path, capsys):
     cfg.write_text('{"1": {"candidate_steps": [1], "bogus": 1}}')
     assert main(["policy", "replay", "--config", str(cfg), "--trace", str(TRACE)]) == 2
     assert 'unknown key "bogus"' in capsys.readouterr().err
-    assert main(["policy", "replay", "--trace", str(TRACE), "--initial-steps", "2"]) == 2
+    assert main(["policy", "replay", "--trace", str(TRACE), "--initial-steps", "9"]) == 2
     assert "candidate of no slot" in capsys.readouterr().err
     assert main(["policy", "replay", "--trace", str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_replay_with_a_cost_table_gives_goodput(tmp_path, capsys):
+    """With a cost table every verify costs what the table says; the goodput strategy learns from
+    those seconds and ends up preferring the steps the table makes cheap."""
+    # Drafting is almost free: deep steps pay on the sample trace's accepting phases.
+    entries = [{"batch_size": b, "steps": k, "seconds": 0.01 * (1 + 0.02 * k) * (1 + b / 64)}
+               for b in (1, 64) for k in range(8)]
+    table = tmp_path / "cheap.json"
+    table.write_text(json.dumps({"device": "test", "entries": entries}))
+    assert main(["policy", "replay", "--trace", str(TRACE), "--cost-table", str(table), "--json"]) == 0
+    cheap = json.loads(capsys.readouterr().out)
+    assert cheap["strategy"] == "goodput" and cheap["seconds"] > 0 and cheap["tokens_per_second"] > 0
+    # Drafting costs a whole verify per step: plain decoding wins, the same trace runs mostly 0.
+    entries = [{**e, "seconds": 0.01 * (1 + e["steps"])} for e in entries]
+    table.write_text(json.dumps({"entries": entries}))
+    assert main(["policy", "replay", "--trace", str(TRACE), "--cost-table", str(table), "--json"]) == 0
+    dear = json.loads(capsys.readouterr().out)
+    def share_of_zero(s):
+        counts = [c for slot in s["iterations_per_steps"].values() for c in [slot]]
+        total = sum(sum(c.values()) for c in counts)
+        return sum(c.get("0", 0) for c in counts) / total
+    assert share_of_zero(dear) > 0.8 > share_of_zero(cheap), (share_of_zero(dear), share_of_zero(cheap))
+    assert dear["probes"] > 0
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"entries": [{"batch_size": 1, "steps": 0, "seconds": 0}]}')
+    assert main(["policy", "replay", "--trace", str(TRACE), "--cost-table", str(bad)]) == 2
+    assert "entries[0].seconds" in capsys.readouterr().err
+
+
+def test_simulate_cli(capsys, tmp_path):
+    assert main(["policy", "simulate", "--regime", "load-ramp", "--curve", "cpu-like",
+                 "--segments", "3000"]) == 0
+    out = capsys.readouterr().out
+    assert "load-ramp" in out and "cpu-like" in out and "best fixed" in out
+    table = tmp_path / "t.json"
+    table.write_text(json.dumps({"entries": [
+        {"batch_size": b, "steps": k, "context_per_request": 0, "seconds": 0.01 + 0.001 * b * (k + 1)}
+        for b in (1, 8, 64) for k in range(8)]}))
+    assert main(["policy", "simulate", "--regime", "steady-code", "--curve", str(table),
+                 "--segments", "2000", "--json"]) == 0
+    cases = json.loads(capsys.readouterr().out)
+    assert cases[0]["curve"] == "t" and cases[0]["ratios"]["goodput"] > 0.9
+    assert main(["policy", "simulate", "--regime", "nope"]) == 2
+    assert "is not one of" in capsys.readouterr().err
+    assert main(["policy", "simulate", "--config", "x"]) == 2
+    assert "NAME=FILE" in capsys.readouterr().err

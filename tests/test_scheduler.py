@@ -268,7 +268,7 @@ def test_config_errors_name_the_field():
     with pytest.raises(ConfigError, match="eos_token_ids"):
         SchedulerConfig(eos_token_ids=[-1])
     with pytest.raises(ConfigError, match="candidate of no slot"):
-        Scheduler(SchedulerConfig(), speculative_num_steps=2)
+        Scheduler(SchedulerConfig(), speculative_num_steps=9)
     with pytest.raises(ConfigError, match="^speculative_num_steps: must be in 0..=32"):
         Scheduler(SchedulerConfig(), speculative_num_steps=40, adaptive=False)
     with pytest.raises(ConfigError, match="^adaptive_config: given with adaptive=False"):
@@ -302,7 +302,7 @@ def test_adaptive_policy_trace_and_stats():
     lines = sched.drain_trace().splitlines()
     assert len(lines) == st.decode_iterations and sched.drain_trace() == ""
     first = json.loads(lines[0])
-    assert first == {"batch_size": 2, "accepted": [0, 0], "steps": 3}
+    assert first == {"batch_size": 2, "accepted": [0, 0], "steps": 3, "context_tokens": 8}
     for i, line in enumerate(lines):
         v = parse_line(line, f"trace:{i + 1}")  # what `specdial policy replay` reads
         assert v is not None and v.batch_size == json.loads(line)["batch_size"]

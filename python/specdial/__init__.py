@@ -1,7 +1,9 @@
 """specdial: a speculative-decoding serving engine whose draft depth adapts every decode iteration.
 
-The Rust core (``specdial._core``) decides `speculative_num_steps` per batch-size slot from an EMA
-of accepted drafts with hysteresis; Python runs the torch passes. See DESIGN.md in the shared docs
+The Rust core (``specdial._core``) decides `speculative_num_steps` every decode iteration: by
+default the ``goodput`` strategy (expected tokens per second from per-position acceptance and an
+online cost model of the measured iteration times), or SGLang's ``ema`` and ``throughput_aware``
+rules; Python runs the torch passes. See DESIGN.md in the shared docs
 and README.md for the terms.
 """
 
@@ -12,6 +14,7 @@ from specdial._core import (
     AdaptiveSpeculativeParams,
     AdaptiveStepSlot,
     ConfigError,
+    CostTable,
     InternalError,
     Int64Array,
     KvError,
@@ -36,6 +39,7 @@ __all__ = [
     "AdaptiveSpeculativeParams",
     "AdaptiveStepSlot",
     "ConfigError",
+    "CostTable",
     "InternalError",
     "Int64Array",
     "KvError",

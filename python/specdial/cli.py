@@ -1,6 +1,7 @@
 """The ``specdial`` command line.
 
 Subcommands: ``specdial policy replay`` (tune an adaptive config offline on a recorded trace),
+``specdial policy simulate`` (the strategies against fixed steps and an oracle, :mod:`specdial.policy_sim`),
 ``specdial generate`` and ``specdial serve`` (:mod:`specdial.cli_serve`), ``specdial bench`` and
 ``specdial bench compare`` (:mod:`specdial.bench.cli`).
 """
@@ -11,10 +12,30 @@ import argparse
 import json
 import sys
 
-from specdial._core import AdaptiveConfig, ConfigError
+from specdial._core import AdaptiveConfig, ConfigError, CostTable
 from specdial.bench.cli import add_bench_subcommand, run_bench_command
 from specdial.cli_serve import SUBCOMMANDS, add_subcommands, run_subcommand
 from specdial.replay import TraceError, format_summary, replay
+
+
+def _positive_float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 <= x <= 2.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 2], got {text!r}")
+    return x
+
+
+def _positive_int(text: str) -> int:
+    try:
+        x = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if x < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return x
 
 
 def _int_list(text: str) -> list[int]:
@@ -34,14 +55,41 @@ def build_parser() -> argparse.ArgumentParser:
         "replay",
         help="replay a per-verify trace (JSONL) through the policy and print step switches and a summary",
         description="Replay a recorded trace through the adaptive policy. Trace lines: "
-        '{"batch_size": N, "accepted": [per-request accepted drafts], "steps": K (optional)}.',
+        '{"batch_size": N, "accepted": [per-request accepted drafts], "steps": K, '
+        '"context_tokens": C, "seconds": S} (the last three optional).',
     )
     rp.add_argument("--config", help="adaptive config JSON file (SGLang format); default: the built-in config")
     rp.add_argument("--trace", required=True, help="trace file, one JSON object per verify")
     rp.add_argument("--initial-steps", type=int, default=None, help="starting steps (default: middle of the candidates)")
     rp.add_argument("--cuda-graph-bs", type=_int_list, default=None, help="graph batch sizes, e.g. 1,2,4,8,16")
+    rp.add_argument("--cost-table", metavar="FILE",
+                    help="seconds per verify from a cost table (the JSON `policy simulate --curve` reads): "
+                    "the goodput strategy learns from them and the summary gives tokens/s")
     rp.add_argument("--quiet", action="store_true", help="print only the summary, not each switch")
     rp.add_argument("--json", action="store_true", help="print the summary as JSON")
+    from specdial.policy_sim import catalog
+
+    sm = psub.add_parser(
+        "simulate",
+        help="the adaptive strategies vs every fixed steps value and a clairvoyant oracle, in simulation",
+        description="Simulate goodput (tokens/s) of the adaptive strategies, every fixed steps value "
+        "and an oracle over named regimes and cost curves, with noisy measured seconds. " + catalog() + ".",
+    )
+    sm.add_argument("--regime", action="append", metavar="NAME", help="a regime (repeatable; default all)")
+    sm.add_argument("--curve", action="append", metavar="NAME|FILE",
+                    help="a cost curve or a cost-table JSON file (repeatable; default every named curve)")
+    sm.add_argument("--config", action="append", metavar="NAME=FILE",
+                    help="an adaptive config to simulate as NAME (repeatable; default: goodput with the "
+                    "built-in config, ema with SGLang's default, throughput_aware with SGLang's example)")
+    sm.add_argument("--segments", type=_positive_int, default=16000,
+                    help="work per regime, tokens per request (default 16000)")
+    sm.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    sm.add_argument("--noise", type=_positive_float, default=0.1,
+                    help="lognormal sigma of the measured seconds (default 0.1)")
+    sm.add_argument("--spikes", type=float, default=0.01, help="probability of a 1.5-3x stall (default 0.01)")
+    sm.add_argument("--skip-zero-step-draft-extend", action="store_true",
+                    help="steps 0 skip the drafter extend (catch-up cost when drafting resumes)")
+    sm.add_argument("--json", action="store_true", help="print every case as JSON")
     add_subcommands(sub)
     add_bench_subcommand(sub)
     return parser
@@ -54,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_subcommand(args)
     if args.command == "bench":
         return run_bench_command(args, argv)
+    if args.command == "policy" and args.policy_command == "simulate":
+        return _simulate(args)
     if args.command == "policy" and args.policy_command == "replay":
         try:
             config = AdaptiveConfig.from_file(args.config) if args.config else AdaptiveConfig.default()
@@ -66,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.trace,
                 initial_steps=args.initial_steps,
                 cuda_graph_bs=args.cuda_graph_bs,
+                cost_table=_cost_table(args.cost_table),
                 out=None if (args.quiet or args.json) else sys.stdout,
             )
         except (ConfigError, TraceError, OSError, ValueError) as e:
@@ -74,6 +125,39 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(summary.to_dict(), indent=2) if args.json else format_summary(summary))
         return 0
     return 2
+
+
+def _cost_table(path: str | None) -> CostTable | None:
+    if path is None:
+        return None
+    with open(path, encoding="utf-8") as f:
+        return CostTable.from_json(f.read())
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from specdial.policy_sim import build_spec, format_table, run_simulation
+
+    try:
+        policies = None
+        if args.config:
+            policies = []
+            for item in args.config:
+                name, sep, path = item.partition("=")
+                if not sep or not name or not path:
+                    raise ValueError(f"--config expects NAME=FILE, got {item!r}")
+                policies.append((name, AdaptiveConfig.from_file(path)))
+        if not 0.0 <= args.spikes <= 1.0:
+            raise ValueError(f"--spikes must be in [0, 1], got {args.spikes}")
+        spec = build_spec(regimes=args.regime, curves=args.curve, policies=policies,
+                          segments=args.segments, seed=args.seed, noise=args.noise,
+                          spikes=args.spikes,
+                          skip_zero_step_draft_extend=args.skip_zero_step_draft_extend)
+        cases = run_simulation(spec)
+    except (ConfigError, OSError, ValueError) as e:
+        print(f"specdial: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(cases, indent=1) if args.json else format_table(cases))
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,22 +1,30 @@
 """``specdial policy replay``: run a recorded per-verify trace through the adaptive policy offline.
 
-A trace is JSON Lines, one object per verify::
+A trace is JSON Lines, one object per verify (what ``--record-trace`` writes)::
 
-    {"batch_size": 4, "accepted": [3, 0, 7, 2], "steps": 7}
+    {"batch_size": 4, "accepted": [3, 0, 7, 2], "steps": 7, "context_tokens": 5120, "seconds": 0.031}
 
 ``batch_size`` (int >= 1) and ``accepted`` (accepted drafts per request, bonus token excluded, one
 per request, so ``len(accepted) == batch_size``) are required; ``steps`` (the steps the recorded
-run used) is optional, and other keys are kept for the user's own tools and ignored here.
+run used), ``context_tokens`` (the batch's KV tokens before the verify) and ``seconds`` (its
+measured wall time) are optional, and other keys are kept for the user's own tools and ignored.
 
 With greedy chain drafting, a request that accepted ``a`` drafts out of ``K`` would have accepted
 ``min(a, k)`` out of ``k <= K``: the replay feeds the policy ``min(a, chosen steps)``. Traces
 recorded at the largest candidate steps therefore replay exactly for every config; a value above
 the recorded ``steps`` is an error. The summary counts how many observations were capped.
+
+Seconds: with a cost table (``--cost-table``, the JSON of :class:`specdial._core.CostTable`, which
+``specdial policy simulate`` also reads) every verify costs what the table says for the batch
+size, the chosen steps and the context, and the summary reports the replayed tokens per second;
+without one, a recorded ``seconds`` is passed on only when the chosen steps equal the recorded
+ones (it is unknown otherwise). The ``goodput`` strategy learns its cost model from them.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +32,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from specdial._core import AdaptiveConfig, AdaptiveSpeculativeParams
+from specdial._core import AdaptiveConfig, AdaptiveSpeculativeParams, CostTable
 
 
 class TraceError(ValueError):
@@ -37,6 +45,9 @@ class Verify:
 
     batch_size: int
     accepted: np.ndarray  # [batch_size] int64
+    steps: int | None = None
+    context_tokens: int | None = None
+    seconds: float | None = None
 
 
 def _int(v: Any) -> bool:
@@ -65,7 +76,14 @@ def parse_line(text: str, where: str) -> Verify | None:
             raise TraceError(f"{where}: steps must be an integer >= 0, got {steps!r}")
         if any(a > steps for a in acc):
             raise TraceError(f"{where}: accepted {acc} exceeds the recorded steps {steps}")
-    return Verify(bs, np.asarray(acc, dtype=np.int64))
+    ctx, secs = obj.get("context_tokens"), obj.get("seconds")
+    if ctx is not None and (not _int(ctx) or ctx < 0):
+        raise TraceError(f"{where}: context_tokens must be an integer >= 0, got {ctx!r}")
+    if secs is not None and (isinstance(secs, bool) or not isinstance(secs, (int, float))
+                             or not math.isfinite(secs) or secs <= 0):
+        raise TraceError(f"{where}: seconds must be a finite number > 0, got {secs!r}")
+    return Verify(bs, np.asarray(acc, dtype=np.int64), steps, ctx,
+                  None if secs is None else float(secs))
 
 
 @dataclass
@@ -77,11 +95,23 @@ class ReplaySummary:
     emitted_tokens: int = 0
     verifies: int = 0
     capped: int = 0
+    #: Seconds of the replayed verifies (with a cost table; None without one).
+    seconds: float | None = None
+    strategy: str = "ema"
+    probes: int = 0
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        return self.emitted_tokens / self.seconds if self.seconds else None
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "strategy": self.strategy,
             "verifies": self.verifies,
             "emitted_tokens": self.emitted_tokens,
+            "seconds": self.seconds,
+            "tokens_per_second": self.tokens_per_second,
+            "probes": self.probes,
             "capped_observations": self.capped,
             "switches": [dict(zip(("line", "slot", "batch_size", "old_steps", "new_steps"), s)) for s in self.switches],
             "iterations_per_steps": {str(b): {str(k): v for k, v in sorted(c.items())} for b, c in self.iterations.items()},
@@ -94,40 +124,52 @@ def replay(
     *,
     initial_steps: int | None = None,
     cuda_graph_bs: list[int] | None = None,
+    cost_table: CostTable | None = None,
     out: IO[str] | None = None,
 ) -> ReplaySummary:
     """Replays ``trace_path`` through a fresh policy built from ``config``.
 
     ``initial_steps`` defaults to the middle of the candidates' union (as the Engine does).
-    Writes one line per step switch to ``out`` when given. Raises TraceError (bad line, with its
-    number) and OSError (unreadable file).
+    ``cost_table``: seconds per verify (module docstring). Writes one line per step switch to
+    ``out`` when given. Raises TraceError (bad line, with its number) and OSError (unreadable
+    file).
     """
     union = config.candidate_steps
     params = AdaptiveSpeculativeParams(union[len(union) // 2] if initial_steps is None else initial_steps, config)
     params.set_cuda_graph_bs(cuda_graph_bs)
     bounds = config.slot_lower_bounds
-    summary = ReplaySummary(iterations={b: Counter() for b in bounds})
+    summary = ReplaySummary(iterations={b: Counter() for b in bounds}, strategy=config.strategy,
+                            seconds=None if cost_table is None else 0.0)
     with open(trace_path, encoding="utf-8") as f:
         for lineno, text in enumerate(f, start=1):
             v = parse_line(text, f"{trace_path}:{lineno}")
             if v is None:
                 continue
-            decision = params.decide(v.batch_size)
+            before = params.get_steps_for_batch(v.batch_size)
+            decision = params.decide(v.batch_size, v.context_tokens)
             steps, bound = decision.steps, bounds[decision.slot]
             observed = np.minimum(v.accepted, steps)
             summary.capped += int(np.count_nonzero(observed != v.accepted))
             summary.iterations[bound][steps] += 1
             summary.verifies += 1
             summary.emitted_tokens += int(observed.sum()) + v.batch_size
-            new = params.on_verify_complete(observed, v.batch_size)
+            seconds = v.seconds if v.steps == steps else None
+            if cost_table is not None:
+                seconds = cost_table.seconds(v.batch_size, steps, float(v.context_tokens or 0))
+                summary.seconds = (summary.seconds or 0.0) + seconds
+            new = params.on_verify_complete(observed, v.batch_size, seconds=seconds,
+                                            context_tokens=v.context_tokens, steps=steps)
             if new is not None:
-                summary.switches.append((lineno, bound, v.batch_size, steps, new))
+                summary.switches.append((lineno, bound, v.batch_size, before, new))
                 if out is not None:
-                    ema = params.slot_states()[decision.slot][2]
+                    estimate = params.slot_states()[decision.slot][2]
+                    label = "ema of accepted drafts" if config.strategy == "ema" else "expected accepted drafts"
                     out.write(
-                        f"line {lineno}: slot {bound} (batch size {v.batch_size}): steps {steps} -> {new} "
-                        f"(ema of accepted drafts {ema:.3f})\n"
+                        f"line {lineno}: slot {bound} (batch size {v.batch_size}): steps {before} -> {new} "
+                        f"({label} {estimate:.3f})\n"
                     )
+    state = params.goodput_state()
+    summary.probes = int(state["probes"]) if state else 0
     return summary
 
 
@@ -136,8 +178,12 @@ def format_summary(s: ReplaySummary) -> str:
     lines = [
         f"{s.verifies} verifies, {len(s.switches)} step switches, "
         f"{s.emitted_tokens} tokens emitted, {s.capped} observations capped at the chosen steps",
-        "slot  iterations per steps",
     ]
+    if s.strategy == "goodput":
+        lines.append(f"{s.probes} probes (goodput strategy)")
+    if s.seconds is not None:
+        lines.append(f"{s.seconds:.3f} s by the cost table: {s.tokens_per_second:.1f} tokens/s")
+    lines.append("slot  iterations per steps")
     for bound, counts in s.iterations.items():
         per = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) or "(no verifies)"
         lines.append(f"{bound:>4}  {per}")

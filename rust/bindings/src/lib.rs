@@ -14,6 +14,7 @@ mod config;
 mod kv;
 mod policy;
 mod scheduler;
+mod sim;
 
 pyo3::create_exception!(
     specdial,
@@ -60,5 +61,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     policy::register(m)?;
     kv::register(m)?;
     scheduler::register(m)?;
+    sim::register(m)?;
     Ok(())
 }

@@ -71,6 +71,8 @@ fn owner_of(key: &str) -> Option<&'static str> {
         Some("goodput")
     } else if THROUGHPUT_AWARE_KEYS.contains(&key) && !PROFILE_KEYS.contains(&key) {
         Some("throughput_aware")
+    } else if PROFILE_KEYS.contains(&key) {
+        Some("goodput\" or \"throughput_aware")
     } else {
         None
     }
@@ -204,6 +206,12 @@ impl AdaptiveConfig {
             } else if key == "strategy" {
                 continue;
             } else if ema {
+                if let Some(owner) = owner_of(key).filter(|o| *o != "ema") {
+                    return Err(ConfigError::new(format!(
+                        "{key} is a setting of strategy \"{owner}\", not of \"ema\" (set \"strategy\" to use it); allowed: {}",
+                        allowed_global_keys("ema")
+                    )));
+                }
                 slot::apply(&mut SlotConfig::with_candidates(&[0]), Scope::Global, key, value)?;
                 globals.push((key, value));
             } else {

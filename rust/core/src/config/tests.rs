@@ -170,7 +170,8 @@ fn strategy_keys_are_checked_per_strategy() {
         .contains("switch_margin is a setting of strategy \"goodput\""));
     assert!(e(&format!(r#"{g}, "speed": 1, "1": {{"candidate_steps": [1]}}"#)).contains("unknown key \"speed\""));
     assert!(e(&format!(r#"{g}, "1": {{"candidate_steps": [1], "speed": 1}}"#)).contains("allowed: candidate_steps"));
-    assert!(e(r#""window_size": 3, "1": {"candidate_steps": [1]}"#).contains("unknown key \"window_size\" in adaptive config"));
+    assert!(e(r#""window_size": 3, "1": {"candidate_steps": [1]}"#).contains("window_size is a setting of strategy \"throughput_aware\", not of \"ema\""));
+    assert!(e(r#""profile_run_n_measure": 3, "1": {"candidate_steps": [1]}"#).contains("strategy \"goodput\" or \"throughput_aware\""));
     assert!(e(&format!(r#"{t}, "1": {{"candidate_steps": [0, 1]}}"#)).contains("takes steps > 0"));
     assert!(e(&format!(r#"{g}, "switch_margin": 1.0, "1": {{"candidate_steps": [1]}}"#)).contains("switch_margin must be in [0, 1), got 1"));
     assert!(e(&format!(r#"{g}, "switch_margin": -0.1, "1": {{"candidate_steps": [1]}}"#)).contains("got -0.1"));
