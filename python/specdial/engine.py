@@ -19,10 +19,12 @@ from prefill; 0.0 without verifies) and ``spec_steps_histogram`` (``{steps: iter
 
 from __future__ import annotations
 
+import json
 import logging
 import operator
 import os
 import threading
+import time
 import weakref
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
@@ -38,6 +40,7 @@ from specdial.engine_requests import (async_collect, async_stream, collect, make
                                       sync_stream)
 from specdial.models import (LlamaForCausalLM, load_drafter, load_model, load_tokenizer,
                              resolve_draft_algorithm)
+from specdial.profiling import ProfilePoint, default_seq_len, profile_decode
 from specdial.worker.cuda_graphs import default_cuda_graph_bs, normalize_graph_bs
 from specdial.worker.drafters import DEFAULT_MAX_STEPS, Drafter, make_drafter
 from specdial.worker.worker import SpecWorker
@@ -379,6 +382,10 @@ class Engine:
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(int(tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos)
+        self.max_running_requests = max_running_requests
+        self.profile_points: list[ProfilePoint] = []
+        if self.adaptive_config is not None and self.adaptive_config.profile is not None:
+            self.profile_points = self._startup_profile(self.adaptive_config)
         self.record_trace = None if record_trace is None else Path(record_trace)
         trace_file = None if record_trace is None else open(record_trace, "a", encoding="utf-8")
         self._loop = EngineLoop(self.scheduler, self.worker, tokenizer=tokenizer,
@@ -411,6 +418,57 @@ class Engine:
         if mode == "cuda" and device.type != "cuda":
             raise ConfigError(f"cuda_graph_mode='cuda' needs a CUDA device, got {device}")
         return graph_bs, mode
+
+    def _startup_profile(self, config: AdaptiveConfig) -> list[ProfilePoint]:
+        """The config's startup profiling run (SGLang's ``profile_run_*`` keys): times every
+        (steps, batch size) its slots can reach and feeds the policy (the ``throughput_aware``
+        cost table, or the ``goodput`` cost model's seed). Batch sizes: ``profile_run_batch_sizes``,
+        else the CUDA-graph sizes, else (no graphs, where SGLang would profile nothing) the
+        default capture sizes of ``max_running_requests``; at most
+        ``max_profile_run_batch_size``."""
+        p = config.profile
+        assert p is not None
+        sizes = p["profile_run_batch_sizes"] or self.cuda_graph_bs or default_cuda_graph_bs(
+            self.max_running_requests)
+        if p["max_profile_run_batch_size"] is not None:
+            sizes = [b for b in sizes if b <= p["max_profile_run_batch_size"]]
+        steps = [k for k in config.candidate_steps
+                 if k > 0 or config.strategy != "throughput_aware"]
+        slots = json.loads(config.to_json())
+        bounds = config.slot_lower_bounds
+
+        def reachable(k: int, bs: int) -> bool:
+            padded = next((g for g in self.cuda_graph_bs or [] if g >= bs), bs)
+            bound = max([b for b in bounds if b <= padded], default=bounds[0])
+            return k in slots[str(bound)]["candidate_steps"]
+
+        n = p["profile_run_n_warmup"] + p["profile_run_n_measure"]
+        seq = p["profile_run_seq_len"] or default_seq_len(self.context_length, n, max(steps))
+        started = time.perf_counter()
+        points = self.profile_costs(sizes, steps, n_warmup=p["profile_run_n_warmup"],
+                                    n_measure=p["profile_run_n_measure"], seq_len=seq,
+                                    reachable=reachable)
+        for pt in points:
+            self.scheduler.set_profiled_cost(pt.batch_size, pt.steps, pt.seconds,
+                                             int(pt.context_per_request * pt.batch_size))
+        logger.info("startup profiling (%s): %d points in %.1f s", config.strategy, len(points),
+                    time.perf_counter() - started)
+        return points
+
+    def profile_costs(self, batch_sizes: list[int], steps: list[int], *, n_warmup: int = 5,
+                      n_measure: int = 10, seq_len: int = 128,
+                      reachable: Any = None) -> list[ProfilePoint]:
+        """Times decode iterations on this engine's real path per (steps, batch size)
+        (:func:`specdial.profiling.profile_decode`; seconds per iteration, ``seq_len`` prompt
+        tokens per request). Each steps value must have a runtime state (a candidate of the
+        config, or the fixed steps). Only before the first request: raises ``RuntimeError``
+        once the engine has started serving."""
+        if getattr(self, "_started", False) or getattr(self, "_closed", False):
+            raise RuntimeError("profile_costs runs only before the engine serves its first request")
+        return profile_decode(self.scheduler, self.worker, batch_sizes=batch_sizes,
+                              steps_values=steps, n_warmup=n_warmup, n_measure=n_measure,
+                              seq_len=seq_len, vocab_size=self.target.config.vocab_size,
+                              generator=self.generator, reachable=reachable)
 
     def graph_stats(self) -> dict[str, Any]:
         """CUDA-graph counters: ``replays`` per pass, ``eager`` fallbacks per reason,

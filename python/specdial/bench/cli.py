@@ -144,20 +144,39 @@ def add_bench_subcommand(sub: Any) -> None:
         "acceptance length and steps per decode iteration. `specdial bench compare` compares "
         "no speculation, fixed steps and the adaptive policy side by side.")
     add_dataclass_arguments(bench, BenchConfig)
-    bsub = bench.add_subparsers(dest="bench_command", required=False, metavar="compare",
+    bsub = bench.add_subparsers(dest="bench_command", required=False,
+                                metavar="{compare,cost-table}",
                                 help="compare: no-spec, fixed steps and adaptive configurations "
-                                "side by side (`specdial bench compare --help`)")
+                                "side by side; cost-table: measure this machine's cost surface")
     compare = bsub.add_parser(
         "compare", help="compare no-spec, fixed steps and adaptive configurations",
         description="Run several engine configurations in one process over the same prompts, "
         "round-robin per repetition, at several concurrencies and workloads; write JSON, a "
         "markdown table with ratios, and PNG plots.")
     add_dataclass_arguments(compare, CompareConfig)
+    from specdial.bench.cost_table import CostTableConfig
+
+    table = bsub.add_parser(
+        "cost-table", help="measure decode-iteration seconds per (steps, batch size, context) "
+        "and save the cost table that `policy simulate` and `policy replay` read",
+        description="Time decode iterations on the engine's real path for every steps value, "
+        "batch size and context length given, and write the cost-table JSON.")
+    add_dataclass_arguments(table, CostTableConfig)
 
 
 def run_bench_command(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Dispatch ``specdial bench [compare]``; returns the exit status. ``argv`` (default
     ``sys.argv[1:]``) is recorded as the command of a comparison."""
+    if getattr(args, "bench_command", None) == "cost-table":
+        from specdial.bench.cost_table import CostTableConfig, run_cost_table
+
+        cfg = config_from_args(CostTableConfig, args)
+        try:
+            table = run_cost_table(cfg)
+        except _LOAD_ERRORS as e:
+            return _error(e)
+        print(f"{len(table['entries'])} entries written to {cfg.out}")
+        return 0
     if getattr(args, "bench_command", None) == "compare":
         return run_compare(config_from_args(CompareConfig, args),
                            argv=sys.argv[1:] if argv is None else list(argv))

@@ -155,6 +155,7 @@ class EngineArgs:
         except OSError as e:
             raise ValueError(f"--chat-template {value}: neither a readable file nor a Jinja "
                              f"template ({e.strerror})") from None
+
     def configure_process(self) -> None:
         """Apply the process-wide options (``cpu_threads``) before building engines; the
         engine's loop thread takes the thread count of the thread that builds it."""
