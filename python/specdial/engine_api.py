@@ -124,7 +124,13 @@ class EngineStats:
     ``slot_states()`` (``lower_bound``, ``steps``, ``ema_accept_len``, ``verify_count``; empty
     without an adaptive policy; new keys may be added); ``last_decode_steps`` and
     ``last_decode_batch_size`` (padded to the CUDA-graph size when graphs are used): the
-    latest decode iteration's, None before the first.
+    latest decode iteration's, None before the first. ``policy``: the adaptive strategy's
+    name (None without one); ``goodput``: the ``goodput`` strategy's state, refreshed at most
+    every :data:`POLICY_REFRESH_S` seconds (None otherwise): ``acceptance`` (conditional
+    acceptance per draft position), ``probes``, ``switches`` and ``last_decision``
+    (``batch_size``, ``context_tokens``, ``steps``, ``probe``, ``predicted_seconds`` {steps:
+    seconds per decode iteration at that batch size}, ``expected_tokens`` {steps: tokens per
+    request per verify}); see :meth:`specdial._core.Scheduler.goodput_state`.
     """
 
     running: int = 0
@@ -144,6 +150,12 @@ class EngineStats:
     slot_states: list[dict[str, Any]] = field(default_factory=list)
     last_decode_steps: int | None = None
     last_decode_batch_size: int | None = None
+    policy: str | None = None
+    goodput: dict[str, Any] | None = None
+
+
+#: Seconds between refreshes of :attr:`EngineStats.goodput` (a few dicts built from Rust).
+POLICY_REFRESH_S = 0.25
 
 
 class EngineProtocol(Protocol):

@@ -38,7 +38,8 @@ import torch
 
 from specdial._core import InvalidRequestError, QueueFullError
 from specdial.detokenize import IncrementalText
-from specdial.engine_api import EngineStats, LogprobOptions, RequestError, StreamChunk
+from specdial.engine_api import (POLICY_REFRESH_S, EngineStats, LogprobOptions, RequestError,
+                                 StreamChunk)
 from specdial.worker.logprobs import HostLogprobs, LogprobRows, PromptLogprobPlan
 from specdial.worker.sampling import BatchSampling, SamplingParams
 from specdial.worker.worker import SpecWorker
@@ -120,6 +121,17 @@ class _Live:
         return values, tops
 
 
+def _goodput_summary(g: dict[str, Any] | None) -> str:
+    """The goodput strategy's part of the log line ("" without it)."""
+    if not g or not g.get("last_decision"):
+        return ""
+    d = g["last_decision"]
+    ms = ", ".join(f"{k}: {1e3 * t:.1f}" for k, t in sorted(d["predicted_seconds"].items()))
+    acc = ", ".join(f"{a:.2f}" for a in g["acceptance"][:8])
+    return (f"; goodput at batch {d['batch_size']}: predicted ms per steps {{{ms}}}, "
+            f"acceptance per position [{acc}], {g['probes']} probes")
+
+
 def _param_of(message: str) -> str | None:
     """The field an InvalidRequestError / SamplingParams message starts with."""
     head = message.split(":", 1)[0].strip()
@@ -163,6 +175,8 @@ class EngineLoop:
         self._verify_reqs = self._verify_tokens = 0
         self._log_mark = (time.monotonic(), 0, 0, 0)
         self._stats = EngineStats()
+        self._goodput: dict[str, Any] | None = None
+        self._goodput_at = -POLICY_REFRESH_S
         self._refresh_stats()  # before the thread starts: no concurrent scheduler call
         self.thread = threading.Thread(target=self._main, name="specdial-engine", daemon=True)
 
@@ -519,7 +533,16 @@ class EngineLoop:
             prompt_tokens=self._prompt_tokens, generation_tokens=s.tokens_generated,
             slot_states=states,
             last_decode_steps=None if self._last_decode is None else self._last_decode[0],
-            last_decode_batch_size=None if self._last_decode is None else self._last_decode[1])
+            last_decode_batch_size=None if self._last_decode is None else self._last_decode[1],
+            policy=self.sched.policy_strategy, goodput=self._goodput_state())
+
+    def _goodput_state(self) -> dict[str, Any] | None:
+        """The goodput strategy's state, rebuilt at most every POLICY_REFRESH_S seconds while
+        requests run, and whenever the engine is idle (so the last decision is never lost)."""
+        now = time.monotonic()
+        if now - self._goodput_at >= POLICY_REFRESH_S or not self.sched.has_unfinished():
+            self._goodput, self._goodput_at = self.sched.goodput_state(), now
+        return self._goodput
 
     def _mark(self) -> tuple[float, int, int, int]:
         return (time.monotonic(), self._stats.generation_tokens, self._verify_reqs,
@@ -534,8 +557,9 @@ class EngineLoop:
         s = self._stats
         reqs = self._verify_reqs - req0
         logger.info("running %d, queued %d, KV cache %.1f%% (%d/%d pages), %.1f tokens/s, "
-                    "accept length %.2f, steps per slot %s", s.running, s.queued,
+                    "accept length %.2f, steps per slot %s%s", s.running, s.queued,
                     100.0 * s.kv_pages_used / max(s.kv_pages_total, 1), s.kv_pages_used,
                     s.kv_pages_total, (s.generation_tokens - tok0) / (now - t0),
-                    (self._verify_tokens - vt0) / reqs if reqs else 0.0, s.steps_per_slot)
+                    (self._verify_tokens - vt0) / reqs if reqs else 0.0, s.steps_per_slot,
+                    _goodput_summary(s.goodput))
         self._log_mark = self._mark()

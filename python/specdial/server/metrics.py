@@ -22,6 +22,10 @@ name                                                        type     meaning
 ``specdial:kv_cache_pages_used`` / ``_pages_total``         gauge    KV pages
 ``specdial:spec_decode_num_steps{slot}``                    gauge    current steps of each slot
                                                                      (label: its lowest batch size)
+``specdial:spec_decode_predicted_iteration_seconds{steps}`` gauge    goodput: cost model's seconds
+``specdial:spec_decode_policy_batch_size``                  gauge    goodput: batch of that figure
+``specdial:spec_decode_acceptance_estimate{position}``      gauge    goodput: acceptance estimate
+``specdial:spec_decode_policy_probes_total``                counter  goodput: probes run
 ``specdial:spec_decode_num_drafts_total``                   counter  request-verifies with drafts
 ``specdial:spec_decode_num_draft_tokens_total``             counter  draft tokens proposed
 ``specdial:spec_decode_num_accepted_tokens_total``          counter  draft tokens accepted
@@ -125,6 +129,38 @@ class EngineCollector:
         for pos, n in enumerate(s.accepted_per_pos):
             per_pos.add_metric([str(pos)], n)
         yield per_pos
+        yield from self._goodput(getattr(s, "goodput", None))
+
+    @staticmethod
+    def _goodput(g: dict | None) -> Iterable[Metric]:
+        """The goodput strategy's gauges: its cost model and acceptance estimates."""
+        if not g:
+            return
+        yield CounterMetricFamily("specdial:spec_decode_policy_probes",
+                                  "Probes of the goodput strategy: iterations run at steps that "
+                                  "were not the predicted best, to measure a cost or acceptance.",
+                                  value=g["probes"])
+        acc = GaugeMetricFamily(
+            "specdial:spec_decode_acceptance_estimate",
+            "The goodput strategy's estimate of P(draft at this position accepted | the ones "
+            "before it were), per draft position (0 = the first draft).", labels=["position"])
+        for pos, a in enumerate(g["acceptance"]):
+            acc.add_metric([str(pos)], a)
+        yield acc
+        last = g.get("last_decision")
+        if not last:
+            return
+        pred = GaugeMetricFamily(
+            "specdial:spec_decode_predicted_iteration_seconds",
+            "Seconds of one decode iteration the goodput strategy's cost model predicts at the "
+            "latest decision's batch size and context, per speculative_num_steps.",
+            labels=["steps"])
+        for k, t in sorted(last["predicted_seconds"].items()):
+            pred.add_metric([str(k)], t)
+        yield pred
+        yield GaugeMetricFamily("specdial:spec_decode_policy_batch_size",
+                                "Batch size (padded to the CUDA-graph size) of that decision.",
+                                value=last["batch_size"])
 
 
 class _ModelNameLabel:
