@@ -625,14 +625,19 @@ def step0_overhead(timing: dict, bs_list) -> dict:
 
 
 def section_capture(sh: Shapes, args, log) -> dict:
-    """Capture cost for the default adaptive config, pruned vs unpruned."""
+    """Capture cost pruned vs unpruned for SGLang's default EMA config (it prunes from batch 8
+    up; specdial's default goodput config prunes only from batch 128, and its plan's graph count
+    is recorded beside)."""
     target, head = build_models(sh.model, sh.timing_dtype, sh.device, seed=3)
     name = backend_name(sh.device, None if args.backend == "auto" else args.backend,
                         sh.timing_dtype)
-    config = AdaptiveConfig.default()
+    config = AdaptiveConfig.ema_default()
     sizes = default_cuda_graph_bs(sh.capture_max_bs)
+    default = AdaptiveConfig.default()
     results: dict[str, Any] = {"backend": name, "graph_bs": sizes,
-                               "candidate_steps": config.candidate_steps}
+                               "candidate_steps": config.candidate_steps,
+                               "default_config_graphs": CapturePlan.build(
+                                   default.candidate_steps, sizes, default).num_graphs}
     for label, prune in (("pruned", True), ("unpruned", False)):
         backend = select_backend(sh.device, name, sh.timing_dtype)
         plan = CapturePlan.build(config.candidate_steps, sizes, config, prune=prune)

@@ -47,8 +47,8 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert cell["graphs"]["median_ms"] > 0 and cell["eager"]["median_ms"] > 0
     assert set(res["step0"]) == {"1", "4"}
     cap = res["capture"]
-    # The default goodput config prunes only above batch 128, beyond the smoke run's sizes.
-    assert 0 < cap["pruned"]["graphs"] <= cap["unpruned"]["graphs"]
+    assert 0 < cap["pruned"]["graphs"] < cap["unpruned"]["graphs"]
+    assert cap["default_config_graphs"] > 0
     assert cap["pruned"]["sizes"]["7"] == [4, 2, 1]
     table = (tmp_path / "table.md").read_text()
     assert "| parity random steps=0 | PASS |" in table and "per-iteration ms" in table
