@@ -3,7 +3,9 @@
 - ``target``: a Llama-architecture model trained on the CPython standard library source;
 - ``draft``: a 1-layer draft model of the same family and tokenizer;
 - ``eagle``: an EAGLE-1 head over the target's hidden states
-  (:func:`specdial.models.load_eagle_head` layout).
+  (:func:`specdial.models.load_eagle_head` layout);
+- ``eagle-weak``: that head with seeded noise added to its weights, labelled for benchmarking a
+  low-acceptance drafter (``python -m specdial.demo.weak_drafter``; never a default).
 
 Regenerate them with ``python -m specdial.demo.train``.
 """
@@ -13,11 +15,12 @@ from __future__ import annotations
 from pathlib import Path
 
 BUILTIN_DIR = Path(__file__).resolve().parent
-BUILTIN_MODELS = ("target", "draft", "eagle")
+BUILTIN_MODELS = ("target", "draft", "eagle", "eagle-weak")
 
 
 def builtin_model_path(name: str) -> Path:
-    """Directory of the built-in model ``name`` (``"target"``, ``"draft"`` or ``"eagle"``).
+    """Directory of the built-in model ``name`` (``"target"``, ``"draft"``, ``"eagle"`` or
+    ``"eagle-weak"``).
 
     Raises ``ValueError`` for another name and ``FileNotFoundError`` when the directory or
     its ``config.json`` / ``model.safetensors`` is missing (e.g. a source checkout where the
