@@ -436,3 +436,48 @@ def test_compare_cli_errors(capsys):
     assert main(["bench", "compare", "--concurrency", "1,zero"]) == 2
     assert main(["bench", "compare", "--configs", "adaptive-user"]) == 2
     assert "adaptive-config" in capsys.readouterr().err
+
+
+def test_ramp_schedule_and_gate(prompts):
+    """A ramp's caps rise from 1 to the peak and fall back; the driver never has more requests
+    in flight than the cap of the latest one started, and starts them in order."""
+    from specdial.bench.compare import parse_concurrency, peak_of
+    from specdial.bench.driver import ramp_concurrency
+
+    caps = ramp_concurrency(41, 8)
+    assert caps[0] == caps[-1] == 1 and max(caps) == 8 and caps[20] == 8
+    assert caps == sorted(caps[:21]) + sorted(caps[21:], reverse=True)
+    assert parse_concurrency("ramp-64") == "ramp-64" and peak_of("ramp-64") == 64
+    assert parse_concurrency(" 16") == 16
+    for bad in ("ramp-0", "ramp-x", "0", "x"):
+        with pytest.raises(ValueError, match="ramp-N"):
+            parse_concurrency(bad)
+    engine = FakeStreamEngine(steps=1, accept=2, delay=0.002)
+    seen: list[tuple[int, int]] = []
+    live = [0]
+    real = engine.async_stream
+
+    async def watched(*a: Any, **k: Any) -> AsyncIterator[StreamChunk]:
+        live[0] += 1
+        seen.append((live[0], len(seen)))
+        try:
+            async for c in real(*a, **k):
+                yield c
+                if c.finished:
+                    break
+        finally:
+            live[0] -= 1
+
+    engine.async_stream = watched  # type: ignore[method-assign]
+    driver = EngineDriver(engine)
+    reqs = [driver.prepare(r, 5) for r in build_requests("code", 41, directory=prompts)]
+    run = asyncio.run(run_benchmark(driver, reqs, sampling_params={"max_new_tokens": 5},
+                                    concurrency_schedule=caps, progress=False))
+    assert summarize([run])["completed"] == 41
+    assert all(in_flight <= caps[i] for in_flight, i in seen), [(f, caps[i]) for f, i in seen]
+    assert max(f for f, _ in seen) >= 4  # it did ramp up
+    sends = [r.send_time for r in run.records]
+    assert sends == sorted(sends)
+    with pytest.raises(ValueError, match="one cap"):
+        asyncio.run(run_benchmark(driver, reqs, sampling_params={"max_new_tokens": 5},
+                                  concurrency_schedule=caps[:3], progress=False))

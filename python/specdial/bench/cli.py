@@ -120,8 +120,9 @@ class CompareConfig(_BenchCommon):
         metavar="FILE")
     workloads: str = _opt("comma-separated datasets: code, prose, hard, mixed or JSONL paths",
                           default="code,hard,mixed", metavar="LIST")
-    concurrency: str = _opt("comma-separated concurrencies", default="1,4,16,64",
-                            metavar="LIST")
+    concurrency: str = _opt("comma-separated concurrencies; ramp-N: arrivals rise from one "
+                            "at a time to N concurrent and fall back within one run",
+                            default="1,4,16,64", metavar="LIST")
     num_prompts: int | None = _opt(
         "requests per workload and concurrency; default: max(2 x concurrency, 16)",
         metavar="N")
@@ -390,7 +391,8 @@ def run_bench(cfg: BenchConfig) -> int:
 # ---------------------------------------------------------------------------- compare
 def run_compare(cfg: CompareConfig, argv: list[str] | None = None) -> int:
     """``specdial bench compare``: returns 0, or 2 (message on stderr)."""
-    from specdial.bench.compare import EngineFactory, parse_configurations, run_comparison
+    from specdial.bench.compare import (EngineFactory, parse_concurrency, parse_configurations,
+                                        peak_of, run_comparison)
     from specdial.bench.compare import write_outputs
 
     _setup_logging(cfg.log_level)
@@ -406,7 +408,9 @@ def run_compare(cfg: CompareConfig, argv: list[str] | None = None) -> int:
         return _error("--adaptive-config and --speculative-adaptive-config differ; give one")
     try:
         configs = parse_configurations(cfg.configs, user_config)
-        concurrencies = _int_list(cfg.concurrency, "--concurrency")
+        concurrencies = [parse_concurrency(c) for c in cfg.concurrency.split(",") if c.strip()]
+        if not concurrencies:
+            raise ValueError("--concurrency is empty")
         if cfg.repetitions < 1:
             raise ValueError(f"--repetitions must be >= 1, got {cfg.repetitions}")
         if cfg.num_prompts is not None and cfg.num_prompts < 1:
@@ -418,7 +422,7 @@ def run_compare(cfg: CompareConfig, argv: list[str] | None = None) -> int:
         return _error("--workloads is empty")
     if cfg.record_trace:
         logger.warning("--record-trace is ignored by `bench compare`")
-    factory = EngineFactory(cfg, default_max_running=max(concurrencies))
+    factory = EngineFactory(cfg, default_max_running=max(peak_of(c) for c in concurrencies))
     meta = {"command": "specdial " + shlex.join(argv) if argv else None,
             "model_path": cfg.model_path or "built-in", "draft_model_path":
             cfg.draft_model_path, "speculative_algorithm": cfg.speculative_algorithm,

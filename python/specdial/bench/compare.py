@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from specdial.bench.datasets import BenchRequest, build_requests
-from specdial.bench.driver import EngineDriver, run_benchmark
+from specdial.bench.driver import EngineDriver, ramp_concurrency, run_benchmark
 from specdial.bench.metrics import RunData, summarize, timeline_series
 
 __all__ = ["Configuration", "EngineFactory", "compute_ratios", "default_config_names",
@@ -223,7 +223,30 @@ class EngineFactory:
 
 
 # ---------------------------------------------------------------------------- running
-def _auto_num_prompts(concurrency: int) -> int:
+Concurrency = int | str
+"""A concurrency: a number of requests in flight, or ``"ramp-N"``: a load ramp whose arrivals
+rise from one at a time to N concurrent and fall back within the run
+(:func:`~specdial.bench.driver.ramp_concurrency`)."""
+
+
+def parse_concurrency(text: str) -> Concurrency:
+    """``"16"`` -> 16, ``"ramp-64"`` -> ``"ramp-64"``. Raises ``ValueError`` naming the
+    allowed forms."""
+    t = text.strip()
+    peak = t[5:] if t.startswith("ramp-") else t
+    if not peak.isdigit() or int(peak) < 1:
+        raise ValueError(f"--concurrency: expected integers >= 1 or ramp-N (N >= 1), got {text!r}")
+    return t if t.startswith("ramp-") else int(t)
+
+
+def peak_of(conc: Concurrency) -> int:
+    """The largest number of requests in flight at ``conc``."""
+    return int(conc[5:]) if isinstance(conc, str) else conc
+
+
+def _auto_num_prompts(concurrency: Concurrency) -> int:
+    if isinstance(concurrency, str):  # a ramp: four requests per step of its peak
+        return max(4 * peak_of(concurrency), 16)
     return max(2 * concurrency, 16)
 
 
@@ -243,7 +266,7 @@ def _hard_share(run: RunData, times: Sequence[float], primary: str) -> list[floa
 
 
 async def _compare_async(engines: Mapping[str, Any], configs: Sequence[Configuration],
-                         workloads: Sequence[str], concurrencies: Sequence[int], *,
+                         workloads: Sequence[str], concurrencies: Sequence[Concurrency], *,
                          num_prompts: int | None, max_new_tokens: int, mix_every: int,
                          seed: int, repetitions: int, prompts_dir: str | None,
                          warmup_prompts: int, sample_interval: float, temperature: float,
@@ -284,10 +307,13 @@ async def _compare_async(engines: Mapping[str, Any], configs: Sequence[Configura
                 for c in order:
                     done_runs += 1
                     tag = f"[{done_runs}/{total_runs}] {workload} c={conc} {c.name} #{rep + 1}"
+                    ramp = (ramp_concurrency(len(reqs), peak_of(conc))
+                            if isinstance(conc, str) else None)
                     run = await run_benchmark(
-                        drivers[c.name], reqs, sampling_params=params, concurrency=conc,
-                        seed=seed, sample_interval=sample_interval, progress=progress,
-                        leave=False, desc=tag)
+                        drivers[c.name], reqs, sampling_params=params,
+                        concurrency=peak_of(conc), concurrency_schedule=ramp, seed=seed,
+                        sample_interval=sample_interval, progress=progress, leave=False,
+                        desc=tag)
                     runs[c.name].append(run)
                     s = summarize([run])
                     acc = s["mean_accept_length"] or s["tokens_per_verify"]
@@ -314,7 +340,7 @@ async def _compare_async(engines: Mapping[str, Any], configs: Sequence[Configura
 
 def run_comparison(build_engine: Callable[[Configuration], Any],
                    configs: Sequence[Configuration], workloads: Sequence[str],
-                   concurrencies: Sequence[int], *, num_prompts: int | None = None,
+                   concurrencies: Sequence[Concurrency], *, num_prompts: int | None = None,
                    max_new_tokens: int = 128, mix_every: int = 8, seed: int = 0,
                    repetitions: int = 2, prompts_dir: str | None = None,
                    warmup_prompts: int = 2, sample_interval: float = 0.25,

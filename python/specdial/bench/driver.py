@@ -395,22 +395,40 @@ async def _sampler(driver: Driver, clock: Clock, interval: float, out: list[dict
         out.append(snapshot(snap, clock()))
 
 
+def ramp_concurrency(n: int, peak: int) -> list[int]:
+    """A load ramp over ``n`` requests: request ``i`` may start only while fewer than
+    ``1 + round((peak - 1) * sin(pi * i / (n - 1)))`` requests are in flight, so arrivals rise
+    from one at a time to ``peak`` concurrent at the middle of the run and fall back to one."""
+    if n < 1 or peak < 1:
+        raise ValueError(f"a ramp needs n >= 1 and peak >= 1, got n={n}, peak={peak}")
+    return [1 + round((peak - 1) * math.sin(math.pi * i / max(n - 1, 1))) for i in range(n)]
+
+
 async def run_benchmark(driver: Driver, requests: Sequence[BenchRequest], *,
                         sampling_params: dict[str, Any], concurrency: int | None = None,
                         request_rate: float | None = None, seed: int = 0,
                         sample_interval: float = 0.25, progress: bool = True,
-                        desc: str = "bench", leave: bool = True) -> RunData:
+                        desc: str = "bench", leave: bool = True,
+                        concurrency_schedule: Sequence[int] | None = None) -> RunData:
     """Send ``requests`` (already :meth:`Driver.prepare`-d) through ``driver`` and measure.
 
     ``concurrency``: most requests in flight (None = no limit); ``request_rate``: Poisson
     arrivals in requests/s (None = all at once), seeded with ``seed``; both may be given (the
-    rate, capped by the concurrency). ``sampling_params`` go to every request (the engine's
+    rate, capped by the concurrency). ``concurrency_schedule``: one cap per request (e.g.
+    :func:`ramp_concurrency`): request ``i`` starts, in order, once fewer than
+    ``concurrency_schedule[i]`` requests are in flight (replaces ``concurrency``). ``sampling_params`` go to every request (the engine's
     names: ``max_new_tokens``, ``temperature``, ``ignore_eos``). ``sample_interval``: seconds
     between stats snapshots. Returns the :class:`~specdial.bench.metrics.RunData` (duration:
     start to the last finished request, seconds).
     """
     if concurrency is not None and concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    if concurrency_schedule is not None:
+        if len(concurrency_schedule) != len(requests) or min(concurrency_schedule, default=1) < 1:
+            raise ValueError("concurrency_schedule needs one cap >= 1 per request")
+        caps: Sequence[int] | int | None = concurrency_schedule
+    else:
+        caps = concurrency
     arrivals = poisson_arrivals(len(requests), request_rate, seed)
     records = [RequestRecord(r.index, r.workload, arrival_time=a, prompt_tokens=r.prompt_tokens,
                              streamed=driver.streaming) for r, a in zip(requests, arrivals)]
@@ -429,11 +447,9 @@ async def run_benchmark(driver: Driver, requests: Sequence[BenchRequest], *,
                if first is not None else None)
     try:
         if driver.streaming:
-            await _run_streaming(driver, requests, records, sampling_params, concurrency,
-                                 clock, bar)
+            await _run_streaming(driver, requests, records, sampling_params, caps, clock, bar)
         else:
-            await _run_batches(driver, requests, records, sampling_params, concurrency,
-                               clock, bar)
+            await _run_batches(driver, requests, records, sampling_params, caps, clock, bar)
         duration = clock()
     finally:
         stop.set()
@@ -454,17 +470,41 @@ def _params_of(req: BenchRequest, params: dict[str, Any]) -> dict[str, Any]:
     return {**params, "max_new_tokens": req.max_new_tokens}
 
 
+class _Gate:
+    """Admits requests in order, request ``i`` once fewer than ``cap(i)`` are in flight."""
+
+    def __init__(self, caps: Sequence[int] | int | None) -> None:
+        self.caps, self.in_flight, self.next = caps, 0, 0
+        self.cond = asyncio.Condition()
+
+    def _cap(self, i: int) -> int | None:
+        return self.caps if not isinstance(self.caps, Sequence) else self.caps[i]
+
+    async def enter(self, i: int) -> None:
+        async with self.cond:
+            ordered = isinstance(self.caps, Sequence)
+            await self.cond.wait_for(lambda: (not ordered or self.next == i) and (
+                self._cap(i) is None or self.in_flight < self._cap(i)))
+            self.in_flight += 1
+            self.next = max(self.next, i + 1)
+            self.cond.notify_all()
+
+    async def leave(self) -> None:
+        async with self.cond:
+            self.in_flight -= 1
+            self.cond.notify_all()
+
+
 async def _run_streaming(driver: Driver, requests: Sequence[BenchRequest],
                          records: list[RequestRecord], params: dict[str, Any],
-                         concurrency: int | None, clock: Clock, bar: Any) -> None:
-    sem = asyncio.Semaphore(concurrency) if concurrency else None
+                         caps: Sequence[int] | int | None, clock: Clock, bar: Any) -> None:
+    gate = _Gate(caps)
 
-    async def one(req: BenchRequest, rec: RequestRecord) -> None:
+    async def one(i: int, req: BenchRequest, rec: RequestRecord) -> None:
         delay = rec.arrival_time - clock()
         if delay > 0:
             await asyncio.sleep(delay)
-        if sem is not None:
-            await sem.acquire()
+        await gate.enter(i)
         try:
             rec.send_time = clock()
             try:
@@ -474,19 +514,18 @@ async def _run_streaming(driver: Driver, requests: Sequence[BenchRequest],
             if rec.end_time is None:
                 rec.end_time = clock()
         finally:
-            if sem is not None:
-                sem.release()
+            await gate.leave()
             bar.update(1)
 
-    await asyncio.gather(*(one(r, rec) for r, rec in zip(requests, records)))
+    await asyncio.gather(*(one(i, r, rec) for i, (r, rec) in enumerate(zip(requests, records))))
 
 
 async def _run_batches(driver: Driver, requests: Sequence[BenchRequest],
                        records: list[RequestRecord], params: dict[str, Any],
-                       concurrency: int | None, clock: Clock, bar: Any) -> None:
+                       caps: Sequence[int] | int | None, clock: Clock, bar: Any) -> None:
     pending = collections.deque(range(len(requests)))
-    cap = concurrency or len(requests)
     while pending:
+        cap = (caps[pending[0]] if isinstance(caps, Sequence) else caps) or len(requests)
         delay = records[pending[0]].arrival_time - clock()
         if delay > 0:
             await asyncio.sleep(delay)

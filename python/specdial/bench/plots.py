@@ -37,7 +37,8 @@ def plot_comparison(result: Mapping[str, Any], out_dir: Path) -> dict[str, str]:
     plt = _pyplot()
     files: dict[str, str] = {}
     meta = result["meta"]
-    workloads, concs = meta["workloads"], meta["concurrencies"]
+    workloads = meta["workloads"]
+    concs = [k for k in meta["concurrencies"] if isinstance(k, int)]  # ramps have no x position
     configs = result["configs"]
     by = {(e["workload"], e["concurrency"], e["config"]): e for e in result["results"]}
 
