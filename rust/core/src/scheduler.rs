@@ -103,6 +103,8 @@ struct InFlight {
     from_policy: bool,
     /// Decode: the batch's KV tokens before the iteration (the policy's `context_tokens`).
     context: u64,
+    /// Decode: the `goodput` cost model's predicted seconds for the steps run (for the trace).
+    predicted: Option<f64>,
     /// Decode: steps per request. Prefill: unused.
     steps_r: Vec<u32>,
     /// Prefill: the chunk ends the request's prefill.

@@ -144,11 +144,14 @@ pub struct TraceRecord {
     pub context_tokens: u64,
     /// The iteration's measured seconds, when reported.
     pub seconds: Option<f64>,
+    /// The `goodput` cost model's prediction of those seconds when it decided.
+    pub predicted_seconds: Option<f64>,
 }
 
 impl TraceRecord {
     /// One JSON line (no newline): `{"batch_size": B, "accepted": [...], "steps": k,
-    /// "context_tokens": C}` plus `"seconds"` and `"steps_per_request"` when present.
+    /// "context_tokens": C}` plus `"seconds"`, `"predicted_seconds"` and `"steps_per_request"` when
+    /// present.
     pub fn to_json(&self) -> String {
         let mut v = serde_json::json!({
             "batch_size": self.batch_size,
@@ -158,6 +161,9 @@ impl TraceRecord {
         });
         if let Some(t) = self.seconds {
             v["seconds"] = serde_json::json!(t);
+        }
+        if let Some(t) = self.predicted_seconds {
+            v["predicted_seconds"] = serde_json::json!(t);
         }
         if let Some(s) = &self.steps_per_request {
             v["steps_per_request"] = serde_json::json!(s);

@@ -287,6 +287,7 @@ impl Scheduler {
                     .then(|| fl.steps_r.iter().map(|&s| i64::from(s)).collect()),
                 context_tokens: fl.context,
                 seconds,
+                predicted_seconds: fl.predicted,
             });
         }
     }

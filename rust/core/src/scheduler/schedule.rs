@@ -254,6 +254,7 @@ impl Scheduler {
             steps: 0,
             from_policy: false,
             context: 0,
+            predicted: None,
             steps_r: Vec::new(),
             done: done_v.iter().map(|&d| d == 1).collect(),
             sample: sample_v.iter().map(|&s| s == 1).collect(),
@@ -341,6 +342,9 @@ impl Scheduler {
             steps,
             from_policy: self.fixed_steps.is_none(),
             context,
+            predicted: self.policy.as_ref().and_then(|p| p.goodput()).and_then(|g| {
+                g.last_decision().and_then(|d| d.candidates.iter().find(|c| c.0 == steps).map(|c| c.1))
+            }),
             steps_r: batch.iter().map(|&(_, s)| s).collect(),
             done: Vec::new(),
             sample: Vec::new(),
