@@ -63,10 +63,10 @@ def make_server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 30000,
                 access_log: bool = True) -> SpecdialServer:
     """A server for ``app`` (from :func:`specdial.server.create_app`); ``shutdown_timeout`` in
     seconds bounds the graceful drain (then open requests are aborted)."""
+    grace = shutdown_timeout + ABORT_GRACE_S
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                             # annotated int, used as asyncio.wait_for's timeout: floats work
-                            timeout_graceful_shutdown=(  # type: ignore[arg-type]
-                                shutdown_timeout + ABORT_GRACE_S),
+                            timeout_graceful_shutdown=grace,  # type: ignore[arg-type]
                             access_log=access_log)
     return SpecdialServer(config, app, shutdown_timeout)
 
