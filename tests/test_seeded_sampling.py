@@ -450,3 +450,18 @@ def test_engine_lossless_with_one_seed_per_request():
           f"crit={CRITICAL_DF7_ALPHA_1E3}): token 2 {s2:.2f}, token 3 {s3:.2f}")
     assert s2 < CRITICAL_DF7_ALPHA_1E3 and s3 < CRITICAL_DF7_ALPHA_1E3
     assert len({tuple(o["output_ids"]) for o in same}) == 1
+
+
+def test_coupled_draws_in_column_chunks_equal_one_chunk(monkeypatch):
+    """Large S x (k + 1) x V is hashed a few columns at a time: same draws."""
+    import specdial.worker.sampling as sampling_module
+
+    n, k = 8, 5
+    logits = torch.randn(n, k + 1, V, generator=gen(90))
+    bs = BatchSampling.from_params(_params([3 * i if i % 2 else None for i in range(n)]))
+    pos = torch.arange(n) * 11
+    drafts = torch.randint(0, V, (n, k), generator=gen(91))
+    whole = speculative_accept(drafts, None, logits, bs, gen(92), pos)
+    monkeypatch.setattr(sampling_module, "_COUPLED_NOISE_ELEMENTS", 2 * 4 * V)  # 2 columns
+    chunked = speculative_accept(drafts, None, logits, bs, gen(92), pos)
+    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])

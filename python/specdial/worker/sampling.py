@@ -404,20 +404,30 @@ def _accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
     return accept.to(torch.int64).cumprod(-1).sum(-1)
 
 
+#: Most hashed noise elements :func:`_coupled_draws` materializes at once (each int64
+#: intermediate of the hash is 8 bytes per element: 128 MiB per temporary at this size).
+_COUPLED_NOISE_ELEMENTS = 1 << 24
+
+
 def _coupled_draws(p: torch.Tensor, sampling: BatchSampling,
                    positions: torch.Tensor | None) -> torch.Tensor:
     """The seeded rows' own target draws ``[S, n]`` int64 from ``p`` ``[B, n, V]``: at column
     ``i`` the exponential race ``argmax(p_i / E)`` with ``E`` keyed (seed, ``positions + i``),
-    the draw plain decoding makes for that position (``positions`` ``[B]`` int64)."""
+    the draw plain decoding makes for that position (``positions`` ``[B]`` int64). Columns
+    are hashed in chunks of at most :data:`_COUPLED_NOISE_ELEMENTS` noise elements (one chunk
+    unless ``S x n x V`` is large), bounding the memory of large batches and vocabularies."""
     b, n, v = p.shape
     cols = None if positions is None else (
         positions.to(device=p.device, dtype=torch.int64)[:, None]
         + torch.arange(n, device=p.device))
-    noise = seeded_exponentials(_seeded_keys(sampling, cols, "speculative_accept"), v)
+    keys = _seeded_keys(sampling, cols, "speculative_accept")  # [S, n]
     if not sampling.all_seeded:
         assert sampling.seeded_rows is not None
         p = p.index_select(0, sampling.seeded_rows)
-    return (p / noise.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(-1)
+    step = max(1, _COUPLED_NOISE_ELEMENTS // max(1, keys.shape[0] * v))
+    tiny = torch.finfo(torch.float32).tiny
+    return torch.cat([(p[:, c:c + step] / seeded_exponentials(keys[:, c:c + step], v)
+                       .clamp_min_(tiny)).argmax(-1) for c in range(0, n, step)], 1)
 
 
 def speculative_accept(
