@@ -2,34 +2,49 @@
 //! `AdaptiveConfig::from_value`, `SlotConfig::from_value`), with proptest (cargo-fuzz needs a
 //! nightly toolchain).
 //!
-//! Inputs: arbitrary JSON-like trees whose keys mix the documented keys, batch-size keys (digits,
-//! leading zeros, zero, overflowing), other strings and random text, and whose values are any
-//! kind (ints at the edges of `i64`, floats including NaN and infinities, strings, lists,
-//! objects, values no JSON can hold); the same trees as JSON text, and that text cut and
-//! corrupted byte by byte; deep nesting.
+//! Inputs: arbitrary JSON-like trees whose keys mix the documented keys (slot keys, `strategy`,
+//! each strategy's global keys), batch-size keys (digits, leading zeros, zero, overflowing),
+//! other strings and random text, and whose values are any kind (ints at the edges of `i64`,
+//! floats including NaN and infinities, strings, lists, objects, values no JSON can hold);
+//! plausible configs of each strategy (values mostly of the right shape, so many are accepted);
+//! the same trees as JSON text, and that text cut and corrupted byte by byte; deep nesting.
 //!
 //! Properties: nothing panics; every config that is accepted satisfies the documented
 //! invariants (at least one slot, lower bounds >= 1 and strictly ascending, candidate steps
 //! non-empty, strictly ascending and <= `MAX_CANDIDATE_STEPS`, `ema_alpha` in (0, 1],
-//! `update_interval` >= 1, finite hysteresis, finite `ceiling_coeff` >= 0) and survives its own
-//! canonical JSON (`to_json` then `from_json` gives it back); JSON text and the equivalent tree
-//! are accepted or refused alike (the two front doors apply the same rules); an error message
-//! is never empty. Each generator's run counts its accepted configs and fails when too few were
+//! `update_interval` >= 1, finite hysteresis, finite `ceiling_coeff` >= 0; `goodput`:
+//! `switch_margin` in [0, 1), `probe_budget` in [0, 0.5], dwell and windows >= 1;
+//! `throughput_aware`: windows >= 1, `switch_hysteresis` >= 0, no candidate 0; profile runs:
+//! at least one measured iteration, batch sizes and lengths >= 1) and survives its own canonical
+//! JSON (`to_json` then `from_json` gives it back); JSON text and the equivalent tree are accepted
+//! or refused alike (the two front doors apply the same rules); an error message is never empty.
+//! The plausible-config run counts its accepted configs per strategy and fails when too few were
 //! accepted, so the properties are not checked vacuously on errors only.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
-use specdial_core::config::{AdaptiveConfig, ConfigValue, SlotConfig, MAX_CANDIDATE_STEPS, SLOT_KEYS};
+use specdial_core::config::{
+    AdaptiveConfig, ConfigValue, ProfileConfig, SlotConfig, Strategy as Policy, GOODPUT_KEYS,
+    MAX_CANDIDATE_STEPS, PROFILE_KEYS, SLOT_KEYS, STRATEGY_NAMES, THROUGHPUT_AWARE_KEYS,
+};
+
+/// Every documented key: slot keys, `strategy`, the global keys of each strategy.
+fn known_keys() -> Vec<&'static str> {
+    let mut keys: Vec<&'static str> = SLOT_KEYS.to_vec();
+    keys.extend(GOODPUT_KEYS);
+    keys.extend(THROUGHPUT_AWARE_KEYS);
+    keys.extend(PROFILE_KEYS);
+    keys.push("strategy");
+    keys.sort_unstable();
+    keys.dedup();
+    keys
+}
 
 /// Keys a fuzzed object draws from: the documented ones, batch-size keys and strangers.
 fn key() -> impl Strategy<Value = String> {
-    let known: Vec<String> = SLOT_KEYS
-        .iter()
-        .map(|s| s.to_string())
-        .chain(["strategy".to_string()])
-        .collect();
+    let known: Vec<String> = known_keys().into_iter().map(str::to_string).collect();
     prop_oneof![
         4 => prop::sample::select(known),
         3 => (1u32..200).prop_map(|n| n.to_string()),
@@ -63,7 +78,7 @@ fn leaf() -> impl Strategy<Value = ConfigValue> {
             .prop_map(ConfigValue::Int),
         2 => float().prop_map(ConfigValue::Float),
         2 => prop_oneof![
-            3 => prop::sample::select(vec!["ema", "throughput_aware", "goodput", "EMA", ""])
+            3 => prop::sample::select([STRATEGY_NAMES.to_vec(), vec!["EMA", "", "oracle"]].concat())
                 .prop_map(str::to_string),
             1 => "\\PC{0,8}",
         ]
@@ -89,9 +104,26 @@ fn plausible_value(key: &'static str) -> BoxedStrategy<ConfigValue> {
             prop_oneof![19 => (0i64..=32).prop_map(ConfigValue::Int), 1 => leaf()], 0..6)
             .prop_map(ConfigValue::List)
             .boxed(),
-        "update_interval" | "warmup_batches" => (-1i64..12).prop_map(ConfigValue::Int).boxed(),
-        "ema_alpha" => prop_oneof![4 => 0.0f64..=1.0, 1 => float()].prop_map(ConfigValue::Float).boxed(),
-        "ceiling_coeff" => prop_oneof![4 => 0.0f64..4.0, 1 => float()].prop_map(ConfigValue::Float).boxed(),
+        "update_interval" | "warmup_batches" | "min_dwell" | "acceptance_window" | "cost_window"
+        | "window_size" | "profile_run_n_warmup" | "profile_run_n_measure" => {
+            (-1i64..12).prop_map(ConfigValue::Int).boxed()
+        }
+        "max_profile_run_batch_size" | "profile_run_seq_len" => prop_oneof![
+            Just(ConfigValue::Null),
+            (-1i64..300).prop_map(ConfigValue::Int)
+        ]
+        .boxed(),
+        "profile_run_batch_sizes" => prop_oneof![
+            Just(ConfigValue::Null),
+            prop::collection::vec((-1i64..300).prop_map(ConfigValue::Int), 0..5).prop_map(ConfigValue::List)
+        ]
+        .boxed(),
+        "ema_alpha" | "switch_margin" | "probe_budget" => {
+            prop_oneof![4 => 0.0f64..=1.0, 1 => float()].prop_map(ConfigValue::Float).boxed()
+        }
+        "ceiling_coeff" | "switch_hysteresis" => {
+            prop_oneof![4 => 0.0f64..4.0, 1 => float()].prop_map(ConfigValue::Float).boxed()
+        }
         _ => prop_oneof![
             3 => float().prop_map(ConfigValue::Float),
             1 => (-3i64..3).prop_map(ConfigValue::Int)
@@ -119,15 +151,42 @@ fn plausible_slot() -> impl Strategy<Value = ConfigValue> {
     })
 }
 
-/// A top-level object of slots (sometimes under odd keys), globals and, rarely, junk.
+/// Slot settings of the `goodput` / `throughput_aware` strategies: `candidate_steps` only
+/// (now and then another key).
+fn candidates_only() -> impl Strategy<Value = ConfigValue> {
+    prop_oneof![
+        6 => plausible_value("candidate_steps").prop_map(|v| ConfigValue::Map(vec![("candidate_steps".into(), v)])),
+        1 => plausible_slot().boxed(),
+    ]
+}
+
+/// A top-level object: a strategy (usually a valid name), slots (sometimes under odd keys),
+/// that strategy's global keys (now and then another strategy's) and, rarely, junk.
 fn plausible_config() -> impl Strategy<Value = ConfigValue> {
-    let entry = prop_oneof![
-        4 => ((1u32..100).prop_map(|n| n.to_string()), plausible_slot()),
-        2 => slot_key().prop_flat_map(|k| plausible_value(k).prop_map(move |v| (k.to_string(), v))),
-        1 => (Just("strategy".to_string()), prop_oneof![4 => Just(ConfigValue::Str("ema".into())), 1 => leaf()]),
-        1 => (key(), prop_oneof![plausible_slot().boxed(), leaf().boxed()]),
-    ];
-    prop::collection::vec(entry, 0..6).prop_map(ConfigValue::Map)
+    prop_oneof![Just(None), prop::sample::select(STRATEGY_NAMES.to_vec()).prop_map(Some)]
+        .prop_flat_map(|name| {
+            let globals: Vec<&'static str> = match name {
+                Some("goodput") => GOODPUT_KEYS.to_vec(),
+                Some("throughput_aware") => THROUGHPUT_AWARE_KEYS.to_vec(),
+                _ => SLOT_KEYS.to_vec(),
+            };
+            let ema = matches!(name, None | Some("ema"));
+            let slot = if ema { plausible_slot().boxed() } else { candidates_only().boxed() };
+            let entry = prop_oneof![
+                4 => ((1u32..100).prop_map(|n| n.to_string()), slot),
+                2 => prop::sample::select(globals)
+                    .prop_flat_map(|k| plausible_value(k).prop_map(move |v| (k.to_string(), v))),
+                1 => prop::sample::select(known_keys())
+                    .prop_flat_map(|k| plausible_value(k).prop_map(move |v| (k.to_string(), v))),
+                1 => (key(), prop_oneof![plausible_slot().boxed(), leaf().boxed()]),
+            ];
+            let strategy: Vec<(String, ConfigValue)> =
+                name.map(|n| vec![("strategy".to_string(), ConfigValue::Str(n.into()))]).unwrap_or_default();
+            prop::collection::vec(entry, 0..6).prop_map(move |mut e| {
+                e.splice(0..0, strategy.clone());
+                ConfigValue::Map(e)
+            })
+        })
 }
 
 /// The documented invariants of an accepted config (see the module docstring).
@@ -138,8 +197,36 @@ fn check_invariants(cfg: &AdaptiveConfig) -> Result<(), TestCaseError> {
     for (_, s) in &cfg.slots {
         check_slot(s)?;
     }
+    match &cfg.strategy {
+        Policy::Ema => {}
+        Policy::Goodput(g) => {
+            prop_assert!((0.0..1.0).contains(&g.switch_margin), "switch_margin: {g:?}");
+            prop_assert!((0.0..=0.5).contains(&g.probe_budget), "probe_budget: {g:?}");
+            prop_assert!(g.min_dwell >= 1 && g.acceptance_window >= 1 && g.cost_window >= 1, "{g:?}");
+            if let Some(p) = &g.profile {
+                check_profile(p)?;
+            }
+        }
+        Policy::ThroughputAware(t) => {
+            prop_assert!(t.window_size >= 1 && t.update_interval >= 1, "{t:?}");
+            prop_assert!(t.switch_hysteresis.is_finite() && t.switch_hysteresis >= 0.0, "{t:?}");
+            check_profile(&t.profile)?;
+            prop_assert!(
+                cfg.slots.iter().all(|(_, s)| s.candidate_steps.iter().all(|&k| k > 0)),
+                "throughput_aware accepted a candidate 0: {cfg:?}"
+            );
+        }
+    }
     let again = AdaptiveConfig::from_json(&cfg.to_json());
     prop_assert_eq!(again.as_ref().ok(), Some(cfg), "to_json does not round-trip: {:?}", again);
+    Ok(())
+}
+
+fn check_profile(p: &ProfileConfig) -> Result<(), TestCaseError> {
+    prop_assert!(p.profile_run_n_measure >= 1, "{p:?}");
+    prop_assert!(p.profile_run_batch_sizes.iter().flatten().all(|&b| b >= 1), "{p:?}");
+    prop_assert!(p.max_profile_run_batch_size.map_or(true, |b| b >= 1), "{p:?}");
+    prop_assert!(p.profile_run_seq_len.map_or(true, |n| n >= 1), "{p:?}");
     Ok(())
 }
 
@@ -182,16 +269,18 @@ fn to_json_text(v: &ConfigValue) -> Option<String> {
     conv(v).map(|j| j.to_string())
 }
 
-/// Runs `cases` trees through both front doors; returns how many were accepted.
-fn fuzz_trees(strategy: impl Strategy<Value = ConfigValue>, cases: u32) -> usize {
-    let accepted = AtomicUsize::new(0);
+/// Runs `cases` trees through both front doors; returns how many were accepted, per strategy
+/// (in the order of `STRATEGY_NAMES`).
+fn fuzz_trees(strategy: impl Strategy<Value = ConfigValue>, cases: u32) -> [usize; 3] {
+    let accepted: [AtomicUsize; 3] = Default::default();
     let mut runner = TestRunner::new(Config { cases, failure_persistence: None, ..Config::default() });
     runner
         .run(&strategy, |tree| {
             let by_value = AdaptiveConfig::from_value(&tree);
             match &by_value {
                 Ok(cfg) => {
-                    accepted.fetch_add(1, Ordering::Relaxed);
+                    let i = STRATEGY_NAMES.iter().position(|n| *n == cfg.strategy.name()).unwrap();
+                    accepted[i].fetch_add(1, Ordering::Relaxed);
                     check_invariants(cfg)?;
                 }
                 Err(e) => prop_assert!(!e.to_string().is_empty()),
@@ -209,7 +298,7 @@ fn fuzz_trees(strategy: impl Strategy<Value = ConfigValue>, cases: u32) -> usize
             Ok(())
         })
         .unwrap();
-    accepted.into_inner()
+    accepted.map(AtomicUsize::into_inner)
 }
 
 #[test]
@@ -219,11 +308,13 @@ fn arbitrary_trees_never_panic_and_accepted_configs_hold_the_invariants() {
 
 #[test]
 fn plausible_configs_are_often_accepted_and_then_hold_the_invariants() {
-    let cases = 4000;
+    let cases = 6000;
     let accepted = fuzz_trees(plausible_config(), cases);
-    println!("plausible configs: {accepted} of {cases} accepted");
-    assert!(accepted >= cases as usize / 20, "only {accepted} of {cases} accepted: the generator \
-            no longer reaches the accepting paths, so the invariants are barely checked");
+    println!("plausible configs accepted of {cases}, per strategy {STRATEGY_NAMES:?}: {accepted:?}");
+    for (name, n) in STRATEGY_NAMES.iter().zip(accepted) {
+        assert!(n >= cases as usize / 100, "only {n} {name} configs of {cases} accepted: the \
+                generator no longer reaches its accepting paths, so its invariants are barely checked");
+    }
 }
 
 #[test]
