@@ -3,7 +3,7 @@ unseeded ones (rejection sampling), same prompts, same engine.
 
     .venv/bin/python benches/seeded_acceptance.py [--num-prompts 32] [--max-new-tokens 64]
         [--steps 3] [--temperature 1.0] [--drafters EAGLE,DRAFT] [--datasets code,prose,hard]
-        [--threads 1] [--json]
+        [--engine-seed 0] [--threads 1] [--json]
 
 For each drafter of the built-in models (the EAGLE head and the draft model) and each prompt set
 (``benches/prompts/{code,prose,hard}.jsonl``, the same ``--num-prompts`` prompts each), one
@@ -47,7 +47,7 @@ def measure(drafter: str, dataset: str, args: argparse.Namespace) -> dict[str, A
     row: dict[str, Any] = {"drafter": drafter, "dataset": dataset, "prompts": len(prompts)}
     with Engine(model_path=None, speculative_algorithm=drafter, speculative_adaptive=False,
                 speculative_num_steps=args.steps, max_running_requests=args.batch,
-                log_interval_s=None, seed=0) as engine:
+                log_interval_s=None, seed=args.engine_seed) as engine:
         for mode in ("seeded", "unseeded"):
             params = [{**base, "seed": 1000 + i} if mode == "seeded" else base
                       for i in range(len(prompts))]
@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=16, help="max_running_requests")
     ap.add_argument("--drafters", default="EAGLE,DRAFT")
     ap.add_argument("--datasets", default="code,prose,hard")
+    ap.add_argument("--engine-seed", type=int, default=0,
+                    help="the engine generator's seed (the unseeded requests' draws)")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     ap.add_argument("--json", action="store_true", help="print the rows as one JSON list")
     args = ap.parse_args(argv)
