@@ -98,9 +98,11 @@ class Server:
             time.sleep(0.2)
 
     def metrics(self) -> dict[str, float]:
+        """The unlabelled samples of /metrics (labelled by ``model_name`` only) by name."""
         text = httpx.get(self.url + "/metrics", timeout=30).text
-        return {m.group(1): float(m.group(2))
-                for m in re.finditer(r"^(specdial:\S+?) (\S+)$", text, re.M)}
+        return {m.group(1): float(m.group(3))
+                for m in re.finditer(r'^(specdial:[^{\s]+)(\{model_name="[^"]*"\})? (\S+)$',
+                                     text, re.M)}
 
     def wait_idle(self, timeout: float = 60) -> dict[str, float]:
         """Wait until nothing runs, nothing waits and no KV page is held; return /metrics."""
