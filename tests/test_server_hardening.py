@@ -214,7 +214,7 @@ def test_json_depth_ignores_brackets_in_strings():
 # ------------------------------------------------------------------ prompts and stop strings
 class CountingTokenizer(FakeTokenizer):
     """The fake's tokenizer, recording the length of every text it encodes; ``sleep_s``
-    seconds of blocking work for texts starting with ``SLOW``."""
+    seconds of blocking work for texts containing ``SLOW``."""
 
     def __init__(self, sleep_s: float = 0.0) -> None:
         self.encoded: list[int] = []
@@ -222,7 +222,7 @@ class CountingTokenizer(FakeTokenizer):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.encoded.append(len(text))
-        if text.startswith("SLOW"):
+        if "SLOW" in text:
             time.sleep(self.sleep_s)
         return super().encode(text, add_special_tokens)
 
@@ -250,6 +250,18 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing():
         error_of(r, 400, "context_length_exceeded", "prompt")
 
 
+def test_generate_applies_the_prompt_and_stop_limits():
+    with LiveServer(FakeEngine(max_queued=256)) as live:
+        r = httpx.post(live.url + "/generate", json={"text": ["x"] * 129}, timeout=TIMEOUT)
+        error_of(r, 400, "too_many_prompts", "prompt")
+        r = httpx.post(live.url + "/generate", timeout=TIMEOUT, json={
+            "text": "x", "sampling_params": {"stop": [str(i) for i in range(17)]}})
+        error_of(r, 400, "too_many_stop_strings", "stop")
+        r = httpx.post(live.url + "/generate", timeout=TIMEOUT, json={
+            "text": "x", "sampling_params": {"max_new_tokens": 2, "stop": ["s"] * 16}})
+        assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize("body,param,code", [
     ({"prompt": ["x"] * 129}, "prompt", "too_many_prompts"),
     ({"prompt": "x", "stop": [f"s{i}" for i in range(17)]}, "stop", "too_many_stop_strings"),
@@ -270,14 +282,20 @@ def test_prompt_and_stop_string_limits(body, param, code):
         assert httpx.post(live.url + "/v1/completions", json=ok, timeout=TIMEOUT).is_success
 
 
-def test_tokenization_does_not_stall_the_event_loop():
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "SLOW", "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "SLOW"}],
+                              "max_tokens": 2}),
+    ("/generate", {"text": "SLOW", "sampling_params": {"max_new_tokens": 2}}),
+    ("/tokenize", {"prompt": "SLOW"}),
+])
+def test_tokenization_does_not_stall_the_event_loop(path, body):
     """A prompt whose tokenization takes 2 s of blocking work: /health still answers within
     1 s and another client's stream keeps flowing (before: both waited for the tokenizer)."""
     tok = CountingTokenizer(sleep_s=2.0)
     with LiveServer(FakeEngine(tokenizer=tok, delay=0.01)) as live:
-        slow = threading.Thread(target=lambda: httpx.post(
-            live.url + "/v1/completions", json={"prompt": "SLOW", "max_tokens": 2},
-            timeout=TIMEOUT))
+        slow = threading.Thread(target=lambda: httpx.post(live.url + path, json=body,
+                                                          timeout=TIMEOUT))
         gaps: list[float] = []
         with httpx.stream("POST", live.url + "/v1/completions", timeout=TIMEOUT,
                           json={"prompt": "x", "max_tokens": 200, "stream": True}) as stream, \
@@ -291,7 +309,9 @@ def test_tokenization_does_not_stall_the_event_loop():
                     gaps.append(now - last)
                 last = now if line else last
         slow.join(20)
-    print(f"\n[limits] slow tokenization: /health worst {probe.worst * 1000:.0f} ms, stream "
+    assert any(n == 4 for n in tok.encoded) or path == "/v1/chat/completions", tok.encoded
+    print(f"\n[limits] slow tokenization ({path}): /health worst {probe.worst * 1000:.0f} ms, "
+          "stream "
           f"worst gap {max(gaps) * 1000:.0f} ms over {len(gaps)} events")
     assert probe.worst < 1.0 and gaps and max(gaps) < 1.0
 

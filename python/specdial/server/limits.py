@@ -252,7 +252,7 @@ def check_prompt_chars(text: str, limit: int | None, *, label: str, param: str,
             "context_length_exceeded")
 
 
-def check_prompt_count(prompts: Sequence[str], limits: ServerLimits) -> None:
+def check_prompt_count(prompts: Sequence[Any], limits: ServerLimits) -> None:
     """400 (``prompt``) for more than ``limits.max_prompts`` prompts."""
     if len(prompts) > limits.max_prompts:
         raise bad_request(f"'prompt' has {len(prompts)} prompts; at most {limits.max_prompts} "

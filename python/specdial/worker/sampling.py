@@ -34,10 +34,10 @@ never on data: results are reproducible for a given generator state. Seeded rows
 ``BatchSampling.seeded_rows``) draw from keys instead: the per-step functions then need the
 ``positions`` of the tokens they decide (a ``ValueError`` without them); in a mixed batch the
 generator still fills every row and the seeded rows are overwritten (``index_copy_``), so the
-hashing costs only ``[S, V]`` per decided position for ``S`` seeded rows. No ``.item()`` and no host sync inside the
-per-step functions (:func:`target_probs`, :func:`sample`, :func:`speculative_accept`);
-Python-level branches only look at shapes and the Python ``bool`` flags of
-:class:`BatchSampling`.
+hashing costs only ``[S, V]`` per decided position for ``S`` seeded rows. No ``.item()`` and no
+host sync inside the per-step functions (:func:`target_probs`, :func:`sample`,
+:func:`speculative_accept`); Python-level branches only look at shapes and the Python ``bool``
+flags of :class:`BatchSampling`.
 """
 
 from __future__ import annotations
