@@ -35,3 +35,15 @@ def test_iteration_profile_smoke(tmp_path):
         shares = r["forwards_share"] + r["scheduler_share"] + r["other_share"]
         assert 0 < r["forwards_share"] < 1 and abs(shares - 1) < 0.01
         assert (r["drafter_share"] > 0) == (r["config"] != "no-spec")
+
+
+def test_seeded_acceptance_smoke():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benches" / "seeded_acceptance.py"), "--num-prompts", "2",
+         "--max-new-tokens", "8", "--drafters", "EAGLE", "--datasets", "code", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    [row] = json.loads(proc.stdout)
+    assert row["drafter"] == "EAGLE" and row["prompts"] == 2
+    assert row["seeded"] >= 1 and row["unseeded"] >= 1 and row["seeded_verifies"] > 0

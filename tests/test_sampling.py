@@ -75,7 +75,8 @@ def test_chi2_table_matches_gammaincc():
 
 BAD_VALUES = [
     ("max_new_tokens", [0, -1, 1.5, True, "3", None]),
-    ("temperature", [-0.1, MIN_TEMPERATURE / 10, float("nan"), float("inf"), True, "0.5", None]),
+    ("temperature", [-0.1, MIN_TEMPERATURE / 10, float("nan"), float("inf"), True, "0.5", None,
+                     3.5e38, 1e39, 1e308]),  # above float32's largest finite value
     ("top_p", [0, 0.0, -0.1, 1.01, float("nan"), True, "1", None]),
     ("top_k", [-2, 1.0, True, "5", None]),
     ("stop_token_ids", [[1, -1], [1.0], [True], 5, "12", None, {1: 2}]),
@@ -201,7 +202,8 @@ def test_top_k():
     torch.testing.assert_close(got, torch.tensor([1 / 3, 1 / 3, 1 / 3, 0.0]))
 
 
-@pytest.mark.parametrize("top_p,kept", [(1e-6, [1]), (0.45, [1]), (0.75, [1, 3]),
+@pytest.mark.parametrize("top_p,kept", [(5e-324, [1]), (1e-46, [1]), (1e-40, [1]),
+                                        (1e-6, [1]), (0.45, [1]), (0.75, [1, 3]),
                                         (0.9, [1, 3, 0]), (0.99, [1, 3, 0, 2]),
                                         (1.0, [1, 3, 0, 2])])
 def test_top_p_smallest_prefix(top_p, kept):
@@ -211,6 +213,27 @@ def test_top_p_smallest_prefix(top_p, kept):
     exp = torch.zeros(4)
     exp[kept] = p[kept] / p[kept].sum()
     torch.testing.assert_close(got, exp)
+
+
+def test_top_p_below_float32_keeps_the_most_likely_token():
+    """Issue 12: a top_p in (0, 1] that rounds to 0.0 in float32 (below ~1.4e-45) once masked
+    every token and sampled token 0; it must keep the most likely token, as any top_p does."""
+    logits = torch.tensor([[0.5, 3.0, 1.0, 2.0]]).expand(64, 4)
+    for top_p in (5e-324, 1e-46):
+        params = SamplingParams(temperature=1.0, top_p=top_p)
+        assert BatchSampling.from_params([params]).top_p.item() == 0.0  # the float32 underflow
+        bs = BatchSampling.from_params([params] * 64)
+        assert (sample(logits, bs, gen(1)) == 1).all()
+        seeded = BatchSampling.from_params([SamplingParams(temperature=1.0, top_p=top_p,
+                                                           seed=s) for s in range(64)])
+        assert (sample(logits, seeded, None, torch.arange(64)) == 1).all()
+
+
+def test_temperature_at_the_float32_limit_is_accepted():
+    t = float(torch.finfo(torch.float32).max)
+    assert SamplingParams(temperature=t).temperature == t
+    probs = probs_of([1.0, 2.0, 3.0], temperature=t)
+    assert torch.isfinite(probs).all() and probs.sum().item() == pytest.approx(1.0)
 
 
 def test_order_temperature_then_top_k_then_top_p():

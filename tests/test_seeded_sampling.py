@@ -24,9 +24,8 @@ import torch
 
 from conftest import PROMPTS
 from specdial.engine import Engine
-from specdial.worker.sampling import (PURPOSE_ACCEPT, PURPOSE_DRAFT, PURPOSE_TOKEN, BatchSampling,
-                                      SamplingParams, sample, sample_from_probs,
-                                      speculative_accept, target_probs)
+from specdial.worker.sampling import (PURPOSE_TOKEN, BatchSampling, SamplingParams, sample,
+                                      sample_from_probs, speculative_accept, target_probs)
 from specdial.worker.seeded_noise import (draw_keys, mix64, seed_to_int64, seeded_exponentials,
                                           seeded_uniforms)
 from test_engine_sampling import N as N_ENGINE
@@ -38,6 +37,8 @@ MASK = (1 << 64) - 1
 GAMMA = 0x9E3779B97F4A7C15
 # upper 1e-3 critical values of chi-square (standard table), checked against gammaincc below
 CRIT_DF19, CRIT_DF99 = 43.820, 148.230
+# purposes other than PURPOSE_TOKEN: free values of the key's purpose bits, for the hash tests
+PURPOSE_A, PURPOSE_B = 1, 2
 
 
 def py_mix64(z: int) -> int:
@@ -68,9 +69,9 @@ def test_matches_pure_python_splitmix64():
     """int64 wrap-around arithmetic and masked shifts reproduce unsigned SplitMix64 exactly."""
     seeds = [0, 1, 12345, 2**63 - 1, 2**63, 2**64 - 1]
     positions = [0, 3, 17, 2**40, 5, 999]
-    keys = draw_keys(seeds_tensor(seeds), torch.tensor(positions), PURPOSE_ACCEPT)
+    keys = draw_keys(seeds_tensor(seeds), torch.tensor(positions), PURPOSE_B)
     for key, s, p in zip(keys.tolist(), seeds, positions):
-        assert key & MASK == py_mix64(py_mix64((s + GAMMA) & MASK) ^ ((p << 4) | PURPOSE_ACCEPT))
+        assert key & MASK == py_mix64(py_mix64((s + GAMMA) & MASK) ^ ((p << 4) | PURPOSE_B))
     u = seeded_uniforms(keys, 5).double()
     for row, key in zip(u, keys.tolist()):
         outs = [py_mix64((key + (i + 1) * GAMMA) & MASK) for i in range(5)]
@@ -106,14 +107,14 @@ def test_neighbouring_keys_are_independent(neighbour):
     n = 40_000
     seeds, pos = torch.arange(n) * 3 + 11, torch.arange(n) % 500 + 1
     if neighbour == "element":
-        pair = seeded_uniforms(draw_keys(seeds, pos, PURPOSE_DRAFT), 2)
+        pair = seeded_uniforms(draw_keys(seeds, pos, PURPOSE_A), 2)
         a, b = pair[:, 0], pair[:, 1]
     else:
-        a = seeded_uniforms(draw_keys(seeds, pos, PURPOSE_DRAFT))
+        a = seeded_uniforms(draw_keys(seeds, pos, PURPOSE_A))
         s2 = seeds + 1 if neighbour == "seed" else seeds
         p2 = pos + 1 if neighbour == "position" else pos
-        b = seeded_uniforms(draw_keys(s2, p2, PURPOSE_ACCEPT if neighbour == "purpose"
-                                      else PURPOSE_DRAFT))
+        b = seeded_uniforms(draw_keys(s2, p2, PURPOSE_B if neighbour == "purpose"
+                                      else PURPOSE_A))
     cell = (a * 10).long() * 10 + (b * 10).long()
     counts = torch.bincount(cell, minlength=100).double()
     stat = float(((counts - n / 100) ** 2 / (n / 100)).sum())
@@ -125,7 +126,7 @@ def test_neighbouring_keys_are_independent(neighbour):
 def test_equal_keys_equal_draws_distinct_keys_distinct():
     s = seeds_tensor([5, 5, 5, 5, 6, 2**64 - 1])
     p = torch.tensor([10, 10, 11, 10, 10, 10])
-    k_tok, k_acc = draw_keys(s, p, PURPOSE_TOKEN), draw_keys(s, p, PURPOSE_ACCEPT)
+    k_tok, k_acc = draw_keys(s, p, PURPOSE_TOKEN), draw_keys(s, p, PURPOSE_B)
     u = seeded_uniforms(k_tok, 64)
     assert torch.equal(u[0], u[1]) and torch.equal(u[0], u[3])
     assert torch.equal(seeded_uniforms(draw_keys(s, p, PURPOSE_TOKEN), 64), u)  # stateless
@@ -134,7 +135,7 @@ def test_equal_keys_equal_draws_distinct_keys_distinct():
     # all keys of one request over positions x purposes are distinct
     pos = torch.arange(4096).repeat(3)
     keys = torch.cat([draw_keys(torch.full((4096,), 5), pos[:4096], q)
-                      for q in (PURPOSE_DRAFT, PURPOSE_ACCEPT, PURPOSE_TOKEN)])
+                      for q in (PURPOSE_A, PURPOSE_B, PURPOSE_TOKEN)])
     assert keys.unique().numel() == keys.numel()
     with pytest.raises(ValueError, match="purpose"):
         draw_keys(s, p, 0)
@@ -287,6 +288,48 @@ def test_seeded_request_alone_equals_in_a_batch(tiny, speculate):
         assert first["meta_info"]["spec_verify_ct"] < 30
 
 
+STEPS_SETUPS = {
+    "fixed 3": dict(speculative_adaptive=False, speculative_num_steps=3),
+    "schedule 0..7": dict(steps_schedule=[0, 7, 1, 3, 5, 2, 6, 4, 0, 0, 7]),
+    "adaptive": dict(speculative_adaptive=True),
+    "adaptive, graph runners": dict(speculative_adaptive=True, cuda_graph_mode="emulate"),
+}
+
+
+@pytest.mark.parametrize("drafter_name", ["draft_noisy", "eagle_random", "draft_random",
+                                          "eagle3_noisy"])
+def test_seeded_tokens_are_the_plain_decoding_tokens_whatever_the_steps(request, drafter_name):
+    """Issue 12: a seeded request's tokens equal its tokens without speculation, whatever the
+    drafter (a close draft model, a random EAGLE head, a random draft model, an EAGLE-3 head
+    with its own shuffled vocabulary), the steps (fixed, a schedule switching between 0 and 7
+    every iteration, the adaptive policy) and its batch (alone, then among 31 others: seeded,
+    unseeded and greedy). Before the coupled draws, the steps decided which keys the rejection
+    sampler consumed, so the text changed with them."""
+    models = request.getfixturevalue("exact" if drafter_name == "eagle3_noisy" else "tiny")
+    me = {"temperature": 1.0, "seed": 7, "max_new_tokens": 40}
+    others = [{"temperature": 1.0, "seed": 100 + i, "max_new_tokens": 10 + i % 25} if i % 3 == 0
+              else {"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 30} if i % 3 == 1
+              else {"max_new_tokens": 20} for i in range(31)]
+    prompts = [PROMPTS[i % 3] for i in range(31)]
+    kw = dict(max_running_requests=32, kv_cache_tokens=4096, page_size=8)
+    with Engine.from_modules(models.target, seed=0, **kw) as engine:
+        reference = _run(engine, [PROMPTS[1]], [me])[0]["output_ids"]
+    assert len(reference) == 40
+    drafter = getattr(models, drafter_name)
+    for name, setup in STEPS_SETUPS.items():
+        with Engine.from_modules(models.target, drafter, seed=3, **setup, **kw) as engine:
+            alone = _run(engine, [PROMPTS[1]], [me])[0]
+            batch = _run(engine, prompts[:16] + [PROMPTS[1]] + prompts[16:],
+                         others[:16] + [me] + others[16:])
+            histogram = alone["meta_info"]["spec_steps_histogram"]
+        assert alone["output_ids"] == reference, f"{drafter_name}, {name}, alone"
+        assert batch[16]["output_ids"] == reference, f"{drafter_name}, {name}, in a batch of 32"
+        if name.startswith("schedule"):
+            assert len(histogram) > 3, histogram  # the steps really changed mid-request
+        if drafter_name.endswith("noisy") and name == "fixed 3":  # drafts really accepted
+            assert alone["meta_info"]["spec_accept_length"] > 1.5, (name, alone["meta_info"])
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. lossless sampling with seeded rows (DESIGN.md invariant 2)
 
@@ -295,36 +338,89 @@ N = 40_000
 
 def seeded_chain(p_logits, q, params_of, n=N):
     """The whole speculative step on ``n`` rows, one seed each: drafts sampled from ``q``
-    [k, V] with the seeded DRAFT noise (as the drafter does), then speculative_accept."""
+    [k, V] with the seeded token noise of their positions (as the drafter does), then
+    speculative_accept."""
     k = q.shape[0]
     bs = BatchSampling.from_params([params_of(i) for i in range(n)])
     pos = torch.full((n,), 17, dtype=torch.int64)
     drafts = torch.stack([sample_from_probs(q[i].expand(n, V), gen(50 + i), sampling=bs,
-                                            positions=pos + i, purpose=PURPOSE_DRAFT)
+                                            positions=pos + i)
                           for i in range(k)], 1)
     return speculative_accept(drafts, q.expand(n, k, V), p_logits.expand(n, k + 1, V), bs,
                               gen(60), pos)
 
 
-@pytest.mark.parametrize("mixed", [False, True])
-def test_lossless_with_seeded_rows(mixed):
-    """Every row seeded (seeds 0..N-1), or every other row unseeded: each emitted position
-    follows p (chi-square alpha 1e-3) and acceptance rates match theory."""
-    sp = lambda i: SamplingParams(temperature=1.0,  # noqa: E731
-                                  seed=None if mixed and i % 2 else 10**6 + i)
-    acc, out = seeded_chain(P.log(), Q, sp)
-    assert_fits(f"seeded{' mixed' if mixed else ''}: first token vs p_1", out[:, 0], P[0])
-    for i in (1, 2, 3):
-        rows = acc >= i
-        assert_fits(f"seeded: token {i + 1} vs p_{i + 1}", out[rows, i], P[i])
-    a = torch.minimum(P[:3], Q).sum(-1)
+def coupled_acceptance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """P(argmax q/E = argmax p/E) for E ~ Exp(1)^V, per row of ``p``, ``q`` [..., V]:
+    both pick x iff E_y > E_x max(p_y/p_x, q_y/q_x) for every y != x, which has probability
+    1 / sum_y max(p_y/p_x, q_y/q_x) (integrating over E_x ~ Exp(1)); summed over x."""
+    p, q = p.double(), q.double()
+    both = (p > 0) & (q > 0)
+    ratio = torch.maximum(p[..., None, :] / p[..., :, None], q[..., None, :] / q[..., :, None])
+    return torch.where(both, 1 / ratio.nan_to_num(posinf=math.inf).sum(-1), 0.0).sum(-1)
+
+
+def test_coupled_acceptance_formula():
+    """Checked against a Monte Carlo of the race, and its limits: q = p accepts always, the
+    coupled acceptance never beats rejection sampling's 1 - TV(p, q)."""
+    g = gen(70)
+    e = torch.empty(200_000, V).exponential_(generator=g)
+    for p, q in zip(P[:3], Q):
+        mc = ((p / e).argmax(-1) == (q / e).argmax(-1)).double().mean().item()
+        theory = coupled_acceptance(p, q).item()
+        assert abs(mc - theory) < 4.5 * math.sqrt(theory * (1 - theory) / e.shape[0])
+        assert theory < torch.minimum(p, q).sum().item()
+    assert coupled_acceptance(P[0], P[0]).item() == pytest.approx(1.0)
+
+
+def _check_acceptance(label, acc, a):
     for i in (1, 2, 3):
         theory = a[:i].prod().item()
         emp = (acc >= i).double().mean().item()
-        z = abs(emp - theory) / math.sqrt(theory * (1 - theory) / N)
-        print(f"\n[accept] seeded P(accepted >= {i}): empirical {emp:.4f} theory {theory:.4f} "
+        z = abs(emp - theory) / math.sqrt(theory * (1 - theory) / acc.numel())
+        print(f"\n[accept] {label} P(accepted >= {i}): empirical {emp:.4f} theory {theory:.4f} "
               f"z={z:.2f}")
         assert z < 4.5
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_lossless_with_seeded_rows(mixed):
+    """Every row seeded (seeds 0..N-1), or every other row unseeded: each emitted position
+    follows p (chi-square alpha 1e-3, over all rows and over the seeded rows alone); the
+    seeded rows accept at the coupled rate (:func:`coupled_acceptance`), the unseeded ones at
+    rejection sampling's sum(min(p, q))."""
+    sp = lambda i: SamplingParams(temperature=1.0,  # noqa: E731
+                                  seed=None if mixed and i % 2 else 10**6 + i)
+    acc, out = seeded_chain(P.log(), Q, sp)
+    seeded = torch.arange(N) % 2 == 0 if mixed else torch.ones(N, dtype=torch.bool)
+    for label, rows in [("all rows", torch.ones(N, dtype=torch.bool)), ("seeded rows", seeded)]:
+        assert_fits(f"seeded{' mixed' if mixed else ''}, {label}: first token vs p_1",
+                    out[rows, 0], P[0])
+        for i in (1, 2, 3):
+            kept = rows & (acc >= i)
+            assert_fits(f"seeded, {label}: token {i + 1} vs p_{i + 1}", out[kept, i], P[i])
+    _check_acceptance("seeded (coupled)", acc[seeded], coupled_acceptance(P[:3], Q))
+    if mixed:
+        _check_acceptance("unseeded (rejection)", acc[~seeded], torch.minimum(P[:3], Q).sum(-1))
+
+
+def test_seeded_verify_emits_the_targets_own_draws():
+    """Whatever the drafts and q, a seeded row emits argmax(p_i / E_i) with E_i keyed by its
+    position: drafts equal to those draws are all accepted, a wrong one stops there and the
+    target's draw replaces it; the same draws as sample() at each position (plain decoding)."""
+    n, k = 64, 3
+    g = gen(80)
+    logits = torch.randn(n, k + 1, V, generator=g) * 2
+    bs = BatchSampling.from_params(_params(range(500, 500 + n)))
+    pos = torch.randint(5, 900, (n,), generator=g)
+    own = torch.stack([sample(logits[:, i], bs, None, pos + i) for i in range(k + 1)], 1)
+    acc, out = speculative_accept(own[:, :k].clone(), None, logits, bs, None, pos)
+    assert (acc == k).all() and torch.equal(out, own)
+    wrong = own[:, :k].clone()
+    wrong[:, 1] = (wrong[:, 1] + 1) % V
+    q = torch.softmax(torch.randn(n, k, V, generator=g), -1)
+    acc, out = speculative_accept(wrong, q, logits, bs, gen(81), pos)
+    assert (acc == 1).all() and torch.equal(out[:, :2], own[:, :2]) and (out[:, 2:] == -1).all()
 
 
 def test_seeded_sample_with_top_k_fits_target_probs():
@@ -357,3 +453,18 @@ def test_engine_lossless_with_one_seed_per_request():
           f"crit={CRITICAL_DF7_ALPHA_1E3}): token 2 {s2:.2f}, token 3 {s3:.2f}")
     assert s2 < CRITICAL_DF7_ALPHA_1E3 and s3 < CRITICAL_DF7_ALPHA_1E3
     assert len({tuple(o["output_ids"]) for o in same}) == 1
+
+
+def test_coupled_draws_in_column_chunks_equal_one_chunk(monkeypatch):
+    """Large S x (k + 1) x V is hashed a few columns at a time: same draws."""
+    import specdial.worker.sampling as sampling_module
+
+    n, k = 8, 5
+    logits = torch.randn(n, k + 1, V, generator=gen(90))
+    bs = BatchSampling.from_params(_params([3 * i if i % 2 else None for i in range(n)]))
+    pos = torch.arange(n) * 11
+    drafts = torch.randint(0, V, (n, k), generator=gen(91))
+    whole = speculative_accept(drafts, None, logits, bs, gen(92), pos)
+    monkeypatch.setattr(sampling_module, "_COUPLED_NOISE_ELEMENTS", 2 * 4 * V)  # 2 columns
+    chunked = speculative_accept(drafts, None, logits, bs, gen(92), pos)
+    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])

@@ -164,7 +164,10 @@ def test_options_parse_into_the_config():
 @pytest.mark.parametrize("flag, value", [
     ("--port", "70000"), ("--port", "-1"), ("--port", "0"), ("--shutdown-timeout", "-5"),
     ("--shutdown-timeout", "inf"), ("--shutdown-timeout", "nan"), ("--log-interval-s", "inf"),
-    ("--cpu-threads", "0")])
+    ("--cpu-threads", "0"), ("--max-body-bytes", "0"), ("--body-read-timeout", "0"),
+    ("--body-read-timeout", "nan"), ("--max-json-depth", "0"), ("--max-json-depth", "100000"),
+    ("--max-prompts", "0"), ("--max-stop-strings", "-1"), ("--max-stop-chars", "0"),
+    ("--max-prompt-chars", "0"), ("--api-key", ""), ("--allowed-hosts", ",")])
 def test_serve_bad_server_options_exit_2_before_loading(flag, value, capsys, monkeypatch):
     def never(self):
         raise AssertionError("the engine must not be built")
@@ -197,6 +200,28 @@ def test_serve_bad_engine_options_exit_2(tiny_dirs, capsys, tmp_path, monkeypatc
 def test_serve_check_accepts_good_server_options():
     ServeConfig(port=1, shutdown_timeout=0).check()
     ServeConfig(port=65535, shutdown_timeout=2.5, log_interval_s=0).check()
+
+
+def test_serve_access_options_and_the_api_key_environment_variable():
+    loopback = {"localhost", "127.0.0.1", "::1"}
+    cfg = ServeConfig()
+    sec = cfg.security_config({})
+    assert sec.api_key is None and set(sec.allowed_hosts) == loopback
+    assert sec.allowed_origins == ()
+    assert cfg.security_config({"SPECDIAL_API_KEY": "k1"}).api_key == "k1"
+    assert cfg.security_config({"SPECDIAL_API_KEY": ""}).api_key is None  # empty: unset
+    assert ServeConfig(api_key="k2").security_config({"SPECDIAL_API_KEY": "k1"}).api_key == "k2"
+    assert ServeConfig(host="0.0.0.0").security_config({}).allowed_hosts is None
+    sec = ServeConfig(allowed_hosts="api.example, LOCALHOST",
+                      allowed_origins="http://a.example,http://b.example").security_config({})
+    assert sec.allowed_hosts == ("api.example", "localhost")
+    assert sec.allowed_origins == ("http://a.example", "http://b.example")
+    limits = ServeConfig(max_body_bytes=10, body_read_timeout=2.5, max_json_depth=3,
+                         max_prompts=4, max_stop_strings=5, max_stop_chars=6,
+                         max_prompt_chars=7).server_limits()
+    assert (limits.max_body_bytes, limits.body_read_timeout_s, limits.max_json_depth,
+            limits.max_prompts, limits.max_stop_strings, limits.max_stop_chars,
+            limits.max_prompt_chars) == (10, 2.5, 3, 4, 5, 6, 7)
 
 
 def test_serve_help_describes_the_shutdown():

@@ -43,6 +43,10 @@ class FakeTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids)
 
+    def get_vocab(self) -> dict[str, int]:
+        """A sample of the vocabulary: every token is one character."""
+        return {chr(i): i for i in range(32, 127)}
+
 
 class FakeEngine:
     """The test double described in the module docstring.
@@ -207,15 +211,15 @@ class LiveServer:
 
     Use as a context manager; ``url`` is the base URL, ``server`` the
     :class:`specdial.server.launch.SpecdialServer` (``server.handle_exit(SIGTERM, None)``
-    simulates the signal)."""
+    simulates the signal). ``app_options`` go to ``create_app`` (``limits``, ``security``)."""
 
     def __init__(self, engine: Any, *, name: str = "specdial-default",
-                 shutdown_timeout: float = 5.0) -> None:
+                 shutdown_timeout: float = 5.0, **app_options: Any) -> None:
         from specdial.server.app import create_app
         from specdial.server.launch import make_server
 
         self.engine = engine
-        self.app = create_app(engine, served_model_name=name)
+        self.app = create_app(engine, served_model_name=name, **app_options)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]

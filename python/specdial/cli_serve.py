@@ -6,9 +6,10 @@
   reason, verify count, acceptance length (tokens emitted per verify, bonus included), the
   histogram of steps per decode iteration and the throughput (completion tokens / wall seconds
   of the ``generate`` call, prefill included).
-- ``specdial serve [engine options] [--host --port --served-model-name --shutdown-timeout]``
-  starts the OpenAI-compatible server (:mod:`specdial.server.app`) and runs until SIGTERM or
-  SIGINT (:mod:`specdial.server.launch`).
+- ``specdial serve [engine options] [--host --port --served-model-name --shutdown-timeout]
+  [--api-key --allowed-hosts --allowed-origins] [limits]`` starts the OpenAI-compatible server
+  (:mod:`specdial.server.app`) and runs until SIGTERM or SIGINT (:mod:`specdial.server.launch`).
+  ``SPECDIAL_API_KEY`` is read here, at startup, when ``--api-key`` is not given.
 
 The options are the fields of :class:`specdial.server.config.GenerateConfig` and
 :class:`~specdial.server.config.ServeConfig`. Exit status: 0 on success, 2 on bad options,
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from typing import Any
@@ -48,10 +50,18 @@ def add_subcommands(sub: Any) -> None:
         "serve", help="start the OpenAI-compatible HTTP server",
         description="Serve /v1/completions, /v1/chat/completions (SSE streaming or not), "
         "/v1/models, /health and /metrics (Prometheus) with adaptive speculative decoding. "
+        "Access: with --api-key (or $SPECDIAL_API_KEY) every route except /health and /metrics "
+        "needs 'Authorization: Bearer KEY'; the Host header must be one of --allowed-hosts "
+        "(loopback names by default on a loopback address); CORS only for --allowed-origins; "
+        "request bodies must be application/json. Limits, checked before parsing or "
+        "tokenizing: --max-body-bytes (413), --body-read-timeout (408), --max-json-depth, "
+        "--max-prompts, --max-stop-strings, --max-stop-chars, --max-prompt-chars (400). "
+        "A request with a seed gets the tokens plain decoding samples with that seed, whatever "
+        "its batch, the steps, the drafter or whether speculation is on. "
         "On SIGTERM or SIGINT the server closes its listening socket (new connections are "
         "refused; requests arriving on already-open connections get 503), lets running "
-        "requests finish for --shutdown-timeout seconds, aborts the rest and exits with "
-        "status 0.")
+        "requests finish for --shutdown-timeout seconds, aborts the rest (streams end with a "
+        "finish_reason 'abort' event) and exits with status 0.")
     add_dataclass_arguments(serve, ServeConfig)
     add_compat_flags(serve, positional_model=True)
 
@@ -159,6 +169,7 @@ def run_serve(cfg: ServeConfig) -> int:
     _setup_logging(cfg.log_level)
     try:
         cfg.check()  # the server's options too, before the (slow) engine load
+        limits, security = cfg.server_limits(), cfg.security_config(os.environ)
     except ValueError as e:
         return _error(e)
     log = logging.getLogger("specdial.server")
@@ -171,8 +182,14 @@ def run_serve(cfg: ServeConfig) -> int:
 
     import dataclasses
 
-    app = create_app(engine, served_model_name=cfg.model_name(),
-                     server_args=dataclasses.asdict(cfg))
+    # /server_info reports the options; never the key itself
+    server_args = {**dataclasses.asdict(cfg), "api_key": "<set>" if security.api_key else None}
+    app = create_app(engine, served_model_name=cfg.model_name(), server_args=server_args,
+                     limits=limits, security=security)
+    log.info("API key: %s; allowed hosts: %s; CORS origins: %s",
+             "required" if security.api_key else "none",
+             ", ".join(security.allowed_hosts) if security.allowed_hosts else "any",
+             ", ".join(security.allowed_origins) or "none")
     server = make_server(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                          shutdown_timeout=cfg.shutdown_timeout)
     log.info("serving %r on http://%s:%d", cfg.model_name(), cfg.host, cfg.port)

@@ -199,17 +199,21 @@ class Engine:
       policy (runtime states for ``0..drafter_max_steps``).
     - Per-request ``seed`` (sampling params): a seeded sampling request draws every random
       number from a counter-based source keyed by (its seed, the position of the token being
-      decided, the purpose of the draw) (:mod:`specdial.worker.seeded_noise`), never from the
-      shared generator. Guarantee: its tokens depend only on its prompt, its seed, its
-      sampling params and the sequence of ``steps`` its decode iterations use, not on the
-      other requests in the batch. With fixed steps (or no speculation) it is therefore
-      reproducible under any load and any batch composition; with adaptive steps the chosen
-      steps depend on the batch size and the acceptance of the whole batch, so an exact
-      repeat also needs the same steps sequence (the output distribution is the target's
-      either way). Caveat: logits are not bitwise batch-invariant (batch size and padding can
-      change floating-point reduction order), so a draw whose comparison falls within rounding
-      of a tie can very rarely flip, and the request then continues differently. Requests
-      without a seed share the engine generator and are not reproducible per request.
+      decided) (:mod:`specdial.worker.seeded_noise`), never from the shared generator, and its
+      drafts are verified with coupled draws: the drafter proposes the token at each position
+      with that position's noise, and a draft is accepted exactly when it equals the target's
+      own draw there (:func:`~specdial.worker.sampling.speculative_accept`). Guarantee: its
+      tokens are the ones plain decoding (no speculation) samples with its seed; they depend
+      only on its prompt, seed and sampling params, not on the other requests in its batch,
+      the steps schedule (fixed, adaptive or any sequence of switches), the drafter, or
+      whether speculation is on; the output distribution is exactly the target's. The price is
+      a lower acceptance than rejection sampling's for seeded requests (measured in
+      BENCHMARKS.md); requests without a seed keep rejection sampling. Caveat: logits are not
+      bitwise invariant to the batch and the verify width (batch size, padding and the number
+      of positions per forward can change floating-point reduction order), so a draw whose
+      comparison falls within rounding of a tie can very rarely flip, and the request then
+      continues differently. Requests without a seed share the engine generator and are not
+      reproducible per request.
     - CUDA graphs (keyword-only): ``cuda_graph_bs`` (batch sizes to capture, per steps value;
       None: :func:`~specdial.worker.cuda_graphs.default_cuda_graph_bs` of
       ``max_running_requests``) and ``disable_cuda_graph`` (default False). Graphs are used on

@@ -20,11 +20,10 @@ consumes it:
   running requests, ``False`` aborts them).
 - ``sampling_params`` keys: ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``,
   ``stop_token_ids``, ``ignore_eos``, ``seed``. A ``seed`` (OpenAI's field) makes a sampling
-  request's tokens depend only on its prompt, seed, sampling params and the steps sequence it is
-  decoded with, not on the other requests it is batched with: reproducible under any load with
-  fixed steps or no speculation; with adaptive steps the steps follow the load, so an exact
-  repeat needs the same steps sequence. Logits are not bitwise batch-invariant, so a
-  near-tie draw can very rarely flip (see :class:`specdial.Engine`).
+  request's tokens the ones plain decoding samples with that seed: they depend only on its
+  prompt, seed and sampling params, not on the other requests it is batched with, the steps
+  schedule, the drafter or whether speculation is on. Logits are not bitwise batch-invariant,
+  so a near-tie draw can very rarely flip (see :class:`specdial.Engine`).
 
 :class:`EngineProtocol` spells the same contract as a ``typing.Protocol`` for type checkers.
 """

@@ -33,12 +33,20 @@ encodes the prompt itself (to check it against ``engine.context_length`` and to 
 default ``max_tokens``) and submits token ids; text from a tokenizer's chat template is encoded
 without adding special tokens again.
 
-Status codes: 400 invalid request (JSON error naming ``param``), 404 unknown model or route,
+Before a route runs, :mod:`specdial.server.security` checks the Host, CORS, the API key and the
+content type, and :mod:`specdial.server.limits` reads the body (size, read time, JSON depth).
+Parsing, limit checks, chat templates and tokenization then run in a one-thread pool
+(``ServerState.offload``, as vLLM tokenizes in its own thread), never on the event loop, so one
+large request does not stall the others; detokenization happens in the engine's loop thread.
+
+Status codes: 400 invalid request (JSON error naming ``param``), 401 missing or wrong API key,
+404 unknown model or route, 408 body not received in time, 413 body too large, 415 not JSON,
 503 full queue (with ``Retry-After``) or shutting down, 500 engine failure or any other
 unexpected error (also a JSON error, code ``internal_error``). Finish reasons:
-``stop``, ``length``, or ``abort`` (the engine aborted the request, e.g. at shutdown). A client
-that disconnects aborts its engine requests (streaming: through the cancelled response body;
-non-streaming: a task waits for ``http.disconnect`` while the request runs).
+``stop``, ``length``, or ``abort`` (the engine aborted the request, or the server did at
+shutdown: :meth:`ServerState.abort_runs`). A client that disconnects aborts its engine requests
+(streaming: through the cancelled response body; non-streaming: a task waits for
+``http.disconnect`` while the request runs), logged once at INFO with the request id.
 """
 
 from __future__ import annotations
@@ -50,9 +58,10 @@ import logging
 import re
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, cast
+from typing import Any, AsyncIterator, Callable, TypeVar, cast
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -62,10 +71,14 @@ from starlette.types import Receive, Scope, Send
 from specdial.engine_api import LogprobOptions, QueueFullError, RequestError, StreamChunk
 from specdial.server.chat import render_chat
 from specdial.server.config import BUILTIN_MODEL_NAME
+from specdial.server.limits import (BodyLimitMiddleware, ServerLimits, check_prompt_chars,
+                                    check_prompt_count, check_stop, prompt_char_limit,
+                                    request_id)
 from specdial.server.logprob_format import TokenDecoder, chat_logprobs, completion_logprobs
 from specdial.server.metrics import CONTENT_TYPE, ServerMetrics
 from specdial.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                       bad_request, choice_seed, parse_request)
+from specdial.server.security import SecurityConfig, SecurityMiddleware
 
 __all__ = ["ServerState", "create_app"]
 
@@ -80,6 +93,7 @@ _DONE = "data: [DONE]\n\n"
 _END = object()  # a pump finished its stream
 _CLOSED = object()  # the run was closed (client gone)
 _BACKGROUND: set[asyncio.Task[Any]] = set()  # strong references to pump tasks
+_T = TypeVar("_T")
 
 # engine-level names (RequestError.param or words of its message) -> OpenAI field
 _ENGINE_PARAMS = ("max_new_tokens", "input_ids", "prompt", "temperature", "top_p", "top_k",
@@ -87,13 +101,17 @@ _ENGINE_PARAMS = ("max_new_tokens", "input_ids", "prompt", "temperature", "top_p
 
 
 class ServerState:
-    """What the routes share: the engine, the served name, the metrics, the draining flag.
+    """What the routes share: the engine, the served name, the metrics, the draining flag, the
+    limits, the open runs and the thread that parses and tokenizes.
 
     ``shutdown_engine_on_exit``: call ``engine.shutdown(drain=False)`` at the app's lifespan
-    shutdown (after uvicorn let running requests finish or cancelled them).
+    shutdown (after uvicorn let running requests finish or cancelled them). ``limits``: the
+    :class:`~specdial.server.limits.ServerLimits`; ``prompt_chars`` its prompt character
+    bound for this engine's tokenizer and context (None: none).
     """
 
-    def __init__(self, engine: Any, model_name: str, shutdown_engine_on_exit: bool) -> None:
+    def __init__(self, engine: Any, model_name: str, shutdown_engine_on_exit: bool,
+                 limits: ServerLimits | None = None) -> None:
         self.engine, self.model_name = engine, model_name
         self.metrics = ServerMetrics(engine, model_name)
         self.created = int(time.time())
@@ -102,6 +120,24 @@ class ServerState:
         self.draining = False
         self.shutdown_engine_on_exit = shutdown_engine_on_exit
         self._engine_shut_down = False
+        self.limits = limits or ServerLimits()
+        self.prompt_chars = prompt_char_limit(self.limits, engine.tokenizer,
+                                              int(engine.context_length))
+        self.runs: set[_Run] = set()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="specdial-tokenize")
+
+    async def offload(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)`` in the parsing/tokenizing thread (blocking work off the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def abort_runs(self, message: str) -> None:
+        """End every open HTTP request now: its engine requests are aborted and each choice
+        still running finishes with ``finish_reason`` ``abort`` (a final SSE event and
+        ``[DONE]`` for streams). Used at shutdown, past the graceful timeout."""
+        if self.runs:
+            logger.info("aborting %d open requests: %s", len(self.runs), message)
+        for run in list(self.runs):
+            run.abort(message)
 
     def begin_drain(self) -> None:
         """Stop admitting: from now on generation requests and ``/health`` answer 503."""
@@ -111,7 +147,8 @@ class ServerState:
 
     def shutdown_engine(self) -> None:
         """``engine.shutdown(drain=False)`` once (idempotent); a no-op unless the app owns the
-        engine."""
+        engine. Also stops the parsing thread."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
         if self.shutdown_engine_on_exit and not self._engine_shut_down:
             self._engine_shut_down = True
             self.engine.shutdown(drain=False)
@@ -167,16 +204,20 @@ class _Run:
     ``aclose()``.
     """
 
-    def __init__(self, state: ServerState, jobs: list[_Job], arrival: float) -> None:
+    def __init__(self, state: ServerState, jobs: list[_Job], arrival: float,
+                 rid: str | None = None) -> None:
         self.state, self.jobs, self.arrival = state, jobs, arrival
+        self.rid = rid or uuid.uuid4().hex  # the request id of the log lines
         self.choices = [_Choice(j.index) for j in jobs]
         self.queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
         self.tasks: list[asyncio.Task[None]] = []
         self.closed = False
+        self.complete = False  # every choice delivered its last chunk to the consumer
         self._ended = 0
         self._buffer: list[tuple[int, Any]] = []  # read by wait_started, replayed by events
 
     def start(self) -> None:
+        self.state.runs.add(self)
         for job in self.jobs:
             task = asyncio.create_task(self._pump(job))
             _BACKGROUND.add(task)
@@ -209,9 +250,24 @@ class _Run:
         if self.closed:
             return
         self.closed = True
+        self.state.runs.discard(self)
         for task in self.tasks:
             task.cancel()
         self.queue.put_nowait((-1, _CLOSED, None))
+
+    def abort(self, message: str) -> None:
+        """Cancel the pumps still running (aborting their engine requests) and finish their
+        choices with ``finish_reason`` ``abort``; the consumer then ends normally."""
+        if self.closed:
+            return
+        self.closed = True
+        self.state.runs.discard(self)
+        for job, task in zip(self.jobs, self.tasks):
+            if not task.done():
+                task.cancel()
+                final = StreamChunk(-1, "", [], True, {"type": "abort", "message": message})
+                self.queue.put_nowait((job.index, final, None))
+                self.queue.put_nowait((job.index, _END, None))
 
     async def _next(self, buffered: bool = True) -> tuple[int, Any]:
         if buffered and self._buffer:
@@ -242,6 +298,7 @@ class _Run:
                 self._ended += 1
                 continue
             yield self._account(self.choices[i], item), item
+        self.complete = True
 
     def _account(self, c: _Choice, chunk: StreamChunk) -> _Choice:
         now = time.perf_counter() - self.arrival
@@ -289,7 +346,7 @@ async def _watch_disconnect(request: Request, run: _Run) -> None:
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            logger.info("client disconnected; aborting its request")
+            logger.info("request %s: the client disconnected; aborting it", run.rid)
             run.close()
             return
 
@@ -359,6 +416,9 @@ class _RunStreamingResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
+            if not (self._run.closed or self._run.complete):
+                logger.info("request %s: the client disconnected during the stream; aborting "
+                            "it", self._run.rid)
             self._run.close()
 
 
@@ -386,6 +446,8 @@ def _make_job(state: ServerState, index: int, prompt: str | list[int], *, templa
         n = DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
         return _Job(index, prompt, None, {**sampling, "max_new_tokens": n}, stop)
     else:
+        check_prompt_chars(prompt, state.prompt_chars, label=label, param=prompt_param,
+                           context_length=ctx)
         ids = _encode(tokenizer, prompt, add_special_tokens=not templated)
     if not ids:
         raise bad_request(f"'{label}' is empty (0 tokens)", prompt_param, "invalid_value")
@@ -441,13 +503,16 @@ def _stop(req: CompletionRequest | ChatCompletionRequest) -> list[str] | None:
 # ---------------------------------------------------------------------------- the app
 def create_app(engine: Any, *, served_model_name: str = BUILTIN_MODEL_NAME,
                shutdown_engine_on_exit: bool = True,
-               server_args: dict[str, Any] | None = None) -> FastAPI:
+               server_args: dict[str, Any] | None = None, limits: ServerLimits | None = None,
+               security: SecurityConfig | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (an :class:`specdial.engine_api.EngineProtocol`)
     under the model name ``served_model_name``. ``app.state.specdial`` is the
     :class:`ServerState` (``begin_drain()`` makes new requests 503). At lifespan shutdown the
     engine is shut down (``drain=False``) unless ``shutdown_engine_on_exit`` is False.
-    ``server_args``: the options the server was started with, reported by ``/server_info``."""
-    state = ServerState(engine, served_model_name, shutdown_engine_on_exit)
+    ``server_args``: the options the server was started with, reported by ``/server_info``.
+    ``limits`` (default: :class:`ServerLimits`' defaults) and ``security`` (default: no key,
+    any Host, no CORS; JSON bodies required) configure the checks made before the routes."""
+    state = ServerState(engine, served_model_name, shutdown_engine_on_exit, limits)
     state.server_args = dict(server_args or {})
 
     @asynccontextmanager
@@ -459,6 +524,9 @@ def create_app(engine: Any, *, served_model_name: str = BUILTIN_MODEL_NAME,
     app = FastAPI(title="specdial", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.specdial = state
+    # outermost last: JSON 500s around everything, then Host/CORS/key/type, then the body
+    app.add_middleware(BodyLimitMiddleware, limits=state.limits)
+    app.add_middleware(SecurityMiddleware, config=security or SecurityConfig())
     app.add_middleware(_InternalErrorMiddleware)
 
     @app.exception_handler(APIError)
@@ -509,14 +577,14 @@ def create_app(engine: Any, *, served_model_name: str = BUILTIN_MODEL_NAME,
         check_model(model_id)
         return JSONResponse(model_card())
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        arrival = time.perf_counter()
-        check_admitting()
-        req = cast(CompletionRequest, parse_request(await request.body(), "completion"))
+    def prepare_completion(raw: bytes) -> tuple[CompletionRequest, list[_Job]]:
+        """Parse, check and tokenize a completion request (in the parsing thread)."""
+        req = cast(CompletionRequest, parse_request(raw, "completion"))
         check_model(req.model)
         prompts = req.prompts()
+        check_prompt_count(prompts, state.limits)
         sampling, stop = _sampling(req), _stop(req)
+        check_stop(stop, state.limits)
         logprobs = None
         if req.logprobs is not None or req.echo:
             check_tokenizer("logprobs" if req.logprobs is not None else "echo")
@@ -531,16 +599,24 @@ def create_app(engine: Any, *, served_model_name: str = BUILTIN_MODEL_NAME,
             echo = (p if isinstance(p, str) else str(engine.tokenizer.decode(p))) if req.echo \
                 else None
             jobs.append(dataclasses.replace(job, logprobs=logprobs, echo=echo))
-        return await _serve(request, req, _choices(jobs, req.n or 1), arrival, chat=False,
+        return req, _choices(jobs, req.n or 1)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        arrival = time.perf_counter()
+        check_admitting()
+        req, jobs = await state.offload(prepare_completion, await request.body())
+        return await _serve(request, req, jobs, arrival, chat=False,
                             params={"max_new_tokens": "max_tokens", "input_ids": "prompt",
                                     "prompt": "prompt"})
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        arrival = time.perf_counter()
-        check_admitting()
-        req = cast(ChatCompletionRequest, parse_request(await request.body(), "chat"))
+    def prepare_chat(raw: bytes) -> tuple[ChatCompletionRequest, list[_Job], str]:
+        """Parse, check, render and tokenize a chat request (in the parsing thread); also
+        returns the name of the max-tokens field used."""
+        req = cast(ChatCompletionRequest, parse_request(raw, "chat"))
         check_model(req.model)
+        stop = _stop(req)
+        check_stop(stop, state.limits)
         messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(req.messages)]
         try:
             text, templated = render_chat(engine.tokenizer, messages)
@@ -550,19 +626,25 @@ def create_app(engine: Any, *, served_model_name: str = BUILTIN_MODEL_NAME,
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         job = _make_job(state, 0, text, templated=templated, max_tokens=max_tokens,
                         max_tokens_param=max_param, prompt_param="messages",
-                        label="messages", chat=True,
-                        sampling=_sampling(req), stop=_stop(req))
+                        label="messages", chat=True, sampling=_sampling(req), stop=stop)
         if req.logprobs:
             check_tokenizer("logprobs")
             job.logprobs = LogprobOptions(top_n=req.top_logprobs or 0)
-        return await _serve(request, req, _choices([job], req.n or 1), arrival, chat=True,
+        return req, _choices([job], req.n or 1), max_param
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        arrival = time.perf_counter()
+        check_admitting()
+        req, jobs, max_param = await state.offload(prepare_chat, await request.body())
+        return await _serve(request, req, jobs, arrival, chat=True,
                             params={"max_new_tokens": max_param, "input_ids": "messages",
                                     "prompt": "messages"})
 
     async def _serve(request: Request, req: CompletionRequest | ChatCompletionRequest,
                      jobs: list[_Job], arrival: float, *, chat: bool,
                      params: dict[str, str]) -> Response:
-        run = _Run(state, jobs, arrival)
+        run = _Run(state, jobs, arrival, request_id(request.scope))
         run.start()
         watcher = asyncio.create_task(_watch_disconnect(request, run))
         streaming = False
@@ -616,12 +698,13 @@ def create_app(engine: Any, *, served_model_name: str = BUILTIN_MODEL_NAME,
             else:
                 choices.append({"index": c.index, "text": (job.echo or "") + text,
                                 "logprobs": logprobs, "finish_reason": c.reason})
-        return {"id": _new_id(chat), "object": "chat.completion" if chat else "text_completion",
+        return {"id": _response_id(run, chat),
+                "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": state.model_name, "choices": choices,
                 "usage": run.usage()}
 
     async def _sse(run: _Run, chat: bool, include_usage: bool) -> AsyncIterator[str]:
-        rid, created = _new_id(chat), int(time.time())
+        rid, created = _response_id(run, chat), int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def event(choices: list[dict[str, Any]], **extra: Any) -> str:
@@ -686,6 +769,7 @@ def create_app(engine: Any, *, served_model_name: str = BUILTIN_MODEL_NAME,
     return app
 
 
-def _new_id(chat: bool) -> str:
-    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+def _response_id(run: _Run, chat: bool) -> str:
+    """OpenAI-style response id carrying the request id of the log lines."""
+    return f"{'chatcmpl' if chat else 'cmpl'}-{run.rid}"
 

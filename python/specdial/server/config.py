@@ -16,7 +16,7 @@ import math
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Mapping, TypeVar
 
 __all__ = ["BUILTIN_MODEL_NAME", "EngineArgs", "GenerateConfig", "ServeConfig",
            "add_dataclass_arguments", "config_from_args"]
@@ -26,6 +26,18 @@ BUILTIN_MODEL_NAME = "specdial-default"
 
 #: ``--speculative-algorithm`` value meaning "no speculation" (Engine ``speculative_algorithm=None``).
 NO_SPECULATION = "NONE"
+
+#: Environment variable read by ``specdial serve`` at startup when ``--api-key`` is not given
+#: (as vLLM reads ``VLLM_API_KEY``).
+API_KEY_ENV = "SPECDIAL_API_KEY"
+
+# Defaults of the server's limits (specdial.server.limits.ServerLimits).
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_BODY_READ_TIMEOUT_S = 30.0
+DEFAULT_MAX_JSON_DEPTH = 32
+DEFAULT_MAX_PROMPTS = 128
+DEFAULT_MAX_STOP_STRINGS = 16
+DEFAULT_MAX_STOP_CHARS = 256
 
 
 #: EngineArgs fields that configure the process, not the Engine.
@@ -220,12 +232,45 @@ class ServeConfig(EngineArgs):
         f"model name in the API (the `model` field, /v1/models); default: {BUILTIN_MODEL_NAME} "
         "for the built-in models, else --model-path", metavar="NAME")
     shutdown_timeout: float = _opt(
-        "on SIGTERM/SIGINT, seconds to let running requests finish before aborting them",
+        "on SIGTERM/SIGINT, seconds to let running requests finish; then the rest are aborted "
+        "(each open stream ends with a finish_reason 'abort' event and [DONE])",
         default=30.0, metavar="SECONDS")
+    api_key: str | None = _opt(
+        "require 'Authorization: Bearer KEY' on every route except /health and /metrics "
+        f"(401 otherwise; compared in constant time); default: ${API_KEY_ENV} if set, else "
+        "no key", metavar="KEY")
+    allowed_hosts: str | None = _opt(
+        "comma-separated host names the Host header may carry (else 400; against DNS "
+        "rebinding), '*' for any; default: localhost, 127.0.0.1 and ::1 when --host is a "
+        "loopback address, else any", metavar="NAMES")
+    allowed_origins: str | None = _opt(
+        "comma-separated (or a JSON list, as vLLM's) origins (scheme://host[:port]) allowed to "
+        "call the server from a browser (CORS), '*' for any; default: none", metavar="ORIGINS")
+    max_body_bytes: int = _opt(
+        "largest request body in bytes; a larger Content-Length, or a chunked body passing it, "
+        "is refused with 413 before the body is parsed", default=DEFAULT_MAX_BODY_BYTES,
+        metavar="BYTES")
+    body_read_timeout: float = _opt(
+        "seconds from a request's start to its complete body; slower uploads are refused with "
+        "408 and the connection closed", default=DEFAULT_BODY_READ_TIMEOUT_S, metavar="SECONDS")
+    max_json_depth: int = _opt(
+        "deepest nesting of JSON arrays/objects in a body (400 beyond)",
+        default=DEFAULT_MAX_JSON_DEPTH, metavar="N")
+    max_prompts: int = _opt("most prompts in one /v1/completions request (400 beyond)",
+                            default=DEFAULT_MAX_PROMPTS, metavar="N")
+    max_stop_strings: int = _opt("most stop strings per request (400 beyond)",
+                                 default=DEFAULT_MAX_STOP_STRINGS, metavar="N")
+    max_stop_chars: int = _opt("most characters per stop string (400 beyond)",
+                               default=DEFAULT_MAX_STOP_CHARS, metavar="N")
+    max_prompt_chars: int | None = _opt(
+        "most characters in one prompt (or rendered chat), refused with 400 before tokenizing; "
+        "default: the context length x the characters of the tokenizer's longest token (text "
+        "that long cannot fit the context)", metavar="N")
 
     def check(self) -> None:
-        """:meth:`EngineArgs.check`, plus ``port`` in 1..65535 and ``shutdown_timeout`` a
-        finite number >= 0. Raises ``ValueError`` naming the option."""
+        """:meth:`EngineArgs.check`, plus ``port`` in 1..65535, ``shutdown_timeout`` a
+        finite number >= 0 and the limits and access options (:meth:`server_limits`,
+        :meth:`security_config`). Raises ``ValueError`` naming the option."""
         super().check()
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not (
                 1 <= self.port <= 65535):
@@ -233,6 +278,41 @@ class ServeConfig(EngineArgs):
         if not (self.shutdown_timeout >= 0 and math.isfinite(self.shutdown_timeout)):
             raise ValueError(f"--shutdown-timeout must be a finite number of seconds >= 0, got "
                              f"{self.shutdown_timeout}")
+        self.server_limits()
+        self.security_config({})
+
+    def server_limits(self) -> Any:
+        """The :class:`specdial.server.limits.ServerLimits` of these options (``ValueError``
+        naming the option for a bad value)."""
+        from specdial.server.limits import ServerLimits
+
+        return ServerLimits(max_body_bytes=self.max_body_bytes,
+                            body_read_timeout_s=self.body_read_timeout,
+                            max_json_depth=self.max_json_depth, max_prompts=self.max_prompts,
+                            max_stop_strings=self.max_stop_strings,
+                            max_stop_chars=self.max_stop_chars,
+                            max_prompt_chars=self.max_prompt_chars)
+
+    def security_config(self, environ: Mapping[str, str]) -> Any:
+        """The :class:`specdial.server.security.SecurityConfig` of these options; ``environ``
+        supplies ``SPECDIAL_API_KEY`` when ``--api-key`` is not given (an empty value counts as
+        unset). ``ValueError`` naming the option for a bad value."""
+        from specdial.server.security import (SecurityConfig, default_allowed_hosts,
+                                              parse_name_list)
+
+        key = self.api_key if self.api_key is not None else (environ.get(API_KEY_ENV) or None)
+        try:
+            hosts = parse_name_list(self.allowed_hosts)
+        except ValueError as e:
+            raise ValueError(f"--allowed-hosts: {e}") from None
+        try:
+            origins = parse_name_list(self.allowed_origins) or ()
+        except ValueError as e:
+            raise ValueError(f"--allowed-origins: {e}") from None
+        return SecurityConfig(
+            api_key=key,
+            allowed_hosts=default_allowed_hosts(self.host) if hosts is None else hosts,
+            allowed_origins=origins)
 
     def model_name(self) -> str:
         """``served_model_name`` if set, else :meth:`EngineArgs.default_model_name`."""

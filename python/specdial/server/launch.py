@@ -2,14 +2,18 @@
 
 On SIGTERM or SIGINT (:meth:`SpecdialServer.handle_exit`): the app stops admitting at once
 (generation requests and ``/health`` answer 503), uvicorn closes the listening socket and lets
-the running requests finish for up to ``shutdown_timeout`` seconds, then cancels what is left
-(which aborts those engine requests), and the app's lifespan shutdown calls
+the running requests finish for up to ``shutdown_timeout`` seconds; then the app aborts what is
+left (:meth:`ServerState.abort_runs`: every open stream ends with a final event whose
+``finish_reason`` is ``abort`` and ``data: [DONE]``, non-streaming requests answer with that
+reason), uvicorn waits up to :data:`ABORT_GRACE_S` more seconds for those responses to go out
+and cancels whatever is still open, and the app's lifespan shutdown calls
 ``engine.shutdown(drain=False)``. :func:`serve_forever` then returns normally, so the process
 exits with status 0.
 """
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import socket
 from types import FrameType
@@ -18,15 +22,34 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-__all__ = ["SpecdialServer", "make_server", "serve_forever"]
+__all__ = ["ABORT_GRACE_S", "SpecdialServer", "make_server", "serve_forever"]
+
+#: Seconds past ``shutdown_timeout`` that aborted responses get to finish before uvicorn
+#: cancels them.
+ABORT_GRACE_S = 5.0
 
 
 class SpecdialServer(uvicorn.Server):
-    """``uvicorn.Server`` that marks the app as draining as soon as an exit is requested."""
+    """``uvicorn.Server`` that marks the app as draining as soon as an exit is requested and
+    aborts the open requests ``shutdown_timeout`` seconds into the shutdown."""
 
-    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+    def __init__(self, config: uvicorn.Config, app: FastAPI,
+                 shutdown_timeout: float = 30.0) -> None:
         super().__init__(config)
         self.app = app
+        self.shutdown_timeout = shutdown_timeout
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's shutdown, with :meth:`ServerState.abort_runs` after ``shutdown_timeout``
+        seconds (uvicorn itself cancels :data:`ABORT_GRACE_S` seconds later)."""
+        state = self.app.state.specdial
+        timer = asyncio.get_running_loop().call_later(
+            self.shutdown_timeout, state.abort_runs,
+            f"the server is shutting down (--shutdown-timeout {self.shutdown_timeout:g} s)")
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """Signal handler (also callable directly, e.g. from a test thread): stop admitting,
@@ -39,12 +62,13 @@ def make_server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 30000,
                 log_level: str = "info", shutdown_timeout: float = 30.0,
                 access_log: bool = True) -> SpecdialServer:
     """A server for ``app`` (from :func:`specdial.server.create_app`); ``shutdown_timeout`` in
-    seconds bounds the graceful drain."""
+    seconds bounds the graceful drain (then open requests are aborted)."""
+    grace = shutdown_timeout + ABORT_GRACE_S
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                             # annotated int, used as asyncio.wait_for's timeout: floats work
-                            timeout_graceful_shutdown=shutdown_timeout,  # type: ignore[arg-type]
+                            timeout_graceful_shutdown=grace,  # type: ignore[arg-type]
                             access_log=access_log)
-    return SpecdialServer(config, app)
+    return SpecdialServer(config, app, shutdown_timeout)
 
 
 def serve_forever(server: SpecdialServer, sockets: list[socket.socket] | None = None) -> int:

@@ -10,9 +10,9 @@ Validation order for a request body (each failure is an :class:`APIError`, answe
    :data:`UNSUPPORTED_COMPLETION_FIELDS` / :data:`UNSUPPORTED_CHAT_FIELDS`); any other key is
    400 "Unrecognized request argument supplied" (extra="forbid" semantics);
 3. types and ranges through the strict pydantic models below (no string-to-number coercion, no
-   NaN or infinity; ``max_tokens`` >= 1, ``temperature`` >= 0, ``top_p`` in (0, 1]; ``n`` in
-   1..:data:`MAX_N`; completions ``logprobs`` an int in 0..20 (the alternatives per token) and
-   ``echo`` a bool; chat ``logprobs`` a bool and ``top_logprobs`` 0..20, which needs
+   NaN or infinity; ``max_tokens`` >= 1, ``temperature`` in [0, float32's largest value],
+   ``top_p`` in (0, 1]; ``n`` in 1..:data:`MAX_N`; completions ``logprobs`` an int in 0..20
+   (the alternatives per token) and ``echo`` a bool; chat ``logprobs`` a bool and ``top_logprobs`` 0..20, which needs
    ``logprobs: true``; ``prompt`` a string, a list of strings, a list of token ids or a list
    of such lists; null means "default" for every optional field); the ``param`` of the error
    is the offending field;
@@ -31,10 +31,12 @@ import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.responses import JSONResponse
+from starlette.types import Receive, Scope, Send
 
 __all__ = ["APIError", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "MAX_N",
-           "UNSUPPORTED_CHAT_FIELDS", "UNSUPPORTED_COMPLETION_FIELDS", "choice_seed",
-           "parse_request"]
+           "MAX_TEMPERATURE", "UNSUPPORTED_CHAT_FIELDS", "UNSUPPORTED_COMPLETION_FIELDS",
+           "choice_seed", "parse_request", "send_api_error"]
 
 #: Most choices per prompt (``n``).
 MAX_N = 128
@@ -141,6 +143,10 @@ INSTEAD: dict[str, str] = {
     "safety_identifier": "omit it, or use 'user'",
 }
 
+#: Largest ``temperature`` accepted: float32's largest finite value (the engine's
+#: ``specdial.worker.sampling.MAX_TEMPERATURE``; temperatures are float32 tensors there).
+MAX_TEMPERATURE = 3.4028234663852886e38
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
@@ -154,7 +160,7 @@ class StreamOptions(_Strict):
 
 class _CommonRequest(_Strict):
     model: str | None = None
-    temperature: float | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
     seed: int | None = None
@@ -358,3 +364,11 @@ def parse_request(raw: bytes, kind: Literal["completion", "chat"]) -> Completion
             raise bad_request("'max_tokens' and 'max_completion_tokens' disagree; send one",
                               "max_completion_tokens", "invalid_value")
     return req
+
+
+async def send_api_error(scope: Scope, receive: Receive, send: Send, error: APIError,
+                         headers: dict[str, str] | None = None) -> None:
+    """Answer an ASGI request with ``error`` as its JSON body (for middleware, which runs
+    outside the app's exception handlers)."""
+    await JSONResponse(error.body(), status_code=error.status, headers=headers)(
+        scope, receive, send)

@@ -28,6 +28,9 @@
   ``GET /version``.
 
 Errors are the server's JSON errors (``{"error": {"message", "type", "param", "code"}}``).
+Parsing, tokenizing and detokenizing run in the server's parsing thread
+(``ServerState.offload``), and ``/generate`` applies the prompt-count, stop-string and
+prompt-character limits of :mod:`specdial.server.limits`.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from specdial.engine_output import OutputAccumulator
 from specdial.server.app import (_DONE, ServerState, _ClientGone, _encode, _engine_error, _Job,
                                  _make_job, _Run, _RunStreamingResponse, _watch_disconnect)
 from specdial.server.chat import render_chat
+from specdial.server.limits import check_prompt_count, check_stop, request_id
 from specdial.server.protocol import APIError, bad_request
 from specdial.worker.logprobs import MAX_TOP_LOGPROBS
 
@@ -212,11 +216,10 @@ def add_sglang_routes(app: FastAPI, state: ServerState,
             raise APIError(400, "this server has no tokenizer", code="no_tokenizer")
         return engine.tokenizer
 
-    @app.api_route("/generate", methods=["POST", "PUT"])
-    async def generate(request: Request) -> Response:
-        arrival = time.perf_counter()
-        check_admitting()
-        req: GenerateRequest = _parse(GenerateRequest, await request.body())
+    def prepare_generate(raw: bytes) -> tuple[GenerateRequest, bool, list[_Job], list[Any]]:
+        """Parse, check and tokenize a ``/generate`` request (in the parsing thread): the
+        request, whether it was a single prompt, the jobs and the ``rid`` per prompt."""
+        req: GenerateRequest = _parse(GenerateRequest, raw)
         if (req.text is None) == (req.input_ids is None):
             raise bad_request("give exactly one of 'text' and 'input_ids'", "text",
                               "invalid_value")
@@ -229,6 +232,7 @@ def add_sglang_routes(app: FastAPI, state: ServerState,
             prompts = [list(ids)] if single else [list(p) for p in ids]
         if not prompts:
             raise bad_request("the prompt list is empty", "text", "invalid_value")
+        check_prompt_count(prompts, state.limits)
         lp = None
         if req.return_logprob:
             if req.return_text_in_logprobs:
@@ -244,6 +248,7 @@ def add_sglang_routes(app: FastAPI, state: ServerState,
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             label = "sampling_params" if single else f"sampling_params[{i}]"
             sampling, stop = sampling_from_sglang(sp, label)
+            check_stop(stop, state.limits)
             max_new = sampling.pop("max_new_tokens")
             job = _make_job(state, i, prompt, templated=False, max_tokens=max_new,
                             max_tokens_param=f"{label}.max_new_tokens",
@@ -257,11 +262,18 @@ def add_sglang_routes(app: FastAPI, state: ServerState,
                                   "invalid_value")
             job.logprobs = lp
             jobs.append(job)
+        return req, single, jobs, rids
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request) -> Response:
+        arrival = time.perf_counter()
+        check_admitting()
+        req, single, jobs, rids = await state.offload(prepare_generate, await request.body())
         decode = state.decode if req.return_text_in_logprobs else None
-        outs = [OutputAccumulator(j.input_ids or [], return_logprob=lp is not None,
+        outs = [OutputAccumulator(j.input_ids or [], return_logprob=req.return_logprob,
                                   decode=decode) for j in jobs]
         ids_ = [r or uuid.uuid4().hex for r in rids]
-        run = _Run(state, jobs, arrival)
+        run = _Run(state, jobs, arrival, request_id(request.scope))
         run.start()
         watcher = asyncio.create_task(_watch_disconnect(request, run))
         streaming = False
@@ -327,10 +339,9 @@ def add_sglang_routes(app: FastAPI, state: ServerState,
 
         return JSONResponse({"version": __version__})
 
-    @app.post("/tokenize")
-    @app.post("/v1/tokenize")
-    async def tokenize(request: Request) -> JSONResponse:
-        req: TokenizeRequest = _parse(TokenizeRequest, await request.body())
+    def do_tokenize(raw: bytes) -> dict[str, Any]:
+        """The ``/tokenize`` answer (in the parsing thread)."""
+        req: TokenizeRequest = _parse(TokenizeRequest, raw)
         tok = tokenizer()
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt",
@@ -345,20 +356,23 @@ def add_sglang_routes(app: FastAPI, state: ServerState,
                                   "prompt always opens the assistant's turn",
                                   "add_generation_prompt", "unsupported_parameter")
             ids = _encode(tok, text, add_special_tokens=not templated)
-            return JSONResponse({"tokens": ids, "count": len(ids),
-                                 "max_model_len": int(engine.context_length)})
+            return {"tokens": ids, "count": len(ids), "max_model_len": int(engine.context_length)}
         assert req.prompt is not None
         texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         tokens = [_encode(tok, t, add_special_tokens=req.add_special_tokens) for t in texts]
         single = isinstance(req.prompt, str)
-        return JSONResponse({"tokens": tokens[0] if single else tokens,
-                             "count": len(tokens[0]) if single else [len(t) for t in tokens],
-                             "max_model_len": int(engine.context_length)})
+        return {"tokens": tokens[0] if single else tokens,
+                "count": len(tokens[0]) if single else [len(t) for t in tokens],
+                "max_model_len": int(engine.context_length)}
 
-    @app.post("/detokenize")
-    @app.post("/v1/detokenize")
-    async def detokenize(request: Request) -> JSONResponse:
-        req: DetokenizeRequest = _parse(DetokenizeRequest, await request.body())
+    @app.post("/tokenize")
+    @app.post("/v1/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        return JSONResponse(await state.offload(do_tokenize, await request.body()))
+
+    def do_detokenize(raw: bytes) -> dict[str, Any]:
+        """The ``/detokenize`` answer (in the parsing thread)."""
+        req: DetokenizeRequest = _parse(DetokenizeRequest, raw)
         tok = tokenizer()
         single = not req.tokens or isinstance(req.tokens[0], int)
         lists: list[list[int]] = [req.tokens] if single else req.tokens  # type: ignore[list-item]
@@ -371,7 +385,12 @@ def add_sglang_routes(app: FastAPI, state: ServerState,
             except Exception as e:  # noqa: BLE001 - ids the tokenizer cannot decode
                 raise bad_request(f"cannot decode tokens: {e}", "tokens", "invalid_value") from None
         text: Any = texts[0] if single else texts
-        return JSONResponse({"text": text, "prompt": text})
+        return {"text": text, "prompt": text}
+
+    @app.post("/detokenize")
+    @app.post("/v1/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        return JSONResponse(await state.offload(do_detokenize, await request.body()))
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> JSONResponse:

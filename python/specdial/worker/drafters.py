@@ -63,8 +63,7 @@ from specdial.models.batch import ForwardBatch
 from specdial.models.eagle import EagleHead
 from specdial.models.eagle3 import Eagle3Head
 from specdial.models.llama import LlamaForCausalLM
-from specdial.worker.sampling import (PURPOSE_DRAFT, BatchSampling, sample_from_probs,
-                                     target_probs)
+from specdial.worker.sampling import BatchSampling, sample_from_probs, target_probs
 
 #: Default largest ``steps`` a chain drafter accepts (buffers and runtime states are sized by
 #: the configured candidates, so this is only a sanity bound; override per drafter).
@@ -175,8 +174,10 @@ class Drafter(abc.ABC):
         ``q = target_probs(drafter logits)`` (same temperature/top-k/top-p as the target, so
         the rejection rule of Leviathan et al. 2023 stays lossless) and ``q`` is returned.
         ``sample_positions`` ``[B]`` int64: sequence index of draft 1 (``L + 1``); draft ``i``
-        (1-based) of a seeded row draws its noise from key (seed, ``sample_positions + i - 1``,
-        ``PURPOSE_DRAFT``) (:mod:`specdial.worker.seeded_noise`); required when
+        (1-based) of a seeded row is drawn with the noise of key (seed,
+        ``sample_positions + i - 1``), the key of the target's own token at that position, so
+        it is accepted exactly when it equals the target's draw there (the coupled draws of
+        :func:`~specdial.worker.sampling.speculative_accept`); required when
         ``sampling.any_seeded``. Raises ``ValueError`` for ``k`` outside ``1..max_steps``.
         """
         if not 1 <= k <= min(self.max_steps, len(steps)):
@@ -194,7 +195,7 @@ class Drafter(abc.ABC):
             else:
                 q = target_probs(self.to_target_logits(logits).unsqueeze(1), sampling).squeeze(1)
                 tok = sample_from_probs(
-                    q, generator, sampling=sampling, purpose=PURPOSE_DRAFT,
+                    q, generator, sampling=sampling,
                     positions=None if sample_positions is None else sample_positions + i)
                 probs.append(q)
             tokens.append(tok)

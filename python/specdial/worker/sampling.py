@@ -9,16 +9,22 @@ Pieces, in the order the worker uses them:
 - :func:`sample` / :func:`sample_from_probs`: one token per row (the drafter's draws, plain decode).
 - Seeded rows (a request with a ``seed``): their random numbers come from the counter-based
   source of :mod:`specdial.worker.seeded_noise`, keyed by (seed, position of the token being
-  decided, purpose of the draw), never from the shared generator; so a seeded row draws the same
-  numbers whatever other rows share the batch.
+  decided), never from the shared generator; so a seeded row draws the same numbers whatever
+  other rows share the batch.
 - :func:`speculative_accept`: the verify step. Greedy rows accept the longest prefix of drafts
-  equal to the target argmax. Sampling rows use the rejection rule of Leviathan, Kalman, Matias
-  2023 ("Fast Inference from Transformers via Speculative Decoding", Algorithm 1) and Chen et al.
-  2023 ("Accelerating Large Language Model Decoding with Speculative Sampling", Algorithm 2):
-  accept draft ``x_i`` with probability ``min(1, p_i(x_i) / q_i(x_i))``; at the first rejection
-  emit a token from ``norm(max(0, p_i - q_i))``; if all ``k`` drafts are accepted emit the bonus
-  token from ``p_k``. This leaves the emitted tokens distributed exactly as ``p`` (DESIGN.md
-  invariant 2; greedy rows give invariant 1).
+  equal to the target argmax. Unseeded sampling rows use the rejection rule of Leviathan,
+  Kalman, Matias 2023 ("Fast Inference from Transformers via Speculative Decoding",
+  Algorithm 1) and Chen et al. 2023 ("Accelerating Large Language Model Decoding with
+  Speculative Sampling", Algorithm 2): accept draft ``x_i`` with probability
+  ``min(1, p_i(x_i) / q_i(x_i))``; at the first rejection emit a token from
+  ``norm(max(0, p_i - q_i))``; if all ``k`` drafts are accepted emit the bonus token from
+  ``p_k``. Seeded rows use coupled draws (the Gumbel-max / exponential-race coupling): the
+  drafter and the target draw the token at sequence position ``t`` with the same noise
+  ``E_t`` (key (seed, ``t``)), the target's draw there is ``argmax(p_t / E_t)``, and a draft is
+  accepted exactly when it equals that draw; so the emitted tokens are the target's own seeded
+  draws, the tokens plain decoding emits, whatever the drafts, the drafter or the steps. Both
+  rules leave the emitted tokens distributed exactly as ``p`` (DESIGN.md invariant 2; greedy
+  rows give invariant 1).
 
 Conventions: ``B`` requests, ``k`` drafts per request (``0`` = plain decoding), ``V`` vocabulary
 size. Logits and probabilities are float32, tokens int64, all on one device. Every random draw
@@ -28,10 +34,10 @@ never on data: results are reproducible for a given generator state. Seeded rows
 ``BatchSampling.seeded_rows``) draw from keys instead: the per-step functions then need the
 ``positions`` of the tokens they decide (a ``ValueError`` without them); in a mixed batch the
 generator still fills every row and the seeded rows are overwritten (``index_copy_``), so the
-hashing costs only ``[S, V]`` for ``S`` seeded rows. No ``.item()`` and no host sync inside the
-per-step functions (:func:`target_probs`, :func:`sample`, :func:`speculative_accept`);
-Python-level branches only look at shapes and the Python ``bool`` flags of
-:class:`BatchSampling`.
+hashing costs only ``[S, V]`` per decided position for ``S`` seeded rows. No ``.item()`` and no
+host sync inside the per-step functions (:func:`target_probs`, :func:`sample`,
+:func:`speculative_accept`); Python-level branches only look at shapes and the Python ``bool``
+flags of :class:`BatchSampling`.
 """
 
 from __future__ import annotations
@@ -42,14 +48,12 @@ from typing import Any, Mapping
 
 import torch
 
-from specdial.worker.seeded_noise import (PURPOSE_ACCEPT, PURPOSE_DRAFT, PURPOSE_TOKEN,
-                                          draw_keys, seed_to_int64, seeded_exponentials,
-                                          seeded_uniforms)
+from specdial.worker.seeded_noise import (PURPOSE_TOKEN, draw_keys, seed_to_int64,
+                                          seeded_exponentials)
 
 __all__ = [
+    "MAX_TEMPERATURE",
     "MIN_TEMPERATURE",
-    "PURPOSE_ACCEPT",
-    "PURPOSE_DRAFT",
     "PURPOSE_TOKEN",
     "BatchSampling",
     "SamplingParams",
@@ -62,6 +66,10 @@ __all__ = [
 #: Smallest non-zero temperature accepted. Below it ``logits / T`` is numerically a one-hot
 #: anyway; send ``0`` for greedy decoding instead (rejected, never rounded to 0 silently).
 MIN_TEMPERATURE = 1e-5
+
+#: Largest temperature accepted: the largest finite float32 (temperatures are float32 tensors;
+#: above it the value would become ``inf`` and every distribution a uniform one silently).
+MAX_TEMPERATURE = float(torch.finfo(torch.float32).max)
 
 #: Largest seed accepted (``torch.Generator.manual_seed`` takes 64-bit unsigned values).
 _MAX_SEED = 2**64 - 1
@@ -88,18 +96,22 @@ class SamplingParams:
     """One request's sampling options, validated at construction (``__post_init__``).
 
     - ``max_new_tokens``: int >= 1 (default 128).
-    - ``temperature``: float, ``0.0`` = greedy (default), else in ``[MIN_TEMPERATURE, inf)``;
-      ints are accepted and stored as float.
-    - ``top_p``: float in ``(0, 1]`` (default ``1.0`` = off).
+    - ``temperature``: float, ``0.0`` = greedy (default), else in
+      ``[MIN_TEMPERATURE, MAX_TEMPERATURE]`` (float32's finite range); ints are accepted and
+      stored as float.
+    - ``top_p``: float in ``(0, 1]`` (default ``1.0`` = off); the most likely token is always
+      kept, however small ``top_p`` is (even below float32's smallest positive value).
     - ``top_k``: int, ``-1`` or ``0`` = off (default ``-1``), else ``>= 1``; a value ``>= V``
       keeps the whole vocabulary.
     - ``stop_token_ids``: tuple of ints ``>= 0`` (a list is accepted and stored as a tuple).
     - ``ignore_eos``: bool (default False).
     - ``seed``: ``None`` (default) or int in ``[0, 2**64 - 1]``. A seeded sampling request
       draws every random number from :mod:`specdial.worker.seeded_noise`, keyed by (seed,
-      position of the token decided, purpose), instead of the engine's generator: its tokens
-      depend only on its prompt, seed, these options and the steps it is decoded with, not on
-      the other requests of the batch. Ignored for greedy requests.
+      position of the token decided), instead of the engine's generator, and its drafts are
+      verified with coupled draws (:func:`speculative_accept`): its tokens are the ones plain
+      decoding draws with these keys, so they depend only on its prompt, seed and these
+      options, not on the other requests of the batch, the drafter or the steps. Ignored for
+      greedy requests.
 
     Raises ``ValueError`` naming the field, the value and the allowed range for a wrong type or
     an out-of-range value; ``bool`` is never accepted as a number and nothing is clamped.
@@ -119,9 +131,9 @@ class SamplingParams:
         if not _is_int(v) or v < 1:
             raise _bad("max_new_tokens", v, "int >= 1")
         v = self.temperature
-        if not _is_real(v) or not math.isfinite(v) or not (v == 0 or v >= MIN_TEMPERATURE):
-            raise _bad("temperature", v,
-                       f"0 (greedy) or a finite float in [{MIN_TEMPERATURE}, inf)")
+        if not _is_real(v) or not (v == 0 or MIN_TEMPERATURE <= v <= MAX_TEMPERATURE):
+            raise _bad("temperature", v, f"0 (greedy) or a float in [{MIN_TEMPERATURE}, "
+                       f"{MAX_TEMPERATURE:.7g}] (float32's finite range)")
         object.__setattr__(self, "temperature", float(v))
         v = self.top_p
         if not _is_real(v) or not math.isfinite(v) or not 0 < v <= 1:
@@ -180,9 +192,12 @@ class BatchSampling:
     - ``seeded_rows`` ``[S]`` int64: their indices, increasing (empty when none).
     - ``any_seeded`` / ``all_seeded``: some / every row is a seeded sampling row (with
       ``all_seeded`` the generator is not used at all).
+    - ``any_unseeded``: some row samples without a seed (rejection sampling and the generator
+      are needed); False when every row is greedy or seeded.
 
     The flags are plain Python bools so the per-step functions never sync with the device.
-    The seed fields default to "no seeded row" (for callers that build one by hand).
+    The seed fields default to "no seeded row" (for callers that build one by hand), and
+    ``any_unseeded`` to True (rejection sampling for every sampling row).
     """
 
     temperature: torch.Tensor
@@ -197,6 +212,7 @@ class BatchSampling:
     seeded_rows: torch.Tensor | None = None
     any_seeded: bool = False
     all_seeded: bool = False
+    any_unseeded: bool = True
 
     @classmethod
     def from_params(cls, params: list[SamplingParams],
@@ -220,6 +236,7 @@ class BatchSampling:
                                      device=device),
             any_seeded=any(seeded),
             all_seeded=bool(seeded) and all(seeded),
+            any_unseeded=not all(g or s for g, s in zip(greedy, seeded)),
         )
 
     @property
@@ -247,6 +264,7 @@ class BatchSampling:
             out.seeded_rows = out.seeded_mask.nonzero().squeeze(1)  # one more sync
             n = out.seeded_rows.numel()
             out.any_seeded, out.all_seeded = n > 0, 0 < n == index.numel()
+            out.any_unseeded = bool((~(out.seeded_mask | greedy)).any())
         return out
 
 
@@ -261,8 +279,9 @@ def target_probs(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
     Order (as in SGLang and vLLM): temperature (``logits / T``), then top-k (keep the tokens
     whose scaled logit is ``>=`` the k-th largest; ties at the k-th value are all kept), then
     top-p on the top-k-renormalized distribution (keep the smallest prefix of tokens, in
-    decreasing probability, whose mass is ``>= top_p``; the most likely token is always kept;
-    ties in the order broken by lower token id; rows with ``top_p == 1`` are not filtered), then
+    decreasing probability, whose mass is ``>= top_p``; the most likely token is always kept,
+    also when ``top_p`` is below float32's smallest positive value and rounds to 0; ties in the
+    order broken by lower token id; rows with ``top_p == 1`` are not filtered), then
     softmax. Filtered tokens get probability exactly 0. Greedy rows (temperature 0) give a
     one-hot at the argmax of the raw logits (first index among ties). Each row uses its own
     options; there is no Python loop over rows.
@@ -291,16 +310,18 @@ def target_probs(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
             sorted_p = sorted_x.softmax(-1)
             mass_before = sorted_p.cumsum(-1) - sorted_p
             top_p = torch.where(greedy, 1.0, sampling.top_p.view(b, 1, 1))
-            sorted_x = sorted_x.masked_fill((mass_before >= top_p) & (top_p < 1.0), -math.inf)
+            drop = (mass_before >= top_p) & (top_p < 1.0)
+            drop[..., 0] = False  # the most likely token, whatever top_p rounded to
+            sorted_x = sorted_x.masked_fill(drop, -math.inf)
         probs = torch.empty_like(sorted_x).scatter_(-1, order, sorted_x.softmax(-1))
     else:
         probs = x.softmax(-1)
     return torch.where(greedy, _one_hot_argmax(logits), probs)
 
 
-def _seeded_keys(sampling: BatchSampling, positions: torch.Tensor | None, purpose: int,
+def _seeded_keys(sampling: BatchSampling, positions: torch.Tensor | None,
                  what: str) -> torch.Tensor:
-    """Keys ``[S]`` / ``[S, n]`` of the seeded rows' draws at ``positions`` (``[B]`` /
+    """Token-draw keys ``[S]`` / ``[S, n]`` of the seeded rows at ``positions`` (``[B]`` /
     ``[B, n]`` int64, every row; only the seeded rows are read)."""
     if positions is None:
         raise ValueError(f"{what}: the batch has seeded rows, so the positions of the tokens "
@@ -311,15 +332,16 @@ def _seeded_keys(sampling: BatchSampling, positions: torch.Tensor | None, purpos
     assert sampling.seeds is not None and sampling.seeded_rows is not None
     positions = positions.to(device=sampling.seeds.device, dtype=torch.int64)
     if sampling.all_seeded:
-        return draw_keys(sampling.seeds, positions, purpose)
+        return draw_keys(sampling.seeds, positions, PURPOSE_TOKEN)
     rows = sampling.seeded_rows
     return draw_keys(sampling.seeds.index_select(0, rows), positions.index_select(0, rows),
-                     purpose)
+                     PURPOSE_TOKEN)
 
 
 def _merge_seeded(noise: torch.Tensor | None, seeded: torch.Tensor,
                   sampling: BatchSampling) -> torch.Tensor:
-    """The generator's ``noise`` with the seeded rows replaced (``seeded`` is ``[S, ...]``)."""
+    """``noise`` (``[B, ...]``: the generator's draws, or any per-row values) with the seeded
+    rows replaced in place by ``seeded`` (``[S, ...]``); None: ``seeded`` (all rows seeded)."""
     if noise is None:  # all_seeded: rows are 0..B-1 in order
         return seeded
     assert sampling.seeded_rows is not None
@@ -328,8 +350,7 @@ def _merge_seeded(noise: torch.Tensor | None, seeded: torch.Tensor,
 
 def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None, *,
                       sampling: BatchSampling | None = None,
-                      positions: torch.Tensor | None = None,
-                      purpose: int = PURPOSE_TOKEN) -> torch.Tensor:
+                      positions: torch.Tensor | None = None) -> torch.Tensor:
     """One draw per row from non-negative weights ``[..., V]`` (need not be normalized) -> int64.
 
     Exponential race: ``argmax(w / E)`` with ``E ~ Exp(1)`` i.i.d. picks token ``i`` with
@@ -338,9 +359,10 @@ def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None, *,
 
     Seeded rows (``sampling`` given with ``any_seeded``; then ``probs`` is ``[B, V]``): ``E``
     of row ``b`` is ``-log(u)`` of the counter-based uniforms of key (seed ``b``,
-    ``positions[b]``, ``purpose``) (:mod:`specdial.worker.seeded_noise`), independent of the
-    other rows; ``positions`` ``[B]`` int64 is the sequence index of the token drawn, and
-    ``purpose`` one of ``PURPOSE_TOKEN`` / ``PURPOSE_DRAFT``. The generator is then used only
+    ``positions[b]``, ``PURPOSE_TOKEN``) (:mod:`specdial.worker.seeded_noise`), independent of
+    the other rows; ``positions`` ``[B]`` int64 is the sequence index of the token drawn. The
+    drafter draws its proposal for position ``t`` with the same key as the target's token at
+    ``t`` (the coupling :func:`speculative_accept` relies on). The generator is then used only
     when some row is unseeded.
     """
     noise = None
@@ -350,7 +372,7 @@ def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None, *,
         if probs.dim() != 2:
             raise ValueError(f"sample_from_probs: seeded rows need probs [B, V], got "
                              f"{list(probs.shape)}")
-        keys = _seeded_keys(sampling, positions, purpose, "sample_from_probs")
+        keys = _seeded_keys(sampling, positions, "sample_from_probs")
         noise = _merge_seeded(noise, seeded_exponentials(keys, probs.shape[-1]), sampling)
     assert noise is not None
     return (probs / noise.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(-1)
@@ -364,8 +386,8 @@ def sample(logits: torch.Tensor, sampling: BatchSampling,
     Greedy rows take the argmax; the others draw from :func:`target_probs`. Draws ``[B, V]``
     exponentials from ``generator`` unless ``sampling.all_greedy`` or ``all_seeded``.
     ``positions`` ``[B]`` int64: sequence index of the token each row samples (the first token
-    after a prompt of ``P`` tokens is at ``P``); required when ``sampling.any_seeded`` (key
-    purpose ``PURPOSE_TOKEN``), else ignored.
+    after a prompt of ``P`` tokens is at ``P``); required when ``sampling.any_seeded``, else
+    ignored.
     """
     if logits.dim() != 2:
         raise ValueError(f"sample: logits must be [B, V], got {list(logits.shape)}")
@@ -373,13 +395,39 @@ def sample(logits: torch.Tensor, sampling: BatchSampling,
     if sampling.all_greedy:
         return argmax
     tokens = sample_from_probs(target_probs(logits.unsqueeze(1), sampling).squeeze(1), generator,
-                               sampling=sampling, positions=positions, purpose=PURPOSE_TOKEN)
+                               sampling=sampling, positions=positions)
     return torch.where(sampling.greedy_mask, argmax, tokens)
 
 
 def _accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
     """Length of the leading run of True per row: ``[B, k]`` bool -> ``[B]`` int64 in 0..k."""
     return accept.to(torch.int64).cumprod(-1).sum(-1)
+
+
+#: Most hashed noise elements :func:`_coupled_draws` materializes at once (each int64
+#: intermediate of the hash is 8 bytes per element: 128 MiB per temporary at this size).
+_COUPLED_NOISE_ELEMENTS = 1 << 24
+
+
+def _coupled_draws(p: torch.Tensor, sampling: BatchSampling,
+                   positions: torch.Tensor | None) -> torch.Tensor:
+    """The seeded rows' own target draws ``[S, n]`` int64 from ``p`` ``[B, n, V]``: at column
+    ``i`` the exponential race ``argmax(p_i / E)`` with ``E`` keyed (seed, ``positions + i``),
+    the draw plain decoding makes for that position (``positions`` ``[B]`` int64). Columns
+    are hashed in chunks of at most :data:`_COUPLED_NOISE_ELEMENTS` noise elements (one chunk
+    unless ``S x n x V`` is large), bounding the memory of large batches and vocabularies."""
+    b, n, v = p.shape
+    cols = None if positions is None else (
+        positions.to(device=p.device, dtype=torch.int64)[:, None]
+        + torch.arange(n, device=p.device))
+    keys = _seeded_keys(sampling, cols, "speculative_accept")  # [S, n]
+    if not sampling.all_seeded:
+        assert sampling.seeded_rows is not None
+        p = p.index_select(0, sampling.seeded_rows)
+    step = max(1, _COUPLED_NOISE_ELEMENTS // max(1, keys.shape[0] * v))
+    tiny = torch.finfo(torch.float32).tiny
+    return torch.cat([(p[:, c:c + step] / seeded_exponentials(keys[:, c:c + step], v)
+                       .clamp_min_(tiny)).argmax(-1) for c in range(0, n, step)], 1)
 
 
 def speculative_accept(
@@ -399,16 +447,14 @@ def speculative_accept(
         ``sampling``), or ``None`` for a greedy/deterministic drafter, in which case ``q_i`` is a
         one-hot at the draft token and the acceptance probability is ``p_i(x_i)``. (That rule is
         lossless for any drafter, only with lower acceptance than passing the real ``q``.)
-        Ignored on greedy rows.
+        Read by the unseeded sampling rows only.
       - ``target_logits`` ``[B, k + 1, V]`` float32: the verify forward's logits; position ``i``
         is the target's prediction for draft ``i`` and position ``k`` for the bonus token.
-      - ``generator``: on the tensors' device; unless ``sampling.all_greedy`` (or
-        ``all_seeded``) this draws ``[B, k]`` uniforms and then ``[B, V]`` exponentials.
+      - ``generator``: on the tensors' device; when some row samples without a seed
+        (``sampling.any_unseeded``) this draws ``[B, k]`` uniforms and then ``[B, V]``
+        exponentials, else nothing.
       - ``positions`` ``[B]`` int64: sequence index of draft 1 (``L + 1`` when ``x_L`` is the
-        last emitted token); required when ``sampling.any_seeded``, else ignored. A seeded
-        row's uniform ``u_i`` is keyed (seed, ``positions + i``, ``PURPOSE_ACCEPT``) and its
-        last token's noise (seed, ``positions + accepted``, ``PURPOSE_TOKEN``), so one verify
-        never reuses a key and every position of a request is decided by one verify.
+        last emitted token); required when ``sampling.any_seeded``, else ignored.
 
     Returns ``(accepted, out_tokens)``: ``accepted`` ``[B]`` int64 in ``0..k`` (accepted drafts,
     bonus excluded) and ``out_tokens`` ``[B, k + 1]`` int64 where ``out_tokens[b, :accepted[b]
@@ -419,9 +465,20 @@ def speculative_accept(
       - Greedy rows (DESIGN.md invariant 1): accept the longest prefix of drafts equal to the
         target argmax, then emit the target argmax at the first mismatch (or at position ``k``).
         The output equals target-only greedy decoding.
-      - Sampling rows (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023, Algorithm 2): with
-        ``p_i`` = ``target_probs(target_logits)[:, i]``, accept draft ``x_i`` when
-        ``u_i * q_i(x_i) < p_i(x_i)`` for ``u_i ~ U[0, 1)`` (probability
+      - Seeded rows (coupled draws; the Gumbel-max trick, e.g. Gumbel 1954, and its use as a
+        shared-noise coupling of drafter and target): the target's own draw at column ``i`` is
+        ``y_i = argmax(p_i / E_i)`` with ``E_i ~ Exp(1)^V`` keyed (seed, ``positions + i``),
+        an exact sample of ``p_i``; the drafter drew its draft for that position with the same
+        ``E_i`` (:meth:`specdial.worker.drafters.Drafter.draft`). Accept the longest prefix of
+        drafts equal to the ``y_i``, then emit ``y`` at the first mismatch (or the bonus
+        ``y_k``). The emitted tokens are exactly the seeded plain-decoding tokens, so they do
+        not depend on the drafts, the drafter, ``k`` or the batch; distinct positions use
+        independent noise, so they are distributed exactly as ``p``. The acceptance is
+        ``P(argmax q/E = argmax p/E) = sum_x 1 / sum_y max(p(y)/p(x), q(y)/q(x))``, below
+        rejection sampling's ``1 - TV(p, q)`` (the price of the guarantee).
+      - Unseeded sampling rows (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023,
+        Algorithm 2): with ``p_i`` = ``target_probs(target_logits)[:, i]``, accept draft ``x_i``
+        when ``u_i * q_i(x_i) < p_i(x_i)`` for ``u_i ~ U[0, 1)`` (probability
         ``min(1, p_i(x_i) / q_i(x_i))``, no division); the accepted count is the leading run of
         accepts (cumulative product). At the first rejection ``j`` emit a token from
         ``norm(max(0, p_j - q_j))``, or from ``p_j`` when that residual's mass is below 1e-6
@@ -429,8 +486,9 @@ def speculative_accept(
         the bonus from ``p_k``. Emitted tokens are then distributed exactly as ``p``
         (DESIGN.md invariant 2).
 
-    Vectorized over the batch; no ``.item()``. Raises ``ValueError`` on inconsistent shapes or
-    a non-int64 ``draft_tokens`` (shape checks only; token values are not checked on device).
+    Vectorized over the batch (seeded rows: ``[S, k + 1, V]`` hashed noise); no ``.item()``.
+    Raises ``ValueError`` on inconsistent shapes, a non-int64 ``draft_tokens`` or seeded rows
+    without ``positions`` (shape checks only; token values are not checked on device).
     """
     if draft_tokens.dim() != 2 or draft_tokens.dtype != torch.int64:
         raise ValueError(f"speculative_accept: draft_tokens must be [B, k] int64, got "
@@ -448,42 +506,35 @@ def speculative_accept(
                          f"draft_tokens has {b}")
     device = target_logits.device
     target_logits = target_logits.float()
-    argmax = target_logits.argmax(-1)  # [B, k+1]
-    greedy_accept = draft_tokens == argmax[:, :k]
-
-    if sampling.all_greedy:
-        accepted = _accepted_prefix(greedy_accept)
-        last = argmax.gather(1, accepted[:, None]).squeeze(1)
-    else:
+    # the target's own choice per column on the greedy and seeded rows: the argmax, or the
+    # seeded draw; such rows accept while the drafts equal it
+    choice = target_logits.argmax(-1)  # [B, k+1]
+    p = None
+    if sampling.any_seeded:
         p = target_probs(target_logits, sampling)  # [B, k+1, V]
-        u = None
-        if not sampling.all_seeded:
-            u = torch.rand((b, k), generator=generator, device=device)
-        if sampling.any_seeded and k:  # u_i of a seeded row: key (seed, positions + i, ACCEPT)
-            cols = None if positions is None else (
-                positions.to(device=device, dtype=torch.int64)[:, None]
-                + torch.arange(k, device=device))
-            keys = _seeded_keys(sampling, cols, PURPOSE_ACCEPT, "speculative_accept")
-            u = _merge_seeded(u, seeded_uniforms(keys), sampling)
-        elif u is None:
-            u = torch.empty((b, 0), device=device)
+        choice = _merge_seeded(choice, _coupled_draws(p, sampling, positions), sampling)
+    accepted = _accepted_prefix(draft_tokens == choice[:, :k])
+    last = choice.gather(1, accepted[:, None]).squeeze(1)
+
+    if not sampling.all_greedy and sampling.any_unseeded:
+        if p is None:
+            p = target_probs(target_logits, sampling)
+        u = torch.rand((b, k), generator=generator, device=device)
         p_x = p[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
         if draft_probs is None:
             q_x = torch.ones_like(p_x)
         else:
             draft_probs = draft_probs.float()
             q_x = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
-        accept = torch.where(sampling.greedy_mask[:, None], greedy_accept, u * q_x < p_x)
-        accepted = _accepted_prefix(accept)
-
+        rejection = _accepted_prefix(u * q_x < p_x)
         # Distribution of the last emitted token: residual at the first rejection, p_k after
         # all accepts (q is taken as 0 there, so the residual is p_k itself).
-        p_j = p.gather(1, accepted.view(b, 1, 1).expand(b, 1, v)).squeeze(1)  # [B, V]
+        p_j = p.gather(1, rejection.view(b, 1, 1).expand(b, 1, v)).squeeze(1)  # [B, V]
         if k == 0:
             residual = p_j
         else:
-            has_draft = (accepted < k)[:, None]
-            j = accepted.clamp(max=k - 1)
+            has_draft = (rejection < k)[:, None]
+            j = rejection.clamp(max=k - 1)
             if draft_probs is None:
                 x_j = draft_tokens.gather(1, j[:, None])
                 q_j = torch.zeros_like(p_j).scatter_(1, x_j, has_draft.float())
@@ -492,11 +543,12 @@ def speculative_accept(
                 q_j = q_j * has_draft
             residual = (p_j - q_j).clamp_min(0.0)
             residual = torch.where(residual.sum(-1, keepdim=True) > _RESIDUAL_EPS, residual, p_j)
-        last = torch.where(sampling.greedy_mask,
-                           argmax.gather(1, accepted[:, None]).squeeze(1),
-                           sample_from_probs(residual, generator, sampling=sampling,
-                                             positions=None if positions is None
-                                             else positions.to(device) + accepted))
+        exact = sampling.greedy_mask
+        if sampling.any_seeded:
+            assert sampling.seeded_mask is not None
+            exact = exact | sampling.seeded_mask
+        accepted = torch.where(exact, accepted, rejection)
+        last = torch.where(exact, last, sample_from_probs(residual, generator))
 
     pos = torch.arange(k + 1, device=device)
     acc = accepted[:, None]

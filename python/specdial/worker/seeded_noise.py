@@ -17,12 +17,14 @@ so it vectorizes over the batch and the vocabulary without a per-request loop.
 
 - ``position``: the sequence index of the token being decided (prompt tokens are
   ``0..P-1``; the first generated token is ``P``). Every token position of a request is decided
-  once; draws for positions beyond the tokens a verify emits are never used for the result,
-  so reusing their keys in the next iteration keeps the draws of every decision independent.
-- ``purpose``: :data:`PURPOSE_DRAFT` (the drafter's ``[V]`` noise for the draft token at that
-  position), :data:`PURPOSE_ACCEPT` (the acceptance uniform of that draft),
-  :data:`PURPOSE_TOKEN` (the ``[V]`` noise of a token the target samples: the first token after
-  prefill, a plain decode, the residual after a rejection, the bonus token).
+  once, by one draw: the token plain decoding samples there, which the drafter's proposal for
+  that position shares (the coupled draws of :func:`specdial.worker.sampling.speculative_accept`:
+  a draft is accepted exactly when it equals the target's own draw). Draws for positions beyond
+  the tokens a verify emits are never used for the result, and the next iteration draws those
+  positions again with the same keys, for the same decision.
+- ``purpose``: :data:`PURPOSE_TOKEN` (the ``[V]`` noise of the token at that position: the
+  first token after prefill, a plain decode, a draft, every verify position). The other values
+  of the 4 purpose bits are free for draws of other kinds.
 
 Arithmetic: torch ``int64`` tensors. Multiplication wraps modulo ``2**64`` (two's complement, as
 torch's CPU and CUDA integer kernels do), which is the unsigned arithmetic SplitMix64 needs;
@@ -38,8 +40,6 @@ from __future__ import annotations
 import torch
 
 __all__ = [
-    "PURPOSE_ACCEPT",
-    "PURPOSE_DRAFT",
     "PURPOSE_TOKEN",
     "draw_keys",
     "mix64",
@@ -48,8 +48,6 @@ __all__ = [
     "seeded_uniforms",
 ]
 
-PURPOSE_DRAFT = 1
-PURPOSE_ACCEPT = 2
 PURPOSE_TOKEN = 3
 #: purposes occupy the low 4 bits of the position word
 _PURPOSE_BITS = 4
@@ -87,8 +85,8 @@ def mix64(z: torch.Tensor) -> torch.Tensor:
 
 def draw_keys(seeds: torch.Tensor, positions: torch.Tensor, purpose: int) -> torch.Tensor:
     """Key of each draw: ``seeds`` ``[S]`` int64 (:func:`seed_to_int64`), ``positions`` ``[S]``
-    or ``[S, n]`` int64 (sequence index of the token decided, ``>= 0``), ``purpose`` one of the
-    ``PURPOSE_*`` constants -> int64 keys shaped like ``positions``."""
+    or ``[S, n]`` int64 (sequence index of the token decided, ``>= 0``), ``purpose`` in
+    ``1..15`` (:data:`PURPOSE_TOKEN`) -> int64 keys shaped like ``positions``."""
     if not 0 < purpose < 1 << _PURPOSE_BITS:
         raise ValueError(f"draw_keys: purpose must be in 1..{(1 << _PURPOSE_BITS) - 1}, "
                          f"got {purpose}")

@@ -1,0 +1,331 @@
+"""Load and fault suite (issue 12): a real ``specdial serve`` process on loopback, serving tiny
+random models (test_server_cli.save_tiny_model: hidden 64, the built-in tokenizer) with a draft
+model, an API key from ``SPECDIAL_API_KEY``, a KV cache too small for the load, and a 2 s body
+read timeout. The tests run in order against the one process:
+
+1. unloaded greedy reference outputs, one request at a time;
+2. 256 concurrent streaming clients: zero errors, every text equal to its unloaded reference
+   although the KV cache runs out (preemptions counted from /metrics), p50/p99 latencies;
+3. a disconnect storm (streams dropped after their first event) and an abort storm
+   (non-streaming clients giving up mid-generation): afterwards nothing runs, nothing waits,
+   no KV page is held, and greedy outputs are unchanged;
+4. a 50 MB body (413 in under 3 s) and a flood of slow-body connections (each answered 408 at
+   the read timeout) while a stream keeps flowing and /health answers within 1 s;
+5. SIGTERM with streams open and a 1 s shutdown timeout: every stream ends with a final event
+   (finish_reason ``abort`` or a normal finish) and ``[DONE]``; exit status 0; the server's log
+   has no traceback and no ERROR line, and one INFO line per dropped client.
+
+Counts and times are bounded (a few minutes on a 2-core machine); figures are printed
+(``pytest -s``) and collected in ``FIGURES``. Latency bounds are the issue's stall bounds
+(seconds), not speed claims.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from specdial.engine import Engine
+from test_server_cli import save_tiny_model
+
+pytestmark = pytest.mark.skipif(not hasattr(Engine, "async_stream"),
+                                reason="needs the continuous-batching Engine")
+
+KEY = "sk-load-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+NAME = "tiny"
+PROMPTS = ["def add(a, b):\n    return", "import os\nimport", "class Point:\n    def",
+           "for i in range(10):\n", "x = [1, 2, 3]\nprint(", "# a comment\n",
+           "while True:\n    if", "with open(path) as f:\n", "try:\n    x = int(s)\n",
+           "return [x for x in", "@property\ndef", "lambda a, b:", "yield from",
+           "assert isinstance(", "from typing import", "async def main():\n"]
+MAX_TOKENS = 48
+STREAMS = 256
+STORM = 128
+SLOW_BODIES = 300
+BODY_READ_TIMEOUT_S = 2
+FIGURES: dict[str, Any] = {}
+REFERENCE: dict[str, str] = {}
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
+
+
+class Server:
+    """The ``specdial serve`` process; ``log`` is its stderr file."""
+
+    def __init__(self, tmp: Path) -> None:
+        target = save_tiny_model(tmp / "target", seed=40)
+        draft = save_tiny_model(tmp / "draft", seed=41, perturb_of=target, noise=0.01)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / "server.log"
+        exe = Path(sys.executable).with_name("specdial")
+        args = [str(exe), "serve", "--model-path", str(target), "--draft-model-path",
+                str(draft), "--served-model-name", NAME, "--port", str(self.port),
+                "--max-running-requests", "64", "--max-queued-requests", "1024",
+                "--kv-cache-tokens", "2048", "--page-size", "16", "--context-length", "256",
+                "--body-read-timeout", str(BODY_READ_TIMEOUT_S), "--shutdown-timeout", "1",
+                "--log-interval-s", "0", "--cpu-threads", "1"]
+        env = {**os.environ, "SPECDIAL_API_KEY": KEY}
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, env=env,
+                                     stderr=self.log.open("w"))
+        deadline = time.monotonic() + 120
+        while True:
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+
+    def metrics(self) -> dict[str, float]:
+        """The unlabelled samples of /metrics (labelled by ``model_name`` only) by name."""
+        text = httpx.get(self.url + "/metrics", timeout=30).text
+        return {m.group(1): float(m.group(3))
+                for m in re.finditer(r'^(specdial:[^{\s]+)(\{model_name="[^"]*"\})? (\S+)$',
+                                     text, re.M)}
+
+    def wait_idle(self, timeout: float = 60) -> dict[str, float]:
+        """Wait until nothing runs, nothing waits and no KV page is held; return /metrics."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if (m["specdial:num_requests_running"] == 0 and m["specdial:num_requests_waiting"]
+                    == 0 and m["specdial:kv_cache_pages_used"] == 0):
+                return m
+            assert time.monotonic() < deadline, m
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("load"))
+    yield srv
+    srv.stop()
+    print("\n[load] figures: " + json.dumps(FIGURES, sort_keys=True))
+
+
+def body(prompt: str, n: int = MAX_TOKENS, **kw: Any) -> dict[str, Any]:
+    return {"model": NAME, "prompt": prompt, "max_tokens": n, "temperature": 0, **kw}
+
+
+async def stream_one(c: httpx.AsyncClient, prompt: str) -> tuple[str, str, float, float]:
+    """(text, finish_reason, time to first token, end-to-end) of one greedy stream."""
+    t0 = time.monotonic()
+    first, parts, reason = None, [], None
+    async with c.stream("POST", "/v1/completions", json=body(prompt, stream=True)) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            if choice["text"] and first is None:
+                first = time.monotonic() - t0
+            parts.append(choice["text"])
+            reason = choice["finish_reason"] or reason
+    return "".join(parts), str(reason), first or 0.0, time.monotonic() - t0
+
+
+def test_unloaded_greedy_reference(server):
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c:
+        for p in PROMPTS:
+            r = c.post("/v1/completions", json=body(p))
+            assert r.status_code == 200, r.text
+            REFERENCE[p] = r.json()["choices"][0]["text"]
+        assert httpx.get(server.url + "/v1/models", timeout=10).status_code == 401
+    assert len(set(REFERENCE.values())) > 1
+
+
+def test_256_concurrent_streams_with_kv_exhaustion(server):
+    reference = REFERENCE
+    before = server.metrics()["specdial:num_preemptions_total"]
+
+    async def main():
+        limits = httpx.Limits(max_connections=STREAMS + 8)
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, limits=limits,
+                                     timeout=600) as c:
+            return await asyncio.gather(*(stream_one(c, PROMPTS[i % len(PROMPTS)])
+                                          for i in range(STREAMS)), return_exceptions=True)
+
+    t0 = time.monotonic()
+    results = asyncio.run(main())
+    wall = time.monotonic() - t0
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, errors[:3]
+    wrong = [i for i, (text, reason, _, _) in enumerate(results)
+             if text != reference[PROMPTS[i % len(PROMPTS)]] or reason != "length"]
+    assert not wrong, wrong[:10]
+    idle = server.wait_idle()
+    preemptions = idle["specdial:num_preemptions_total"] - before
+    ttft, e2e = [r[2] for r in results], [r[3] for r in results]
+    FIGURES["streams"] = {"held": STREAMS, "errors": 0, "wall_s": round(wall, 1),
+                          "ttft_p50_s": round(percentile(ttft, 50), 2),
+                          "ttft_p99_s": round(percentile(ttft, 99), 2),
+                          "e2e_p50_s": round(percentile(e2e, 50), 2),
+                          "e2e_p99_s": round(percentile(e2e, 99), 2),
+                          "preemptions": int(preemptions)}
+    print(f"\n[load] {FIGURES['streams']}")
+    assert preemptions > 0, "the KV cache should have run out"
+
+
+def test_disconnect_and_abort_storms(server):
+    async def drop_stream(c: httpx.AsyncClient, i: int) -> None:
+        async with c.stream("POST", "/v1/completions",
+                            json=body(PROMPTS[i % len(PROMPTS)], 200, stream=True)) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    return  # leave after the first event: the connection closes
+
+    async def give_up(c: httpx.AsyncClient, i: int) -> None:
+        with pytest.raises(httpx.ReadTimeout):
+            await c.post("/v1/completions", json=body(PROMPTS[i % len(PROMPTS)], 200),
+                         timeout=httpx.Timeout(60, read=0.5 + (i % 10) * 0.1))
+
+    async def main():
+        limits = httpx.Limits(max_connections=STORM + 8)
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, limits=limits,
+                                     timeout=300) as c:
+            await asyncio.gather(*(drop_stream(c, i) for i in range(STORM)))
+            server.wait_idle()
+            await asyncio.gather(*(give_up(c, i) for i in range(STORM)))
+
+    asyncio.run(main())
+    idle = server.wait_idle()  # nothing running or waiting, every KV page back
+    FIGURES["storms"] = {"disconnects": STORM, "aborts": STORM, "left_running": 0,
+                         "left_waiting": 0, "kv_pages_held": 0,
+                         "kv_pages_total": int(idle["specdial:kv_cache_pages_total"])}
+    print(f"\n[load] {FIGURES['storms']}")
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c:
+        for p in PROMPTS[:4]:
+            assert c.post("/v1/completions", json=body(p)).json()["choices"][0]["text"] == \
+                REFERENCE[p]
+
+
+def test_a_50mb_body_and_a_slow_body_flood_while_a_stream_flows(server):
+    gaps: list[float] = []
+    health: list[float] = []
+
+    async def flowing(c: httpx.AsyncClient, done: asyncio.Event) -> str:
+        last, parts = None, []
+        async with c.stream("POST", "/v1/completions",
+                            json=body(PROMPTS[0], 200, stream=True, ignore_eos=True)) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    now = time.monotonic()
+                    if last is not None and not done.is_set():
+                        gaps.append(now - last)
+                    last = now
+                    if line != "data: [DONE]":
+                        parts.append(json.loads(line[6:])["choices"][0]["text"])
+        return "".join(parts)
+
+    async def probe(done: asyncio.Event) -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as h:
+            while not done.is_set():
+                t0 = time.monotonic()
+                assert (await h.get("/health")).status_code == 200
+                health.append(time.monotonic() - t0)
+                await asyncio.sleep(0.1)
+
+    async def slow_body() -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: "
+                     f"Bearer {KEY}\r\nContent-Type: application/json\r\nContent-Length: "
+                     f"5000\r\n\r\n{{\"prompt\": \"".encode())
+        await writer.drain()
+        try:
+            return await asyncio.wait_for(reader.read(4096), 30)
+        finally:
+            writer.close()
+
+    async def main():
+        done = asyncio.Event()
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120) as c:
+            stream = asyncio.create_task(flowing(c, done))
+            prober = asyncio.create_task(probe(done))
+            await asyncio.sleep(0.5)
+            t0 = time.monotonic()
+            big = await c.post("/v1/completions", content=b'{"prompt": "' + b"a" * 50_000_000
+                               + b'"}', headers={"Content-Type": "application/json"})
+            big_s = time.monotonic() - t0
+            answers = await asyncio.gather(*(slow_body() for _ in range(SLOW_BODIES)))
+            done.set()
+            await prober
+            return big, big_s, answers, await stream
+
+    big, big_s, answers, text = asyncio.run(main())
+    assert big.status_code == 413 and big_s < 3.0, (big.status_code, big_s)
+    timed_out = sum(a.startswith(b"HTTP/1.1 408") for a in answers)
+    others = [a[:40] for a in answers if not a.startswith(b"HTTP/1.1 408")]
+    assert timed_out == SLOW_BODIES, others[:3]
+    assert gaps and max(gaps) < 1.0 and max(health) < 1.0, (max(gaps), max(health))
+    assert len(text) > 0
+    server.wait_idle()
+    FIGURES["body_faults"] = {"body_50mb_status": 413, "body_50mb_s": round(big_s, 2),
+                              "slow_bodies_408": timed_out,
+                              "stream_max_gap_s": round(max(gaps), 3),
+                              "stream_events_during_faults": len(gaps),
+                              "health_max_s": round(max(health), 3)}
+    print(f"\n[load] {FIGURES['body_faults']}")
+
+
+def test_sigterm_under_load_and_a_quiet_log(server):
+    events: list[list[str]] = [[] for _ in range(32)]
+
+    async def one(c: httpx.AsyncClient, i: int) -> None:
+        async with c.stream("POST", "/v1/completions",
+                            json=body(PROMPTS[i % len(PROMPTS)], 200, stream=True,
+                                      ignore_eos=True)) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events[i].append(line)
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60) as c:
+            tasks = [asyncio.create_task(one(c, i)) for i in range(len(events))]
+            while sum(bool(e) for e in events) < len(events):
+                await asyncio.sleep(0.05)
+            server.proc.send_signal(signal.SIGTERM)
+            await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+    assert server.proc.wait(60) == 0
+    reasons = []
+    for ev in events:
+        assert ev[-1] == "data: [DONE]", ev[-2:]
+        reasons.append(json.loads(ev[-2][6:])["choices"][0]["finish_reason"])
+    assert set(reasons) <= {"abort", "length"} and "abort" in reasons
+    log = server.log.read_text()
+    bad = [line for line in log.splitlines() if "Traceback" in line or " ERROR " in line]
+    assert not bad, bad[:5]
+    dropped = log.count("the client disconnected")
+    FIGURES["sigterm"] = {"open_streams": len(events), "aborted": reasons.count("abort"),
+                          "exit_status": 0, "log_error_lines": 0,
+                          "client_disconnect_info_lines": dropped}
+    print(f"\n[load] {FIGURES['sigterm']}")
+    assert dropped >= 2 * STORM  # every dropped client logged once (at INFO)
