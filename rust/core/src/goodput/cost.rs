@@ -57,6 +57,11 @@ fn features(b: f64, k: u32, ctx: f64, catch_up: f64) -> [f64; F] {
     [1.0, k, b, k * b, c, k * c, catch_up / CATCH_SCALE]
 }
 
+fn plane_at(theta: &[f64; F], b: f64, k: u32, ctx: f64, catch_up: f64) -> f64 {
+    let x = features(b, k, ctx, catch_up);
+    x.iter().zip(theta).map(|(x, t)| x * t).sum()
+}
+
 #[derive(Debug, Clone, PartialEq, Default)]
 struct Cell {
     /// Decayed weight (saturates at the window).
@@ -67,6 +72,8 @@ struct Cell {
     mean_catch: f64,
     /// Measurements ever taken.
     count: u64,
+    /// `mean_t` minus the plane at the mean features (refreshed whenever the plane changes).
+    residual: f64,
 }
 
 /// The cost model (see the module docs). Units: seconds, tokens, requests.
@@ -147,6 +154,10 @@ impl CostModel {
         }
         self.observations += 1;
         self.theta = self.solve();
+        let theta = self.theta;
+        for (&(_, k), c) in self.cells.iter_mut() {
+            c.residual = c.mean_t - plane_at(&theta, c.mean_b, k, c.mean_c, c.mean_catch);
+        }
     }
 
     /// Ridge solution `(X'X + RIDGE I) theta = X'y + RIDGE prior` by Cholesky.
@@ -194,12 +205,7 @@ impl CostModel {
     }
 
     fn plane(&self, b: f64, k: u32, ctx: f64, catch_up: f64) -> f64 {
-        let x = features(b, k, ctx, catch_up);
-        x.iter().zip(&self.theta).map(|(x, t)| x * t).sum()
-    }
-
-    fn residual(&self, cell: &Cell, k: u32) -> f64 {
-        cell.mean_t - self.plane(cell.mean_b, k, cell.mean_c, cell.mean_catch)
+        plane_at(&self.theta, b, k, ctx, catch_up)
     }
 
     /// Residual borrowed from measured cells near `(bucket, k)`: weights fall by `e^-1.5` per
@@ -213,7 +219,7 @@ impl CostModel {
                 continue;
             }
             let w = (-1.5 * d).exp() * cell.w / (cell.w + 1.0);
-            num += w * self.residual(cell, ck);
+            num += w * cell.residual;
             den += w;
         }
         if den > 0.0 {
@@ -230,7 +236,7 @@ impl CostModel {
         let resid = match self.cells.get(&(bucket, k)) {
             Some(c) => {
                 let own = c.w / (c.w + 1.0);
-                own * self.residual(c, k) + (1.0 - own) * nb
+                own * c.residual + (1.0 - own) * nb
             }
             None => nb,
         };
