@@ -13,6 +13,9 @@ fn main() {
     if let Some(x) = args.get(4) {
         spec.seed = x.parse().expect("seed");
     }
+    if let Ok(x) = std::env::var("DRIFT") {
+        spec.noise.drift = x.parse().expect("drift");
+    }
     if let Some(j) = args.get(5) {
         spec.policies[0].1 = specdial_core::AdaptiveConfig::from_json(j).expect("config");
         spec.policies.truncate(1);

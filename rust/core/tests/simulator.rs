@@ -85,9 +85,10 @@ fn context_length_moves_the_best_steps_at_a_constant_batch_size() {
 
 #[test]
 fn goodput_holds_under_heavy_timing_noise() {
-    // 30 % per-iteration timing noise, 5 % stalls (a shared CPU): still >= 0.95 on average.
+    // 30 % per-iteration timing noise, 5 % stalls and a +-20 % slow drift of the device's speed
+    // (a shared CPU): still >= 0.95 of the oracle on average.
     let spec = SimSpec {
-        noise: Noise { sigma: 0.3, spike_probability: 0.05 },
+        noise: Noise { sigma: 0.3, spike_probability: 0.05, drift: 0.2 },
         segments: 8000,
         seed: 11,
         policies: specdial_core::sim::default_policies()[..1].to_vec(),
@@ -96,5 +97,5 @@ fn goodput_holds_under_heavy_timing_noise() {
     let cases = run_all(&spec);
     let mean = cases.iter().map(|c| c.ratio("goodput")).sum::<f64>() / cases.len() as f64;
     assert!(mean >= 0.95, "mean {mean:.4}\n{}", table(&cases));
-    assert!(cases.iter().all(|c| c.ratio("goodput") >= 0.88), "{}", table(&cases));
+    assert!(cases.iter().all(|c| c.ratio("goodput") >= 0.85), "{}", table(&cases));
 }

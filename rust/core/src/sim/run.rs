@@ -26,12 +26,29 @@ pub struct Noise {
     pub sigma: f64,
     /// Probability that an iteration is a stall, 1.5x to 3x slower.
     pub spike_probability: f64,
+    /// Standard deviation of a slow drift of the device's speed (the log of a factor that moves
+    /// over hundreds to thousands of segments, as other work on a shared machine comes and goes).
+    pub drift: f64,
 }
 
 impl Default for Noise {
     fn default() -> Self {
-        Noise { sigma: 0.1, spike_probability: 0.01 }
+        Noise { sigma: 0.1, spike_probability: 0.01, drift: 0.0 }
     }
+}
+
+/// The slow speed factor at segment `i` (see [`Noise::drift`]): three sinusoids of periods 700,
+/// 1900 and 4300 segments with phases drawn from `seed`.
+fn drift_factor(seed: u64, i: usize, drift: f64) -> f64 {
+    if drift == 0.0 {
+        return 1.0;
+    }
+    let mut rng = SmallRng::seed_from_u64(seed ^ 0xD81F7);
+    let x: f64 = [700.0, 1900.0, 4300.0]
+        .iter()
+        .map(|period| (std::f64::consts::TAU * (i as f64 / period + rng.random::<f64>())).sin())
+        .sum();
+    (drift * x / 1.5f64.sqrt()).exp()
 }
 
 /// Options shared by every contender of a run.
@@ -74,7 +91,7 @@ fn draws(seed: u64, i: usize, b: usize, noise: Noise) -> Draws {
         factor *= 1.5 + 1.5 * rng.random::<f64>();
     }
     let uniforms = (0..b).map(|_| std::array::from_fn(|_| rng.random::<f64>())).collect();
-    Draws { factor, uniforms }
+    Draws { factor: factor * drift_factor(seed, i, noise.drift), uniforms }
 }
 
 /// Seconds of iteration `i` at steps `k` on `curve` (the batch padded to the curve's graph
