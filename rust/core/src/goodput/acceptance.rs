@@ -33,8 +33,10 @@ struct Counts {
 }
 
 impl Counts {
-    fn rate(&self) -> Option<f64> {
-        (self.reached > 1e-9).then(|| self.accepted / self.reached)
+    /// The rate shrunk toward `prior` by `PRIOR_WEIGHT` pseudo-requests (so a handful of
+    /// observations cannot pin it to 0 or 1).
+    fn shrunk(&self, prior: f64) -> f64 {
+        (self.accepted + PRIOR_WEIGHT * prior) / (self.reached + PRIOR_WEIGHT)
     }
 }
 
@@ -135,13 +137,11 @@ impl AcceptanceModel {
         let mut out = Vec::with_capacity(self.recent.len());
         let mut prev: Option<f64> = None; // estimate of position j - 1
         for j in 0..self.recent.len() {
-            let long = self.long_run[j].rate();
             let prior = match prev {
-                None => long.unwrap_or(INITIAL_RATE),
-                Some(est) => match (long, self.long_prev[j].rate()) {
-                    (Some(l), Some(lp)) if lp > 1e-6 => est * l / lp,
-                    _ => est,
-                },
+                None => self.long_run[j].shrunk(INITIAL_RATE),
+                // The depth profile: position j's long-run rate over position j - 1's on the
+                // same verifies, both shrunk alike (a ratio of 1 without data).
+                Some(est) => est * self.long_run[j].shrunk(INITIAL_RATE) / self.long_prev[j].shrunk(INITIAL_RATE),
             }
             .clamp(0.0, 1.0);
             let r = &self.recent[j];
@@ -168,6 +168,14 @@ pub fn expected_tokens(alpha: &[f64], steps: u32) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_unlucky_verify_does_not_pin_the_estimate_to_zero() {
+        let mut m = AcceptanceModel::new(4, 16);
+        m.observe(1, 4, &[0]);
+        let r = m.rates(1);
+        assert!(r.iter().all(|&a| a > 0.3), "{r:?}");
+    }
 
     #[test]
     fn conditional_rates_from_truncated_verifies() {
