@@ -42,6 +42,23 @@ def tiny_model(seed: int, layers: int) -> LlamaForCausalLM:
     return model.eval()
 
 
+def tiny_eagle(target: LlamaForCausalLM):
+    """A random EAGLE head over ``target`` (weights N(0, 0.3) but the norms), seed 5."""
+    import dataclasses
+
+    from specdial.models import EagleHead
+    from specdial.models.eagle import EAGLE_ARCHITECTURE
+
+    cfg = dataclasses.replace(target.config, architecture=EAGLE_ARCHITECTURE, num_hidden_layers=1)
+    torch.manual_seed(5)
+    head = EagleHead(cfg, target.embed_tokens, target.lm_head).eval()
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.3)
+    return head
+
+
 def exact_marginals(target: LlamaForCausalLM, sp: dict) -> tuple[np.ndarray, np.ndarray]:
     """P(t2) and P(t3) from target-only probabilities (same temperature/top-k processing)."""
     eng = Engine.from_modules(target, speculative_adaptive=False, max_running_requests=V * V,
@@ -99,18 +116,7 @@ def test_speculative_sampling_keeps_the_target_distribution(algo, sp):
     if algo == "DRAFT":
         drafter = tiny_model(1, layers=1)
     else:
-        from specdial.models import EagleHead
-        import dataclasses
-
-        from specdial.models.eagle import EAGLE_ARCHITECTURE
-
-        cfg = dataclasses.replace(target.config, architecture=EAGLE_ARCHITECTURE, num_hidden_layers=1)
-        torch.manual_seed(5)
-        drafter = EagleHead(cfg, target.embed_tokens, target.lm_head).eval()
-        with torch.no_grad():
-            for name, p in drafter.named_parameters():
-                if "norm" not in name:
-                    p.normal_(0, 0.3)
+        drafter = tiny_eagle(target)
     m2, m3 = exact_marginals(target, sp)
     eng = Engine.from_modules(target, drafter, speculative_adaptive=False, speculative_num_steps=2,
                               max_running_requests=N, kv_cache_tokens=N * 8, page_size=8)

@@ -9,8 +9,12 @@ and emits the new suffix, holding back
 - with stop strings, the last ``max(len(stop)) - 1`` characters (they could be the start of a
   stop string that later tokens complete), so a stop string is never partly sent.
 
-A matched stop string and everything after it are cut; the request then finishes with
-``{"type": "stop", "matched": <the string>}``.
+A matched stop string and everything after it are cut (with ``include_stop``: everything
+after it, vLLM's ``include_stop_str_in_output``; nothing is held back then); the request then
+finishes with ``{"type": "stop", "matched": <the string>}``. With ``min_tokens`` (vLLM's rule),
+no stop string matches before the output holds ``min_tokens`` tokens, and a match must end
+after the text of those first tokens. ``skip_special_tokens`` (default True, vLLM's and
+SGLang's) leaves special tokens out of the text.
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ __all__ = ["IncrementalText", "decode"]
 _REPLACEMENT = "\ufffd"
 
 
-def decode(tokenizer: Any, ids: Sequence[int]) -> str:
-    """``tokenizer.decode(ids)`` without special tokens (HF tokenizers and ``tokenizers``)."""
+def decode(tokenizer: Any, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    """``tokenizer.decode(ids)``, without special tokens unless ``skip_special_tokens`` is False
+    (HF tokenizers and ``tokenizers``)."""
     try:
-        return str(tokenizer.decode(list(ids), skip_special_tokens=True))
+        return str(tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
     except TypeError:
         return str(tokenizer.decode(list(ids)))
 
@@ -33,29 +38,39 @@ def decode(tokenizer: Any, ids: Sequence[int]) -> str:
 class IncrementalText:
     """Text state of one request. ``tokenizer`` None: every delta is ``""``.
 
-    ``stop``: stop strings (non-empty). After :meth:`update` returned a delta with
-    ``matched`` set, the text is final.
+    ``stop``: stop strings (non-empty); ``skip_special_tokens``, ``include_stop`` and
+    ``min_tokens`` (output tokens before a stop string may match): the module docstring. After
+    :meth:`update` returned a delta with ``matched`` set, the text is final.
     """
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), *,
+                 skip_special_tokens: bool = True, include_stop: bool = False,
+                 min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.skip_special_tokens, self.include_stop = skip_special_tokens, include_stop
+        self.min_tokens = min_tokens
+        self.hold = 0 if include_stop else max((len(s) for s in self.stop), default=1) - 1
         self.sent = ""  # text already emitted
         self.matched: str | None = None
         self._searched = 0  # stop strings cannot start before this index of the full text
+        self._floor: int | None = None  # a match must end after this index (min_tokens)
 
     def update(self, ids: Sequence[int], final: bool) -> str:
         """New text for the output ``ids`` so far; ``final``: the request ends now (nothing is
         held back). Sets :attr:`matched` when a stop string matched (the delta then ends right
-        before it)."""
+        before it, or right after it with ``include_stop``)."""
         if self.tokenizer is None or self.matched is not None:
             return ""
-        full = decode(self.tokenizer, ids)
-        if self.stop:
+        full = decode(self.tokenizer, ids, self.skip_special_tokens)
+        if self.stop and len(ids) > self.min_tokens:
+            if self._floor is None:
+                self._floor = len(decode(self.tokenizer, ids[:self.min_tokens],
+                                         self.skip_special_tokens)) if self.min_tokens else 0
             hit = self._find_stop(full)
             if hit is not None:
-                full, final = full[:hit], True
+                assert self.matched is not None
+                full, final = full[:hit + (len(self.matched) if self.include_stop else 0)], True
         if not final:
             end = len(full)
             while end > 0 and full[end - 1] == _REPLACEMENT:
@@ -77,10 +92,11 @@ class IncrementalText:
         return delta
 
     def _find_stop(self, full: str) -> int | None:
-        start = max(0, self._searched - self.hold)
+        start = max(0, self._searched - max(len(s) for s in self.stop) + 1)
+        floor = self._floor or 0
         best: tuple[int, str] | None = None
         for s in self.stop:
-            i = full.find(s, start)
+            i = full.find(s, max(start, floor - len(s) + 1))
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
         self._searched = len(full.rstrip(_REPLACEMENT))

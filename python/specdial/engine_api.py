@@ -18,8 +18,11 @@ consumes it:
   tokenizer, a ``tokenizers.Tokenizer`` or None), ``engine.context_length`` (tokens, prompt plus
   completion), ``engine.shutdown(drain=True)`` (stop admitting; ``drain=True`` finishes the
   running requests, ``False`` aborts them).
-- ``sampling_params`` keys: ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``,
-  ``stop_token_ids``, ``ignore_eos``, ``seed``. A ``seed`` (OpenAI's field) makes a sampling
+- ``sampling_params`` keys: the fields of :class:`specdial.worker.sampling.SamplingParams`
+  (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``,
+  ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``min_tokens``,
+  ``stop_token_ids``, ``ignore_eos``, ``include_stop_str_in_output``, ``skip_special_tokens``,
+  ``seed``), each exact under speculation. A ``seed`` (OpenAI's field) makes a sampling
   request's tokens the ones plain decoding samples with that seed: they depend only on its
   prompt, seed and sampling params, not on the other requests it is batched with, the steps
   schedule, the drafter or whether speculation is on. Logits are not bitwise batch-invariant,

@@ -60,7 +60,9 @@ class Submitted:
 class RequestSpec:
     """A validated request on its way to the loop. ``stop_token_ids`` includes the EOS ids
     unless ``ignore_eos``. ``rid`` is set by the loop when the scheduler accepts it.
-    ``logprobs``: the log-probabilities it wants (None: none)."""
+    ``logprobs``: the log-probabilities it wants (None: none). ``min_tokens_ids``: the token
+    ids masked while the output is shorter than ``params.min_tokens`` (EOS and stop token ids
+    inside the vocabulary; empty without ``min_tokens``)."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -69,6 +71,7 @@ class RequestSpec:
     sink: Callable[[Any], None]
     rid: int | None = None
     logprobs: LogprobOptions | None = None
+    min_tokens_ids: tuple[int, ...] = ()
 
 
 @dataclass(eq=False)
@@ -280,7 +283,10 @@ class EngineLoop:
             self._out(spec.sink, e)
             return
         spec.rid = rid
-        self.live[rid] = _Live(spec, rid, IncrementalText(self.tokenizer, spec.stop))
+        p = spec.params
+        self.live[rid] = _Live(spec, rid, IncrementalText(
+            self.tokenizer, spec.stop, skip_special_tokens=p.skip_special_tokens,
+            include_stop=p.include_stop_str_in_output, min_tokens=p.min_tokens))
         self._prompt_tokens += len(spec.prompt_ids)
         self._out(spec.sink, Submitted(rid))
 
@@ -307,8 +313,7 @@ class EngineLoop:
                     if lv.queue_time is None:
                         lv.queue_time = now - lv.submitted
                 first_live = [self.live[r] for r, f in zip(rids, plan.sample_first.tolist()) if f]
-                sampling = (BatchSampling.from_params([lv.spec.params for lv in first_live],
-                                                      self.device) if first_live else None)
+                sampling = self._batch_sampling(first_live) if first_live else None
                 lp_rows = LogprobRows.build([lv.top_n() for lv in first_live], self.device)
                 prompt_plan, owners = self._prompt_plan(plan, rids)
                 out = self.worker.prefill(plan, sampling, self.generator, lp_rows, prompt_plan)
@@ -328,12 +333,19 @@ class EngineLoop:
             return
         self._after_report(plan, rids, res, out.logprobs)
 
+    def _batch_sampling(self, live: list[_Live]) -> BatchSampling:
+        """The options of ``live`` requests in batch order, with what their penalties and
+        ``min_tokens`` need (prompt lengths, masked ids)."""
+        return BatchSampling.from_params(
+            [lv.spec.params for lv in live], self.device,
+            prompt_lens=[len(lv.spec.prompt_ids) for lv in live],
+            min_tokens_ids=[lv.spec.min_tokens_ids for lv in live])
+
     def _sampling_for(self, rids: list[int]) -> BatchSampling:
         key = tuple(rids)
         if key != self._sampling_key or self._sampling is None:
             live = [self.live[r] for r in rids]
-            self._sampling = BatchSampling.from_params([lv.spec.params for lv in live],
-                                                       self.device)
+            self._sampling = self._batch_sampling(live)
             self._lp_rows = LogprobRows.build([lv.top_n() for lv in live], self.device)
             self._sampling_key = key
         return self._sampling
@@ -467,7 +479,11 @@ class EngineLoop:
 
     def _emit(self, lv: _Live, new: list[int], fin: Any, token_lp: Any = None) -> None:
         lv.output.extend(new)
-        text = lv.text.update(lv.output, final=fin is not None)
+        shown = lv.output
+        if (fin is not None and fin.reason == "stop" and fin.stop_token_id is not None
+                and not lv.spec.params.include_stop_str_in_output):
+            shown = lv.output[:-1]  # the matched stop token's text is left out (vLLM, SGLang)
+        text = lv.text.update(shown, final=fin is not None)
         if lv.text.matched is not None and fin is None:
             fin = self.sched.finish_request(lv.rid, "stop")
             if fin is None:

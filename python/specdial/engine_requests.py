@@ -131,7 +131,24 @@ def make_spec(prompt: Any, input_ids: Any, sampling_params: Any, stop: Any, *, t
         stops = tuple(stop)
     stop_ids = params.stop_token_ids + (() if params.ignore_eos else tuple(sorted(eos_token_ids)))
     return RequestSpec(ids, params, stop_ids, stops, sink=lambda _: None,
-                       logprobs=_check_logprobs(logprobs, len(ids), label))
+                       logprobs=_check_logprobs(logprobs, len(ids), label),
+                       min_tokens_ids=_min_tokens_ids(params, eos_token_ids, vocab_size, label))
+
+
+def _min_tokens_ids(params: SamplingParams, eos_token_ids: frozenset[int], vocab_size: int,
+                    label: str) -> tuple[int, ...]:
+    """The ids masked while the output is shorter than ``min_tokens``: EOS (even with
+    ``ignore_eos``, as vLLM's ``all_stop_token_ids``) and ``stop_token_ids``, those inside the
+    vocabulary (others can never be sampled). :class:`RequestError` when they are the whole
+    vocabulary (nothing could be sampled)."""
+    if not params.min_tokens:
+        return ()
+    ids = tuple(sorted(t for t in set(params.stop_token_ids) | eos_token_ids if t < vocab_size))
+    if len(ids) >= vocab_size:
+        raise RequestError(f"{label}min_tokens: {params.min_tokens} tokens are required before "
+                           f"a stop, but every token id of the vocabulary is an EOS or stop "
+                           "token id; nothing could be sampled", "min_tokens")
+    return ids
 
 
 def collect(post: Post, cancel: Cancel, specs: list[RequestSpec],

@@ -787,14 +787,16 @@ class CudaGraphRunner:
     def draft(self, input_ids: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor,
               kv: KVLayout, start: np.ndarray, first_hidden: torch.Tensor | None = None,
               sampling: BatchSampling | None = None, generator: torch.Generator | None = None,
-              graph_bs: int | None = None, sample_positions: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+              graph_bs: int | None = None, sample_positions: torch.Tensor | None = None,
+              processing: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``k`` draft forwards: ``input_ids`` ``[B]`` (``x_L``), ``positions`` / ``out_loc``
         ``[k, B]`` (``L + i`` and its slot), ``start`` = ``L``; step ``i`` attends to positions
         ``0 .. L + i``. ``first_hidden`` ``[B, H]``: EAGLE's ``h_{L-1}``. Greedy batches replay
         the graph; sampling batches (``sampling.all_greedy`` false) run eagerly, with
         ``sample_positions`` (``[B]``, draft 1's sequence index, for seeded rows) passed to
-        :meth:`Drafter.draft`. Returns ``(tokens [B, k] int64, probs [B, k, V] or None)``."""
+        :meth:`Drafter.draft`; so do batches with penalties or ``min_tokens`` (``processing``,
+        a :class:`~specdial.worker.processors.StepProcessing`: the graph drafts unprocessed).
+        Returns ``(tokens [B, k] int64, probs [B, k, V] or None)``."""
         if self.steps == 0 or self.drafter is None:
             raise ValueError("draft needs steps >= 1 and a drafter")
         start = np.asarray(start, np.int64)
@@ -806,11 +808,14 @@ class CudaGraphRunner:
         if sampling is not None and not sampling.all_greedy:
             self.stats.fallback("draft:sampling")
             g = None
+        elif processing is not None:
+            self.stats.fallback("draft:processors")
+            g = None
         else:
             g = self._serving_size("draft", b, graph_bs)
         if g is None:
             return self._draft_eager(input_ids, positions, out_loc, kv, start, first_hidden,
-                                     sampling, generator, sample_positions)
+                                     sampling, generator, sample_positions, processing)
         self._fill_draft(g, input_ids, positions, out_loc, kv, start, first_hidden)
         tokens = self.graphs[("draft", g)].replay()
         self.stats.replays["draft"] += 1
@@ -869,7 +874,7 @@ class CudaGraphRunner:
         return VerifyOutput(hidden, logits, feats)
 
     def _draft_eager(self, input_ids, positions, out_loc, kv, start, first_hidden, sampling,
-                     generator, sample_positions=None):
+                     generator, sample_positions=None, processing=None):
         k, b = self.steps, len(start)
         ids = torch.empty(k, b, dtype=I64, device=self.device)
         ids[0].copy_(input_ids)
@@ -883,7 +888,7 @@ class CudaGraphRunner:
             sampling = BatchSampling.from_params([SamplingParams()] * b, self.device)
         return self.drafter.draft(k, batches, self.backend, first_hidden=first_hidden,
                                   sampling=sampling, generator=generator,
-                                  sample_positions=sample_positions)
+                                  sample_positions=sample_positions, processing=processing)
 
     def _extend_eager(self, input_ids, positions, out_loc, kv, start, counts, hidden_states):
         keep = counts > 0

@@ -63,6 +63,7 @@ from specdial.models.batch import ForwardBatch
 from specdial.models.eagle import EagleHead
 from specdial.models.eagle3 import Eagle3Head
 from specdial.models.llama import LlamaForCausalLM
+from specdial.worker.processors import StepProcessing
 from specdial.worker.sampling import BatchSampling, sample_from_probs, target_probs
 
 #: Default largest ``steps`` a chain drafter accepts (buffers and runtime states are sized by
@@ -159,7 +160,8 @@ class Drafter(abc.ABC):
     def draft(self, k: int, steps: Sequence[ForwardBatch], backend: AttentionBackend, *,
               first_hidden: torch.Tensor | None, sampling: BatchSampling,
               generator: torch.Generator | None,
-              sample_positions: torch.Tensor | None = None
+              sample_positions: torch.Tensor | None = None,
+              processing: StepProcessing | None = None
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Propose ``k >= 1`` tokens per request with ``k`` one-token forwards.
 
@@ -178,7 +180,11 @@ class Drafter(abc.ABC):
         ``sample_positions + i - 1``), the key of the target's own token at that position, so
         it is accepted exactly when it equals the target's draw there (the coupled draws of
         :func:`~specdial.worker.sampling.speculative_accept`); required when
-        ``sampling.any_seeded``. Raises ``ValueError`` for ``k`` outside ``1..max_steps``.
+        ``sampling.any_seeded``. ``processing``: the batch's penalties and ``min_tokens``
+        (:class:`~specdial.worker.processors.StepProcessing`), applied to step ``i``'s logits
+        over the target vocabulary with the history ``x_L, d_1..d_i`` before the argmax or
+        ``q`` (only the acceptance depends on it: any proposal is verified exactly). Raises
+        ``ValueError`` for ``k`` outside ``1..max_steps``.
         """
         if not 1 <= k <= min(self.max_steps, len(steps)):
             raise ValueError(f"draft: k must be in 1..{self.max_steps} with a batch per step, "
@@ -190,10 +196,16 @@ class Drafter(abc.ABC):
             h = self._forward(steps[i], backend, hidden, False)
             assert h is not None
             logits = self.compute_logits(h)
+            if processing is not None:  # over target ids from here on
+                logits = processing.draft_step(self.to_target_logits(logits), i,
+                                               steps[i].input_ids)
             if sampling.all_greedy:
-                tok = self.to_target_ids(logits.argmax(-1))
+                tok = logits.argmax(-1)
+                tok = tok if processing is not None else self.to_target_ids(tok)
             else:
-                q = target_probs(self.to_target_logits(logits).unsqueeze(1), sampling).squeeze(1)
+                if processing is None:
+                    logits = self.to_target_logits(logits)
+                q = target_probs(logits.unsqueeze(1), sampling).squeeze(1)
                 tok = sample_from_probs(
                     q, generator, sampling=sampling,
                     positions=None if sample_positions is None else sample_positions + i)

@@ -4,8 +4,11 @@ Pieces, in the order the worker uses them:
 
 - :class:`SamplingParams`: one request's validated sampling options (``from_dict`` for API input).
 - :class:`BatchSampling`: the same options as per-row tensors, built once per batch composition.
-- :func:`target_probs`: temperature, then top-k, then top-p, then softmax (the SGLang / vLLM
+- :func:`target_probs`: temperature, then top-k and min-p, then top-p, then softmax (vLLM's
   order), vectorized over the batch; greedy rows (temperature 0) become a one-hot at the argmax.
+  The processors that depend on a request's own tokens (repetition / frequency / presence
+  penalties, ``min_tokens``) run before it, on the raw logits, per draft position:
+  :mod:`specdial.worker.processors` (``BatchSampling.processors``).
 - :func:`sample` / :func:`sample_from_probs`: one token per row (the drafter's draws, plain decode).
 - Seeded rows (a request with a ``seed``): their random numbers come from the counter-based
   source of :mod:`specdial.worker.seeded_noise`, keyed by (seed, position of the token being
@@ -48,11 +51,14 @@ from typing import Any, Mapping
 
 import torch
 
+from specdial.worker.processors import BatchProcessors
 from specdial.worker.seeded_noise import (PURPOSE_TOKEN, draw_keys, seed_to_int64,
                                           seeded_exponentials)
 
 __all__ = [
+    "MAX_REPETITION_PENALTY",
     "MAX_TEMPERATURE",
+    "MIN_REPETITION_PENALTY",
     "MIN_TEMPERATURE",
     "PURPOSE_TOKEN",
     "BatchSampling",
@@ -70,6 +76,16 @@ MIN_TEMPERATURE = 1e-5
 #: Largest temperature accepted: the largest finite float32 (temperatures are float32 tensors;
 #: above it the value would become ``inf`` and every distribution a uniform one silently).
 MAX_TEMPERATURE = float(torch.finfo(torch.float32).max)
+
+#: Range of ``repetition_penalty`` (``1`` = off). vLLM accepts any finite value > 0; the bounds
+#: keep ``logit / r`` and ``logit * r`` far from float32 overflow (an infinite logit would make
+#: the softmax NaN) while covering every useful value (1.0 to 2.0 in practice; SGLang allows
+#: [0, 2]).
+MIN_REPETITION_PENALTY = 1e-4
+MAX_REPETITION_PENALTY = 1e4
+
+#: Range of ``presence_penalty`` and ``frequency_penalty`` (OpenAI's and vLLM's).
+MAX_ABS_PENALTY = 2.0
 
 #: Largest seed accepted (``torch.Generator.manual_seed`` takes 64-bit unsigned values).
 _MAX_SEED = 2**64 - 1
@@ -103,8 +119,23 @@ class SamplingParams:
       kept, however small ``top_p`` is (even below float32's smallest positive value).
     - ``top_k``: int, ``-1`` or ``0`` = off (default ``-1``), else ``>= 1``; a value ``>= V``
       keeps the whole vocabulary.
+    - ``min_p``: float in ``[0, 1]`` (default ``0`` = off; vLLM's and HF transformers'
+      ``min_p``): drop the tokens whose probability after temperature is below ``min_p`` times
+      the most likely token's.
+    - ``repetition_penalty``: float in ``[MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY]``
+      (default ``1`` = off; vLLM's rule over prompt and generated tokens).
+    - ``presence_penalty`` / ``frequency_penalty``: floats in ``[-2, 2]`` (default ``0`` = off;
+      OpenAI's rule over the generated tokens). Rules of the three penalties:
+      :mod:`specdial.worker.processors`. They apply to greedy requests too.
+    - ``min_tokens``: int in ``0..max_new_tokens`` (default 0; vLLM's): EOS and
+      ``stop_token_ids`` cannot be sampled, and stop strings do not match, before the output
+      holds ``min_tokens`` tokens.
     - ``stop_token_ids``: tuple of ints ``>= 0`` (a list is accepted and stored as a tuple).
     - ``ignore_eos``: bool (default False).
+    - ``include_stop_str_in_output``: bool (default False; vLLM's): keep the matched stop
+      string, or the text of the matched stop token, at the end of the text.
+    - ``skip_special_tokens``: bool (default True; vLLM's): leave special tokens out of the
+      detokenized text (the token ids are reported either way).
     - ``seed``: ``None`` (default) or int in ``[0, 2**64 - 1]``. A seeded sampling request
       draws every random number from :mod:`specdial.worker.seeded_noise`, keyed by (seed,
       position of the token decided), instead of the engine's generator, and its drafts are
@@ -113,18 +144,33 @@ class SamplingParams:
       options, not on the other requests of the batch, the drafter or the steps. Ignored for
       greedy requests.
 
-    Raises ``ValueError`` naming the field, the value and the allowed range for a wrong type or
-    an out-of-range value; ``bool`` is never accepted as a number and nothing is clamped.
-    ``top_k``, ``top_p`` are ignored for greedy requests, which always take the argmax.
+    ``from_dict`` also takes SGLang's names ``min_new_tokens`` (= ``min_tokens``) and
+    ``no_stop_trim`` (= ``include_stop_str_in_output``). Raises ``ValueError`` naming the
+    field, the value and the allowed range for a wrong type or an out-of-range value; ``bool``
+    is never accepted as a number and nothing is clamped. ``top_k``, ``top_p`` and ``min_p``
+    are ignored for greedy requests, which always take the argmax of the processed logits.
     """
 
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     seed: int | None = None
+
+    def _real(self, name: str, low: float, high: float, allowed: str) -> None:
+        v = getattr(self, name)
+        if not _is_real(v) or not math.isfinite(v) or not low <= v <= high:
+            raise _bad(name, v, allowed)
+        object.__setattr__(self, name, float(v))
 
     def __post_init__(self) -> None:
         v: Any = self.max_new_tokens
@@ -142,13 +188,21 @@ class SamplingParams:
         v = self.top_k
         if not _is_int(v) or v < -1:
             raise _bad("top_k", v, "int: -1 or 0 (off), or >= 1")
+        self._real("min_p", 0.0, 1.0, "float in [0, 1] (0: off)")
+        self._real("repetition_penalty", MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY,
+                   f"float in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1: off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            self._real(name, -MAX_ABS_PENALTY, MAX_ABS_PENALTY, "float in [-2, 2] (0: off)")
+        v = self.min_tokens
+        if not _is_int(v) or not 0 <= v <= self.max_new_tokens:
+            raise _bad("min_tokens", v, f"int in 0..max_new_tokens ({self.max_new_tokens})")
         v = self.stop_token_ids
         if not isinstance(v, (tuple, list)) or not all(_is_int(t) and t >= 0 for t in v):
             raise _bad("stop_token_ids", v, "tuple (or list) of ints >= 0")
         object.__setattr__(self, "stop_token_ids", tuple(v))
-        v = self.ignore_eos
-        if not isinstance(v, bool):
-            raise _bad("ignore_eos", v, "bool")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, getattr(self, name), "bool")
         v = self.seed
         if v is not None and (not _is_int(v) or not 0 <= v <= _MAX_SEED):
             raise _bad("seed", v, "None or int in [0, 2**64 - 1]")
@@ -158,23 +212,42 @@ class SamplingParams:
         """Build from API input; ``None`` or ``{}`` gives the defaults.
 
         Raises ``ValueError`` for a non-mapping, for an unknown key (naming it and listing the
-        allowed keys), and for any invalid value (see the class docstring).
+        allowed keys), for an SGLang alias given together with its field, and for any invalid
+        value (see the class docstring).
         """
         if d is None:
             return cls()
         if not isinstance(d, Mapping):
             raise ValueError(f"SamplingParams: expected a dict, got {type(d).__name__}")
         allowed = [f.name for f in fields(cls)]
+        d = dict(d)
+        for alias, name in _ALIASES.items():
+            if alias in d:
+                if name in d:
+                    raise ValueError(f"SamplingParams.{name}: given twice, as {name!r} and as "
+                                     f"its SGLang name {alias!r}; allowed: one of them")
+                d[name] = d.pop(alias)
         for key in d:
             if key not in allowed:
                 raise ValueError(f"SamplingParams: unknown key {key!r}; "
-                                 f"allowed keys: {', '.join(allowed)}")
+                                 f"allowed keys: {', '.join(allowed + list(_ALIASES))}")
         return cls(**d)
 
     @property
     def is_greedy(self) -> bool:
         """True when ``temperature == 0``: the request always takes the target argmax."""
         return self.temperature == 0.0
+
+    @property
+    def has_penalty(self) -> bool:
+        """True when a repetition, presence or frequency penalty is on (the request's token
+        counts are then kept by the worker)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+#: SGLang's sampling-parameter names accepted by :meth:`SamplingParams.from_dict`.
+_ALIASES = {"min_new_tokens": "min_tokens", "no_stop_trim": "include_stop_str_in_output"}
 
 
 @dataclass
@@ -194,6 +267,12 @@ class BatchSampling:
       ``all_seeded`` the generator is not used at all).
     - ``any_unseeded``: some row samples without a seed (rejection sampling and the generator
       are needed); False when every row is greedy or seeded.
+    - ``min_p`` ``[B]`` float32 in ``[0, 1]`` (None: 0 everywhere) and ``any_min_p``: some
+      sampling row filters by min-p.
+    - ``processors``: the penalties and ``min_tokens`` of the rows
+      (:class:`~specdial.worker.processors.BatchProcessors`), None when no row uses one. The
+      worker applies them to the logits before :func:`target_probs`, :func:`sample` and
+      :func:`speculative_accept`, which take processed logits.
 
     The flags are plain Python bools so the per-step functions never sync with the device.
     The seed fields default to "no seeded row" (for callers that build one by hand), and
@@ -213,13 +292,23 @@ class BatchSampling:
     any_seeded: bool = False
     all_seeded: bool = False
     any_unseeded: bool = True
+    min_p: torch.Tensor | None = None
+    any_min_p: bool = False
+    processors: BatchProcessors | None = None
 
     @classmethod
-    def from_params(cls, params: list[SamplingParams],
-                    device: torch.device | str = "cpu") -> BatchSampling:
-        """Stack ``params`` (one per row, in batch order) into tensors on ``device``."""
+    def from_params(cls, params: list[SamplingParams], device: torch.device | str = "cpu", *,
+                    prompt_lens: list[int] | None = None,
+                    min_tokens_ids: list[tuple[int, ...]] | None = None) -> BatchSampling:
+        """Stack ``params`` (one per row, in batch order) into tensors on ``device``.
+
+        ``prompt_lens`` (tokens) and ``min_tokens_ids`` (per row, the ids masked under
+        ``min_tokens``: EOS and ``stop_token_ids``, each ``< V``) feed the
+        :attr:`processors`; ``ValueError`` when a row has a penalty or ``min_tokens`` and they
+        are missing."""
         greedy = [p.is_greedy for p in params]
         seeded = [p.seed is not None and not g for p, g in zip(params, greedy)]
+        min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
         return cls(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32,
                                      device=device),
@@ -237,6 +326,9 @@ class BatchSampling:
             any_seeded=any(seeded),
             all_seeded=bool(seeded) and all(seeded),
             any_unseeded=not all(g or s for g, s in zip(greedy, seeded)),
+            min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
+            any_min_p=any(m > 0 for m in min_p),
+            processors=BatchProcessors.build(params, prompt_lens, min_tokens_ids, device),
         )
 
     @property
@@ -265,6 +357,11 @@ class BatchSampling:
             n = out.seeded_rows.numel()
             out.any_seeded, out.all_seeded = n > 0, 0 < n == index.numel()
             out.any_unseeded = bool((~(out.seeded_mask | greedy)).any())
+        if self.min_p is not None:
+            out.min_p = self.min_p.index_select(0, index)
+            out.any_min_p = bool((out.min_p > 0).any())
+        if self.processors is not None:
+            out.processors = self.processors.select(index)
         return out
 
 
@@ -276,13 +373,16 @@ def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
 def target_probs(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
     """Processed distribution per row and position: ``[B, n, V]`` float32 -> ``[B, n, V]``.
 
-    Order (as in SGLang and vLLM): temperature (``logits / T``), then top-k (keep the tokens
-    whose scaled logit is ``>=`` the k-th largest; ties at the k-th value are all kept), then
-    top-p on the top-k-renormalized distribution (keep the smallest prefix of tokens, in
-    decreasing probability, whose mass is ``>= top_p``; the most likely token is always kept,
-    also when ``top_p`` is below float32's smallest positive value and rounds to 0; ties in the
-    order broken by lower token id; rows with ``top_p == 1`` are not filtered), then
-    softmax. Filtered tokens get probability exactly 0. Greedy rows (temperature 0) give a
+    Order (vLLM's): temperature (``logits / T``), then top-k (keep the tokens whose scaled
+    logit is ``>=`` the k-th largest; ties at the k-th value are all kept) and min-p (keep the
+    tokens whose probability is ``>= min_p`` times the most likely one's; vLLM applies it before
+    top-k, which gives the same set since both keep the most likely tokens and min-p's ratio is
+    unchanged by renormalization), then top-p on the renormalized distribution (keep the
+    smallest prefix of tokens, in decreasing probability, whose mass is ``>= top_p``; the most
+    likely token is always kept, also when ``top_p`` is below float32's smallest positive value
+    and rounds to 0; ties in the order broken by lower token id; rows with ``top_p == 1`` are
+    not filtered), then softmax. ``logits`` are the raw logits after the history-dependent
+    processors (:mod:`specdial.worker.processors`), when the batch has any. Filtered tokens get probability exactly 0. Greedy rows (temperature 0) give a
     one-hot at the argmax of the raw logits (first index among ties). Each row uses its own
     options; there is no Python loop over rows.
 
@@ -299,13 +399,18 @@ def target_probs(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
     greedy = sampling.greedy_mask.view(b, 1, 1)
     temperature = torch.where(greedy, 1.0, sampling.temperature.view(b, 1, 1))
     x = logits / temperature
-    if sampling.any_top_k or sampling.any_top_p:
+    if sampling.any_top_k or sampling.any_top_p or sampling.any_min_p:
         sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
         if sampling.any_top_k:
             k = sampling.top_k.view(b, 1, 1)
             k = torch.where((k <= 0) | greedy, v, k.clamp(max=v))
             kth = sorted_x.gather(-1, (k - 1).expand(b, n, 1))
             sorted_x = sorted_x.masked_fill(sorted_x < kth, -math.inf)
+        if sampling.any_min_p:
+            assert sampling.min_p is not None
+            sorted_p = sorted_x.softmax(-1)
+            floor = sampling.min_p.view(b, 1, 1) * sorted_p[..., :1]  # 0 on greedy rows
+            sorted_x = sorted_x.masked_fill(sorted_p < floor, -math.inf)
         if sampling.any_top_p:
             sorted_p = sorted_x.softmax(-1)
             mass_before = sorted_p.cumsum(-1) - sorted_p

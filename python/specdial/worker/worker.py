@@ -29,6 +29,13 @@ keys, sampling drafts and long catch-ups. Prefill stays eager.
 Rows (``0..max_running_requests-1``) are assigned to request ids when their prefill starts at
 position 0 and given back by :meth:`release` (finished, aborted or preempted requests). Host
 arrays are numpy int64. No per-request ``.item()`` and no Python loop over tensors.
+
+Penalties and ``min_tokens`` (``BatchSampling.processors``): the worker keeps each penalized
+row's token counts on the device (:class:`~specdial.worker.processors.TokenCounts`, reset when
+a row is assigned or released), brings them up to the row's target length before sampling, and
+processes the logits per position (:class:`~specdial.worker.processors.StepProcessing`): the
+prefill's first tokens, every draft step and every verify column, each with the history plain
+decoding has at that position. Reported log-probabilities stay the raw ones.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from specdial.worker.cuda_graphs import (CapturePlan, CaptureReport, CudaGraphRu
 from specdial.worker.drafters import Drafter, run_target
 from specdial.worker.logprobs import (HostLogprobs, LogprobRows, PromptLogprobPlan,
                                       prompt_logprobs, token_logprobs)
+from specdial.worker.processors import StepProcessing, TokenCounts
 from specdial.worker.runtime import DecodeBatches, RequestTables, RuntimeState
 from specdial.worker.sampling import BatchSampling, sample, speculative_accept
 
@@ -146,6 +154,8 @@ class SpecWorker:
         self.target_len = np.zeros(max_running_requests, np.int64)
         self.draft_len = np.zeros(max_running_requests, np.int64)
         self.rid = np.full(max_running_requests, -1, np.int64)
+        #: penalized rows' token counts (device tensors allocated on the first penalty)
+        self.token_counts = TokenCounts(max_running_requests, target.config.vocab_size, device)
         self.row_of: dict[int, int] = {}
         self._free_rows = list(range(max_running_requests - 1, -1, -1))
         #: steps -> CUDA-graph runner (empty: eager passes); the capture plan and report
@@ -198,6 +208,7 @@ class SpecWorker:
                 row = self._free_rows.pop()
                 self.row_of[rid] = row
                 self.rid[row], self.target_len[row], self.draft_len[row] = rid, 0, 0
+                self.token_counts.reset([row])
             rows[b] = row
         if not np.array_equal(self.target_len[rows], starts):
             raise RuntimeError(f"plan positions {starts.tolist()} do not match the worker's "
@@ -211,12 +222,29 @@ class SpecWorker:
             row = self.row_of.pop(int(rid), None)
             if row is not None:
                 self.rid[row] = -1
+                self.token_counts.reset([row])
                 self._free_rows.append(row)
 
     @property
     def num_requests(self) -> int:
         """Requests holding a row."""
         return len(self.row_of)
+
+    def _processing(self, sampling: BatchSampling, rows: np.ndarray, ends: np.ndarray,
+                    positions: torch.Tensor) -> StepProcessing | None:
+        """The penalties / ``min_tokens`` of a sampling step over ``rows`` (plan order, host)
+        at target lengths ``ends``, deciding ``positions`` (``[B]`` device) first; None when
+        the batch has none. Penalized rows' counts are brought up to ``ends`` first."""
+        proc = sampling.processors
+        if proc is None:
+            return None
+        base = seen = None
+        if proc.any_penalty:
+            pen = proc.penalized
+            self.token_counts.catch_up(rows[pen], ends[pen], proc.prompt_lens_host[pen],
+                                       self.tables.req_to_ids)
+            base, seen = self.token_counts.gather(torch.from_numpy(rows).to(self.device))
+        return StepProcessing(proc, positions, base, seen)
 
     # ----------------------------------------------------------------- passes
     @torch.inference_mode()
@@ -254,10 +282,14 @@ class SpecWorker:
                 raise ValueError("prefill: sampling must cover the sample_first requests")
             idx = torch.from_numpy(_i64(plan.logits_indices)).to(self.device)
             positions = None  # of the first tokens: the prompt lengths (seeded rows' keys)
-            if sampling.any_seeded:
-                positions = torch.from_numpy(ends[sample_first != 0]).to(self.device)
+            firsts = sample_first != 0
+            if sampling.any_seeded or sampling.processors is not None:
+                positions = torch.from_numpy(ends[firsts]).to(self.device)
             first_logits = self.target.compute_logits(hidden[idx])
-            first = sample(first_logits, sampling, generator, positions)
+            processing = (None if positions is None
+                          else self._processing(sampling, rows[firsts], ends[firsts], positions))
+            first = sample(first_logits if processing is None else processing.first(first_logits),
+                           sampling, generator, positions)
             if logprobs is not None:
                 pending.append(("first", token_logprobs(first_logits[:, None], first[:, None],
                                                         logprobs).to_host()))
@@ -319,8 +351,12 @@ class SpecWorker:
                           slots=_i64(plan.out_loc_padded(self.pad_slot)))
         self.tables.write(rows, target_len, np.ones(b, np.int64), ids=_i64(plan.input_ids))
         batches = state.prepare_decode(rows, target_len, plan.graph_bs)
-        # sequence index of draft 1 (L + 1): the seeded rows' keys (sampling.py)
-        first_pos = batches.verify_positions[:, 0] + 1 if sampling.any_seeded else None
+        # sequence index of draft 1 (L + 1): the seeded rows' keys (sampling.py), the first
+        # position the processors decide
+        first_pos = (batches.verify_positions[:, 0] + 1
+                     if sampling.any_seeded or sampling.processors is not None else None)
+        processing = (None if first_pos is None
+                      else self._processing(sampling, rows, target_len, first_pos))
 
         probs = None
         if steps:
@@ -333,7 +369,7 @@ class SpecWorker:
                 first_hidden = self.hidden[prev]
             drafts, probs = state.run_draft(self.drafter, batches, first_hidden=first_hidden,
                                             sampling=sampling, generator=generator,
-                                            sample_positions=first_pos)
+                                            sample_positions=first_pos, processing=processing)
             batches.verify_ids[:, 1:] = drafts
             # the copy: a replayed draft graph's output is only valid until the next replay
             drafts = batches.verify_ids[:, 1:]
@@ -346,8 +382,9 @@ class SpecWorker:
             self.hidden.index_copy_(0, batches.verify.out_loc, verified.features)
         logits = (verified.logits if verified.logits is not None
                   else self.target.compute_logits(hidden)).view(b, n, -1)
-        accepted, out = speculative_accept(drafts, probs, logits, sampling, generator,
-                                           first_pos)
+        # the target's distribution at column i: processed with the history up to d_i
+        target = logits if processing is None else processing.verify(logits, batches.verify_ids)
+        accepted, out = speculative_accept(drafts, probs, target, sampling, generator, first_pos)
         # emitted tokens go to positions L+1..L+a+1 (later columns are stale, never read)
         self.tables.req_to_ids[batches.rows[:, None], batches.verify_positions + 1] = out
         lp_pending = (None if logprobs is None
