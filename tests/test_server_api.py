@@ -338,12 +338,10 @@ BAD = [
 
 UNSUPPORTED = [
     ("/v1/completions", "best_of", 2), ("/v1/completions", "suffix", "x"),
-    ("/v1/completions", "presence_penalty", 0.5), ("/v1/completions", "frequency_penalty", -1),
     ("/v1/completions", "logit_bias", {"5": 10}),
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("/v1/chat/completions", "tool_choice", "auto"),
     ("/v1/chat/completions", "response_format", {"type": "json_object"}),
-    ("/v1/chat/completions", "presence_penalty", 1.0),
     ("/v1/chat/completions", "logit_bias", {"1": 1}),
 ]
 

@@ -27,6 +27,7 @@ from typing import Any, AsyncIterator, Iterator
 import pytest
 
 from specdial.engine_api import EngineStats, QueueFullError, RequestError, StreamChunk
+from specdial.server.protocol import SAMPLING_EXTRAS
 
 LETTERS = string.ascii_lowercase
 
@@ -87,7 +88,7 @@ class FakeEngine:
             raise RequestError("prompt: needs 1+ tokens", param="prompt")
         p = {"max_new_tokens": 128, "temperature": 0.0, "top_p": 1.0, **(sampling_params or {})}
         unknown = set(p) - {"max_new_tokens", "temperature", "top_p", "top_k", "seed",
-                            "stop_token_ids", "ignore_eos"}
+                            "stop_token_ids", "ignore_eos", *SAMPLING_EXTRAS}
         if unknown:
             raise RequestError(f"unknown sampling params {sorted(unknown)}")
         if p["max_new_tokens"] < 1:

@@ -28,7 +28,12 @@ Mapping to the engine: ``max_tokens`` / ``max_completion_tokens`` -> ``max_new_t
 (default: 16 for completions, as OpenAI's; the rest of the context for chat), ``temperature``
 (default 1.0, as OpenAI's; 0 = greedy), ``top_p``, ``seed``, ``ignore_eos`` (the vLLM/SGLang
 extension: generate ``max_tokens`` past EOS), ``stop`` (strings, matched by the
-engine on the detokenized text and not included in the output). With a tokenizer the server
+engine on the detokenized text and not included in the output unless
+``include_stop_str_in_output``), and under the same names ``presence_penalty``,
+``frequency_penalty`` and vLLM's extras ``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``
+(:data:`~specdial.server.protocol.SAMPLING_EXTRAS`; rules in
+:class:`~specdial.worker.sampling.SamplingParams`). With a tokenizer the server
 encodes the prompt itself (to check it against ``engine.context_length`` and to fill in the
 default ``max_tokens``) and submits token ids; text from a tokenizer's chat template is encoded
 without adding special tokens again.
@@ -76,8 +81,8 @@ from specdial.server.limits import (BodyLimitMiddleware, ServerLimits, check_pro
                                     request_id)
 from specdial.server.logprob_format import TokenDecoder, chat_logprobs, completion_logprobs
 from specdial.server.metrics import CONTENT_TYPE, ServerMetrics
-from specdial.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                      bad_request, choice_seed, parse_request)
+from specdial.server.protocol import (SAMPLING_EXTRAS, APIError, ChatCompletionRequest,
+                                      CompletionRequest, bad_request, choice_seed, parse_request)
 from specdial.server.security import SecurityConfig, SecurityMiddleware
 
 __all__ = ["ServerState", "create_app"]
@@ -97,7 +102,8 @@ _T = TypeVar("_T")
 
 # engine-level names (RequestError.param or words of its message) -> OpenAI field
 _ENGINE_PARAMS = ("max_new_tokens", "input_ids", "prompt", "temperature", "top_p", "top_k",
-                  "seed", "stop_token_ids", "stop")
+                  "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                  "min_tokens", "seed", "stop_token_ids", "stop")
 
 
 class ServerState:
@@ -491,6 +497,10 @@ def _sampling(req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
         params["seed"] = req.seed
     if req.ignore_eos:
         params["ignore_eos"] = True
+    for name in SAMPLING_EXTRAS:  # same names as the engine's; null: the engine's default
+        value = getattr(req, name)
+        if value is not None:
+            params[name] = value
     return params
 
 
@@ -565,8 +575,10 @@ def create_app(engine: Any, *, served_model_name: str = BUILTIN_MODEL_NAME,
         return Response(body, media_type=CONTENT_TYPE)
 
     def model_card() -> dict[str, Any]:
+        # "root": vLLM's model card field, which `vllm bench serve` reads without --model
         return {"id": state.model_name, "object": "model", "created": state.created,
-                "owned_by": "specdial", "max_model_len": int(engine.context_length)}
+                "owned_by": "specdial", "root": state.model_name,
+                "max_model_len": int(engine.context_length)}
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

@@ -5,13 +5,20 @@ Validation order for a request body (each failure is an :class:`APIError`, answe
 
 1. the body is JSON (else 400, ``param`` null) and a JSON object;
 2. every key is a field of the endpoint: a known OpenAI field that this server does not
-   implement is 400 "not supported" unless it has its neutral value (penalties ``0``,
-   ``best_of: 1`` or equal to ``n``, null for the others: see
-   :data:`UNSUPPORTED_COMPLETION_FIELDS` / :data:`UNSUPPORTED_CHAT_FIELDS`); any other key is
-   400 "Unrecognized request argument supplied" (extra="forbid" semantics);
+   implement is 400 "not supported" unless it has its neutral value (``best_of: 1`` or equal
+   to ``n``, null or empty for the others: see :data:`UNSUPPORTED_COMPLETION_FIELDS` /
+   :data:`UNSUPPORTED_CHAT_FIELDS`); any other key is 400 "Unrecognized request argument
+   supplied" (extra="forbid" semantics). An ``extra_body`` object (what the OpenAI SDK's
+   ``extra_body=`` argument carries, sent nested by some clients) is merged into the top level
+   first; a key given in both places with different values is 400 naming it;
 3. types and ranges through the strict pydantic models below (no string-to-number coercion, no
    NaN or infinity; ``max_tokens`` >= 1, ``temperature`` in [0, float32's largest value],
-   ``top_p`` in (0, 1]; ``n`` in 1..:data:`MAX_N`; completions ``logprobs`` an int in 0..20
+   ``top_p`` in (0, 1]; ``n`` in 1..:data:`MAX_N`; the sampling extras that vLLM accepts at
+   the top level: ``top_k`` (-1 or 0 off, or >= 1), ``min_p`` in [0, 1],
+   ``repetition_penalty`` in [1e-4, 1e4], ``presence_penalty`` / ``frequency_penalty`` in
+   [-2, 2] (OpenAI's), ``min_tokens`` >= 0 (and <= the completion's max tokens, checked by the
+   engine), ``stop_token_ids`` (ids >= 0), ``include_stop_str_in_output`` and
+   ``skip_special_tokens`` (bools), ``ignore_eos``; completions ``logprobs`` an int in 0..20
    (the alternatives per token) and ``echo`` a bool; chat ``logprobs`` a bool and ``top_logprobs`` 0..20, which needs
    ``logprobs: true``; ``prompt`` a string, a list of strings, a list of token ids or a list
    of such lists; null means "default" for every optional field); the ``param`` of the error
@@ -28,15 +35,15 @@ effect on generation. ``model`` may be omitted (the served model is used); a dif
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
 __all__ = ["APIError", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "MAX_N",
-           "MAX_TEMPERATURE", "UNSUPPORTED_CHAT_FIELDS", "UNSUPPORTED_COMPLETION_FIELDS",
-           "choice_seed", "parse_request", "send_api_error"]
+           "MAX_TEMPERATURE", "SAMPLING_EXTRAS", "UNSUPPORTED_CHAT_FIELDS",
+           "UNSUPPORTED_COMPLETION_FIELDS", "choice_seed", "parse_request", "send_api_error"]
 
 #: Most choices per prompt (``n``).
 MAX_N = 128
@@ -90,8 +97,6 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 # Known OpenAI fields this server does not implement -> the values that mean "off" and are
 # therefore accepted. Anything else for these keys is 400 "not supported".
 _COMMON_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
     "service_tier": (None,),
 }
@@ -129,10 +134,8 @@ _NO_TOOLS = "describe the tools in the messages and parse the reply text"
 #: What to use instead of each unsupported field (in its 400 message).
 INSTEAD: dict[str, str] = {
     "suffix": "no fill-in-the-middle: send the prefix as 'prompt'",
-    "frequency_penalty": "no penalties are implemented: use temperature, top_p or stop",
-    "presence_penalty": "no penalties are implemented: use temperature, top_p or stop",
-    "logit_bias": "no logit processors are implemented: use stop strings, or rank 'n' "
-                  "choices by their 'logprobs'",
+    "logit_bias": "no logit bias is implemented: use presence_penalty / frequency_penalty / "
+                  "repetition_penalty, stop strings, or rank 'n' choices by their 'logprobs'",
     "service_tier": _OMIT, "tools": _NO_TOOLS, "tool_choice": _NO_TOOLS,
     "parallel_tool_calls": _NO_TOOLS, "functions": _NO_TOOLS, "function_call": _NO_TOOLS,
     "response_format": "ask for the format in the messages (no constrained decoding)",
@@ -146,6 +149,9 @@ INSTEAD: dict[str, str] = {
 #: Largest ``temperature`` accepted: float32's largest finite value (the engine's
 #: ``specdial.worker.sampling.MAX_TEMPERATURE``; temperatures are float32 tensors there).
 MAX_TEMPERATURE = 3.4028234663852886e38
+#: ``repetition_penalty`` range (the engine's ``MIN_REPETITION_PENALTY`` /
+#: ``MAX_REPETITION_PENALTY``).
+REPETITION_PENALTY_RANGE = (1e-4, 1e4)
 
 
 class _Strict(BaseModel):
@@ -171,9 +177,19 @@ class _CommonRequest(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None  # informational only (see the module docstring)
     n: int | None = Field(None, ge=1, le=MAX_N)
+    # OpenAI's penalties (generated tokens only)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    # vLLM's sampling extras (top level, or in `extra_body`); null = the engine's default
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, ge=REPETITION_PENALTY_RANGE[0],
+                                             le=REPETITION_PENALTY_RANGE[1])
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
     # validated as neutral by _check_fields; here so that extra="forbid" lets them through
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
     logit_bias: Any = None
     service_tier: Any = None
 
@@ -252,6 +268,33 @@ class ChatCompletionRequest(_CommonRequest):
     safety_identifier: Any = None
 
 
+#: The request fields that become engine sampling params of the same name when not null.
+SAMPLING_EXTRAS = ("top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "min_tokens", "stop_token_ids",
+                   "include_stop_str_in_output", "skip_special_tokens")
+
+
+def _merge_extra_body(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` with a nested ``extra_body`` object merged into the top level (see the module
+    docstring). Raises :class:`APIError` 400 for a non-object ``extra_body`` or a key given at
+    both levels with different values."""
+    if "extra_body" not in body:
+        return body
+    extra = body["extra_body"]
+    if extra is None:
+        return {k: v for k, v in body.items() if k != "extra_body"}
+    if not isinstance(extra, dict):
+        raise bad_request("'extra_body' must be an object of request fields", "extra_body",
+                          "invalid_type")
+    out = {k: v for k, v in body.items() if k != "extra_body"}
+    for key, value in extra.items():
+        if key in out and out[key] != value:
+            raise bad_request(f"'{key}' is given both at the top level and in 'extra_body', with "
+                              "different values; give it once", key, "invalid_value")
+        out[key] = value
+    return out
+
+
 def _check_fields(body: dict[str, Any], model: type[BaseModel],
                   unsupported: dict[str, tuple[Any, ...]]) -> None:
     for key, value in body.items():
@@ -317,6 +360,7 @@ def parse_request(raw: bytes, kind: Literal["completion", "chat"]) -> Completion
         model_cls, unsupported = CompletionRequest, UNSUPPORTED_COMPLETION_FIELDS
     else:
         model_cls, unsupported = ChatCompletionRequest, UNSUPPORTED_CHAT_FIELDS
+    body = _merge_extra_body(body)
     _check_fields(body, model_cls, unsupported)
     try:
         req = model_cls.model_validate(body)

@@ -12,10 +12,12 @@
   ``text`` and ``output_ids`` cumulative (SGLang's default), ``index`` added for a list input,
   ending with ``data: [DONE]``.
   ``sampling_params`` keys: ``max_new_tokens`` (default 128), ``temperature`` (1.0),
-  ``top_p``, ``top_k``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``sampling_seed`` (or
-  ``seed``); SGLang keys without an implementation are accepted at their neutral value only
-  (``n: 1``, penalties 0, ``repetition_penalty: 1``, ``min_new_tokens: 0``, ...) and are
-  otherwise a 400 naming what to use instead.
+  ``top_p``, ``top_k``, ``min_p``, ``frequency_penalty``, ``presence_penalty``,
+  ``repetition_penalty``, ``min_new_tokens``, ``stop``, ``stop_token_ids``, ``ignore_eos``,
+  ``skip_special_tokens``, ``no_stop_trim`` (keep the matched stop string or token text),
+  ``sampling_seed`` (or ``seed``); SGLang keys without an implementation are accepted at their
+  neutral value only (``n: 1``, ``spaces_between_special_tokens: true``, no constrained
+  decoding, no logit bias) and are otherwise a 400 naming what to use instead.
 - ``GET /server_info`` (also ``/get_server_info``): the server's options, ``version`` and
   ``internal_states``: one entry (one engine) with ``speculative_num_steps`` (the current steps
   of the slot serving the current batch, or the latest batch when idle), ``avg_spec_accept_length``
@@ -62,22 +64,20 @@ DEFAULT_MAX_NEW_TOKENS = 128
 # SGLang sampling keys without an implementation -> (neutral values, what to use instead)
 _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "n": ((1,), "send n requests, or /v1/completions with 'n'"),
-    "frequency_penalty": ((0, 0.0), "no penalties are implemented"),
-    "presence_penalty": ((0, 0.0), "no penalties are implemented"),
-    "repetition_penalty": ((1, 1.0), "no penalties are implemented"),
-    "min_new_tokens": ((0,), "ignore_eos with max_new_tokens"),
-    "min_p": ((0, 0.0), "top_p or top_k"),
-    "skip_special_tokens": ((True,), "detokenize output_ids yourself"),
     "spaces_between_special_tokens": ((True,), "detokenize output_ids yourself"),
-    "no_stop_trim": ((False,), "the stop string is never part of the text"),
     "regex": ((None,), "no constrained decoding is implemented"),
     "json_schema": ((None,), "no constrained decoding is implemented"),
     "ebnf": ((None,), "no constrained decoding is implemented"),
-    "logit_bias": ((None, {}), "no logit processors are implemented"),
+    "logit_bias": ((None, {}), "no logit bias is implemented: use the penalties"),
     "custom_params": ((None,), "no custom logit processors are implemented"),
 }
-_SAMPLING = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids",
-             "ignore_eos", "sampling_seed", "seed"}
+_SAMPLING = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+             "presence_penalty", "repetition_penalty", "min_new_tokens", "stop",
+             "stop_token_ids", "ignore_eos", "skip_special_tokens", "no_stop_trim",
+             "sampling_seed", "seed"}
+#: SGLang names -> the engine's (:class:`~specdial.worker.sampling.SamplingParams`)
+_RENAMED = {"min_new_tokens": "min_tokens", "no_stop_trim": "include_stop_str_in_output",
+            "sampling_seed": "seed"}
 
 
 class _Strict(BaseModel):
@@ -140,6 +140,7 @@ def sampling_from_sglang(params: dict[str, Any] | None, where: str) -> tuple[dic
     unimplemented one."""
     out: dict[str, Any] = {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS, "temperature": 1.0}
     stop = None
+    given: dict[str, str] = {}  # engine name -> the key that set it
     for key, value in (params or {}).items():
         name = f"{where}.{key}"
         if key in _NEUTRAL:
@@ -153,11 +154,13 @@ def sampling_from_sglang(params: dict[str, Any] | None, where: str) -> tuple[dic
         elif key == "stop":
             if value is not None:
                 stop = [value] if isinstance(value, str) else value
-        elif key in ("sampling_seed", "seed"):
-            if value is not None:
-                out["seed"] = value
         elif value is not None:
-            out[key] = value
+            name = _RENAMED.get(key, key)
+            if name in given:
+                raise bad_request(f"'{where}' gives '{given[name]}' and '{key}', the same "
+                                  "parameter; give it once", f"{where}.{key}", "invalid_value")
+            given[name] = key
+            out[name] = value
     return out, stop
 
 
@@ -300,6 +303,7 @@ def add_sglang_routes(app: FastAPI, state: ServerState,
                 raise
             except Exception as e:  # noqa: BLE001 - engine errors become API errors
                 raise _engine_error(e, {"max_new_tokens": "sampling_params.max_new_tokens",
+                                        "min_tokens": "sampling_params.min_new_tokens",
                                         "prompt": "text"}) from None
             results = [body(i) for i in range(len(jobs))]
             for r in results:
