@@ -37,13 +37,24 @@ def test_iteration_profile_smoke(tmp_path):
         assert (r["drafter_share"] > 0) == (r["config"] != "no-spec")
 
 
-def test_seeded_acceptance_smoke():
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benches" / "seeded_acceptance.py"), "--num-prompts", "2",
-         "--max-new-tokens", "8", "--drafters", "EAGLE", "--datasets", "code", "--json"],
-        capture_output=True, text=True, timeout=300,
-    )
+def run_json_bench(script: str, *args: str):
+    """``benches/<script> *args --json`` in a subprocess -> its parsed JSON output."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benches" / script), *args, "--json"],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    [row] = json.loads(proc.stdout)
+    return json.loads(proc.stdout)
+
+
+def test_seeded_acceptance_smoke():
+    [row] = run_json_bench("seeded_acceptance.py", "--num-prompts", "2", "--max-new-tokens", "8",
+                           "--drafters", "EAGLE", "--datasets", "code")
     assert row["drafter"] == "EAGLE" and row["prompts"] == 2
     assert row["seeded"] >= 1 and row["unseeded"] >= 1 and row["seeded_verifies"] > 0
+
+
+def test_processors_cost_smoke():
+    result = run_json_bench("processors_cost.py", "--batch", "2", "--num-prompts", "2",
+                            "--max-new-tokens", "6", "--repetitions", "1")
+    assert set(result["end_to_end"]) == {"none", "min_tokens", "penalties"}
+    assert result["end_to_end"]["none"]["ratio"] == 1.0
+    assert result["processing"]["verify_processing_ms"] > 0
