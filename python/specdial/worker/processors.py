@@ -110,17 +110,20 @@ class BatchProcessors:
                  for t in sorted(set(min_tokens_ids[r]))] if any(minned) else []  # type: ignore[index]
         if not penalized.any() and not pairs:  # min_tokens without any id to mask
             return None
-        f32 = dict(dtype=torch.float32, device=device)
-        i64 = dict(dtype=torch.int64, device=device)
+        def f32(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        def i64(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
         lens = np.asarray(prompt_lens, np.int64)
         return cls(
-            repetition=torch.tensor([p.repetition_penalty for p in params], **f32),
-            frequency=torch.tensor([p.frequency_penalty for p in params], **f32),
-            presence=torch.tensor([p.presence_penalty for p in params], **f32),
-            min_tokens=torch.tensor([p.min_tokens for p in params], **i64),
+            repetition=f32([p.repetition_penalty for p in params]),
+            frequency=f32([p.frequency_penalty for p in params]),
+            presence=f32([p.presence_penalty for p in params]),
+            min_tokens=i64([p.min_tokens for p in params]),
             prompt_lens=torch.from_numpy(lens).to(device),
-            stop_rows=torch.tensor([r for r, _ in pairs], **i64),
-            stop_ids=torch.tensor([t for _, t in pairs], **i64),
+            stop_rows=i64([r for r, _ in pairs]), stop_ids=i64([t for _, t in pairs]),
             any_penalty=bool(penalized.any()), any_min_tokens=bool(pairs),
             penalized=penalized, prompt_lens_host=lens)
 
