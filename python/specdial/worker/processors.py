@@ -177,8 +177,9 @@ def apply_processors(logits: torch.Tensor, proc: BatchProcessors, positions: tor
     if proc.repetition.shape[0] != b or positions.shape[0] != b:
         raise ValueError(f"apply_processors: logits have {b} rows, the processors "
                          f"{proc.repetition.shape[0]} and positions {positions.shape[0]}")
-    x = logits.float().clone()
+    x = logits.float()
     if proc.any_min_tokens:
+        x = x.clone()
         cols = torch.arange(n, device=x.device)
         out_len = positions.to(x.device)[:, None] + cols - proc.prompt_lens[:, None]  # [B, n]
         active = out_len < proc.min_tokens[:, None]
@@ -189,8 +190,10 @@ def apply_processors(logits: torch.Tensor, proc: BatchProcessors, positions: tor
             raise ValueError("apply_processors: penalties need counts and prompt_seen")
         present = counts > 0
         rep = torch.where(prompt_seen[:, None, :] | present, proc.repetition.view(b, 1, 1), 1.0)
-        x = torch.where(x > 0, x / rep, x * rep)
-        x = x - proc.frequency.view(b, 1, 1) * counts - proc.presence.view(b, 1, 1) * present
+        x = torch.where(x > 0, x / rep, x * rep)  # a new tensor: the input is never modified
+        x.sub_(counts * proc.frequency.view(b, 1, 1)).sub_(present * proc.presence.view(b, 1, 1))
+    elif not proc.any_min_tokens:
+        x = x.clone()
     return x
 
 
