@@ -396,6 +396,30 @@ def test_seeded_request_with_processors_is_plain_decoding(tiny, name):
             assert batch[8]["output_ids"] == ref, (name, setup_name, "in a batch")
 
 
+def test_preemption_rebuilds_the_token_counts(tiny):
+    """12 pages of 8 tokens for 6 requests of 40 tokens, prompts prefilled in chunks of at most
+    7 tokens: preempted requests re-prefill on fresh worker rows, whose counts are rebuilt
+    from 0 (prompt and the output so far). Greedy and seeded outputs with penalties and
+    min_tokens equal those of an engine with room for everything."""
+    prompts = PROMPTS + [[3, 1, 4, 1, 5, 9, 2, 6], [150, 151, 152], list(range(20, 40))]
+    controls = {"max_new_tokens": 40, "repetition_penalty": 1.3, "frequency_penalty": 0.4,
+                "presence_penalty": -0.2, "min_tokens": 30, "stop_token_ids": [5, 6, 7]}
+    params = [{**controls, "temperature": 0.0} if i % 2 else
+              {**controls, "temperature": 1.0, "seed": 40 + i} for i in range(len(prompts))]
+    with Engine.from_modules(tiny.target, tiny.draft_noisy, speculative_adaptive=False,
+                             speculative_num_steps=3, **KW) as engine:
+        roomy = [o["output_ids"] for o in engine.generate(input_ids=prompts,
+                                                          sampling_params=params)]
+    with Engine.from_modules(tiny.target, tiny.draft_noisy, max_running_requests=6,
+                             kv_cache_tokens=96, page_size=8, max_prefill_tokens=7,
+                             speculative_adaptive=False, speculative_num_steps=3,
+                             log_interval_s=None) as engine:
+        tight = [o["output_ids"] for o in engine.generate(input_ids=prompts,
+                                                          sampling_params=params)]
+        assert engine.stats().preemptions > 0
+    assert tight == roomy
+
+
 # ---------------------------------------------------------------------------------------------
 # 5. text: stop token text, include_stop_str_in_output, skip_special_tokens, min_tokens
 
