@@ -133,3 +133,43 @@ fn goodput_learns_a_device_where_drafting_is_expensive_and_turns_it_off() {
     let g = p.goodput().unwrap();
     assert!(g.probes() > 0);
 }
+
+#[test]
+fn goodput_finds_the_best_steps_soon_after_the_batch_jumps() {
+    // This CPU's shape (BENCHMARKS.md, issue 11): 5 ms + 0.8 ms per draft step + 0.85 ms per
+    // request + 0.4 ms per request and draft step; each draft accepted with probability 0.78
+    // given the one before. Learned at batch 2 (where steps 7 pays), then batch 64 arrives, where
+    // steps 2 is best and steps 5 gives 0.87 of it. A policy that trusts an extrapolated cost
+    // stays high; it must measure the lower steps at the new batch size and move within a few
+    // dozen iterations.
+    let t = |b: u32, k: u32| {
+        let (b, k) = (f64::from(b), f64::from(k));
+        0.005 + 0.0008 * k + 0.00085 * b + 0.0004 * b * k
+    };
+    let e = |k: u32| (0..=k).map(|j| 0.78f64.powi(j as i32)).sum::<f64>();
+    let best = (0..8).map(|k| e(k) / t(64, k)).fold(0.0, f64::max);
+    let mut p = goodput();
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    let mut uniform = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        (rng >> 11) as f64 / (1u64 << 53) as f64
+    };
+    let mut after = Vec::new();
+    for i in 0..87 {
+        let b = if i < 15 { 2 } else { 53 + (uniform() * 12.0) as u32 };
+        let d = p.decide(i64::from(b), Some(u64::from(b) * 300)).unwrap();
+        let accepted: Vec<i64> = (0..b)
+            .map(|_| (0..d.steps).take_while(|_| uniform() < 0.78).count() as i64)
+            .collect();
+        let noise = 1.0 + 0.2 * (uniform() - 0.5);
+        let obs = Observation { seconds: Some(t(b, d.steps) * noise), context_tokens: Some(u64::from(b) * 300), steps: None };
+        p.on_verify_complete_with(accepted, i64::from(b), obs).unwrap();
+        if i >= 27 {
+            after.push(d.steps);
+        }
+    }
+    let share = after.iter().map(|&k| e(k) / t(64, k) / best).sum::<f64>() / after.len() as f64;
+    assert!(share >= 0.95, "goodput {share:.3} of the best; steps after the jump {after:?}");
+}

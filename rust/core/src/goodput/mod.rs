@@ -21,8 +21,11 @@
 //!   iteration it runs and spends it on one-iteration probes: at steps 0 the smallest positive
 //!   candidate (which measures acceptance, so a change of content is noticed); otherwise the
 //!   candidates next to the current steps, least measured first (which keeps the local cost
-//!   slope measured). Probes therefore take at most `probe_budget` of the decode time, and their
-//!   tokens count like any others.
+//!   slope measured). A neighbour never measured at a batch-size bucket where the current steps
+//!   have been is probed at once, on credit (the slot's credit goes negative and is repaid before the next probe), so a
+//!   slot that arrives at a new batch size learns the local slope within a few iterations. Each
+//!   `(bucket, steps)` cell can borrow only once, so over a run probes still take about
+//!   `probe_budget` of the decode time; their tokens count like any others.
 //! - **Catch-up.** After a stretch at steps 0 with the drafter's extend skipped, the first drafting
 //!   iteration also runs the drafter over the missed tokens. The cost model learns that cost per
 //!   catch-up token; a switch away from 0 is charged for it, spread over `max(min_dwell, 8)`
@@ -201,7 +204,12 @@ impl GoodputPolicy {
         let mut probe = false;
         if let Some(target) = Self::probe_target(s, cost, bucket) {
             let t = rows.iter().find(|r| r.0 == target).map_or(0.0, |r| r.1);
-            if self.cfg.probe_budget > 0.0 && s.credit >= t {
+            // A neighbour never measured at this batch size (where the current steps are) is
+            // probed at once, on credit: its cost is only extrapolated, and a slot that arrives at a new batch size with
+            // too-high steps would otherwise wait some 30 iterations for enough credit to learn
+            // that lower steps pay (BENCHMARKS.md, issue 11). Each cell borrows at most once.
+            let unmeasured = cost.cell_count(bucket, target) == 0 && cost.cell_count(bucket, s.current) > 0;
+            if self.cfg.probe_budget > 0.0 && (s.credit >= t || unmeasured) {
                 s.credit -= t;
                 s.probe_turn = !s.probe_turn;
                 steps = target;
