@@ -9,17 +9,22 @@ through :meth:`EngineLoop.post` (a FIFO inbox) and get their results through eac
    :class:`~specdial.engine_api.RequestError` / :class:`~specdial.engine_api.QueueFullError`),
    aborts, cancellations of streams, shutdown; it blocks there while nothing is live;
 2. runs one iteration: ``plan = schedule()`` -> ``worker.prefill/decode(plan)`` ->
-   ``report(...)``; preempted requests lose their worker rows first; a decode iteration is timed
+   ``report(...)`` (the plan carries each request's worker row, which the scheduler assigns at
+   admission and frees at finish / abort / preemption); a decode iteration is timed
    from just before ``schedule()`` to just after the passes return (the worker's one host sync)
    and reported as ``seconds``, which the adaptive policy's cost model learns from;
 3. post-processes the report: appends tokens, detokenizes, matches stop strings (finishing the
-   request through ``finish_request``), frees the worker rows of finished requests, appends the
-   per-verify trace (``record_trace``), refreshes the :class:`EngineStats` snapshot, logs every
+   request through ``finish_request``), appends the per-verify trace (``record_trace``),
+   refreshes the :class:`EngineStats` snapshot (from the stats the report returned, unless a
+   stop string finished a request since), logs every
    ``log_interval_s`` while decoding, and only then hands the chunks to the sinks (so a caller
    that saw its last chunk sees the freed pages in ``stats()``).
 
-An exception while running a plan fails the plan's requests (finish reason ``abort`` with the
-message), is logged with its traceback, and the loop keeps serving. Aborts and stop-string
+A steady decode iteration makes two scheduler calls: ``schedule()`` and ``report()``.
+
+An exception while running a plan fails the plan's requests (``abandon_plan()`` aborts them;
+finish reason ``abort`` with the message), is logged with its traceback, and the loop keeps
+serving. Aborts and stop-string
 finishes happen between iterations, never while a plan is in flight.
 """
 
@@ -180,6 +185,11 @@ class EngineLoop:
         self._stats = EngineStats()
         self._goodput: dict[str, Any] | None = None
         self._goodput_at = -POLICY_REFRESH_S
+        # read once: only this loop changes them (set_fixed_steps), and the strategy never
+        self._policy = scheduler.policy_strategy
+        self._fixed_steps = scheduler.fixed_steps
+        self._unfinished = 0  # live requests in the scheduler, from the latest stats
+        self._stats_stale = False  # a request finished after the report's stats
         self._refresh_stats()  # before the thread starts: no concurrent scheduler call
         self.thread = threading.Thread(target=self._main, name="specdial-engine", daemon=True)
 
@@ -205,13 +215,13 @@ class EngineLoop:
         try:
             with torch.inference_mode():
                 while True:
-                    busy = self.sched.has_unfinished()
+                    busy = self._unfinished > 0
                     if not busy and self._stopping:
                         break
                     self._handle_inbox(block=not busy)
-                    if not busy and self.sched.has_unfinished():
+                    if not busy and self._unfinished:
                         self._log_mark = self._mark()  # tokens/s from when work arrived
-                    if self.sched.has_unfinished():
+                    if self._unfinished:
                         self._iteration()
         except BaseException as e:  # noqa: BLE001 - the loop must answer everyone
             logger.exception("the engine loop failed; the engine stops serving")
@@ -295,15 +305,13 @@ class EngineLoop:
             sched, i = self.steps_schedule, self._decode_iters
             k = sched(i, self.sched.num_running) if callable(sched) else sched[i % len(sched)]
             self.sched.set_fixed_steps(int(k))
+            self._fixed_steps = int(k)
         started = time.perf_counter()  # a decode iteration's seconds: schedule -> passes done
         plan = self.sched.schedule()
         if plan is None:  # live requests but nothing to run now (not expected)
             logger.warning("nothing schedulable with %d live requests", len(self.live))
             time.sleep(0.01)
             return
-        preempted = plan.preempted.tolist()
-        if preempted:
-            self.worker.release(preempted)
         rids = plan.request_ids.tolist()
         try:
             if plan.is_prefill:
@@ -400,19 +408,14 @@ class EngineLoop:
             lv.prompt_done = lv.prompt_done or end >= prompt_len
 
     def _fail_plan(self, plan: Any, rids: list[int], error: Exception) -> None:
+        """The plan's passes raised: abandon it (the scheduler aborts its live requests) and
+        send each of them its final chunk with the error."""
         message = f"internal error: {type(error).__name__}: {error}"
+        if self.sched.plan_in_flight:  # False when report() itself raised after applying
+            self.sched.abandon_plan()
         for rid in rids:
             if rid in self.live:
-                self._finish_now(rid, message)
-        if self.sched.plan_in_flight:  # every request in it is aborted: results are ignored
-            b = len(rids)
-            if plan.is_prefill:
-                n = int(np.asarray(plan.sample_first).sum())
-                self.sched.report(np.zeros(n, np.int64),
-                                  np.concatenate([[0], np.cumsum(np.asarray(plan.sample_first))]))
-            else:
-                self.sched.report(np.zeros(b, np.int64), np.arange(b + 1, dtype=np.int64),
-                                  np.zeros(b, np.int64))
+                self._finish_now(rid, message)  # abort() is a no-op for those abandoned
         self._sampling_key = None
         self._refresh_stats()
         self._flush()
@@ -455,7 +458,7 @@ class EngineLoop:
                     self._finish_now(rid, f"internal error: {type(e).__name__}: {e}")
         if decode and self.trace_file is not None:
             self._write_trace()
-        self._refresh_stats()
+        self._refresh_stats(res)
         if decode:
             self._maybe_log()
         self._flush()
@@ -488,11 +491,11 @@ class EngineLoop:
             fin = self.sched.finish_request(lv.rid, "stop")
             if fin is None:
                 raise RuntimeError(f"request {lv.rid} is not live in the scheduler")
+            self._stats_stale = True
         if fin is None:
             self._out(lv.spec.sink, self._chunk(lv, text, new, False, None, token_lp))
             return
         del self.live[lv.rid]
-        self.worker.release([lv.rid])
         if lv.text.matched is not None:
             reason: dict[str, Any] = {"type": "stop", "matched": lv.text.matched}
         elif fin.reason == "length":
@@ -506,10 +509,8 @@ class EngineLoop:
     def _finish_now(self, rid: int, message: str) -> None:
         """Abort a live request now (between iterations): free everything, final chunk."""
         lv = self.live.pop(rid)
-        try:
-            self.sched.abort(rid)
-        finally:
-            self.worker.release([rid])
+        self.sched.abort(rid)
+        self._stats_stale = True
         self._sampling_key = None
         self._out(lv.spec.sink, self._chunk(lv, "", [], True,
                                             {"type": "abort", "message": message}, None))
@@ -532,13 +533,21 @@ class EngineLoop:
             self.trace_file.write(text if text.endswith("\n") else text + "\n")
             self.trace_file.flush()
 
-    def _refresh_stats(self) -> None:
-        s = self.sched.stats()
+    def _refresh_stats(self, res: Any = None) -> None:
+        """Rebuild the :class:`EngineStats` snapshot from ``res`` (a ``ReportResult``: the
+        stats and slot states after it), or from the scheduler when there is none or a request
+        finished since."""
+        if res is None or self._stats_stale:
+            s, slot_states = self.sched.stats(), self.sched.slot_states()
+        else:
+            s, slot_states = res.stats, res.slot_states
+        self._stats_stale = False
+        self._unfinished = s.running + s.prefilling + s.queued
         states = [{"lower_bound": int(lb), "steps": int(k), "ema_accept_len": float(ema),
-                   "verify_count": int(n)} for lb, k, ema, n in self.sched.slot_states()]
+                   "verify_count": int(n)} for lb, k, ema, n in slot_states]
         slots = {st["lower_bound"]: st["steps"] for st in states}
-        if not slots and self.sched.fixed_steps is not None:
-            slots = {1: int(self.sched.fixed_steps)}
+        if not slots and self._fixed_steps is not None:
+            slots = {1: int(self._fixed_steps)}
         self._stats = EngineStats(
             running=s.running + s.prefilling, queued=s.queued, kv_pages_used=s.kv_pages_used,
             kv_pages_total=s.kv_pages_total, steps_per_slot=slots, num_drafts=s.spec_num_drafts,
@@ -550,13 +559,13 @@ class EngineLoop:
             slot_states=states,
             last_decode_steps=None if self._last_decode is None else self._last_decode[0],
             last_decode_batch_size=None if self._last_decode is None else self._last_decode[1],
-            policy=self.sched.policy_strategy, goodput=self._goodput_state())
+            policy=self._policy, goodput=self._goodput_state())
 
     def _goodput_state(self) -> dict[str, Any] | None:
         """The goodput strategy's state, rebuilt at most every POLICY_REFRESH_S seconds while
         requests run, and whenever the engine is idle (so the last decision is never lost)."""
         now = time.monotonic()
-        if now - self._goodput_at >= POLICY_REFRESH_S or not self.sched.has_unfinished():
+        if now - self._goodput_at >= POLICY_REFRESH_S or not self._unfinished:
             self._goodput, self._goodput_at = self.sched.goodput_state(), now
         return self._goodput
 

@@ -26,13 +26,15 @@ runner on its runtime state; decode iterations then replay the graphs of the pla
 passes (counted in :meth:`SpecWorker.graph_stats`) above the largest size, for uncaptured
 keys, sampling drafts and long catch-ups. Prefill stays eager.
 
-Rows (``0..max_running_requests-1``) are assigned to request ids when their prefill starts at
-position 0 and given back by :meth:`release` (finished, aborted or preempted requests). Host
-arrays are numpy int64. No per-request ``.item()`` and no Python loop over tensors.
+Rows (``0..max_running_requests-1``) belong to the scheduler: it assigns each request its row at
+admission and frees it at finish, abort or preemption, and every plan carries them
+(``plan.rows``). A prefill chunk starting at position 0 (re)starts its row: the worker resets the
+row's lengths and token counts there, and keeps no request -> row map of its own. Host arrays
+are numpy int64. No per-request ``.item()`` and no Python loop over tensors.
 
 Penalties and ``min_tokens`` (``BatchSampling.processors``): the worker keeps each penalized
 row's token counts on the device (:class:`~specdial.worker.processors.TokenCounts`, reset when
-a row is assigned or released), brings them up to the row's target length before sampling, and
+a row (re)starts), brings them up to the row's target length before sampling, and
 processes the logits per position (:class:`~specdial.worker.processors.StepProcessing`): the
 prefill's first tokens, every draft step and every verify column, each with the history plain
 decoding has at that position. Reported log-probabilities stay the raw ones.
@@ -153,11 +155,8 @@ class SpecWorker:
                                       dtype=target.embed_tokens.weight.dtype, device=device)
         self.target_len = np.zeros(max_running_requests, np.int64)
         self.draft_len = np.zeros(max_running_requests, np.int64)
-        self.rid = np.full(max_running_requests, -1, np.int64)
         #: penalized rows' token counts (device tensors allocated on the first penalty)
         self.token_counts = TokenCounts(max_running_requests, target.config.vocab_size, device)
-        self.row_of: dict[int, int] = {}
-        self._free_rows = list(range(max_running_requests - 1, -1, -1))
         #: steps -> CUDA-graph runner (empty: eager passes); the capture plan and report
         self.graph_runners: dict[int, CudaGraphRunner] = {}
         self.capture_plan: CapturePlan | None = None
@@ -194,41 +193,23 @@ class SpecWorker:
         return {"replays": replays, "eager": eager, "captured": captured}
 
     # ----------------------------------------------------------------- rows
-    def _rows(self, request_ids: np.ndarray, starts: np.ndarray) -> np.ndarray:
-        """Rows of ``request_ids``; a request not seen yet gets a fresh row (its prefill must
-        start at position 0). Raises ``RuntimeError`` on a plan that does not match the rows'
-        state (a scheduler/worker mismatch: a bug)."""
-        rows = np.empty(len(request_ids), np.int64)
-        for b, (rid, start) in enumerate(zip(request_ids.tolist(), starts.tolist())):
-            row = self.row_of.get(rid)
-            if row is None:
-                if start != 0 or not self._free_rows:
-                    raise RuntimeError(f"request {rid}: unknown to the worker at position {start} "
-                                       f"({len(self._free_rows)} free rows)")
-                row = self._free_rows.pop()
-                self.row_of[rid] = row
-                self.rid[row], self.target_len[row], self.draft_len[row] = rid, 0, 0
-                self.token_counts.reset([row])
-            rows[b] = row
+    def _rows(self, plan: Any, starts: np.ndarray) -> np.ndarray:
+        """The plan's rows (``[B]`` int64, assigned by the scheduler). Rows whose chunk starts
+        at position 0 start afresh (lengths and token counts reset). Raises ``RuntimeError``
+        when the plan's positions do not match the rows' lengths (a scheduler/worker mismatch:
+        a bug)."""
+        rows = _i64(plan.rows)
+        if len(rows) != len(starts) or (len(rows) and rows.max() >= self.max_bs):
+            raise RuntimeError(f"plan rows {rows.tolist()} do not fit {self.max_bs} rows")
+        fresh = rows[starts == 0]
+        if len(fresh):
+            self.target_len[fresh] = 0
+            self.draft_len[fresh] = 0
+            self.token_counts.reset(fresh)
         if not np.array_equal(self.target_len[rows], starts):
             raise RuntimeError(f"plan positions {starts.tolist()} do not match the worker's "
                                f"target lengths {self.target_len[rows].tolist()}")
         return rows
-
-    def release(self, request_ids: Iterable[int]) -> None:
-        """Forget these requests (finished, aborted or preempted): their rows become reusable.
-        Unknown ids are ignored. Their KV pages belong to the scheduler."""
-        for rid in request_ids:
-            row = self.row_of.pop(int(rid), None)
-            if row is not None:
-                self.rid[row] = -1
-                self.token_counts.reset([row])
-                self._free_rows.append(row)
-
-    @property
-    def num_requests(self) -> int:
-        """Requests holding a row."""
-        return len(self.row_of)
 
     def _processing(self, sampling: BatchSampling, rows: np.ndarray, ends: np.ndarray,
                     positions: torch.Tensor) -> StepProcessing | None:
@@ -261,9 +242,9 @@ class SpecWorker:
         ``sample_first`` requests that want the first token's log-probability;
         ``prompt_plan``: prompt positions whose next token's log-probability is wanted.
         """
-        rids, qo, ends = _i64(plan.request_ids), _i64(plan.qo_lens), _i64(plan.kv_lens)
+        qo, ends = _i64(plan.qo_lens), _i64(plan.kv_lens)
         starts = ends - qo
-        rows = self._rows(rids, starts)
+        rows = self._rows(plan, starts)
         self.tables.write(rows, starts, qo, slots=_i64(plan.out_loc), ids=_i64(plan.input_ids))
         state = self.states[min(self.states)]
         batch, _ = state.prepare_ragged(rows, starts, ends)
@@ -343,8 +324,8 @@ class SpecWorker:
         state = self.states.get(steps)
         if state is None:
             raise ValueError(f"no runtime state for steps={steps}; built: {sorted(self.states)}")
-        rids, target_len = _i64(plan.request_ids), _i64(plan.positions)
-        rows = self._rows(rids, target_len)
+        target_len = _i64(plan.positions)
+        rows = self._rows(plan, target_len)
         b, n = len(rows), steps + 1
         # slots of L..L+steps (the pad slot beyond a capped request's own steps), and x_L
         self.tables.write(rows, target_len, np.full(b, n, np.int64),
