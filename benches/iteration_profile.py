@@ -116,14 +116,14 @@ def instrument(engine: Engine) -> tuple[Clock, dict[str, Any]]:
         m.compute_logits = clock.wrap(category, m.compute_logits)
     loop.sched = timed_sched = _TimedScheduler(loop.sched, clock)
     totals["sched"] = timed_sched  # type: ignore[assignment]
-    iteration = loop._iteration
+    iteration = loop.step
 
     def timed_iteration() -> None:
         t0 = time.perf_counter()
         iteration()
         totals["seconds"] += time.perf_counter() - t0
         totals["iterations"] += 1
-    loop._iteration = timed_iteration
+    loop.step = timed_iteration  # type: ignore[method-assign]
     return clock, totals
 
 

@@ -1,14 +1,15 @@
 """The engine loop: one background thread that owns the Rust scheduler and the worker.
 
 Every :class:`specdial._core.Scheduler` call happens on this thread. Other threads talk to it
-through :meth:`EngineLoop.post` (a FIFO inbox) and get their results through each request's
+through :meth:`EngineLoop.post` (a FIFO inbox of typed messages: :class:`Submit`,
+:class:`Cancel`, :class:`Abort`, :class:`Shutdown`) and get their results through each request's
 *sink* (a callable the loop calls, from its thread, with :class:`Submitted`, an exception, or a
 :class:`~specdial.engine_api.StreamChunk`). Each turn of the loop:
 
 1. handles the inbox: submissions (``add_request``; the sink gets ``Submitted(id)``, or
    :class:`~specdial.engine_api.RequestError` / :class:`~specdial.engine_api.QueueFullError`),
    aborts, cancellations of streams, shutdown; it blocks there while nothing is live;
-2. runs one iteration: ``plan = schedule()`` -> ``worker.prefill/decode(plan)`` ->
+2. runs one iteration (:meth:`EngineLoop.step`): ``plan = schedule()`` -> ``worker.prefill/decode(plan)`` ->
    ``report(...)`` (the plan carries each request's worker row, which the scheduler assigns at
    admission and frees at finish / abort / preemption); a decode iteration is timed
    from just before ``schedule()`` to just after the passes return (the worker's one host sync)
@@ -47,7 +48,7 @@ from specdial.engine_api import (POLICY_REFRESH_S, EngineStats, LogprobOptions, 
                                  StreamChunk)
 from specdial.worker.logprobs import HostLogprobs, LogprobRows, PromptLogprobPlan
 from specdial.worker.sampling import BatchSampling, SamplingParams
-from specdial.worker.worker import SpecWorker
+from specdial.worker.worker import SpecWorker, StepOutput
 
 logger = logging.getLogger("specdial.engine")
 
@@ -77,6 +78,38 @@ class RequestSpec:
     rid: int | None = None
     logprobs: LogprobOptions | None = None
     min_tokens_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, eq=False)
+class Submit:
+    """Loop message: add these requests (each spec's sink gets ``Submitted`` or an error)."""
+
+    specs: list[RequestSpec]
+
+
+@dataclass(frozen=True, eq=False)
+class Cancel:
+    """Loop message: the consumer of this request's stream went away; abort it if live."""
+
+    spec: RequestSpec
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Loop message: abort the request with this engine id if live."""
+
+    request_id: int
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Loop message: stop; ``drain`` finishes the live requests first, else aborts them."""
+
+    drain: bool
+
+
+#: What :meth:`EngineLoop.post` takes.
+Message = Submit | Cancel | Abort | Shutdown
 
 
 @dataclass(eq=False)
@@ -169,7 +202,7 @@ class EngineLoop:
         # torch's intra-op thread count is per OS thread (OpenMP): without this the loop thread
         # would run with the default and be many times slower than the caller configured
         self._num_threads = torch.get_num_threads()
-        self.inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self.live: dict[int, _Live] = {}
         self.dead: BaseException | None = None
         self._stopping = self._drain = False
@@ -197,9 +230,9 @@ class EngineLoop:
     def start(self) -> None:
         self.thread.start()
 
-    def post(self, message: tuple[Any, ...]) -> None:
-        """Queue ``("submit", [specs])``, ``("cancel", spec)``, ``("abort", id)`` or
-        ``("shutdown", drain)`` for the loop."""
+    def post(self, message: Message) -> None:
+        """Queue a :class:`Submit`, :class:`Cancel`, :class:`Abort` or :class:`Shutdown` for
+        the loop (FIFO; handled between iterations)."""
         self.inbox.put(message)
 
     def stats(self) -> EngineStats:
@@ -222,7 +255,7 @@ class EngineLoop:
                     if not busy and self._unfinished:
                         self._log_mark = self._mark()  # tokens/s from when work arrived
                     if self._unfinished:
-                        self._iteration()
+                        self.step()
         except BaseException as e:  # noqa: BLE001 - the loop must answer everyone
             logger.exception("the engine loop failed; the engine stops serving")
             self.dead = e
@@ -244,12 +277,14 @@ class EngineLoop:
 
     def _answer_until_shutdown(self, error: BaseException) -> None:
         while True:
-            kind, *args = self.inbox.get()
-            if kind == "submit":
-                for spec in args[0]:
-                    spec.sink(RuntimeError(f"the engine loop failed: {error}"))
-            elif kind == "shutdown":
-                return
+            match self.inbox.get():
+                case Submit(specs):
+                    for spec in specs:
+                        spec.sink(RuntimeError(f"the engine loop failed: {error}"))
+                case Shutdown():
+                    return
+                case _:
+                    pass
 
     def _handle_inbox(self, block: bool) -> None:
         messages = [self.inbox.get()] if block else []
@@ -258,22 +293,24 @@ class EngineLoop:
                 messages.append(self.inbox.get_nowait())
             except queue.Empty:
                 break
-        for kind, *args in messages:
-            if kind == "submit":
-                for spec in args[0]:
-                    self._submit(spec)
-            elif kind == "cancel":
-                rid = args[0].rid
-                if rid is not None and rid in self.live:
-                    self._finish_now(rid, "aborted: the client stopped reading")
-            elif kind == "abort":
-                if args[0] in self.live:
-                    self._finish_now(args[0], "aborted by request")
-            elif kind == "shutdown":
-                self._stopping, self._drain = True, bool(args[0])
-                if not self._drain:
-                    for rid in list(self.live):
-                        self._finish_now(rid, "aborted: the engine is shutting down")
+        for message in messages:
+            match message:
+                case Submit(specs):
+                    for spec in specs:
+                        self._submit(spec)
+                case Cancel(spec):
+                    if spec.rid is not None and spec.rid in self.live:
+                        self._finish_now(spec.rid, "aborted: the client stopped reading")
+                case Abort(rid):
+                    if rid in self.live:
+                        self._finish_now(rid, "aborted by request")
+                case Shutdown(drain):
+                    self._stopping, self._drain = True, bool(drain)
+                    if not self._drain:
+                        for rid in list(self.live):
+                            self._finish_now(rid, "aborted: the engine is shutting down")
+                case _:
+                    raise TypeError(f"unknown engine loop message {message!r}")
         if messages:
             self._refresh_stats()
             self._flush()
@@ -300,12 +337,10 @@ class EngineLoop:
         self._prompt_tokens += len(spec.prompt_ids)
         self._out(spec.sink, Submitted(rid))
 
-    def _iteration(self) -> None:
-        if self.steps_schedule is not None:
-            sched, i = self.steps_schedule, self._decode_iters
-            k = sched(i, self.sched.num_running) if callable(sched) else sched[i % len(sched)]
-            self.sched.set_fixed_steps(int(k))
-            self._fixed_steps = int(k)
+    def step(self) -> None:
+        """One iteration: ``schedule()`` -> the worker's passes -> ``report()`` ->
+        post-processing (chunks to the sinks). A failed pass abandons the plan."""
+        self._apply_steps_schedule()
         started = time.perf_counter()  # a decode iteration's seconds: schedule -> passes done
         plan = self.sched.schedule()
         if plan is None:  # live requests but nothing to run now (not expected)
@@ -315,31 +350,52 @@ class EngineLoop:
         rids = plan.request_ids.tolist()
         try:
             if plan.is_prefill:
-                now = time.perf_counter()
-                for rid in rids:
-                    lv = self.live[rid]
-                    if lv.queue_time is None:
-                        lv.queue_time = now - lv.submitted
-                first_live = [self.live[r] for r, f in zip(rids, plan.sample_first.tolist()) if f]
-                sampling = self._batch_sampling(first_live) if first_live else None
-                lp_rows = LogprobRows.build([lv.top_n() for lv in first_live], self.device)
-                prompt_plan, owners = self._prompt_plan(plan, rids)
-                out = self.worker.prefill(plan, sampling, self.generator, lp_rows, prompt_plan)
-                res = self.sched.report(out.tokens, out.offsets)
-                self._store_prompt_logprobs(out.prompt_logprobs, owners)
+                out, res = self._run_prefill(plan, rids)
             else:
-                sampling = self._sampling_for(rids)
-                out = self.worker.decode(plan, sampling, self.generator, self._lp_rows)
-                seconds = time.perf_counter() - started
-                res = self.sched.report(out.tokens, out.offsets, out.accepted, seconds=seconds)
-                self._decode_iters += 1
-                self._last_decode = (int(plan.steps), int(plan.graph_bs or plan.batch_size))
+                out, res = self._run_decode(plan, rids, started)
         except Exception as e:  # noqa: BLE001 - fail these requests, keep serving
             logger.exception("a %s iteration failed; aborting its %d requests", plan.kind,
                              len(rids))
             self._fail_plan(plan, rids, e)
             return
         self._after_report(plan, rids, res, out.logprobs)
+
+    def _apply_steps_schedule(self) -> None:
+        """The test hook: fix the next decode iteration's steps from ``steps_schedule``."""
+        if self.steps_schedule is not None:
+            sched, i = self.steps_schedule, self._decode_iters
+            k = sched(i, self.sched.num_running) if callable(sched) else sched[i % len(sched)]
+            self.sched.set_fixed_steps(int(k))
+            self._fixed_steps = int(k)
+
+    def _run_prefill(self, plan: Any, rids: list[int]) -> tuple[StepOutput, Any]:
+        """The prefill passes and their report: first tokens sampled for ``sample_first``
+        requests, prompt logprobs stored where asked."""
+        now = time.perf_counter()
+        for rid in rids:
+            lv = self.live[rid]
+            if lv.queue_time is None:
+                lv.queue_time = now - lv.submitted
+        first_live = [self.live[r] for r, f in zip(rids, plan.sample_first.tolist()) if f]
+        sampling = self._batch_sampling(first_live) if first_live else None
+        lp_rows = LogprobRows.build([lv.top_n() for lv in first_live], self.device)
+        prompt_plan, owners = self._prompt_plan(plan, rids)
+        out = self.worker.prefill(plan, sampling, self.generator, lp_rows, prompt_plan)
+        res = self.sched.report(out.tokens, out.offsets)
+        self._store_prompt_logprobs(out.prompt_logprobs, owners)
+        return out, res
+
+    def _run_decode(self, plan: Any, rids: list[int], started: float
+                    ) -> tuple[StepOutput, Any]:
+        """The decode passes and their report, timed from ``started`` (before ``schedule()``)
+        to the passes' end: the ``seconds`` the adaptive policy's cost model learns from."""
+        sampling = self._sampling_for(rids)
+        out = self.worker.decode(plan, sampling, self.generator, self._lp_rows)
+        seconds = time.perf_counter() - started
+        res = self.sched.report(out.tokens, out.offsets, out.accepted, seconds=seconds)
+        self._decode_iters += 1
+        self._last_decode = (int(plan.steps), int(plan.graph_bs or plan.batch_size))
+        return out, res
 
     def _batch_sampling(self, live: list[_Live]) -> BatchSampling:
         """The options of ``live`` requests in batch order, with what their penalties and
@@ -545,7 +601,7 @@ class EngineLoop:
         self._unfinished = s.running + s.prefilling + s.queued
         states = [{"lower_bound": int(lb), "steps": int(k), "ema_accept_len": float(ema),
                    "verify_count": int(n)} for lb, k, ema, n in slot_states]
-        slots = {st["lower_bound"]: st["steps"] for st in states}
+        slots = {int(st["lower_bound"]): int(st["steps"]) for st in states}
         if not slots and self._fixed_steps is not None:
             slots = {1: int(self._fixed_steps)}
         self._stats = EngineStats(
