@@ -9,10 +9,10 @@ through :meth:`EngineLoop.post` (a FIFO inbox of typed messages: :class:`Submit`
 1. handles the inbox: submissions (``add_request``; the sink gets ``Submitted(id)``, or
    :class:`~specdial.engine_api.RequestError` / :class:`~specdial.engine_api.QueueFullError`),
    aborts, cancellations of streams, shutdown; it blocks there while nothing is live;
-2. runs one iteration (:meth:`EngineLoop.step`): ``plan = schedule()`` -> ``worker.prefill/decode(plan)`` ->
-   ``report(...)`` (the plan carries each request's worker row, which the scheduler assigns at
-   admission and frees at finish / abort / preemption); a decode iteration is timed
-   from just before ``schedule()`` to just after the passes return (the worker's one host sync)
+2. runs one iteration (:meth:`EngineLoop.step`): ``plan = schedule()`` ->
+   ``worker.prefill/decode(plan)`` -> ``report(...)`` (the plan carries each request's worker
+   row, which the scheduler assigns at admission and frees at finish / abort / preemption); a
+   decode iteration is timed from just before ``schedule()`` to just after the passes return (the worker's one host sync)
    and reported as ``seconds``, which the adaptive policy's cost model learns from;
 3. post-processes the report: appends tokens, detokenizes, matches stop strings (finishing the
    request through ``finish_request``), appends the per-verify trace (``record_trace``),
