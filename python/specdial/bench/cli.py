@@ -10,7 +10,7 @@
   configurations of :mod:`specdial.bench.compare` side by side and writes ``compare.json``,
   ``compare.md`` and the PNG plots.
 
-The engine options are those of ``specdial serve`` (:class:`specdial.server.config.EngineArgs`);
+The engine options are those of ``specdial serve`` (:class:`specdial.engine_args.EngineArgs`);
 in ``compare`` the speculation options (``--speculative-num-steps``,
 ``--speculative-adaptive``) are set by each configuration and ``--speculative-adaptive-config``
 is an alias of ``--adaptive-config``. Exit status: 0, or 2 on bad options, a dataset that
@@ -32,7 +32,7 @@ from typing import Any
 
 from specdial.cli_common import cli_error, setup_logging
 from specdial.bench.datasets import DatasetError, build_requests
-from specdial.server.config import EngineArgs, add_dataclass_arguments, config_from_args
+from specdial.engine_args import EngineArgs, add_dataclass_arguments, config_from_args
 
 __all__ = ["BenchConfig", "CompareConfig", "add_bench_subcommand", "format_result",
            "run_bench", "run_bench_command", "run_compare"]
