@@ -13,6 +13,8 @@ splits the wall time of the engine loop's decode and prefill iterations into:
   sensitive to a noisy machine than throughputs of separate runs;
 - ``scheduler``: inside ``Scheduler.schedule()`` and ``Scheduler.report()`` (the Rust side:
   batching, KV slots, the adaptive decision, and the crossing itself);
+- ``scheduler calls / iteration``: every crossing into the scheduler (a method call or a
+  property read, ``schedule`` and ``report`` included) per loop iteration;
 - ``other``: the rest of the iteration (Python worker: batch tensors, attention metadata,
   sampling / acceptance math, runtime-state switches; the loop: detokenizing, stop strings,
   emitting chunks, statistics).
@@ -74,36 +76,54 @@ class Clock:
 
 
 class _TimedScheduler:
-    """Delegates to the Rust scheduler, timing ``schedule`` and ``report``."""
+    """Delegates to the Rust scheduler, timing ``schedule`` and ``report`` and counting every
+    crossing into it (a method call or a property read) in ``crossings``."""
 
     def __init__(self, sched: Any, clock: Clock) -> None:
         self._sched = sched
-        self.schedule = clock.wrap("scheduler", sched.schedule)
-        self.report = clock.wrap("scheduler", sched.report)
+        self.crossings = 0
+        schedule = clock.wrap("scheduler", sched.schedule)
+        report = clock.wrap("scheduler", sched.report)
+
+        def counted(fn: Callable[..., Any]) -> Callable[..., Any]:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                self.crossings += 1
+                return fn(*args, **kwargs)
+            return call
+        self.schedule, self.report = counted(schedule), counted(report)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._sched, name)
+        value = getattr(self._sched, name)
+        if not callable(value):
+            self.crossings += 1  # a property read
+            return value
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.crossings += 1
+            return value(*args, **kwargs)
+        return call
 
 
-def instrument(engine: Engine) -> tuple[Clock, dict[str, float]]:
+def instrument(engine: Engine) -> tuple[Clock, dict[str, Any]]:
     """Install the timers on ``engine``; returns the clock and the iteration totals."""
     clock = Clock()
-    totals = {"iterations": 0, "seconds": 0.0}
+    totals: dict[str, Any] = {"iterations": 0, "seconds": 0.0}
     worker, loop = engine.worker, engine._loop
     modules = [("target", worker.target)] + (
         [("drafter", worker.drafter.module)] if worker.drafter is not None else [])
     for category, m in modules:
         m.forward = clock.wrap(category, m.forward)
         m.compute_logits = clock.wrap(category, m.compute_logits)
-    loop.sched = _TimedScheduler(loop.sched, clock)
-    iteration = loop._iteration
+    loop.sched = timed_sched = _TimedScheduler(loop.sched, clock)
+    totals["sched"] = timed_sched  # type: ignore[assignment]
+    iteration = loop.step
 
     def timed_iteration() -> None:
         t0 = time.perf_counter()
         iteration()
         totals["seconds"] += time.perf_counter() - t0
         totals["iterations"] += 1
-    loop._iteration = timed_iteration
+    loop.step = timed_iteration  # type: ignore[method-assign]
     return clock, totals
 
 
@@ -128,7 +148,9 @@ def run(config: str, concurrency: int, prompts: list[str], max_new_tokens: int) 
             "forwards_share": round(fw / it_s, 3), "drafter_share": round(dr / it_s, 3),
             "scheduler_share": round(sc / it_s, 4),
             "other_share": round(1 - (fw + sc) / it_s, 3),
-            "scheduler_us_per_call": round(1e6 * sc / max(clock.calls.get("scheduler", 1), 1), 1)}
+            "scheduler_us_per_call": round(1e6 * sc / max(clock.calls.get("scheduler", 1), 1), 1),
+            "scheduler_crossings_per_iteration": round(
+                totals["sched"].crossings / max(totals["iterations"], 1), 2)}
 
 
 def main() -> None:
@@ -151,13 +173,13 @@ def main() -> None:
             results.append(res)
     print()
     print("| config | c | tokens/s | ms / iteration | forwards | of which drafter | scheduler "
-          "(Rust) | other (Python) | scheduler us / call |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "(Rust) | other (Python) | scheduler us / call | scheduler calls / iteration |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         print(f"| {r['config']} | {r['concurrency']} | {r['tokens_per_s']} | "
               f"{r['ms_per_iteration']} | {r['forwards_share']:.1%} | {r['drafter_share']:.1%} | "
               f"{r['scheduler_share']:.2%} | {r['other_share']:.1%} | "
-              f"{r['scheduler_us_per_call']} |")
+              f"{r['scheduler_us_per_call']} | {r['scheduler_crossings_per_iteration']} |")
     if args.output_json:
         args.output_json.write_text(json.dumps(results, indent=2) + "\n")
 

@@ -2,8 +2,8 @@
 
 Times `get_steps_for_batch` + `on_verify_complete` (a numpy int64 array of 64 accepted counts)
 through the compiled `specdial._core` policy and, in the same run and harness, the pure-Python
-reference of the same rules (`specdial.reference_policy`), alternating the two over several
-rounds to cancel machine noise. Prints ns per iteration and the ratio.
+reference of the same rules (`tests/reference_policy.py`, the test oracle), alternating the two
+over several rounds to cancel machine noise. Prints ns per iteration and the ratio.
 
 Usage: .venv/bin/python benches/policy_py.py [--batch-size 64] [--iterations 20000] [--rounds 5]
 """
@@ -13,12 +13,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 from specdial import AdaptiveConfig, AdaptiveSpeculativeParams
-from specdial.reference_policy import RefParams
+
+# the pure-Python reference is a test oracle: it lives with the tests, not in the package
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from reference_policy import RefParams  # noqa: E402
 
 
 def make_accepted(batch_size: int, iterations: int, seed: int = 0) -> list[np.ndarray]:

@@ -1,11 +1,14 @@
-//! Scheduler hot path: one decode iteration's `schedule()` (plan with every index array) plus
-//! its `report()`, with 256 running requests.
+//! Scheduler hot path: one decode iteration's `schedule()` plus its `report()` (which also
+//! returns the stats and slot states after it), with 256 running requests.
 //!
-//! - `plan_report/256/steps=K`, K in 0, 3, 7: requests hold 1..512 prompt tokens (about 256 on
-//!   average, so `kv_indices` has ~66k entries), page size 16; the report accepts a varying
+//! - `plan_report/256/steps=K`, K in 0, 3, 7: the plan the engine asks for (rows, no
+//!   per-token context arrays); requests hold 1..512 prompt tokens (about 256 on average),
+//!   page size 16; the report accepts a varying
 //!   number of drafts per request. Every 8 iterations the state restarts from a clone (not
 //!   measured), so contexts grow by at most 8 * (steps + 1) tokens.
 //! - `plan_only/256/steps=K`: `schedule()` alone, to split the cost.
+//! - `plan_report_kv_layout/256/steps=3`: with `plan_kv_layout` on, as for a backend that plans
+//!   from the scheduler's page tables (`kv_indices` then has ~66k entries).
 
 use std::time::{Duration, Instant};
 
@@ -15,7 +18,7 @@ use specdial_core::scheduler::{PlanKind, Scheduler, SchedulerConfig, StepsSource
 const BATCH: usize = 256;
 
 /// 256 running requests, prefilled and one decode iteration in, at fixed `steps`.
-fn running_state(steps: u32) -> Scheduler {
+fn running_state(steps: u32, kv_layout: bool) -> Scheduler {
     let cfg = SchedulerConfig {
         max_running_requests: BATCH as u32,
         max_queued_requests: BATCH as u32,
@@ -27,6 +30,7 @@ fn running_state(steps: u32) -> Scheduler {
         record_trace: false,
     };
     let mut s = Scheduler::new(cfg, StepsSource::Fixed(steps)).unwrap();
+    s.set_plan_kv_layout(kv_layout);
     for i in 0..BATCH {
         let prompt: Vec<i64> = (0..1 + (i * 37) % 512)
             .map(|t| 10 + t as i64 % 1000)
@@ -84,7 +88,7 @@ fn bench(c: &mut Criterion) {
     let mut group = c.benchmark_group("scheduler");
     group.throughput(Throughput::Elements(BATCH as u64));
     for steps in [0u32, 3, 7] {
-        let base = running_state(steps);
+        let base = running_state(steps, false);
         let plan = base.clone().schedule().unwrap().unwrap();
         assert_eq!(
             (plan.kind, plan.steps, plan.batch_size()),
@@ -127,6 +131,21 @@ fn bench(c: &mut Criterion) {
             })
         });
     }
+    let base = running_state(3, true);
+    let plan = base.clone().schedule().unwrap().unwrap();
+    assert!(plan.kv_indices.len() > 60_000);
+    let (tokens, offsets, accepted) = results(&plan);
+    group.bench_function(format!("plan_report_kv_layout/{BATCH}/steps=3"), |b| {
+        b.iter_custom(|iters| {
+            timed(&base, iters, |s| {
+                let plan = s.schedule().unwrap().unwrap();
+                let out = s
+                    .report(black_box(&tokens), &offsets, Some(&accepted))
+                    .unwrap();
+                black_box((plan, out));
+            })
+        })
+    });
     group.finish();
 }
 

@@ -84,7 +84,7 @@ def run_schedule(target, module, skip, check):
         assert plan.is_prefill and plan.request_ids.tolist() == rids
         out = worker.prefill(plan, sampling, None)
         sched.report(out.tokens, out.offsets)
-        rows = np.array([worker.row_of[r] for r in rids])
+        rows = np.array([sched.row_of(r) for r in rids])
         assert (worker.draft_len[rows] == worker.target_len[rows]).all()
         if check:
             check_drafter_kv(target, worker, module, rows)
@@ -112,8 +112,7 @@ def run_schedule(target, module, skip, check):
         assert state_ptrs == {s: st.verify_input_ids.data_ptr() for s, st in worker.states.items()}
         for rid in rids:
             sched.abort(rid)
-        worker.release(rids)
-    assert sched.stats().kv_pages_used == 0 and worker.num_requests == 0
+    assert sched.stats().kv_pages_used == 0 and sched.rows_in_use == 0
     return accepted
 
 

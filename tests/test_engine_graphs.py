@@ -45,7 +45,7 @@ def run(engine: Engine, prompts=PROMPTS5, new=NEW, **sp):
         out = engine.generate(input_ids=prompts,
                               sampling_params=[{"max_new_tokens": n, **sp} for n in new])
         stats = engine.graph_stats()
-        assert engine.stats().kv_pages_used == 0 and engine.worker.num_requests == 0
+        assert engine.stats().kv_pages_used == 0 and engine.scheduler.rows_in_use == 0
     finally:
         engine.shutdown()
     return [o["output_ids"] for o in out], out, stats

@@ -28,10 +28,10 @@ def run(engine: Engine, prompts=PROMPTS, max_new_tokens=N, **sp):
 
 
 def assert_no_leak(engine: Engine) -> None:
-    """Every KV page is free and no request is left, in the scheduler and the worker."""
+    """Every KV page is free and no request is left, and no worker row is held."""
     stats = engine.stats()
     assert stats.kv_pages_used == 0 and stats.running == 0 and stats.queued == 0, stats
-    assert engine.worker.num_requests == 0
+    assert engine.scheduler.rows_in_use == 0
 
 
 def target_only(path, hf):

@@ -40,7 +40,7 @@ def generate(engine: Engine, max_new_tokens=N, prompts=PROMPTS):
         out = engine.generate(input_ids=prompts,
                               sampling_params={"max_new_tokens": max_new_tokens})
         stats = engine.stats()
-        assert stats.kv_pages_used == 0 and engine.worker.num_requests == 0
+        assert stats.kv_pages_used == 0 and engine.scheduler.rows_in_use == 0
         graphs = engine.graph_stats()
     return out, graphs
 

@@ -8,7 +8,7 @@ import pytest
 
 import specdial
 from specdial import AdaptiveConfig, AdaptiveSpeculativeParams, AdaptiveStepSlot, StepDecision
-from specdial.reference_policy import RefParams, RefSlot
+from reference_policy import RefParams, RefSlot
 
 SLOT = {"candidate_steps": [1, 3, 5], "ema_alpha": 1.0, "update_interval": 1, "warmup_batches": 0, "down_hysteresis": 0.0}
 

@@ -113,7 +113,7 @@ def test_full_loop_outputs_and_no_leaks():
 
 
 def test_decode_plan_layout_and_zero_copy_arrays():
-    sched = Scheduler(config(), speculative_num_steps=2, adaptive=False)
+    sched = Scheduler(config(), speculative_num_steps=2, adaptive=False, plan_kv_layout=True)
     sched.add_request(np.arange(5, dtype=np.int32), 10)
     model = FakeModel()
     plan = sched.schedule()
@@ -338,3 +338,41 @@ def test_fixed_steps_switching_never_leaks_and_caps_near_the_end():
     assert not sched.has_unfinished() and sched.stats().kv_pages_used == 0
     for rid, (n, m) in lens.items():
         assert streamed[rid] == expected(rid, n, m, 40)
+
+
+def test_rows_come_with_the_plan_and_the_kv_layout_only_on_request():
+    """The scheduler assigns worker rows at admission and frees them at finish / abort /
+    preemption; per-token context arrays are in the plan only with ``plan_kv_layout``."""
+    sched = Scheduler(config(), speculative_num_steps=1, adaptive=False)
+    assert not sched.plan_kv_layout
+    for n in (3, 4, 5):
+        sched.add_request(list(range(1, n + 1)), 8)
+    model = FakeModel()
+    plan = sched.schedule()
+    assert plan.rows.tolist() == [0, 1, 2] and sched.rows_in_use == 3 and sched.row_of(1) == 1
+    assert len(plan.kv_indices) == len(plan.page_table) == len(plan.page_table_offsets) == 0
+    sched.report(*model.run(plan))
+    sched.abort(1)
+    assert sched.row_of(1) is None and sched.rows_in_use == 2
+    sched.plan_kv_layout = True
+    plan = sched.schedule()
+    assert plan.rows.tolist() == [0, 2]
+    assert len(plan.kv_indices) == int(np.asarray(plan.kv_lens).sum())
+    res = sched.report(*model.run(plan))
+    # the report carries the state after it: no stats() / slot_states() call needed
+    assert res.stats.as_dict() == sched.stats().as_dict() and res.slot_states == sched.slot_states()
+
+
+def test_abandon_plan_aborts_its_live_requests():
+    sched = Scheduler(config(), speculative_num_steps=2, adaptive=False)
+    with pytest.raises(SchedulerError, match="no plan in flight"):
+        sched.abandon_plan()
+    ids = [sched.add_request([1, 2, 3], 9) for _ in range(3)]
+    sched.schedule()
+    sched.abort(ids[1])
+    finished = sched.abandon_plan()
+    assert [(f.request_id, f.reason) for f in finished] == [(ids[0], "abort"), (ids[2], "abort")]
+    assert not sched.plan_in_flight and not sched.has_unfinished()
+    st = sched.stats()
+    assert (st.kv_pages_used, st.requests_aborted, sched.rows_in_use) == (0, 3, 0)
+    assert sched.schedule() is None

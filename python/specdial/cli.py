@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 
+from specdial.cli_common import cli_error
 from specdial._core import AdaptiveConfig, ConfigError, CostTable
 from specdial.bench.cli import add_bench_subcommand, run_bench_command
 from specdial.cli_serve import SUBCOMMANDS, add_subcommands, run_subcommand
@@ -120,8 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                 out=None if (args.quiet or args.json) else sys.stdout,
             )
         except (ConfigError, TraceError, OSError, ValueError) as e:
-            print(f"specdial: error: {e}", file=sys.stderr)
-            return 2
+            return cli_error(e)
         print(json.dumps(summary.to_dict(), indent=2) if args.json else format_summary(summary))
         return 0
     return 2
@@ -154,8 +154,7 @@ def _simulate(args: argparse.Namespace) -> int:
                           skip_zero_step_draft_extend=args.skip_zero_step_draft_extend)
         cases = run_simulation(spec)
     except (ConfigError, OSError, ValueError) as e:
-        print(f"specdial: error: {e}", file=sys.stderr)
-        return 2
+        return cli_error(e)
     print(json.dumps(cases, indent=1) if args.json else format_table(cases))
     return 0
 

@@ -22,10 +22,10 @@ import argparse
 import json
 import logging
 import os
-import sys
 import time
 from typing import Any
 
+from specdial.cli_common import cli_error, setup_logging
 from specdial.server.config import (GenerateConfig, ServeConfig, add_dataclass_arguments,
                                     config_from_args)
 from specdial.server.flags import add_compat_flags, resolve_compat
@@ -73,7 +73,7 @@ def run_subcommand(args: argparse.Namespace) -> int:
         resolve_compat(args, _defaults(GenerateConfig if args.command == "generate"
                                        else ServeConfig))
     except ValueError as e:
-        return _error(e)
+        return cli_error(e)
     if args.command == "generate":
         return run_generate(config_from_args(GenerateConfig, args))
     if args.command == "serve":
@@ -88,22 +88,11 @@ def _defaults(cls: type) -> argparse.ArgumentParser:
     return parser
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("specdial").setLevel(level.upper())
-
-
-def _error(message: Any) -> int:
-    print(f"specdial: error: {message}", file=sys.stderr)
-    return 2
-
-
 def _load_engine(cfg: Any) -> Any:
     try:
         return cfg.build_engine()
     except _LOAD_ERRORS as e:
-        _error(f"cannot start the engine: {e}")
+        cli_error(f"cannot start the engine: {e}")
         return None
 
 
@@ -136,11 +125,11 @@ def run_generate(cfg: GenerateConfig) -> int:
     """``specdial generate``: returns 0, or 2 (message on stderr) for bad options (checked
     before the engine loads), or when the engine cannot be built or rejects the
     prompt/sampling options."""
-    _setup_logging(cfg.log_level)
+    setup_logging(cfg.log_level)
     try:
         cfg.check()
     except ValueError as e:
-        return _error(e)
+        return cli_error(e)
     engine = _load_engine(cfg)
     if engine is None:
         return 2
@@ -149,7 +138,7 @@ def run_generate(cfg: GenerateConfig) -> int:
         out = engine.generate(cfg.prompt, cfg.sampling_params())
         seconds = time.perf_counter() - start
     except ValueError as e:  # RequestError is a ValueError
-        return _error(e)
+        return cli_error(e)
     finally:
         engine.shutdown()
     algorithm = getattr(engine, "speculative_algorithm", None)
@@ -166,12 +155,12 @@ def run_serve(cfg: ServeConfig) -> int:
     """``specdial serve``: runs until SIGTERM/SIGINT; returns 0 after a graceful shutdown, 2
     for bad options (checked before the engine loads) or when the engine cannot be built, 1
     when the server cannot start."""
-    _setup_logging(cfg.log_level)
+    setup_logging(cfg.log_level)
     try:
         cfg.check()  # the server's options too, before the (slow) engine load
         limits, security = cfg.server_limits(), cfg.security_config(os.environ)
     except ValueError as e:
-        return _error(e)
+        return cli_error(e)
     log = logging.getLogger("specdial.server")
     log.info("loading the engine (%s)", cfg.model_path or "built-in models")
     engine = _load_engine(cfg)

@@ -34,7 +34,8 @@ import torch
 from specdial._core import (AdaptiveConfig, ConfigError, Scheduler,
                             SchedulerConfig, validate_initial_steps)
 from specdial.engine_api import EngineStats, LogprobOptions, RequestError, StreamChunk
-from specdial.engine_loop import EngineLoop, RequestSpec, StepsSchedule
+from specdial.engine_loop import (Abort, Cancel, EngineLoop, Message, RequestSpec, Shutdown,
+                                  StepsSchedule)
 from specdial.engine_output import OutputAccumulator
 from specdial.engine_requests import (async_collect, async_stream, collect, make_spec,
                                       sync_stream)
@@ -151,7 +152,7 @@ def _release_loop(loop: EngineLoop) -> None:
     its requests and join its loop thread, so that the thread is not torn down inside a torch
     call while the interpreter finalizes (which aborts the process)."""
     if loop.thread.is_alive():
-        loop.post(("shutdown", False))
+        loop.post(Shutdown(False))
         if threading.current_thread() is not loop.thread:
             loop.thread.join(timeout=60.0)
     elif loop.trace_file is not None and not loop.thread.ident:
@@ -503,7 +504,7 @@ class Engine:
                          context_length=self.context_length, eos_token_ids=self.eos_token_ids,
                          label=label, logprobs=logprobs)
 
-    def _post(self, message: tuple[Any, ...]) -> None:
+    def _post(self, message: Message) -> None:
         with self._lock:
             if self._closed:
                 raise RuntimeError("Engine is shut down")
@@ -659,7 +660,7 @@ class Engine:
 
     def _cancel(self, spec: RequestSpec) -> None:
         if not self._closed:
-            self._loop.post(("cancel", spec))
+            self._loop.post(Cancel(spec))
 
     def abort(self, request_id: int) -> None:
         """Abort a request (queued or running) by its id; its stream ends with finish reason
@@ -673,7 +674,7 @@ class Engine:
             raise TypeError(f"request_id must be an int, got {request_id!r} "
                             f"({type(request_id).__name__})") from None
         if not self._closed and self._started:
-            self._loop.post(("abort", rid))
+            self._loop.post(Abort(rid))
 
     def stats(self) -> EngineStats:
         """A snapshot of the gauges and counters (thread-safe; see :class:`EngineStats`)."""
@@ -688,7 +689,7 @@ class Engine:
                 return
             self._closed = True
             started = self._started
-            self._loop.post(("shutdown", drain))
+            self._loop.post(Shutdown(drain))
         if started:
             self._loop.thread.join()
         elif self._loop.trace_file is not None:

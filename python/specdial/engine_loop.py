@@ -1,25 +1,31 @@
 """The engine loop: one background thread that owns the Rust scheduler and the worker.
 
 Every :class:`specdial._core.Scheduler` call happens on this thread. Other threads talk to it
-through :meth:`EngineLoop.post` (a FIFO inbox) and get their results through each request's
+through :meth:`EngineLoop.post` (a FIFO inbox of typed messages: :class:`Submit`,
+:class:`Cancel`, :class:`Abort`, :class:`Shutdown`) and get their results through each request's
 *sink* (a callable the loop calls, from its thread, with :class:`Submitted`, an exception, or a
 :class:`~specdial.engine_api.StreamChunk`). Each turn of the loop:
 
 1. handles the inbox: submissions (``add_request``; the sink gets ``Submitted(id)``, or
    :class:`~specdial.engine_api.RequestError` / :class:`~specdial.engine_api.QueueFullError`),
    aborts, cancellations of streams, shutdown; it blocks there while nothing is live;
-2. runs one iteration: ``plan = schedule()`` -> ``worker.prefill/decode(plan)`` ->
-   ``report(...)``; preempted requests lose their worker rows first; a decode iteration is timed
-   from just before ``schedule()`` to just after the passes return (the worker's one host sync)
+2. runs one iteration (:meth:`EngineLoop.step`): ``plan = schedule()`` ->
+   ``worker.prefill/decode(plan)`` -> ``report(...)`` (the plan carries each request's worker
+   row, which the scheduler assigns at admission and frees at finish / abort / preemption); a
+   decode iteration is timed from just before ``schedule()`` to just after the passes return (the worker's one host sync)
    and reported as ``seconds``, which the adaptive policy's cost model learns from;
 3. post-processes the report: appends tokens, detokenizes, matches stop strings (finishing the
-   request through ``finish_request``), frees the worker rows of finished requests, appends the
-   per-verify trace (``record_trace``), refreshes the :class:`EngineStats` snapshot, logs every
+   request through ``finish_request``), appends the per-verify trace (``record_trace``),
+   refreshes the :class:`EngineStats` snapshot (from the stats the report returned, unless a
+   stop string finished a request since), logs every
    ``log_interval_s`` while decoding, and only then hands the chunks to the sinks (so a caller
    that saw its last chunk sees the freed pages in ``stats()``).
 
-An exception while running a plan fails the plan's requests (finish reason ``abort`` with the
-message), is logged with its traceback, and the loop keeps serving. Aborts and stop-string
+A steady decode iteration makes two scheduler calls: ``schedule()`` and ``report()``.
+
+An exception while running a plan fails the plan's requests (``abandon_plan()`` aborts them;
+finish reason ``abort`` with the message), is logged with its traceback, and the loop keeps
+serving. Aborts and stop-string
 finishes happen between iterations, never while a plan is in flight.
 """
 
@@ -42,7 +48,7 @@ from specdial.engine_api import (POLICY_REFRESH_S, EngineStats, LogprobOptions, 
                                  StreamChunk)
 from specdial.worker.logprobs import HostLogprobs, LogprobRows, PromptLogprobPlan
 from specdial.worker.sampling import BatchSampling, SamplingParams
-from specdial.worker.worker import SpecWorker
+from specdial.worker.worker import SpecWorker, StepOutput
 
 logger = logging.getLogger("specdial.engine")
 
@@ -72,6 +78,38 @@ class RequestSpec:
     rid: int | None = None
     logprobs: LogprobOptions | None = None
     min_tokens_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, eq=False)
+class Submit:
+    """Loop message: add these requests (each spec's sink gets ``Submitted`` or an error)."""
+
+    specs: list[RequestSpec]
+
+
+@dataclass(frozen=True, eq=False)
+class Cancel:
+    """Loop message: the consumer of this request's stream went away; abort it if live."""
+
+    spec: RequestSpec
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Loop message: abort the request with this engine id if live."""
+
+    request_id: int
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Loop message: stop; ``drain`` finishes the live requests first, else aborts them."""
+
+    drain: bool
+
+
+#: What :meth:`EngineLoop.post` takes.
+Message = Submit | Cancel | Abort | Shutdown
 
 
 @dataclass(eq=False)
@@ -164,7 +202,7 @@ class EngineLoop:
         # torch's intra-op thread count is per OS thread (OpenMP): without this the loop thread
         # would run with the default and be many times slower than the caller configured
         self._num_threads = torch.get_num_threads()
-        self.inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self.live: dict[int, _Live] = {}
         self.dead: BaseException | None = None
         self._stopping = self._drain = False
@@ -180,6 +218,11 @@ class EngineLoop:
         self._stats = EngineStats()
         self._goodput: dict[str, Any] | None = None
         self._goodput_at = -POLICY_REFRESH_S
+        # read once: only this loop changes them (set_fixed_steps), and the strategy never
+        self._policy = scheduler.policy_strategy
+        self._fixed_steps = scheduler.fixed_steps
+        self._unfinished = 0  # live requests in the scheduler, from the latest stats
+        self._stats_stale = False  # a request finished after the report's stats
         self._refresh_stats()  # before the thread starts: no concurrent scheduler call
         self.thread = threading.Thread(target=self._main, name="specdial-engine", daemon=True)
 
@@ -187,9 +230,9 @@ class EngineLoop:
     def start(self) -> None:
         self.thread.start()
 
-    def post(self, message: tuple[Any, ...]) -> None:
-        """Queue ``("submit", [specs])``, ``("cancel", spec)``, ``("abort", id)`` or
-        ``("shutdown", drain)`` for the loop."""
+    def post(self, message: Message) -> None:
+        """Queue a :class:`Submit`, :class:`Cancel`, :class:`Abort` or :class:`Shutdown` for
+        the loop (FIFO; handled between iterations)."""
         self.inbox.put(message)
 
     def stats(self) -> EngineStats:
@@ -205,14 +248,14 @@ class EngineLoop:
         try:
             with torch.inference_mode():
                 while True:
-                    busy = self.sched.has_unfinished()
+                    busy = self._unfinished > 0
                     if not busy and self._stopping:
                         break
                     self._handle_inbox(block=not busy)
-                    if not busy and self.sched.has_unfinished():
+                    if not busy and self._unfinished:
                         self._log_mark = self._mark()  # tokens/s from when work arrived
-                    if self.sched.has_unfinished():
-                        self._iteration()
+                    if self._unfinished:
+                        self.step()
         except BaseException as e:  # noqa: BLE001 - the loop must answer everyone
             logger.exception("the engine loop failed; the engine stops serving")
             self.dead = e
@@ -234,12 +277,14 @@ class EngineLoop:
 
     def _answer_until_shutdown(self, error: BaseException) -> None:
         while True:
-            kind, *args = self.inbox.get()
-            if kind == "submit":
-                for spec in args[0]:
-                    spec.sink(RuntimeError(f"the engine loop failed: {error}"))
-            elif kind == "shutdown":
-                return
+            match self.inbox.get():
+                case Submit(specs):
+                    for spec in specs:
+                        spec.sink(RuntimeError(f"the engine loop failed: {error}"))
+                case Shutdown():
+                    return
+                case _:
+                    pass
 
     def _handle_inbox(self, block: bool) -> None:
         messages = [self.inbox.get()] if block else []
@@ -248,22 +293,24 @@ class EngineLoop:
                 messages.append(self.inbox.get_nowait())
             except queue.Empty:
                 break
-        for kind, *args in messages:
-            if kind == "submit":
-                for spec in args[0]:
-                    self._submit(spec)
-            elif kind == "cancel":
-                rid = args[0].rid
-                if rid is not None and rid in self.live:
-                    self._finish_now(rid, "aborted: the client stopped reading")
-            elif kind == "abort":
-                if args[0] in self.live:
-                    self._finish_now(args[0], "aborted by request")
-            elif kind == "shutdown":
-                self._stopping, self._drain = True, bool(args[0])
-                if not self._drain:
-                    for rid in list(self.live):
-                        self._finish_now(rid, "aborted: the engine is shutting down")
+        for message in messages:
+            match message:
+                case Submit(specs):
+                    for spec in specs:
+                        self._submit(spec)
+                case Cancel(spec):
+                    if spec.rid is not None and spec.rid in self.live:
+                        self._finish_now(spec.rid, "aborted: the client stopped reading")
+                case Abort(rid):
+                    if rid in self.live:
+                        self._finish_now(rid, "aborted by request")
+                case Shutdown(drain):
+                    self._stopping, self._drain = True, bool(drain)
+                    if not self._drain:
+                        for rid in list(self.live):
+                            self._finish_now(rid, "aborted: the engine is shutting down")
+                case _:
+                    raise TypeError(f"unknown engine loop message {message!r}")
         if messages:
             self._refresh_stats()
             self._flush()
@@ -290,48 +337,65 @@ class EngineLoop:
         self._prompt_tokens += len(spec.prompt_ids)
         self._out(spec.sink, Submitted(rid))
 
-    def _iteration(self) -> None:
-        if self.steps_schedule is not None:
-            sched, i = self.steps_schedule, self._decode_iters
-            k = sched(i, self.sched.num_running) if callable(sched) else sched[i % len(sched)]
-            self.sched.set_fixed_steps(int(k))
+    def step(self) -> None:
+        """One iteration: ``schedule()`` -> the worker's passes -> ``report()`` ->
+        post-processing (chunks to the sinks). A failed pass abandons the plan."""
+        self._apply_steps_schedule()
         started = time.perf_counter()  # a decode iteration's seconds: schedule -> passes done
         plan = self.sched.schedule()
         if plan is None:  # live requests but nothing to run now (not expected)
             logger.warning("nothing schedulable with %d live requests", len(self.live))
             time.sleep(0.01)
             return
-        preempted = plan.preempted.tolist()
-        if preempted:
-            self.worker.release(preempted)
         rids = plan.request_ids.tolist()
         try:
             if plan.is_prefill:
-                now = time.perf_counter()
-                for rid in rids:
-                    lv = self.live[rid]
-                    if lv.queue_time is None:
-                        lv.queue_time = now - lv.submitted
-                first_live = [self.live[r] for r, f in zip(rids, plan.sample_first.tolist()) if f]
-                sampling = self._batch_sampling(first_live) if first_live else None
-                lp_rows = LogprobRows.build([lv.top_n() for lv in first_live], self.device)
-                prompt_plan, owners = self._prompt_plan(plan, rids)
-                out = self.worker.prefill(plan, sampling, self.generator, lp_rows, prompt_plan)
-                res = self.sched.report(out.tokens, out.offsets)
-                self._store_prompt_logprobs(out.prompt_logprobs, owners)
+                out, res = self._run_prefill(plan, rids)
             else:
-                sampling = self._sampling_for(rids)
-                out = self.worker.decode(plan, sampling, self.generator, self._lp_rows)
-                seconds = time.perf_counter() - started
-                res = self.sched.report(out.tokens, out.offsets, out.accepted, seconds=seconds)
-                self._decode_iters += 1
-                self._last_decode = (int(plan.steps), int(plan.graph_bs or plan.batch_size))
+                out, res = self._run_decode(plan, rids, started)
         except Exception as e:  # noqa: BLE001 - fail these requests, keep serving
             logger.exception("a %s iteration failed; aborting its %d requests", plan.kind,
                              len(rids))
             self._fail_plan(plan, rids, e)
             return
         self._after_report(plan, rids, res, out.logprobs)
+
+    def _apply_steps_schedule(self) -> None:
+        """The test hook: fix the next decode iteration's steps from ``steps_schedule``."""
+        if self.steps_schedule is not None:
+            sched, i = self.steps_schedule, self._decode_iters
+            k = sched(i, self.sched.num_running) if callable(sched) else sched[i % len(sched)]
+            self.sched.set_fixed_steps(int(k))
+            self._fixed_steps = int(k)
+
+    def _run_prefill(self, plan: Any, rids: list[int]) -> tuple[StepOutput, Any]:
+        """The prefill passes and their report: first tokens sampled for ``sample_first``
+        requests, prompt logprobs stored where asked."""
+        now = time.perf_counter()
+        for rid in rids:
+            lv = self.live[rid]
+            if lv.queue_time is None:
+                lv.queue_time = now - lv.submitted
+        first_live = [self.live[r] for r, f in zip(rids, plan.sample_first.tolist()) if f]
+        sampling = self._batch_sampling(first_live) if first_live else None
+        lp_rows = LogprobRows.build([lv.top_n() for lv in first_live], self.device)
+        prompt_plan, owners = self._prompt_plan(plan, rids)
+        out = self.worker.prefill(plan, sampling, self.generator, lp_rows, prompt_plan)
+        res = self.sched.report(out.tokens, out.offsets)
+        self._store_prompt_logprobs(out.prompt_logprobs, owners)
+        return out, res
+
+    def _run_decode(self, plan: Any, rids: list[int], started: float
+                    ) -> tuple[StepOutput, Any]:
+        """The decode passes and their report, timed from ``started`` (before ``schedule()``)
+        to the passes' end: the ``seconds`` the adaptive policy's cost model learns from."""
+        sampling = self._sampling_for(rids)
+        out = self.worker.decode(plan, sampling, self.generator, self._lp_rows)
+        seconds = time.perf_counter() - started
+        res = self.sched.report(out.tokens, out.offsets, out.accepted, seconds=seconds)
+        self._decode_iters += 1
+        self._last_decode = (int(plan.steps), int(plan.graph_bs or plan.batch_size))
+        return out, res
 
     def _batch_sampling(self, live: list[_Live]) -> BatchSampling:
         """The options of ``live`` requests in batch order, with what their penalties and
@@ -400,19 +464,14 @@ class EngineLoop:
             lv.prompt_done = lv.prompt_done or end >= prompt_len
 
     def _fail_plan(self, plan: Any, rids: list[int], error: Exception) -> None:
+        """The plan's passes raised: abandon it (the scheduler aborts its live requests) and
+        send each of them its final chunk with the error."""
         message = f"internal error: {type(error).__name__}: {error}"
+        if self.sched.plan_in_flight:  # False when report() itself raised after applying
+            self.sched.abandon_plan()
         for rid in rids:
             if rid in self.live:
-                self._finish_now(rid, message)
-        if self.sched.plan_in_flight:  # every request in it is aborted: results are ignored
-            b = len(rids)
-            if plan.is_prefill:
-                n = int(np.asarray(plan.sample_first).sum())
-                self.sched.report(np.zeros(n, np.int64),
-                                  np.concatenate([[0], np.cumsum(np.asarray(plan.sample_first))]))
-            else:
-                self.sched.report(np.zeros(b, np.int64), np.arange(b + 1, dtype=np.int64),
-                                  np.zeros(b, np.int64))
+                self._finish_now(rid, message)  # abort() is a no-op for those abandoned
         self._sampling_key = None
         self._refresh_stats()
         self._flush()
@@ -455,7 +514,7 @@ class EngineLoop:
                     self._finish_now(rid, f"internal error: {type(e).__name__}: {e}")
         if decode and self.trace_file is not None:
             self._write_trace()
-        self._refresh_stats()
+        self._refresh_stats(res)
         if decode:
             self._maybe_log()
         self._flush()
@@ -488,11 +547,11 @@ class EngineLoop:
             fin = self.sched.finish_request(lv.rid, "stop")
             if fin is None:
                 raise RuntimeError(f"request {lv.rid} is not live in the scheduler")
+            self._stats_stale = True
         if fin is None:
             self._out(lv.spec.sink, self._chunk(lv, text, new, False, None, token_lp))
             return
         del self.live[lv.rid]
-        self.worker.release([lv.rid])
         if lv.text.matched is not None:
             reason: dict[str, Any] = {"type": "stop", "matched": lv.text.matched}
         elif fin.reason == "length":
@@ -506,10 +565,8 @@ class EngineLoop:
     def _finish_now(self, rid: int, message: str) -> None:
         """Abort a live request now (between iterations): free everything, final chunk."""
         lv = self.live.pop(rid)
-        try:
-            self.sched.abort(rid)
-        finally:
-            self.worker.release([rid])
+        self.sched.abort(rid)
+        self._stats_stale = True
         self._sampling_key = None
         self._out(lv.spec.sink, self._chunk(lv, "", [], True,
                                             {"type": "abort", "message": message}, None))
@@ -532,13 +589,21 @@ class EngineLoop:
             self.trace_file.write(text if text.endswith("\n") else text + "\n")
             self.trace_file.flush()
 
-    def _refresh_stats(self) -> None:
-        s = self.sched.stats()
+    def _refresh_stats(self, res: Any = None) -> None:
+        """Rebuild the :class:`EngineStats` snapshot from ``res`` (a ``ReportResult``: the
+        stats and slot states after it), or from the scheduler when there is none or a request
+        finished since."""
+        if res is None or self._stats_stale:
+            s, slot_states = self.sched.stats(), self.sched.slot_states()
+        else:
+            s, slot_states = res.stats, res.slot_states
+        self._stats_stale = False
+        self._unfinished = s.running + s.prefilling + s.queued
         states = [{"lower_bound": int(lb), "steps": int(k), "ema_accept_len": float(ema),
-                   "verify_count": int(n)} for lb, k, ema, n in self.sched.slot_states()]
-        slots = {st["lower_bound"]: st["steps"] for st in states}
-        if not slots and self.sched.fixed_steps is not None:
-            slots = {1: int(self.sched.fixed_steps)}
+                   "verify_count": int(n)} for lb, k, ema, n in slot_states]
+        slots = {int(st["lower_bound"]): int(st["steps"]) for st in states}
+        if not slots and self._fixed_steps is not None:
+            slots = {1: int(self._fixed_steps)}
         self._stats = EngineStats(
             running=s.running + s.prefilling, queued=s.queued, kv_pages_used=s.kv_pages_used,
             kv_pages_total=s.kv_pages_total, steps_per_slot=slots, num_drafts=s.spec_num_drafts,
@@ -550,13 +615,13 @@ class EngineLoop:
             slot_states=states,
             last_decode_steps=None if self._last_decode is None else self._last_decode[0],
             last_decode_batch_size=None if self._last_decode is None else self._last_decode[1],
-            policy=self.sched.policy_strategy, goodput=self._goodput_state())
+            policy=self._policy, goodput=self._goodput_state())
 
     def _goodput_state(self) -> dict[str, Any] | None:
         """The goodput strategy's state, rebuilt at most every POLICY_REFRESH_S seconds while
         requests run, and whenever the engine is idle (so the last decision is never lost)."""
         now = time.monotonic()
-        if now - self._goodput_at >= POLICY_REFRESH_S or not self.sched.has_unfinished():
+        if now - self._goodput_at >= POLICY_REFRESH_S or not self._unfinished:
             self._goodput, self._goodput_at = self.sched.goodput_state(), now
         return self._goodput
 

@@ -22,12 +22,12 @@ from typing import Any, AsyncGenerator, Callable, Iterator
 
 from specdial._core import QueueFullError
 from specdial.engine_api import LogprobOptions, RequestError, StreamChunk
-from specdial.engine_loop import RequestSpec, Submitted
+from specdial.engine_loop import Message, RequestSpec, Submit, Submitted
 from specdial.engine_output import OutputAccumulator
 from specdial.worker.logprobs import MAX_TOP_LOGPROBS
 from specdial.worker.sampling import SamplingParams
 
-Post = Callable[[tuple[Any, ...]], None]
+Post = Callable[[Message], None]
 Cancel = Callable[[RequestSpec], None]
 
 
@@ -166,12 +166,12 @@ def collect(post: Post, cancel: Cancel, specs: list[RequestSpec],
     left, in_submit = len(specs), len(specs)
     retry: list[RequestSpec] = []
     try:
-        post(("submit", specs))
+        post(Submit(specs))
         while left:
             try:
                 i, item = q.get(timeout=0.02 if retry and not in_submit else None)
             except queue.Empty:  # the queue was full: try again
-                post(("submit", retry))
+                post(Submit(retry))
                 in_submit, retry = len(retry), []
                 continue
             if isinstance(item, Submitted):
@@ -192,27 +192,43 @@ def collect(post: Post, cancel: Cancel, specs: list[RequestSpec],
     return [out.result() for out in outs]
 
 
+class _StreamDriver:
+    """What a sync and an async stream of one request share: the meaning of each sink item
+    (``Submitted`` is skipped, an exception ends the stream by raising, a chunk is yielded
+    and the stream is done after the finished one) and the cancel of a stream left early."""
+
+    def __init__(self, cancel: Cancel, spec: RequestSpec) -> None:
+        self.cancel, self.spec, self.done = cancel, spec, False
+
+    def take(self, item: Any) -> StreamChunk | None:
+        """The chunk to yield for ``item`` (None: nothing); raises an error item."""
+        if isinstance(item, BaseException):
+            self.done = True
+            raise item
+        if isinstance(item, Submitted):
+            return None
+        self.done = bool(item.finished)
+        return item
+
+    def close(self) -> None:
+        """The stream ends: cancel the request unless its last chunk (or an error) came."""
+        if not self.done:
+            self.cancel(self.spec)
+
+
 def sync_stream(post: Post, cancel: Cancel, spec: RequestSpec) -> Iterator[StreamChunk]:
     """The chunks of ``spec`` (a generator: submission on the first ``next``)."""
     q: queue.SimpleQueue[Any] = queue.SimpleQueue()
     spec.sink = q.put
-    post(("submit", [spec]))
-    done = False
+    post(Submit([spec]))
+    driver = _StreamDriver(cancel, spec)
     try:
-        while True:
-            item = q.get()
-            if isinstance(item, BaseException):
-                done = True
-                raise item
-            if isinstance(item, Submitted):
-                continue
-            done = item.finished
-            yield item
-            if done:
-                return
+        while not driver.done:
+            chunk = driver.take(q.get())
+            if chunk is not None:
+                yield chunk
     finally:
-        if not done:
-            cancel(spec)
+        driver.close()
 
 
 async def async_stream(post: Post, cancel: Cancel, spec: RequestSpec
@@ -229,23 +245,15 @@ async def async_stream(post: Post, cancel: Cancel, spec: RequestSpec
             cancel(spec)
 
     spec.sink = sink
-    post(("submit", [spec]))
-    done = False
+    post(Submit([spec]))
+    driver = _StreamDriver(cancel, spec)
     try:
-        while True:
-            item = await q.get()
-            if isinstance(item, BaseException):
-                done = True
-                raise item
-            if isinstance(item, Submitted):
-                continue
-            done = item.finished
-            yield item
-            if done:
-                return
+        while not driver.done:
+            chunk = driver.take(await q.get())
+            if chunk is not None:
+                yield chunk
     finally:
-        if not done:
-            cancel(spec)
+        driver.close()
 
 
 async def async_collect(post: Post, cancel: Cancel, specs: list[RequestSpec],

@@ -111,9 +111,10 @@ def profile_decode(sched: Any, worker: Any, *, batch_sizes: Sequence[int],
                 try:
                     times, context = _run(sched, worker, generator, n_iter, sampling)
                 finally:
+                    if sched.plan_in_flight:  # _run raised mid-plan
+                        sched.abandon_plan()
                     for rid in ids:
                         sched.abort(rid)
-                    worker.release(ids)
                 measured = times[n_warmup:]
                 point = ProfilePoint(bs, int(steps), context / bs, float(np.mean(measured)))
                 logger.info("profiling: steps=%d bs=%d context=%.0f/request: %.3f ms", steps, bs,

@@ -10,7 +10,7 @@
   configurations of :mod:`specdial.bench.compare` side by side and writes ``compare.json``,
   ``compare.md`` and the PNG plots.
 
-The engine options are those of ``specdial serve`` (:class:`specdial.server.config.EngineArgs`);
+The engine options are those of ``specdial serve`` (:class:`specdial.engine_args.EngineArgs`);
 in ``compare`` the speculation options (``--speculative-num-steps``,
 ``--speculative-adaptive``) are set by each configuration and ``--speculative-adaptive-config``
 is an alias of ``--adaptive-config``. Exit status: 0, or 2 on bad options, a dataset that
@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specdial.cli_common import cli_error, setup_logging
 from specdial.bench.datasets import DatasetError, build_requests
-from specdial.server.config import EngineArgs, add_dataclass_arguments, config_from_args
+from specdial.engine_args import EngineArgs, add_dataclass_arguments, config_from_args
 
 __all__ = ["BenchConfig", "CompareConfig", "add_bench_subcommand", "format_result",
            "run_bench", "run_bench_command", "run_compare"]
@@ -175,24 +176,13 @@ def run_bench_command(args: argparse.Namespace, argv: list[str] | None = None) -
         try:
             table = run_cost_table(cfg)
         except _LOAD_ERRORS as e:
-            return _error(e)
+            return cli_error(e)
         print(f"{len(table['entries'])} entries written to {cfg.out}")
         return 0
     if getattr(args, "bench_command", None) == "compare":
         return run_compare(config_from_args(CompareConfig, args),
                            argv=sys.argv[1:] if argv is None else list(argv))
     return run_bench(config_from_args(BenchConfig, args))
-
-
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("specdial").setLevel(level.upper())
-
-
-def _error(message: Any) -> int:
-    print(f"specdial: error: {message}", file=sys.stderr)
-    return 2
 
 
 def _int_list(text: str, what: str) -> list[int]:
@@ -329,20 +319,20 @@ def run_bench(cfg: BenchConfig) -> int:
     extra (checked before anything runs)."""
     import asyncio
 
-    _setup_logging(cfg.log_level)
+    setup_logging(cfg.log_level)
     if cfg.backend == "http" and (msg := missing_extra("httpx", "--backend http")):
-        return _error(msg)
+        return cli_error(msg)
     from specdial.bench.driver import EngineDriver, HttpDriver
     from specdial.bench.metrics import summarize, timeline_series
 
     try:
         cfg.configure_process()
     except ValueError as e:
-        return _error(str(e))
+        return cli_error(str(e))
     if cfg.concurrency is not None and cfg.concurrency < 1:
-        return _error(f"--concurrency must be >= 1, got {cfg.concurrency}")
+        return cli_error(f"--concurrency must be >= 1, got {cfg.concurrency}")
     if cfg.request_rate is not None and not (cfg.request_rate > 0):
-        return _error(f"--request-rate must be > 0, got {cfg.request_rate}")
+        return cli_error(f"--request-rate must be > 0, got {cfg.request_rate}")
     engine = None
     if cfg.backend == "http":
         driver: Any = HttpDriver(cfg.base_url, model=cfg.served_model_name,
@@ -353,7 +343,7 @@ def run_bench(cfg: BenchConfig) -> int:
         try:
             engine = cfg.build_engine()
         except _LOAD_ERRORS as e:
-            return _error(f"cannot start the engine: {e}")
+            return cli_error(f"cannot start the engine: {e}")
         driver = EngineDriver(engine)
     params = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
               "ignore_eos": cfg.ignore_eos}
@@ -361,7 +351,7 @@ def run_bench(cfg: BenchConfig) -> int:
         try:
             requests = _requests(cfg, driver, engine)
         except DatasetError as e:
-            return _error(e)
+            return cli_error(e)
         warm = requests[:max(cfg.warmup_prompts, 0)]
         run = asyncio.run(_bench_async(driver, requests, warm, cfg, params))
     finally:
@@ -395,17 +385,17 @@ def run_compare(cfg: CompareConfig, argv: list[str] | None = None) -> int:
                                         peak_of, run_comparison)
     from specdial.bench.compare import write_outputs
 
-    _setup_logging(cfg.log_level)
+    setup_logging(cfg.log_level)
     if cfg.plots and (msg := missing_extra("matplotlib", "--plots (the PNG plots)")):
-        return _error(f"{msg}; or pass --no-plots")
+        return cli_error(f"{msg}; or pass --no-plots")
     try:
         cfg.configure_process()
     except ValueError as e:
-        return _error(str(e))
+        return cli_error(str(e))
     user_config = cfg.adaptive_config or cfg.speculative_adaptive_config
     if (cfg.adaptive_config and cfg.speculative_adaptive_config
             and cfg.adaptive_config != cfg.speculative_adaptive_config):
-        return _error("--adaptive-config and --speculative-adaptive-config differ; give one")
+        return cli_error("--adaptive-config and --speculative-adaptive-config differ; give one")
     try:
         configs = parse_configurations(cfg.configs, user_config)
         concurrencies = [parse_concurrency(c) for c in cfg.concurrency.split(",") if c.strip()]
@@ -416,10 +406,10 @@ def run_compare(cfg: CompareConfig, argv: list[str] | None = None) -> int:
         if cfg.num_prompts is not None and cfg.num_prompts < 1:
             raise ValueError(f"--num-prompts must be >= 1, got {cfg.num_prompts}")
     except ValueError as e:
-        return _error(e)
+        return cli_error(e)
     workloads = [w.strip() for w in cfg.workloads.split(",") if w.strip()]
     if not workloads:
-        return _error("--workloads is empty")
+        return cli_error("--workloads is empty")
     if cfg.record_trace:
         logger.warning("--record-trace is ignored by `bench compare`")
     factory = EngineFactory(cfg, default_max_running=max(peak_of(c) for c in concurrencies))
@@ -437,9 +427,9 @@ def run_compare(cfg: CompareConfig, argv: list[str] | None = None) -> int:
             temperature=cfg.temperature, ignore_eos=cfg.ignore_eos, progress=cfg.progress,
             meta=meta)
     except DatasetError as e:
-        return _error(e)
+        return cli_error(e)
     except _LOAD_ERRORS as e:
-        return _error(f"cannot run the comparison: {e}")
+        return cli_error(f"cannot run the comparison: {e}")
     files = write_outputs(result, cfg.output_dir, plots=cfg.plots)
     from specdial.bench.compare import format_markdown
 

@@ -129,7 +129,7 @@ def parse_configurations(spec: str | None, adaptive_config: str | None = None
 
 class EngineFactory:
     """Builds the engine of each configuration from the engine options ``args``
-    (:class:`specdial.server.config.EngineArgs`; the speculation options are replaced per
+    (:class:`specdial.engine_args.EngineArgs`; the speculation options are replaced per
     configuration). The models are loaded once, on the first :meth:`build`, and shared through
     ``Engine.from_modules``; if that is not possible (no ``from_modules``, or the modules cannot
     be loaded here), each configuration builds its own ``Engine(...)`` (loading the models once

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specdial.server.config import EngineArgs
+from specdial.engine_args import EngineArgs
 
 
 @dataclass

@@ -26,13 +26,15 @@ runner on its runtime state; decode iterations then replay the graphs of the pla
 passes (counted in :meth:`SpecWorker.graph_stats`) above the largest size, for uncaptured
 keys, sampling drafts and long catch-ups. Prefill stays eager.
 
-Rows (``0..max_running_requests-1``) are assigned to request ids when their prefill starts at
-position 0 and given back by :meth:`release` (finished, aborted or preempted requests). Host
-arrays are numpy int64. No per-request ``.item()`` and no Python loop over tensors.
+Rows (``0..max_running_requests-1``) belong to the scheduler: it assigns each request its row at
+admission and frees it at finish, abort or preemption, and every plan carries them
+(``plan.rows``). A prefill chunk starting at position 0 (re)starts its row: the worker resets the
+row's lengths and token counts there, and keeps no request -> row map of its own. Host arrays
+are numpy int64. No per-request ``.item()`` and no Python loop over tensors.
 
 Penalties and ``min_tokens`` (``BatchSampling.processors``): the worker keeps each penalized
 row's token counts on the device (:class:`~specdial.worker.processors.TokenCounts`, reset when
-a row is assigned or released), brings them up to the row's target length before sampling, and
+a row (re)starts), brings them up to the row's target length before sampling, and
 processes the logits per position (:class:`~specdial.worker.processors.StepProcessing`): the
 prefill's first tokens, every draft step and every verify column, each with the history plain
 decoding has at that position. Reported log-probabilities stay the raw ones.
@@ -52,16 +54,12 @@ from specdial.models.llama import LlamaForCausalLM
 from specdial.worker.cuda_graphs import (CapturePlan, CaptureReport, CudaGraphRunner, GraphPool,
                                          build_runners, capture_all)
 from specdial.worker.drafters import Drafter, run_target
+from specdial.worker.inputs import DecodeInput, PrefillInput, worker_input
 from specdial.worker.logprobs import (HostLogprobs, LogprobRows, PromptLogprobPlan,
                                       prompt_logprobs, token_logprobs)
 from specdial.worker.processors import StepProcessing, TokenCounts
 from specdial.worker.runtime import DecodeBatches, RequestTables, RuntimeState
 from specdial.worker.sampling import BatchSampling, sample, speculative_accept
-
-
-def _i64(arr: Any) -> np.ndarray:
-    """A writable int64 numpy copy of a plan array (the plan's own buffers are read-only)."""
-    return np.array(arr, dtype=np.int64)
 
 
 @dataclass
@@ -153,11 +151,8 @@ class SpecWorker:
                                       dtype=target.embed_tokens.weight.dtype, device=device)
         self.target_len = np.zeros(max_running_requests, np.int64)
         self.draft_len = np.zeros(max_running_requests, np.int64)
-        self.rid = np.full(max_running_requests, -1, np.int64)
         #: penalized rows' token counts (device tensors allocated on the first penalty)
         self.token_counts = TokenCounts(max_running_requests, target.config.vocab_size, device)
-        self.row_of: dict[int, int] = {}
-        self._free_rows = list(range(max_running_requests - 1, -1, -1))
         #: steps -> CUDA-graph runner (empty: eager passes); the capture plan and report
         self.graph_runners: dict[int, CudaGraphRunner] = {}
         self.capture_plan: CapturePlan | None = None
@@ -194,41 +189,23 @@ class SpecWorker:
         return {"replays": replays, "eager": eager, "captured": captured}
 
     # ----------------------------------------------------------------- rows
-    def _rows(self, request_ids: np.ndarray, starts: np.ndarray) -> np.ndarray:
-        """Rows of ``request_ids``; a request not seen yet gets a fresh row (its prefill must
-        start at position 0). Raises ``RuntimeError`` on a plan that does not match the rows'
-        state (a scheduler/worker mismatch: a bug)."""
-        rows = np.empty(len(request_ids), np.int64)
-        for b, (rid, start) in enumerate(zip(request_ids.tolist(), starts.tolist())):
-            row = self.row_of.get(rid)
-            if row is None:
-                if start != 0 or not self._free_rows:
-                    raise RuntimeError(f"request {rid}: unknown to the worker at position {start} "
-                                       f"({len(self._free_rows)} free rows)")
-                row = self._free_rows.pop()
-                self.row_of[rid] = row
-                self.rid[row], self.target_len[row], self.draft_len[row] = rid, 0, 0
-                self.token_counts.reset([row])
-            rows[b] = row
+    def _rows(self, inp: PrefillInput | DecodeInput, starts: np.ndarray) -> np.ndarray:
+        """The input's rows (``[B]`` int64, assigned by the scheduler). Rows whose chunk starts
+        at position 0 start afresh (lengths and token counts reset). Raises ``RuntimeError``
+        when the positions do not match the rows' lengths (a scheduler/worker mismatch: a
+        bug)."""
+        rows = inp.rows
+        if len(rows) != len(starts) or (len(rows) and rows.max() >= self.max_bs):
+            raise RuntimeError(f"plan rows {rows.tolist()} do not fit {self.max_bs} rows")
+        fresh = rows[starts == 0]
+        if len(fresh):
+            self.target_len[fresh] = 0
+            self.draft_len[fresh] = 0
+            self.token_counts.reset(fresh)
         if not np.array_equal(self.target_len[rows], starts):
             raise RuntimeError(f"plan positions {starts.tolist()} do not match the worker's "
                                f"target lengths {self.target_len[rows].tolist()}")
         return rows
-
-    def release(self, request_ids: Iterable[int]) -> None:
-        """Forget these requests (finished, aborted or preempted): their rows become reusable.
-        Unknown ids are ignored. Their KV pages belong to the scheduler."""
-        for rid in request_ids:
-            row = self.row_of.pop(int(rid), None)
-            if row is not None:
-                self.rid[row] = -1
-                self.token_counts.reset([row])
-                self._free_rows.append(row)
-
-    @property
-    def num_requests(self) -> int:
-        """Requests holding a row."""
-        return len(self.row_of)
 
     def _processing(self, sampling: BatchSampling, rows: np.ndarray, ends: np.ndarray,
                     positions: torch.Tensor) -> StepProcessing | None:
@@ -251,7 +228,8 @@ class SpecWorker:
     def prefill(self, plan: Any, sampling: BatchSampling | None,
                 generator: torch.Generator | None, logprobs: LogprobRows | None = None,
                 prompt_plan: PromptLogprobPlan | None = None) -> StepOutput:
-        """Run a prefill plan (a :class:`specdial._core.SchedulePlan`).
+        """Run a prefill plan (a :class:`specdial._core.SchedulePlan`, or its
+        :class:`~specdial.worker.inputs.PrefillInput`).
 
         Target forward over every chunk in one ragged batch, then the drafter over the same
         positions (KV only; EAGLE reads the target hidden states just written). ``sampling``:
@@ -261,17 +239,20 @@ class SpecWorker:
         ``sample_first`` requests that want the first token's log-probability;
         ``prompt_plan``: prompt positions whose next token's log-probability is wanted.
         """
-        rids, qo, ends = _i64(plan.request_ids), _i64(plan.qo_lens), _i64(plan.kv_lens)
+        inp = plan if isinstance(plan, PrefillInput) else worker_input(plan, self.pad_slot)
+        if not isinstance(inp, PrefillInput):
+            raise ValueError("prefill: got a decode plan")
+        qo, ends = inp.qo_lens, inp.kv_lens
         starts = ends - qo
-        rows = self._rows(rids, starts)
-        self.tables.write(rows, starts, qo, slots=_i64(plan.out_loc), ids=_i64(plan.input_ids))
+        rows = self._rows(inp, starts)
+        self.tables.write(rows, starts, qo, slots=inp.out_loc, ids=inp.input_ids)
         state = self.states[min(self.states)]
         batch, _ = state.prepare_ragged(rows, starts, ends)
         hidden, feats = run_target(self.target, self.drafter, batch, self.kv, self.backend)
         if self.hidden is not None and feats is not None:
             self.hidden.index_copy_(0, batch.out_loc, feats)
         self.target_len[rows] = ends
-        sample_first = _i64(plan.sample_first)
+        sample_first = inp.sample_first
         tokens = np.zeros(0, np.int64)
         pending = []  # host copies in flight (logprobs), completed by the blocking copy
         if prompt_plan is not None and len(prompt_plan.index):
@@ -280,7 +261,7 @@ class SpecWorker:
         if sample_first.any():
             if sampling is None or sampling.batch_size != int(sample_first.sum()):
                 raise ValueError("prefill: sampling must cover the sample_first requests")
-            idx = torch.from_numpy(_i64(plan.logits_indices)).to(self.device)
+            idx = torch.from_numpy(inp.logits_indices).to(self.device)
             positions = None  # of the first tokens: the prompt lengths (seeded rows' keys)
             firsts = sample_first != 0
             if sampling.any_seeded or sampling.processors is not None:
@@ -330,7 +311,9 @@ class SpecWorker:
     def decode(self, plan: Any, sampling: BatchSampling,
                generator: torch.Generator | None,
                logprobs: LogprobRows | None = None) -> StepOutput:
-        """Run a decode plan: ``plan.steps`` drafts per request, verify, accept, draft extend.
+        """Run a decode plan (a :class:`specdial._core.SchedulePlan`, or its
+        :class:`~specdial.worker.inputs.DecodeInput`): ``steps`` drafts per request, verify,
+        accept, draft extend.
 
         ``sampling``: the requests' options in plan order; seeded rows key their draws by the
         sequence index of the token decided (draft ``i`` and verify position ``i`` decide
@@ -339,18 +322,20 @@ class SpecWorker:
         host copy rides on the step's one synchronization). Raises ``ValueError`` for a steps
         value without a runtime state.
         """
-        steps = int(plan.steps)
+        inp = plan if isinstance(plan, DecodeInput) else worker_input(plan, self.pad_slot)
+        if not isinstance(inp, DecodeInput):
+            raise ValueError("decode: got a prefill plan")
+        steps = inp.steps
         state = self.states.get(steps)
         if state is None:
             raise ValueError(f"no runtime state for steps={steps}; built: {sorted(self.states)}")
-        rids, target_len = _i64(plan.request_ids), _i64(plan.positions)
-        rows = self._rows(rids, target_len)
+        target_len = inp.positions
+        rows = self._rows(inp, target_len)
         b, n = len(rows), steps + 1
         # slots of L..L+steps (the pad slot beyond a capped request's own steps), and x_L
-        self.tables.write(rows, target_len, np.full(b, n, np.int64),
-                          slots=_i64(plan.out_loc_padded(self.pad_slot)))
-        self.tables.write(rows, target_len, np.ones(b, np.int64), ids=_i64(plan.input_ids))
-        batches = state.prepare_decode(rows, target_len, plan.graph_bs)
+        self.tables.write(rows, target_len, np.full(b, n, np.int64), slots=inp.out_loc)
+        self.tables.write(rows, target_len, np.ones(b, np.int64), ids=inp.input_ids)
+        batches = state.prepare_decode(rows, target_len, inp.graph_bs)
         # sequence index of draft 1 (L + 1): the seeded rows' keys (sampling.py), the first
         # position the processors decide
         first_pos = (batches.verify_positions[:, 0] + 1
@@ -394,7 +379,7 @@ class SpecWorker:
         out_np = host[:, 1:]
         # a capped request keeps at most its own steps; the token at column s is then the
         # target's (an accepted draft equals the target's choice there), so nothing changes
-        acc = np.minimum(host[:, 0], _i64(plan.steps_per_request)) if steps else host[:, 0]
+        acc = np.minimum(host[:, 0], inp.steps_per_request) if steps else host[:, 0]
 
         new_len = target_len + acc + 1
         if steps and self.drafter is not None:

@@ -255,10 +255,13 @@ impl PySchedulerConfig {
 /// have ``B`` entries. ``steps`` and ``graph_bs`` (padded CUDA-graph batch size or None) form the
 /// ``graph_key``.
 ///
-/// Both: ``kv_lens[b]`` = KV positions after this iteration; ``kv_indices`` = slots of positions
-/// ``0 .. kv_lens[b]`` of each request (the torch backend's ``plan(qo_lens, kv_lens,
-/// kv_indices)``); ``page_table`` / ``page_table_offsets`` = each request's page ids (flashinfer's
-/// paged_kv_indices / indptr). ``preempted`` = requests preempted while building this plan: drop
+/// Both: ``rows[b]`` = the worker row request ``b`` holds (assigned by the scheduler at
+/// admission, unique among admitted requests, freed at finish / abort / preemption; a prefill
+/// chunk starting at position 0 starts its row afresh); ``kv_lens[b]`` = KV positions after this
+/// iteration. Only with ``plan_kv_layout`` on (empty otherwise): ``kv_indices`` = slots of
+/// positions ``0 .. kv_lens[b]`` of each request (the torch backend's ``plan(qo_lens, kv_lens,
+/// kv_indices)``); ``page_table`` / ``page_table_offsets`` = each request's page ids
+/// (flashinfer's paged_kv_indices / indptr). ``preempted`` = requests preempted while building this plan: drop
 /// their state (their KV is already freed); they return in a later prefill from position 0.
 #[pyclass(name = "SchedulePlan", module = "specdial._core", frozen)]
 pub struct PySchedulePlan {
@@ -267,6 +270,7 @@ pub struct PySchedulePlan {
     graph_bs: Option<u32>,
     batch_size: usize,
     request_ids: Py<Int64Array>,
+    rows: Py<Int64Array>,
     input_ids: Py<Int64Array>,
     positions: Py<Int64Array>,
     out_loc: Py<Int64Array>,
@@ -290,6 +294,7 @@ impl PySchedulePlan {
             graph_bs: p.graph_bs,
             batch_size: p.request_ids.len(),
             request_ids: arr(py, p.request_ids)?,
+            rows: arr(py, p.rows)?,
             input_ids: arr(py, p.input_ids)?,
             positions: arr(py, p.positions)?,
             out_loc: arr(py, p.out_loc)?,
@@ -350,6 +355,12 @@ impl PySchedulePlan {
         self.request_ids.clone_ref(py)
     }
     /// Prefill [num_tokens] chunk tokens; decode [B] last emitted token per request.
+    /// [B] worker rows, unique (0 .. max_running_requests).
+    #[getter]
+    fn rows(&self, py: Python<'_>) -> Py<Int64Array> {
+        self.rows.clone_ref(py)
+    }
+
     #[getter]
     fn input_ids(&self, py: Python<'_>) -> Py<Int64Array> {
         self.input_ids.clone_ref(py)
@@ -500,13 +511,16 @@ impl PyFinishedRequest {
 /// ``new_tokens`` (tokens appended to each request's output, after stop truncation, request after
 /// request), ``new_offsets`` [B + 1] (request ``b`` got ``new_tokens[new_offsets[b]:new_offsets[b+1]]``;
 /// none for requests aborted while the plan was in flight), ``finished`` (FinishedRequest list:
-/// their KV pages are already free).
+/// their KV pages and rows are already free); and the state after the report, so a serving loop
+/// need not ask again: ``stats`` (a SchedulerStats) and ``slot_states`` (as ``slot_states()``).
 #[pyclass(name = "ReportResult", module = "specdial._core", frozen)]
 pub struct PyReportResult {
     request_ids: Py<Int64Array>,
     new_tokens: Py<Int64Array>,
     new_offsets: Py<Int64Array>,
     finished: Vec<Finished>,
+    stats: Py<PySchedulerStats>,
+    slot_states: Vec<(u32, u32, f64, u64)>,
 }
 
 #[pymethods]
@@ -534,6 +548,16 @@ impl PyReportResult {
             .map(|&inner| PyFinishedRequest { inner })
             .collect()
     }
+    /// The scheduler's stats after this report (a SchedulerStats).
+    #[getter]
+    fn stats(&self, py: Python<'_>) -> Py<PySchedulerStats> {
+        self.stats.clone_ref(py)
+    }
+    /// The scheduler's slot states after this report (as ``Scheduler.slot_states()``).
+    #[getter]
+    fn slot_states(&self) -> Vec<(u32, u32, f64, u64)> {
+        self.slot_states.clone()
+    }
     fn __repr__(&self, py: Python<'_>) -> String {
         format!(
             "ReportResult(batch_size={}, new_tokens={}, finished={})",
@@ -551,6 +575,8 @@ impl PyReportResult {
             new_tokens: arr(py, o.new_tokens)?,
             new_offsets: arr(py, o.new_offsets)?,
             finished: o.finished,
+            stats: Py::new(py, PySchedulerStats::from(o.stats))?,
+            slot_states: o.slot_states,
         })
     }
 }
@@ -694,13 +720,14 @@ pub struct PyScheduler {
 #[pymethods]
 impl PyScheduler {
     #[new]
-    #[pyo3(signature = (config, *, speculative_num_steps, adaptive=true, adaptive_config=None, cuda_graph_bs=None))]
+    #[pyo3(signature = (config, *, speculative_num_steps, adaptive=true, adaptive_config=None, cuda_graph_bs=None, plan_kv_layout=false))]
     fn new(
         config: PyRef<'_, PySchedulerConfig>,
         speculative_num_steps: i64,
         adaptive: bool,
         adaptive_config: Option<&Bound<'_, PyAny>>,
         cuda_graph_bs: Option<Vec<i64>>,
+        plan_kv_layout: bool,
     ) -> PyResult<Self> {
         guard(|| {
             let steps = u32::try_from(speculative_num_steps).map_err(|_| {
@@ -725,6 +752,7 @@ impl PyScheduler {
             inner
                 .set_cuda_graph_bs(cuda_graph_bs.as_deref())
                 .map_err(core_err)?;
+            inner.set_plan_kv_layout(plan_kv_layout);
             Ok(Self { inner })
         })
     }
@@ -797,6 +825,19 @@ impl PyScheduler {
                 .report_timed(&tokens, &offsets, accepted.as_deref(), seconds)
                 .map_err(core_err)?;
             PyReportResult::new(py, out)
+        })
+    }
+
+    /// Gives up the plan in flight without results (its passes failed): every request in it
+    /// that is still live is aborted (KV pages and row freed); returns their FinishedRequest
+    /// records (reason "abort"), in plan order. Raises SchedulerError with no plan in flight.
+    fn abandon_plan(&mut self) -> PyResult<Vec<PyFinishedRequest>> {
+        guard(|| {
+            let finished = self.inner.abandon_plan().map_err(core_err)?;
+            Ok(finished
+                .into_iter()
+                .map(|inner| PyFinishedRequest { inner })
+                .collect())
         })
     }
 
@@ -985,6 +1026,30 @@ impl PyScheduler {
     #[getter]
     fn plan_in_flight(&self) -> bool {
         self.inner.plan_in_flight()
+    }
+
+    /// Whether plans carry ``kv_indices``, ``page_table`` and ``page_table_offsets`` (default
+    /// False: the worker builds its attention metadata from its own tables; a backend that plans
+    /// from the scheduler's page tables sets it). Takes effect at the next plan.
+    #[getter]
+    fn get_plan_kv_layout(&self) -> bool {
+        self.inner.plan_kv_layout()
+    }
+
+    #[setter]
+    fn set_plan_kv_layout(&mut self, on: bool) {
+        self.inner.set_plan_kv_layout(on);
+    }
+
+    /// Rows held by admitted (prefilling or running) requests.
+    #[getter]
+    fn rows_in_use(&self) -> usize {
+        self.inner.rows_in_use()
+    }
+
+    /// The worker row of an admitted request, None otherwise.
+    fn row_of(&self, #[pyo3(from_py_with = request_id_arg)] request_id: u64) -> Option<u32> {
+        self.inner.row_of(request_id)
     }
 
     /// Every steps value a decode plan can carry (build runtime states / graphs for these).

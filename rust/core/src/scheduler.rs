@@ -53,6 +53,11 @@
 //!   stop token, `max_new_tokens`-th token or `context_length`-th token finishes the request and
 //!   drops what follows. Unfinished requests keep KV `L ..= L + accepted` (rejected drafts' slots
 //!   are freed); finished ones free everything.
+//! - **Rows.** Every admitted request holds a worker row in `0 .. max_running_requests`,
+//!   taken at admission (the lowest free one first, then the most recently freed) and given back
+//!   when it finishes, is aborted or is preempted. No two admitted requests share a row; the plan
+//!   carries each request's row (`Plan::rows`), so the worker keeps no request -> row map. A
+//!   prefill chunk starting at position 0 is a (re)start of its row.
 //! - **Policy feedback.** After a decode iteration the policy's slot for `B` is fed the accepted
 //!   drafts of the requests with `steps_r == steps` (all of them at `steps = 0`), the steps the plan
 //!   ran, the batch's context tokens and, through [`Scheduler::report_timed`], the iteration's
@@ -138,6 +143,10 @@ pub struct Scheduler {
     in_flight: Option<InFlight>,
     /// Preempted since the last plan was handed out (reported in the next plan).
     pending_preempted: Vec<i64>,
+    /// Worker rows not held by an admitted request; `pop` gives the next one.
+    free_rows: Vec<u32>,
+    /// Plans carry `kv_indices` and the page table (a backend that plans from them asks).
+    plan_kv_layout: bool,
     counters: Counters,
     trace: Vec<TraceRecord>,
 }
@@ -161,6 +170,7 @@ impl Scheduler {
             }
             StepsSource::Adaptive(p) => (Some(p), None),
         };
+        let free_rows = (0..config.max_running_requests).rev().collect();
         Ok(Scheduler {
             config,
             pool,
@@ -177,6 +187,8 @@ impl Scheduler {
             next_id: 0,
             in_flight: None,
             pending_preempted: Vec::new(),
+            free_rows,
+            plan_kv_layout: false,
             counters: Counters::default(),
             trace: Vec::new(),
         })
@@ -335,6 +347,7 @@ impl Scheduler {
                 kv_len: 0,
                 admitted_before: false,
                 num_preemptions: 0,
+                row: None,
             },
         );
         self.waiting.push_back(id);
@@ -370,6 +383,8 @@ impl Scheduler {
                 self.pool
                     .free_request(request_id)
                     .expect("admitted request has a page table");
+                self.free_rows
+                    .push(req.row.expect("an admitted request holds a row"));
                 let pos = self
                     .admitted
                     .iter()
@@ -402,6 +417,43 @@ impl Scheduler {
     /// Whether a plan awaits its report.
     pub fn plan_in_flight(&self) -> bool {
         self.in_flight.is_some()
+    }
+
+    /// Gives up the plan in flight without results (its passes failed): every request in it
+    /// that is still live is aborted (pages and row freed) and returned, in plan order; the
+    /// next `schedule` may run. This replaces a report of made-up tokens.
+    ///
+    /// Errors: [`SchedulerError::NoPlanInFlight`].
+    pub fn abandon_plan(&mut self) -> Result<Vec<Finished>, SchedulerError> {
+        let fl = self.in_flight.take().ok_or(SchedulerError::NoPlanInFlight)?;
+        let finished: Vec<Finished> = fl
+            .ids
+            .iter()
+            .filter_map(|&id| self.finish_request(id, FinishReason::Abort))
+            .collect();
+        Ok(finished)
+    }
+
+    /// Whether plans carry `kv_indices`, `page_table` and `page_table_offsets` (default
+    /// `false`: the worker builds its attention metadata from its own tables; a backend that
+    /// plans from the scheduler's page tables turns this on).
+    pub fn plan_kv_layout(&self) -> bool {
+        self.plan_kv_layout
+    }
+
+    /// See [`Scheduler::plan_kv_layout`]; takes effect at the next plan.
+    pub fn set_plan_kv_layout(&mut self, on: bool) {
+        self.plan_kv_layout = on;
+    }
+
+    /// The worker row of an admitted (prefilling or running) request, `None` otherwise.
+    pub fn row_of(&self, request_id: u64) -> Option<u32> {
+        self.requests.get(&request_id).and_then(|r| r.row)
+    }
+
+    /// Rows held by admitted requests (`max_running_requests` minus the free rows).
+    pub fn rows_in_use(&self) -> usize {
+        self.config.max_running_requests as usize - self.free_rows.len()
     }
 
     /// Whether any request is live (waiting, prefilling or running).

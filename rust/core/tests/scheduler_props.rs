@@ -1,7 +1,11 @@
 //! Property tests of the scheduler on random workloads: random prompts and limits, random step
 //! choices (fixed steps changing between iterations, or the adaptive policy), random accepted
 //! counts, random EOS, random aborts and stop strings (also while a plan is in flight), and
-//! small pools that force preemption.
+//! small pools that force preemption, and plans abandoned after a failed step.
+//!
+//! Rows: every plan's rows are unique and in range, equal `row_of`, and a request keeps its row
+//! from the prefill chunk at position 0 until it finishes or is preempted (checked against the
+//! rows the test saw); `check_invariants` checks that held and free rows partition the range.
 //!
 //! The fake model emits the token `tok(id, position)`, a pure function of the request and the
 //! position, whatever the drafts and however often the request was preempted; so every request
@@ -147,6 +151,8 @@ struct Model {
     reqs: HashMap<u64, (Vec<i64>, Req)>,
     streamed: HashMap<u64, Vec<i64>>,
     finished: HashMap<u64, Finished>,
+    /// The row each request got at its last prefill chunk from position 0.
+    rows: HashMap<u64, i64>,
 }
 
 impl Model {
@@ -195,23 +201,41 @@ fn check_plan(
     prop_assert_eq!(plan.qo_lens.len(), b);
     prop_assert_eq!(plan.kv_lens.len(), b);
     prop_assert_eq!(plan.out_loc.len() as i64, plan.qo_lens.iter().sum::<i64>());
-    prop_assert_eq!(
-        plan.kv_indices.len() as i64,
-        plan.kv_lens.iter().sum::<i64>()
-    );
-    prop_assert_eq!(plan.page_table_offsets.len(), b + 1);
+    prop_assert_eq!(plan.rows.len(), b);
+    let distinct: HashSet<i64> = plan.rows.iter().copied().collect();
+    prop_assert_eq!(distinct.len(), b, "rows shared in one plan: {:?}", &plan.rows);
+    let layout = s.plan_kv_layout();
+    if layout {
+        prop_assert_eq!(
+            plan.kv_indices.len() as i64,
+            plan.kv_lens.iter().sum::<i64>()
+        );
+        prop_assert_eq!(plan.page_table_offsets.len(), b + 1);
+    } else {
+        prop_assert!(plan.kv_indices.is_empty() && plan.page_table.is_empty());
+        prop_assert!(plan.page_table_offsets.is_empty());
+    }
     let mut seen_slots = HashSet::new();
     let (mut kv_at, mut out_at, mut in_at) = (0usize, 0usize, 0usize);
     for i in 0..b {
         let id = plan.request_ids[i] as u64;
         let (kv_len, qo) = (plan.kv_lens[i] as u64, plan.qo_lens[i] as u64);
+        let row = plan.rows[i];
+        prop_assert!((0..i64::from(cfg.max_running_requests)).contains(&row));
+        prop_assert_eq!(s.row_of(id).map(i64::from), Some(row));
+        if kv_len != qo {
+            // not a (re)start: the row it got at its last start
+            prop_assert_eq!(model.rows.get(&id), Some(&row), "request {} changed rows", id);
+        }
         prop_assert_eq!(s.pool().len(id).unwrap(), kv_len);
         prop_assert!(
             kv_len < u64::from(cfg.context_length),
             "KV past the context end"
         );
         let slots = s.pool().slots(id, 0, kv_len).unwrap();
-        prop_assert_eq!(&plan.kv_indices[kv_at..kv_at + kv_len as usize], &slots[..]);
+        if layout {
+            prop_assert_eq!(&plan.kv_indices[kv_at..kv_at + kv_len as usize], &slots[..]);
+        }
         prop_assert_eq!(
             &plan.out_loc[out_at..out_at + qo as usize],
             &slots[(kv_len - qo) as usize..]
@@ -226,11 +250,13 @@ fn check_plan(
             .iter()
             .map(|&p| i64::from(p))
             .collect();
-        let (p0, p1) = (
-            plan.page_table_offsets[i] as usize,
-            plan.page_table_offsets[i + 1] as usize,
-        );
-        prop_assert_eq!(&plan.page_table[p0..p1], &pages[..]);
+        if layout {
+            let (p0, p1) = (
+                plan.page_table_offsets[i] as usize,
+                plan.page_table_offsets[i + 1] as usize,
+            );
+            prop_assert_eq!(&plan.page_table[p0..p1], &pages[..]);
+        }
         // Known tokens of the request: prompt then streamed output.
         let (prompt, _) = &model.reqs[&id];
         let mut tokens = prompt.clone();
@@ -283,6 +309,31 @@ fn iteration(
         return Ok(false);
     };
     check_plan(s, &plan, model, cfg)?;
+    for b in 0..plan.batch_size() {
+        if plan.kind == PlanKind::Prefill && plan.kv_lens[b] == plan.qo_lens[b] {
+            model.rows.insert(plan.request_ids[b] as u64, plan.rows[b]);
+        }
+    }
+    if abort_in_flight.is_some_and(|i| i % 4 == 3) {
+        // the step failed: abandon the plan (its live requests are aborted)
+        let live: Vec<u64> = plan
+            .request_ids
+            .iter()
+            .map(|&id| id as u64)
+            .filter(|&id| s.request_state(id).is_some())
+            .collect();
+        let finished = s.abandon_plan().unwrap();
+        prop_assert!(!s.plan_in_flight());
+        prop_assert_eq!(
+            finished.iter().map(|f| f.request_id).collect::<Vec<_>>(),
+            live
+        );
+        for f in finished {
+            prop_assert_eq!(f.reason, FinishReason::Abort);
+            model.finish(f)?;
+        }
+        return Ok(true);
+    }
     for &id in &plan.preempted {
         prop_assert_eq!(s.request_state(id as u64), Some(RequestState::Waiting));
     }
@@ -361,10 +412,13 @@ fn run(w: Workload) -> Result<(), TestCaseError> {
         None => StepsSource::Fixed(w.initial_steps),
     };
     let mut s = Scheduler::new(cfg.clone(), source).unwrap();
+    // half the workloads plan with the full KV layout (kv_indices, page table)
+    s.set_plan_kv_layout(w.ops.len() % 2 == 0);
     let mut model = Model {
         reqs: HashMap::new(),
         streamed: HashMap::new(),
         finished: HashMap::new(),
+        rows: HashMap::new(),
     };
     let mut live: Vec<u64> = vec![];
     let mut added = 0u64;
@@ -429,6 +483,7 @@ fn run(w: Workload) -> Result<(), TestCaseError> {
     prop_assert!(!s.has_unfinished(), "requests left behind: {:?}", s.stats());
     prop_assert_eq!(s.pool().num_used_pages(), 0, "page leak");
     prop_assert_eq!(s.pool().num_requests(), 0);
+    prop_assert_eq!(s.rows_in_use(), 0, "row leak");
     // No request lost: each finished exactly once (checked in Model::finish) ...
     prop_assert_eq!(model.finished.len() as u64, added);
     let st = s.stats();
@@ -523,6 +578,7 @@ fn tiny_pool_heavy_preemption() {
         reqs: HashMap::new(),
         streamed: HashMap::new(),
         finished: HashMap::new(),
+        rows: HashMap::new(),
     };
     for i in 0..12u64 {
         let r = Req {

@@ -84,6 +84,24 @@ impl Scheduler {
                 RequestState::Waiting => return fail(format!("admitted {id} is waiting")),
             }
         }
+        // Rows: every admitted request holds one, no waiting one does, no row is held twice,
+        // and the free rows are exactly the others.
+        let m = cfg.max_running_requests as usize;
+        let mut seen = vec![false; m];
+        let held = self.admitted.iter().map(|id| (id, self.requests[id].row));
+        let free = self.free_rows.iter().map(|&r| (&u64::MAX, Some(r)));
+        for (id, row) in held.chain(free) {
+            let row = row.ok_or(format!("admitted {id} holds no row"))? as usize;
+            if row >= m || std::mem::replace(&mut seen[row], true) {
+                return fail(format!("row {row} is out of range or held twice ({id})"));
+            }
+        }
+        if seen.iter().any(|&s| !s) {
+            return fail("a row is neither held nor free".into());
+        }
+        if let Some(id) = self.waiting.iter().find(|id| self.requests[id].row.is_some()) {
+            return fail(format!("waiting {id} holds a row"));
+        }
         if running != self.num_running {
             return fail("num_running is off".into());
         }

@@ -1,6 +1,7 @@
 //! What one iteration runs ([`Plan`]) and what its report changed ([`ReportOutcome`]).
 
 use super::request::Finished;
+use super::stats::SchedulerStats;
 
 /// Prefill (prompt chunks) or decode (draft + verify over every running request).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,16 +38,21 @@ impl PlanKind {
 /// `L ..= L + steps_per_request[b]` (`qo_lens[b] = steps_per_request[b] + 1` each), already
 /// reserved. `input_ids` and `positions` have `B` entries.
 ///
-/// Both: `kv_lens[b]` = KV positions after this iteration's writes; `kv_indices` = the slots of
-/// positions `0 .. kv_lens[b]` of every request, concatenated (the torch backend's
-/// `plan(qo_lens, kv_lens, kv_indices)`); `page_table` = every request's page ids in token order,
-/// concatenated, request `b` at `page_table_offsets[b] .. page_table_offsets[b + 1]`
-/// (flashinfer's `paged_kv_indices` / `paged_kv_indptr`).
+/// Both: `rows[b]` = the worker row request `b` holds (assigned at admission, unique among
+/// admitted requests; a prefill chunk starting at position 0 starts its row afresh);
+/// `kv_lens[b]` = KV positions after this iteration's writes. Only when the scheduler's
+/// `plan_kv_layout` is on (empty otherwise): `kv_indices` = the slots of positions
+/// `0 .. kv_lens[b]` of every request, concatenated (the torch backend's `plan(qo_lens, kv_lens,
+/// kv_indices)`); `page_table` = every request's page ids in token order, concatenated, request
+/// `b` at `page_table_offsets[b] .. page_table_offsets[b + 1]` (flashinfer's `paged_kv_indices`
+/// / `paged_kv_indptr`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Plan {
     pub kind: PlanKind,
     /// `[B]` request ids.
     pub request_ids: Vec<i64>,
+    /// `[B]` worker rows (`0 .. max_running_requests`), unique.
+    pub rows: Vec<i64>,
     /// Prefill `[N]` chunk tokens; decode `[B]` last emitted token per request.
     pub input_ids: Vec<i64>,
     /// Prefill `[N]` position of each token; decode `[B]` position `L` of each input token.
@@ -57,11 +63,12 @@ pub struct Plan {
     pub qo_lens: Vec<i64>,
     /// `[B]` KV positions per request after this iteration's writes.
     pub kv_lens: Vec<i64>,
-    /// `[sum(kv_lens)]` slots of positions `0 .. kv_lens[b]`, request after request.
+    /// `[sum(kv_lens)]` slots of positions `0 .. kv_lens[b]`, request after request (empty
+    /// unless `plan_kv_layout`).
     pub kv_indices: Vec<i64>,
-    /// `[sum(pages)]` page ids, request after request.
+    /// `[sum(pages)]` page ids, request after request (empty unless `plan_kv_layout`).
     pub page_table: Vec<i64>,
-    /// `[B + 1]` offsets into `page_table`.
+    /// `[B + 1]` offsets into `page_table` (empty unless `plan_kv_layout`).
     pub page_table_offsets: Vec<i64>,
     /// Decode: the steps chosen for the batch (0 = plain decoding). Prefill: 0.
     pub steps: u32,
@@ -115,8 +122,8 @@ impl Plan {
     }
 }
 
-/// What one `report` changed, in the plan's request order.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+/// What one `report` changed, in the plan's request order, and the state after it.
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct ReportOutcome {
     /// `[B]` the plan's request ids.
     pub request_ids: Vec<i64>,
@@ -127,6 +134,10 @@ pub struct ReportOutcome {
     pub new_offsets: Vec<i64>,
     /// Requests that finished in this report (their pages are free), in request order.
     pub finished: Vec<Finished>,
+    /// [`super::Scheduler::stats`] after the report.
+    pub stats: SchedulerStats,
+    /// [`super::Scheduler::slot_states`] after the report.
+    pub slot_states: Vec<(u32, u32, f64, u64)>,
 }
 
 /// One verify, as `specdial policy replay` reads it (`{"batch_size", "accepted", "steps"}`).

@@ -116,7 +116,8 @@ fn validate(
 }
 
 impl Scheduler {
-    /// Applies the results of the plan in flight.
+    /// Applies the results of the plan in flight; the outcome also carries the stats and slot
+    /// states after it (what a serving loop reads next, so it need not ask again).
     ///
     /// - `tokens`: emitted tokens, request after request in plan order; request `b` emitted
     ///   `tokens[offsets[b] .. offsets[b + 1]]` (`offsets` has `B + 1` entries, from 0).
@@ -177,6 +178,8 @@ impl Scheduler {
             new_tokens: Vec::with_capacity(tokens.len()),
             new_offsets: Vec::with_capacity(b + 1),
             finished: Vec::new(),
+            stats: Default::default(),
+            slot_states: Vec::new(),
         };
         out.new_offsets.push(0);
         for i in 0..b {
@@ -217,6 +220,8 @@ impl Scheduler {
                     self.pool
                         .free_request(id)
                         .expect("admitted request has a page table");
+                    self.free_rows
+                        .push(r.row.expect("an admitted request holds a row"));
                     self.num_running -= 1;
                     self.count_finish(reason);
                     out.finished.push(Finished {
@@ -236,6 +241,8 @@ impl Scheduler {
         if fl.kind == PlanKind::Decode {
             self.counters.decode_iterations += 1;
         }
+        out.stats = self.stats();
+        out.slot_states = self.slot_states();
         Ok(out)
     }
 

@@ -88,6 +88,8 @@ pub(crate) struct Request {
     /// Admitted at least once: a waiting request with this set was preempted.
     pub admitted_before: bool,
     pub num_preemptions: u32,
+    /// The worker row it holds while admitted (prefilling or running), `None` while waiting.
+    pub row: Option<u32>,
 }
 
 impl Request {
@@ -169,6 +171,7 @@ mod tests {
             kv_len: 0,
             admitted_before: false,
             num_preemptions: 0,
+            row: None,
         }
     }
 

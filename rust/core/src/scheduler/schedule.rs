@@ -7,6 +7,7 @@ use super::{InFlight, Plan, PlanKind, RequestState, Scheduler, SchedulerError};
 #[derive(Default)]
 struct Arrays {
     request_ids: Vec<i64>,
+    rows: Vec<i64>,
     input_ids: Vec<i64>,
     positions: Vec<i64>,
     out_loc: Vec<i64>,
@@ -18,11 +19,17 @@ struct Arrays {
 }
 
 impl Arrays {
-    fn with_capacity(b: usize, n_tokens: usize, n_inputs: usize, n_kv: usize) -> Self {
-        let mut page_table_offsets = Vec::with_capacity(b + 1);
-        page_table_offsets.push(0);
+    /// `n_kv`: context slots, when the plan carries the KV layout (`None`: it does not).
+    fn with_capacity(b: usize, n_tokens: usize, n_inputs: usize, n_kv: Option<usize>) -> Self {
+        let mut page_table_offsets = Vec::new();
+        if n_kv.is_some() {
+            page_table_offsets.reserve(b + 1);
+            page_table_offsets.push(0);
+        }
+        let n_kv = n_kv.unwrap_or(0);
         Arrays {
             request_ids: Vec::with_capacity(b),
+            rows: Vec::with_capacity(b),
             input_ids: Vec::with_capacity(n_inputs),
             positions: Vec::with_capacity(n_inputs),
             out_loc: Vec::with_capacity(n_tokens),
@@ -199,6 +206,11 @@ impl Scheduler {
                 }
                 r.admitted_before = true;
                 r.state = RequestState::Prefilling;
+                r.row = Some(
+                    self.free_rows
+                        .pop()
+                        .expect("admitted < max_running_requests leaves a free row"),
+                );
                 self.pool
                     .add_request(id)
                     .expect("waiting request has no page table");
@@ -216,7 +228,8 @@ impl Scheduler {
         let b = chunks.len();
         let n_tokens: u64 = chunks.iter().map(|c| c.2 - c.1).sum();
         let n_kv: u64 = chunks.iter().map(|c| c.2).sum();
-        let mut a = Arrays::with_capacity(b, n_tokens as usize, n_tokens as usize, n_kv as usize);
+        let n_kv = self.plan_kv_layout.then_some(n_kv as usize);
+        let mut a = Arrays::with_capacity(b, n_tokens as usize, n_tokens as usize, n_kv);
         let (mut done_v, mut sample_v) = (Vec::with_capacity(b), Vec::with_capacity(b));
         let mut logits_indices = Vec::new();
         let mut ids = Vec::with_capacity(b);
@@ -227,17 +240,21 @@ impl Scheduler {
                 .expect("pages were counted");
             r.kv_len = end;
             a.request_ids.push(id as i64);
+            a.rows
+                .push(i64::from(r.row.expect("an admitted request holds a row")));
             a.input_ids
                 .extend_from_slice(&r.tokens[start as usize..end as usize]);
             a.positions.extend(start as i64..end as i64);
             a.qo_lens.push((end - start) as i64);
             a.kv_lens.push(end as i64);
-            push_context(
-                &mut a,
-                self.pool.pages(id).expect("registered"),
-                page_size,
-                end,
-            );
+            if self.plan_kv_layout {
+                push_context(
+                    &mut a,
+                    self.pool.pages(id).expect("registered"),
+                    page_size,
+                    end,
+                );
+            }
             done_v.push(i64::from(done));
             sample_v.push(i64::from(sample));
             if sample {
@@ -262,6 +279,7 @@ impl Scheduler {
         Some(Plan {
             kind: PlanKind::Prefill,
             request_ids: a.request_ids,
+            rows: a.rows,
             input_ids: a.input_ids,
             positions: a.positions,
             out_loc: a.out_loc,
@@ -309,7 +327,8 @@ impl Scheduler {
 
         let b = batch.len();
         let n_tokens: usize = batch.iter().map(|&(_, s)| s as usize + 1).sum();
-        let mut a = Arrays::with_capacity(b, n_tokens, b, n_kv as usize);
+        let n_kv = self.plan_kv_layout.then_some(n_kv as usize);
+        let mut a = Arrays::with_capacity(b, n_tokens, b, n_kv);
         let mut steps_per_request = Vec::with_capacity(b);
         for &(id, steps_r) in &batch {
             let r = self
@@ -323,17 +342,21 @@ impl Scheduler {
                 .expect("pages were counted");
             r.kv_len = len + n;
             a.request_ids.push(id as i64);
+            a.rows
+                .push(i64::from(r.row.expect("a running request holds a row")));
             a.input_ids
                 .push(*r.tokens.last().expect("a running request has tokens"));
             a.positions.push(len as i64);
             a.qo_lens.push(n as i64);
             a.kv_lens.push((len + n) as i64);
-            push_context(
-                &mut a,
-                self.pool.pages(id).expect("registered"),
-                page_size,
-                len + n,
-            );
+            if self.plan_kv_layout {
+                push_context(
+                    &mut a,
+                    self.pool.pages(id).expect("registered"),
+                    page_size,
+                    len + n,
+                );
+            }
             steps_per_request.push(i64::from(steps_r));
         }
         self.in_flight = Some(InFlight {
@@ -352,6 +375,7 @@ impl Scheduler {
         Some(Plan {
             kind: PlanKind::Decode,
             request_ids: a.request_ids,
+            rows: a.rows,
             input_ids: a.input_ids,
             positions: a.positions,
             out_loc: a.out_loc,
@@ -392,6 +416,8 @@ impl Scheduler {
         }
         r.state = RequestState::Waiting;
         r.kv_len = 0;
+        self.free_rows
+            .push(r.row.take().expect("an admitted request holds a row"));
         r.num_preemptions += 1;
         self.waiting.push_front(id);
         self.waiting_preempted += 1;

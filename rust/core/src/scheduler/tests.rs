@@ -190,6 +190,7 @@ fn admission_is_fcfs_within_the_budget() {
         },
         0,
     );
+    s.set_plan_kv_layout(true);
     for n in [4, 4, 2, 1] {
         s.add_request(vec![1; n], 4, vec![], false).unwrap();
     }
@@ -278,6 +279,7 @@ fn chunk_arrays_cover_the_chunk_and_the_whole_context() {
         },
         0,
     );
+    s.set_plan_kv_layout(true);
     s.add_request((10..17).collect(), 5, vec![], false).unwrap();
     let (p1, o1) = step(&mut s, &mut full).unwrap();
     assert_eq!(
@@ -314,6 +316,7 @@ fn chunk_arrays_cover_the_chunk_and_the_whole_context() {
 #[test]
 fn decode_plan_layout_and_truncation() {
     let mut s = fixed(config(64, 4), 3);
+    s.set_plan_kv_layout(true);
     s.add_request(vec![7; 5], 20, vec![], false).unwrap();
     s.add_request(vec![8; 2], 20, vec![], false).unwrap();
     step(&mut s, &mut full).unwrap();
@@ -869,4 +872,95 @@ fn short_pages_run_fewer_steps_before_any_preemption() {
     let trace = s.drain_trace();
     assert_eq!(trace[1].steps, 2);
     assert_eq!(s.slot_states()[0].3, 1);
+}
+
+#[test]
+fn rows_are_taken_at_admission_and_given_back() {
+    let mut s = fixed(config(64, 4), 1);
+    for i in 0..3 {
+        s.add_request(vec![i + 1; 3], 8, vec![], false).unwrap();
+    }
+    let (plan, _) = step(&mut s, &mut full).unwrap();
+    // the lowest rows first, in admission order; the plan carries them
+    assert_eq!(plan.rows, vec![0, 1, 2]);
+    assert_eq!((s.row_of(1), s.rows_in_use()), (Some(1), 3));
+    // without plan_kv_layout, no per-token context arrays
+    assert!(plan.kv_indices.is_empty() && plan.page_table.is_empty());
+    assert!(plan.page_table_offsets.is_empty());
+    let (plan, _) = step(&mut s, &mut full).unwrap();
+    assert_eq!((plan.kind, plan.rows.clone()), (PlanKind::Decode, vec![0, 1, 2]));
+    // an abort gives its row back; the next admission takes the most recently freed row
+    s.abort(1).unwrap();
+    assert_eq!((s.row_of(1), s.rows_in_use()), (None, 2));
+    s.add_request(vec![9; 3], 2, vec![], false).unwrap();
+    let (plan, _) = step(&mut s, &mut full).unwrap();
+    assert_eq!((plan.request_ids.clone(), plan.rows.clone()), (vec![3], vec![1]));
+    run_all(&mut s, &mut full);
+    assert_eq!(s.rows_in_use(), 0);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn preemption_frees_the_row_and_the_restart_takes_one_again() {
+    let cfg = SchedulerConfig {
+        context_length: 24,
+        ..config(6, 4)
+    };
+    let mut s = fixed(cfg, 2);
+    for i in 0..3 {
+        s.add_request(vec![i + 1; 7], 12, vec![], false).unwrap();
+    }
+    let mut saw_preemption = false;
+    while let Some(plan) = s.schedule().unwrap() {
+        for &id in &plan.preempted {
+            saw_preemption = true;
+            assert_eq!(s.row_of(id as u64), None, "a preempted request holds no row");
+        }
+        let mut rows = plan.rows.clone();
+        rows.sort_unstable();
+        rows.dedup();
+        assert_eq!(rows.len(), plan.batch_size());
+        s.abandon_plan().unwrap();
+        s.check_invariants().unwrap();
+        break;
+    }
+    // abandon_plan aborted the plan's requests and freed their rows; run the rest normally
+    let finished = run_all(&mut s, &mut full);
+    assert!(saw_preemption || !finished.is_empty() || s.rows_in_use() == 0);
+    assert_eq!(s.rows_in_use(), 0);
+}
+
+#[test]
+fn abandon_plan_aborts_the_live_requests_of_the_plan() {
+    let mut s = fixed(config(64, 4), 2);
+    for i in 0..3 {
+        s.add_request(vec![i + 1; 5], 8, vec![], false).unwrap();
+    }
+    assert_eq!(s.abandon_plan(), Err(SchedulerError::NoPlanInFlight));
+    step(&mut s, &mut full).unwrap();
+    let plan = s.schedule().unwrap().unwrap();
+    assert_eq!(plan.kind, PlanKind::Decode);
+    s.abort(1).unwrap(); // already gone: not in the abandon list
+    let finished = s.abandon_plan().unwrap();
+    assert_eq!(
+        finished.iter().map(|f| (f.request_id, f.reason)).collect::<Vec<_>>(),
+        vec![(0, FinishReason::Abort), (2, FinishReason::Abort)]
+    );
+    assert!(!s.plan_in_flight() && !s.has_unfinished());
+    assert_eq!((s.pool().num_used_pages(), s.rows_in_use()), (0, 0));
+    assert_eq!(s.stats().requests_aborted, 3);
+    s.check_invariants().unwrap();
+    assert!(s.schedule().unwrap().is_none());
+}
+
+#[test]
+fn report_returns_the_stats_and_slot_states_after_it() {
+    let mut s = fixed(config(64, 4), 1);
+    s.add_request(vec![3; 4], 3, vec![], false).unwrap();
+    let (_, out) = step(&mut s, &mut full).unwrap();
+    assert_eq!(out.stats, s.stats());
+    assert_eq!(out.slot_states, s.slot_states());
+    let (_, out) = step(&mut s, &mut full).unwrap();
+    assert_eq!((out.stats.running, out.stats.decode_iterations), (0, 1));
+    assert_eq!(out.stats, s.stats());
 }
