@@ -60,11 +60,14 @@ class EngineArgs:
         "initial steps (default: the middle candidate); without: the fixed steps (default 3)",
         metavar="K")
     speculative_adaptive: bool = _opt(
-        "adapt the steps every decode iteration per batch-size slot (EMA of accepted drafts "
-        "with hysteresis); --no-speculative-adaptive keeps them fixed", default=True)
+        "adapt the steps every decode iteration per batch-size slot (default strategy "
+        "goodput: the steps with the most expected tokens per measured second; ema: SGLang's "
+        "EMA of accepted drafts with hysteresis); --no-speculative-adaptive keeps them fixed",
+        default=True)
     speculative_adaptive_config: str | None = _opt(
-        "adaptive policy config, a JSON file in SGLang's format (slots, candidate steps, EMA, "
-        "thresholds); default: the built-in config", metavar="FILE")
+        "adaptive policy config, a JSON file in SGLang's format (strategy goodput, ema or "
+        "throughput_aware; slots, candidate steps and the strategy's keys); default: the "
+        "built-in goodput config", metavar="FILE")
     skip_zero_step_draft_extend: bool = _opt(
         "at steps 0, skip the drafter's extend pass (it catches up in one batched pass when "
         "drafting resumes)", default=False)
