@@ -24,7 +24,7 @@ length run).
 What it checks and measures (each section is recorded in ``gpu_check.json``):
 
 1. ``parity``: greedy decoding in float32 (torch attention backend; padding changes GEMM shapes
-   so bfloat16 may legitimately differ) through :class:`CudaGraphRunner` with graphs against
+   so bfloat16 may legitimately differ) through :class:`StepRunner` with graphs against
    the same runners with graphs disabled (eager passes, dynamic metadata), for fixed steps 0,
    1, 3, 7, an adaptive run (the Rust policy with the default config, graph keys from
    ``decide``) and a forced switching schedule; the batch shrinks as requests finish, so padded
@@ -77,8 +77,10 @@ from specdial.models import EagleHead, LlamaForCausalLM  # noqa: E402
 from specdial.models.batch import ForwardBatch  # noqa: E402
 from specdial.models.config import ModelConfig  # noqa: E402
 from specdial.models.eagle import EAGLE_ARCHITECTURE  # noqa: E402
-from specdial.worker.cuda_graphs import (CapturePlan, GraphPool, KVLayout,  # noqa: E402
-                                         build_runners, capture_all, default_cuda_graph_bs)
+from specdial.worker.graph_pool import GraphPool, capture_all  # noqa: E402
+from specdial.worker.graph_tables import CapturePlan, default_cuda_graph_bs  # noqa: E402
+from specdial.worker.step_buffers import KVLayout  # noqa: E402
+from specdial.worker.step_runner import build_runners  # noqa: E402
 from specdial.worker.drafters import make_drafter  # noqa: E402
 
 
@@ -156,7 +158,7 @@ def build_accepting(cfg: ModelConfig, dtype: torch.dtype, device: str, noise: fl
 
 # --------------------------------------------------------------------------- the decoder
 class MiniDecoder:
-    """Greedy speculative decoding driven through :class:`CudaGraphRunner` (the worker's decode
+    """Greedy speculative decoding driven through :class:`StepRunner` (the worker's decode
     iteration in small; it shows the runner API an engine calls).
 
     Request ``r`` owns slots ``r * cap .. r * cap + cap - 1`` (slot = base + position), so no
