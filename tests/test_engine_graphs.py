@@ -12,6 +12,7 @@ import pytest
 from conftest import PROMPTS
 from specdial._core import ConfigError
 from specdial.engine import Engine
+from specdial.worker import graph_passes
 from specdial.worker.graph_tables import default_cuda_graph_bs
 from specdial.worker.step_runner import StepRunner
 
@@ -101,6 +102,27 @@ def test_padded_replay_and_pruned_plan(tiny, monkeypatch):
     assert plan.sizes[1] == (8, 4, 2, 1)
     run(engine)
     assert (5, 8) in seen and (3, 4) in seen, seen  # 5 requests replay the graph of 8
+
+
+def test_graph_path_writes_inputs_once(tiny, monkeypatch):
+    """The runner prepares the verify and draft inputs in the buffers the graphs read: a
+    replay pads their tail but copies none of them again (issue 16)."""
+    copies = []
+    load = graph_passes._load_into
+
+    def spy(dst, src):
+        if src is not None and src.numel() and not (
+                src.data_ptr() == dst.data_ptr() and src.shape == dst.shape
+                and src.stride() == dst.stride()):
+            copies.append(tuple(src.shape))
+        return load(dst, src)
+
+    monkeypatch.setattr(graph_passes, "_load_into", spy)
+    _, _, stats = run(Engine.from_modules(tiny.target, tiny.draft_noisy,
+                                          speculative_adaptive=False, speculative_num_steps=3,
+                                          **GRAPHS, **KW))
+    assert stats["replays"]["verify"] > 0 and stats["replays"]["draft"] > 0
+    assert copies == []
 
 
 def test_batch_above_largest_graph_falls_back_to_eager(tiny):

@@ -37,7 +37,8 @@ def _load_into(dst: torch.Tensor, src: torch.Tensor | None) -> None:
     inputs are prepared in place: the graph path then copies nothing)."""
     if src is None or src.numel() == 0:
         return
-    if src.data_ptr() == dst.data_ptr() and src.is_contiguous():
+    if src.data_ptr() == dst.data_ptr() and src.shape == dst.shape \
+            and src.stride() == dst.stride():
         return
     dst.copy_(src.reshape(dst.shape))
 
