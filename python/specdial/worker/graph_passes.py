@@ -21,7 +21,8 @@ import torch
 from specdial.attention.base import expand_kv_indices
 from specdial.models.batch import ForwardBatch
 from specdial.worker.sampling import BatchSampling, SamplingParams
-from specdial.worker.step_buffers import KVLayout, VerifyOutput
+from specdial.worker.graph_pool import GraphPool, _Graph
+from specdial.worker.step_buffers import KVLayout, RunnerStats, StaticBuffers, VerifyOutput
 
 I64 = torch.int64
 
@@ -45,6 +46,31 @@ def _load_into(dst: torch.Tensor, src: torch.Tensor | None) -> None:
 
 class GraphPasses:
     """Capture, padded replay and eager fallback (see the module docstring)."""
+
+    # set by StepRunner.__init__ (the mixin's contract)
+    steps: int
+    n: int
+    drafter: Any
+    backend: Any
+    buffers: StaticBuffers
+    pool: GraphPool | None
+    device: torch.device
+    pad_slot: int
+    dummy_token_id: int
+    needs_hidden: bool
+    extend_uses_attention: bool
+    max_graph_bs: int
+    verify_attn: Any
+    draft_attn: list[Any]
+    extend_attn: Any
+    graphs: dict[tuple[str, int], _Graph]
+    sizes: list[int]
+    stats: RunnerStats
+    enabled: bool
+    _greedy: dict[int, BatchSampling]
+    _verify_pass: Callable[..., Any]
+    _draft_pass: Callable[..., Any]
+    _extend_pass: Callable[..., Any]
 
     # ------------------------------------------------------------------ sizes
     def passes(self) -> tuple[str, ...]:
