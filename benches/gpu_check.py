@@ -23,9 +23,14 @@ length run).
 
 What it checks and measures (each section is recorded in ``gpu_check.json``):
 
+Everything runs the serving code: the sections drive :class:`SpecWorker` (its step runners,
+CUDA graphs, acceptance, draft extends) through :class:`WorkerDriver`, which builds the worker's
+inputs by hand instead of a scheduler so each iteration's steps come from a schedule, or the
+engine itself (``engine_parity``).
+
 1. ``parity``: greedy decoding in float32 (torch attention backend; padding changes GEMM shapes
-   so bfloat16 may legitimately differ) through :class:`CudaGraphRunner` with graphs against
-   the same runners with graphs disabled (eager passes, dynamic metadata), for fixed steps 0,
+   so bfloat16 may legitimately differ) through a worker with graphs against a worker
+   without (eager passes, what ``disable_cuda_graph`` serves), for fixed steps 0,
    1, 3, 7, an adaptive run (the Rust policy with the default config, graph keys from
    ``decide``) and a forced switching schedule; the batch shrinks as requests finish, so padded
    replays of several sizes happen; both model sets. Every run must also equal target-only
@@ -33,9 +38,9 @@ What it checks and measures (each section is recorded in ``gpu_check.json``):
    ``engine_parity``: the same through ``Engine.from_modules(..., cuda_graph_bs=...,
    disable_cuda_graph=...)`` (``cuda_graph_mode`` = the section's graph mode, so the CPU smoke
    run emulates graphs); the graph side must have replayed graphs (``Engine.graph_stats``).
-2. ``timing``: per decode iteration (draft + verify + greedy accept with its one host sync +
-   draft extend), median of CUDA-event times over ``--iters`` iterations, for steps 0, 1, 3,
-   5, 7 at batch sizes 1, 8, 32, 64, 128 with graphs and eagerly, plus plain decoding (target
+2. ``timing``: per ``SpecWorker.decode`` (inputs, draft + verify + greedy accept with its
+   one host sync + draft extend), median of CUDA-event times over ``--iters`` iterations, for
+   steps 0, 1, 3, 5, 7 at batch sizes 1, 8, 32, 64, 128 with graphs and eagerly, plus plain decoding (target
    only) and steps 0 with the drafter extend skipped; bfloat16, context ``--context`` tokens.
 3. ``step0``: steps 0 warm (drafter extend kept) and skipped, as ratios to plain decoding.
 4. ``capture``: capture seconds, graph count and device memory for the default adaptive config
@@ -74,12 +79,13 @@ from specdial._core import AdaptiveConfig, AdaptiveSpeculativeParams  # noqa: E4
 from specdial.attention.select import backend_name, flashinfer_available, select_backend  # noqa: E402
 from specdial.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from specdial.models import EagleHead, LlamaForCausalLM  # noqa: E402
-from specdial.models.batch import ForwardBatch  # noqa: E402
 from specdial.models.config import ModelConfig  # noqa: E402
 from specdial.models.eagle import EAGLE_ARCHITECTURE  # noqa: E402
-from specdial.worker.cuda_graphs import (CapturePlan, GraphPool, KVLayout,  # noqa: E402
-                                         build_runners, capture_all, default_cuda_graph_bs)
 from specdial.worker.drafters import make_drafter  # noqa: E402
+from specdial.worker.graph_tables import CapturePlan, default_cuda_graph_bs  # noqa: E402
+from specdial.worker.inputs import DecodeInput, PrefillInput  # noqa: E402
+from specdial.worker.sampling import BatchSampling, SamplingParams  # noqa: E402
+from specdial.worker.worker import SpecWorker  # noqa: E402
 
 
 # --------------------------------------------------------------------------- shapes
@@ -154,143 +160,85 @@ def build_accepting(cfg: ModelConfig, dtype: torch.dtype, device: str, noise: fl
     return target.to(dtype=dtype).eval(), head.to(dtype=dtype).eval()
 
 
-# --------------------------------------------------------------------------- the decoder
-class MiniDecoder:
-    """Greedy speculative decoding driven through :class:`CudaGraphRunner` (the worker's decode
-    iteration in small; it shows the runner API an engine calls).
+# --------------------------------------------------------------------------- the worker driver
+def greedy(batch_size: int, device) -> BatchSampling:
+    return BatchSampling.from_params([SamplingParams()] * batch_size, device)
 
-    Request ``r`` owns slots ``r * cap .. r * cap + cap - 1`` (slot = base + position), so no
-    allocator is needed. Per request: ``L`` target KV positions (the last emitted token
-    ``x_L`` is not in the KV yet), ``D`` valid drafter positions. ``hidden`` holds the target's
-    final hidden state per slot (EAGLE's input feature), row ``num_slots + 1`` is zero.
+
+class WorkerDriver:
+    """Greedy decoding through the serving worker (:class:`SpecWorker` ``prefill`` / ``decode``:
+    its step runners, CUDA graphs, acceptance and draft extends), with inputs built by hand
+    instead of a scheduler so that the steps of every iteration come from a schedule (fixed,
+    cycling, or the Rust policy's ``decide``).
+
+    Row ``r`` owns slots ``r * cap .. r * cap + cap - 1`` (slot = base + position). ``graph_bs``
+    None builds an eager worker (what ``disable_cuda_graph`` serves); else the worker captures
+    every steps value's graphs (``mode``: the :class:`GraphPool` mode; ``adaptive_config``
+    prunes the plan).
     """
 
-    def __init__(self, target, drafter, runners, backend, *, max_requests: int, cap: int,
+    def __init__(self, target, head, backend, *, max_requests: int, cap: int, steps,
+                 graph_bs=None, mode: str | None = None, adaptive_config=None,
                  skip_zero_extend: bool = False) -> None:
-        self.target, self.drafter, self.runners, self.backend = target, drafter, runners, backend
-        self.kv = next(iter(runners.values())).target_kv
-        self.cap, self.max_requests = cap, max_requests
-        self.skip_zero_extend = skip_zero_extend
-        w = target.embed_tokens.weight
-        self.device, self.dtype = w.device, w.dtype
-        self.num_slots = self.kv.num_slots
-        self.zero_row = self.num_slots + 1
-        self.hidden = torch.zeros(self.num_slots + 2, target.config.hidden_size, dtype=w.dtype,
-                                  device=w.device)
-        self.tok = np.zeros((max_requests, cap + 1), np.int64)
-        self.L = np.zeros(max_requests, np.int64)
-        self.D = np.zeros(max_requests, np.int64)
+        steps = sorted(set(steps))
+        drafter = (None if head is None
+                   else make_drafter(head, target, max_steps=max(max(steps), 1)))
+        self.worker = SpecWorker(
+            target, drafter, max_requests * cap, max_running_requests=max_requests,
+            context_length=cap, step_values=steps, skip_zero_step_draft_extend=skip_zero_extend,
+            backend=backend, cuda_graph_bs=graph_bs, cuda_graph_mode=mode,
+            adaptive_config=adaptive_config)
+        self.cap, self.device = cap, self.worker.device
+        self.last = np.zeros(max_requests, np.int64)  # x_L of every row
+        self.outputs: list[list[int]] = []
+        self._greedy: dict[int, BatchSampling] = {}
 
-    def _d(self, a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a, np.int64)).to(self.device)
+    def sampling(self, b: int) -> BatchSampling:
+        s = self._greedy.get(b)
+        if s is None:
+            s = self._greedy[b] = greedy(b, self.device)
+        return s
 
-    @torch.inference_mode()
+    def decode_input(self, rows: np.ndarray, steps: int, graph_bs: int | None) -> DecodeInput:
+        """The plan a scheduler would give ``rows`` at their current lengths."""
+        L, n = self.worker.target_len[rows], steps + 1
+        if int(L.max()) + n > self.cap:
+            raise ValueError("request outgrew its slot range; raise cap")
+        loc = (rows * self.cap + L)[:, None] + np.arange(n)[None, :]
+        return DecodeInput(steps, graph_bs, rows, self.last[rows].copy(), L.copy(),
+                           loc.reshape(-1), np.full(len(rows), steps, np.int64))
+
     def prefill(self, prompts: list[list[int]]) -> None:
-        """Eager ragged prefill of rows ``0..len(prompts)-1`` (target, then drafter KV)."""
+        """One prefill of rows ``0..len(prompts)-1``, first tokens sampled."""
         rows = np.arange(len(prompts), dtype=np.int64)
         lens = np.array([len(p) for p in prompts], np.int64)
         pos = np.concatenate([np.arange(n) for n in lens])
-        loc = np.repeat(rows * self.cap, lens) + pos
-        ids = np.concatenate([np.asarray(p, np.int64) for p in prompts])
-        loc_d, pos_d = self._d(loc), self._d(pos)
-        meta = self.backend.plan(torch.from_numpy(lens), torch.from_numpy(lens), loc_d)
-        batch = ForwardBatch(self._d(ids), pos_d, loc_d, meta)
-        hidden = self.target(batch, self.kv, self.backend)
-        self.hidden.index_copy_(0, loc_d, hidden)
-        first = self.target.compute_logits(hidden[self._d(np.cumsum(lens) - 1)]).argmax(-1)
-        for r, p in enumerate(prompts):
-            self.tok[r, :len(p)] = p
-        self.tok[rows, lens] = first.cpu().numpy()
-        self.L[rows], self.D[rows] = lens, 0
-        if self.drafter is not None:
-            feats = self.hidden[torch.where(pos_d > 0, loc_d - 1, self.zero_row)]
-            self.drafter.prefill(batch, self.backend, hidden_states=feats)
-            self.D[rows] = lens
+        inp = PrefillInput(rows, np.concatenate([np.asarray(p, np.int64) for p in prompts]),
+                           np.repeat(rows * self.cap, lens) + pos, lens, lens,
+                           np.ones(len(rows), np.int64), np.cumsum(lens) - 1)
+        out = self.worker.prefill(inp, self.sampling(len(rows)), None)
+        self.outputs = [[int(t)] for t in out.tokens]
+        self.last[rows] = out.tokens
 
-    def _layout(self, rows: np.ndarray, lens: np.ndarray) -> KVLayout:
-        total = int(lens.sum())
-        offsets = np.repeat(np.cumsum(lens) - lens, lens)
-        flat = np.repeat(rows * self.cap, lens) + np.arange(total) - offsets
-        return KVLayout(self._d(flat), lens)
-
-    def _extend(self, runner, rows, start, end, layout, graph_bs) -> None:
-        counts = end - start
-        if not counts.any():
-            return
-        offsets = np.repeat(np.cumsum(counts) - counts, counts)
-        pos = np.repeat(start, counts) + np.arange(int(counts.sum())) - offsets
-        row_rep = np.repeat(rows, counts)
-        loc = row_rep * self.cap + pos
-        feats = None
-        if self.drafter.needs_target_hidden:
-            prev = np.where(pos > 0, loc - 1, self.zero_row)
-            feats = self.hidden[self._d(prev)]
-        runner.draft_extend(self._d(self.tok[row_rep, pos]), self._d(pos), self._d(loc), layout,
-                            start, counts, feats, graph_bs=graph_bs)
-        self.D[rows] = np.maximum(self.D[rows], end)
-
-    @torch.inference_mode()
-    def step(self, rows: np.ndarray, steps: int, graph_bs: int | None = None,
-             force_accept: int | None = None) -> np.ndarray:
-        """One decode iteration with ``steps`` drafts for ``rows``; returns accepted drafts.
-        ``force_accept`` (timing only) pretends ``min(force_accept, steps)`` drafts were
-        accepted by every request, so the draft extend does representative work."""
-        runner = self.runners[steps]
-        k, n, b = steps, steps + 1, len(rows)
-        L, base = self.L[rows].copy(), rows * self.cap
-        if int(L.max()) + n > self.cap:
-            raise ValueError("request outgrew its slot range; raise cap")
-        layout = self._layout(rows, L + n)
-        x_last = self._d(self.tok[rows, L])
-        vpos = L[:, None] + np.arange(n)[None, :]
-        vloc = base[:, None] + vpos
-        if k:
-            D = self.D[rows]
-            if (D < L).any():  # catch-up after skipped zero-step extends
-                self._extend(runner, rows, D, L, layout, graph_bs)
-            first = self.hidden[self._d(base + L - 1)] if self.drafter.needs_target_hidden \
-                else None
-            drafts, _ = runner.draft(x_last, self._d(vpos[:, :k].T), self._d(vloc[:, :k].T),
-                                     layout, L, first_hidden=first, graph_bs=graph_bs)
-            ids = torch.cat([x_last[:, None], drafts], 1)
-        else:
-            ids = x_last[:, None]
-        vloc_d = self._d(vloc.reshape(-1))
-        out = runner.verify(ids.reshape(-1), self._d(vpos.reshape(-1)), vloc_d, layout, L,
-                            graph_bs=graph_bs)
-        if self.drafter is not None:
-            self.hidden.index_copy_(0, vloc_d, out.hidden)
-        best = out.logits.view(b, n, -1).argmax(-1)  # [B, n] target greedy tokens
-        if k:  # ids holds a copy of the drafts (graph outputs are only valid until the
-            # next replay, here the verify graph's)
-            acc = (ids[:, 1:] == best[:, :k]).to(torch.int64).cumprod(1).sum(1)
-        else:
-            acc = torch.zeros(b, dtype=torch.int64, device=self.device)
-        if force_accept is not None:
-            acc = torch.full_like(acc, min(force_accept, k))
-        host = torch.cat([acc[:, None], best], 1).cpu().numpy()  # the one sync
-        acc_np, best_np = host[:, 0], host[:, 1:]
-        for i, r in enumerate(rows.tolist()):
-            a = int(acc_np[i])
-            self.tok[r, L[i] + 1:L[i] + a + 2] = best_np[i, :a + 1]
-        new_l = L + acc_np + 1
-        if k and self.drafter is not None:
-            self.D[rows] = self.drafter.draft_len_after_verify(L, k, acc_np)
-        self.L[rows] = new_l
-        if self.drafter is not None and not (k == 0 and self.skip_zero_extend):
-            self._extend(runner, rows, self.D[rows], new_l, layout, graph_bs)
-        return acc_np
+    def step(self, rows: np.ndarray, steps: int, graph_bs: int | None = None) -> np.ndarray:
+        """One decode iteration of ``rows``; returns the accepted drafts ``[B]``."""
+        out = self.worker.decode(self.decode_input(rows, steps, graph_bs),
+                                 self.sampling(len(rows)), None)
+        for b, r in enumerate(rows.tolist()):
+            toks = out.tokens_of(b)
+            self.outputs[r].extend(toks.tolist())
+            self.last[r] = toks[-1]
+        return out.accepted
 
     def generate(self, prompts, new_tokens, schedule) -> tuple[list[list[int]], dict]:
         """Decode until every request has its ``new_tokens``; ``schedule(i, bs)`` gives
-        ``(steps, graph_bs)`` and may return ``on_verify`` feedback via a callback attr."""
+        ``(steps, graph_bs)`` (an ``on_verify`` attribute, if any, gets the acceptance)."""
         self.prefill(prompts)
-        lens = np.array([len(p) for p in prompts], np.int64)
         target_n = np.asarray(new_tokens, np.int64)
         hist: dict[int, int] = {}
         it = verifies = emitted = 0
         while True:
-            produced = self.L[:len(prompts)] + 1 - lens
+            produced = np.array([len(o) for o in self.outputs])
             rows = np.nonzero(produced < target_n)[0].astype(np.int64)
             if not len(rows):
                 break
@@ -303,9 +251,15 @@ class MiniDecoder:
             it += 1
             verifies += len(rows)
             emitted += int(acc.sum()) + len(rows)
-        out = [self.tok[r, lens[r]:lens[r] + target_n[r]].tolist() for r in range(len(prompts))]
+        out = [o[:n] for o, n in zip(self.outputs, target_n.tolist())]
         return out, {"iterations": it, "steps_histogram": dict(sorted(hist.items())),
                      "accept_length": round(emitted / max(verifies, 1), 3)}
+
+    def graph_counters(self) -> tuple[dict, dict]:
+        """Replays and eager fallbacks per steps value."""
+        runners = self.worker.graph_runners
+        return ({s: dict(r.stats.replays) for s, r in runners.items()},
+                {s: dict(r.stats.eager) for s, r in runners.items()})
 
 
 class AdaptiveSchedule:
@@ -338,20 +292,6 @@ def cycle(schedule: list[int]):
 
 
 # --------------------------------------------------------------------------- sections
-def make_runner_set(target, head, backend, plan, mode, cap, max_requests, dtype_device):
-    drafter = make_drafter(head, target, max_steps=max(plan.max_steps, 1)) if head is not None \
-        else None
-    num_slots = max_requests * cap
-    kv = target.make_kv_pool(num_slots)
-    if drafter is not None:
-        drafter.init_kv(num_slots)
-    pool = GraphPool(dtype_device, mode)
-    runners = build_runners(plan, target=target, target_kv=kv, drafter=drafter,
-                            backend=backend, pool=pool, kv_capacity=cap)
-    report = capture_all(runners, plan)
-    return drafter, runners, report
-
-
 def section_parity(sh: Shapes, log) -> dict:
     """Float32 greedy decoding, graphs vs eager vs target-only, fixed/adaptive/switching, with
     a random EAGLE head (nothing accepted) and an accepting one (partial acceptance)."""
@@ -377,43 +317,33 @@ def section_parity(sh: Shapes, log) -> dict:
                    for _ in range(sh.parity_prompts)]
         new_tokens = list(sh.parity_new_tokens[:sh.parity_prompts])
         cap = max(len(p) for p in prompts) + max(new_tokens) + 16
-        # target-only greedy reference (eager, no drafter)
-        plain_plan = CapturePlan.build([0], sh.parity_graph_bs, has_drafter=False)
-        _, plain_runners, _ = make_runner_set(target, None, backend, plain_plan, "eager", cap,
-                                              len(prompts), sh.device)
-        for r in plain_runners.values():
-            r.enabled = False
-        ref, _ = MiniDecoder(target, None, plain_runners, backend, max_requests=len(prompts),
-                             cap=cap).generate(prompts, new_tokens, fixed(0))
-        del plain_runners
+        # target-only greedy reference (eager worker, no drafter)
+        ref, _ = WorkerDriver(target, None, backend, max_requests=len(prompts), cap=cap,
+                              steps=[0]).generate(prompts, new_tokens, fixed(0))
         for name, what, skip in runs:
             t0 = time.perf_counter()
             if what == "adaptive":
-                plan = CapturePlan.build(config.candidate_steps, sh.parity_graph_bs, config)
-            elif isinstance(what, list):
-                plan = CapturePlan.build(sorted(set(what)), sh.parity_graph_bs)
+                steps, adaptive = config.candidate_steps, config
             else:
-                plan = CapturePlan.build([what], sh.parity_graph_bs)
-            drafter, runners, report = make_runner_set(target, head, backend, plan,
-                                                       sh.graph_mode, cap, len(prompts),
-                                                       sh.device)
-            outs, infos = {}, {}
-            for label, enabled in (("graphs", True), ("eager", False)):
-                for r in runners.values():
-                    r.enabled = enabled
+                steps, adaptive = (what if isinstance(what, list) else [what]), None
+            outs, infos, drivers = {}, {}, {}
+            for label, graph_bs in (("graphs", sh.parity_graph_bs), ("eager", None)):
                 if what == "adaptive":
-                    schedule = AdaptiveSchedule(plan.graph_bs)
+                    schedule = AdaptiveSchedule(sh.parity_graph_bs)
                 elif isinstance(what, list):
                     schedule = cycle(what)
                 else:
                     schedule = fixed(what)
-                dec = MiniDecoder(target, drafter, runners, backend, max_requests=len(prompts),
-                                  cap=cap, skip_zero_extend=skip)
+                drivers[label] = dec = WorkerDriver(
+                    target, head, backend, max_requests=len(prompts), cap=cap, steps=steps,
+                    graph_bs=graph_bs, mode=sh.graph_mode, adaptive_config=adaptive,
+                    skip_zero_extend=skip)
                 outs[label], infos[label] = dec.generate(prompts, new_tokens, schedule)
                 if isinstance(schedule, AdaptiveSchedule):
                     infos[label]["switches"] = schedule.switches
-            replays = {s: dict(r.stats.replays) for s, r in runners.items()}
-            fallbacks = {s: dict(r.stats.eager) for s, r in runners.items()}
+            report = drivers["graphs"].worker.capture_report
+            assert report is not None
+            replays, fallbacks = drivers["graphs"].graph_counters()
             same = outs["graphs"] == outs["eager"]
             lossless = outs["graphs"] == ref
             n_replays = sum(sum(v.values()) for v in replays.values())
@@ -435,7 +365,7 @@ def section_parity(sh: Shapes, log) -> dict:
             log(f"parity {key}: {results[key]['status']} ({results[key]['tokens']} tokens, "
                 f"{n_replays} replays, steps {infos['graphs']['steps_histogram']}, "
                 f"{results[key]['seconds']} s)")
-            del runners, drafter
+            del drivers
             gc.collect()
         del target, head
         free_memory(sh.device)
@@ -531,7 +461,13 @@ class Timer:
 
 
 def section_timing(sh: Shapes, args, log, deadline) -> dict:
-    """Per-iteration time for each (steps, bs), graphs and eager, plus plain decoding."""
+    """Per-iteration time of :meth:`SpecWorker.decode` for each (steps, bs), with graphs and
+    eagerly (a worker without graphs, what ``disable_cuda_graph`` serves), plus plain decoding.
+
+    Every timed iteration starts from the same state (context ``sh.context``, random KV and
+    tokens): the rows' lengths are reset before it. Accepted drafts are what the random head
+    gives (about 0); a replayed draft extend covers ``steps + 1`` tokens per request whatever
+    was accepted."""
     target, head = build_models(sh.model, sh.timing_dtype, sh.device, seed=2)
     name = backend_name(sh.device, None if args.backend == "auto" else args.backend,
                         sh.timing_dtype)
@@ -539,71 +475,67 @@ def section_timing(sh: Shapes, args, log, deadline) -> dict:
     max_bs, cap = max(sh.timing_bs), sh.context + 16
     timer = Timer(sh.device)
     results: dict[str, Any] = {"backend": name, "dtype": str(sh.timing_dtype),
-                               "context": sh.context, "iters": args.iters,
-                               "accept": args.accept, "rows": {}}
+                               "context": sh.context, "iters": args.iters, "accept": "model",
+                               "rows": {}}
+    gen = torch.Generator(device=sh.device).manual_seed(0)
 
-    def fill_state(dec: MiniDecoder, bs: int) -> np.ndarray:
-        rows = np.arange(bs, dtype=np.int64)
-        rng = np.random.default_rng(bs)
-        dec.tok[:bs, :sh.context + 1] = rng.integers(0, sh.model.vocab_size,
-                                                     size=(bs, sh.context + 1))
-        return rows
-
-    def reset(dec: MiniDecoder, rows: np.ndarray) -> None:
-        dec.L[rows] = sh.context
-        dec.D[rows] = sh.context
-
-    def randomize_kv(*pools) -> None:
-        gen = torch.Generator(device=sh.device).manual_seed(0)
+    def driver(module, graphs: bool) -> WorkerDriver:
+        steps = sh.timing_steps if module is not None else [0]
+        d = WorkerDriver(target, module, backend, max_requests=max_bs, cap=cap, steps=steps,
+                         graph_bs=sh.timing_bs if graphs else None, mode=sh.graph_mode)
+        w = d.worker
+        pools = [w.kv] + ([w.drafter.kv] if w.drafter is not None else [])
         for p in pools:
             for buf in (p.k_buffer, p.v_buffer):
                 buf.normal_(generator=gen)
+        if w.hidden is not None:
+            w.hidden.normal_(generator=gen)
+        # every row holds random tokens at slots base + position, context tokens long
+        rows = np.arange(max_bs, dtype=np.int64)
+        rng = np.random.default_rng(0)
+        w.tables.write(rows, np.zeros(max_bs, np.int64), np.full(max_bs, cap, np.int64),
+                       slots=(rows[:, None] * cap + np.arange(cap)[None, :]).reshape(-1),
+                       ids=rng.integers(0, sh.model.vocab_size, size=max_bs * cap))
+        d.last[:] = rng.integers(0, sh.model.vocab_size, size=max_bs)
+        return d
 
-    variants = [("plain", None, 0, False)] + [
-        (f"steps={s}", head, s, False) for s in sh.timing_steps] + [
-        ("steps=0 skip", head, 0, True)]
-    # one runner set per drafter presence, every size captured (no pruning), graphs shared
-    plan_spec = CapturePlan.build(sh.timing_steps, sh.timing_bs)
-    plan_plain = CapturePlan.build([0], sh.timing_bs, has_drafter=False)
-    drafter, spec_runners, rep_spec = make_runner_set(target, head, backend, plan_spec,
-                                                      sh.graph_mode, cap, max_bs, sh.device)
-    _, plain_runners, rep_plain = make_runner_set(target, None, backend, plan_plain,
-                                                  sh.graph_mode, cap, max_bs, sh.device)
-    results["capture_seconds"] = round(rep_spec.seconds + rep_plain.seconds, 2)
-    randomize_kv(next(iter(spec_runners.values())).target_kv, drafter.kv,
-                 next(iter(plain_runners.values())).target_kv)
-    for label, drafter_module, steps, skip in variants:
-        runners = plain_runners if drafter_module is None else spec_runners
-        dec = MiniDecoder(target, drafter if drafter_module is not None else None, runners,
-                          backend, max_requests=max_bs, cap=cap, skip_zero_extend=skip)
-        dec.hidden.normal_()
+    drivers = {(m, g): driver(head if m == "spec" else None, g)
+               for m in ("spec", "plain") for g in (True, False)}
+    results["capture_seconds"] = round(sum(
+        d.worker.capture_report.seconds for d in drivers.values()
+        if d.worker.capture_report is not None), 2)
+    variants = [("plain", "plain", 0, False)] + [
+        (f"steps={s}", "spec", s, False) for s in sh.timing_steps] + [
+        ("steps=0 skip", "spec", 0, True)]
+    for label, models, steps, skip in variants:
         row: dict[str, Any] = {}
         for bs in sh.timing_bs:
             if time.perf_counter() > deadline:
                 row[str(bs)] = {"skipped": "time budget"}
                 continue
-            rows = fill_state(dec, bs)
+            rows = np.arange(bs, dtype=np.int64)
             cell = {}
-            for mode, enabled in (("graphs", True), ("eager", False)):
-                for r in runners.values():
-                    r.enabled = enabled
+            for mode, graphs in (("graphs", True), ("eager", False)):
+                d = drivers[(models, graphs)]
+                w = d.worker
+                w.skip_zero_step_draft_extend = skip
+                w.target_len[rows] = w.draft_len[rows] = sh.context
+                inp = d.decode_input(rows, steps, None)
+                sampling = d.sampling(bs)
 
-                accept = {"half": (steps + 1) // 2, "all": steps, "model": None}[args.accept]
-
-                def it():
-                    reset(dec, rows)
-                    dec.step(rows, steps, force_accept=accept)
-                iters = args.iters if enabled else max(3, args.iters // 2)
+                def it(w=w, inp=inp, sampling=sampling):
+                    w.target_len[rows] = w.draft_len[rows] = sh.context
+                    w.decode(inp, sampling, None)
+                iters = args.iters if graphs else max(3, args.iters // 2)
                 cell[mode] = timer(it, iters, warmup=3)
+                w.skip_zero_step_draft_extend = False
             cell["speedup"] = round(cell["eager"]["median_ms"] / cell["graphs"]["median_ms"], 3)
             row[str(bs)] = cell
         results["rows"][label] = row
         log(f"timing {label}: " + ", ".join(
             f"bs{bs}={row[str(bs)]['graphs']['median_ms']:.3f}ms"
             for bs in sh.timing_bs if "graphs" in row[str(bs)]))
-    for r in list(spec_runners.values()) + list(plain_runners.values()):
-        r.enabled = True
-    del spec_runners, plain_runners, drafter, target, head
+    drivers.clear()
     free_memory(sh.device)
     return results
 
@@ -642,15 +574,19 @@ def section_capture(sh: Shapes, args, log) -> dict:
         backend = select_backend(sh.device, name, sh.timing_dtype)
         plan = CapturePlan.build(config.candidate_steps, sizes, config, prune=prune)
         free_memory(sh.device)
-        _, runners, rep = make_runner_set(target, head, backend, plan, sh.graph_mode,
-                                          sh.context + 16, sh.capture_max_bs, sh.device)
+        w = WorkerDriver(target, head, backend, max_requests=sh.capture_max_bs,
+                         cap=sh.context + 16, steps=config.candidate_steps,
+                         graph_bs=sizes, mode=sh.graph_mode,
+                         adaptive_config=config if prune else None).worker
+        rep = w.capture_report
+        assert rep is not None and rep.plan == plan.to_dict()
         results[label] = {"graphs": rep.num_graphs, "seconds": round(rep.seconds, 2),
                           "pool_reserved_mib": round(rep.pool_reserved_bytes / 2**20, 1),
                           "device_used_mib": round(rep.device_used_bytes / 2**20, 1),
                           "sizes": rep.plan["sizes"]}
         log(f"capture {label}: {rep.num_graphs} graphs, {rep.seconds:.1f} s, "
             f"{results[label]['device_used_mib']} MiB")
-        del runners, backend
+        del w, backend
         free_memory(sh.device)
     del target, head
     return results
@@ -712,9 +648,6 @@ def main(argv=None) -> int:
                     help="attention backend of the timing and capture sections")
     ap.add_argument("--iters", type=int, default=None, help="timed iterations per cell")
     ap.add_argument("--context", type=int, default=None, help="context tokens for timing")
-    ap.add_argument("--accept", default="half", choices=["half", "all", "model"],
-                    help="accepted drafts per request in timed iterations: ceil(steps/2), "
-                         "steps, or what the random head gives (about 0: no extend work)")
     ap.add_argument("--budget-s", type=float, default=480.0,
                     help="soft time budget: later timing cells and sections are skipped")
     args = ap.parse_args(argv)

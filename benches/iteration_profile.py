@@ -28,15 +28,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from specdial.demo.gates import pick
-from specdial.demo.prompts import REPO_PROMPTS, read_jsonl
 from specdial.engine import Engine
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/
+from tools.builtin_models.gates import pick  # noqa: E402
+from tools.builtin_models.prompts import REPO_PROMPTS, read_jsonl  # noqa: E402
 
 CONFIGS = {
     "no-spec": {"speculative_algorithm": None},

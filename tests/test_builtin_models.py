@@ -10,9 +10,9 @@ import transformers
 
 from specdial.attention import TorchAttentionBackend
 from specdial.builtin import BUILTIN_DIR, builtin_model_path
-from specdial.demo import data
-from specdial.demo.prompts import REPO_PROMPTS, read_jsonl
-from specdial.demo.train import _shift_right, eagle_train_forward, new_eagle_head
+from tools.builtin_models import data
+from tools.builtin_models.prompts import REPO_PROMPTS, read_jsonl
+from tools.builtin_models.train import _shift_right, eagle_train_forward, new_eagle_head
 from specdial.models import (EagleHead, ForwardBatch, LlamaForCausalLM, ModelConfig,
                              load_eagle_head, load_model, load_tokenizer)
 
@@ -37,7 +37,7 @@ def _full(backend, ids):
 
 
 def test_weights_are_shipped_in_half_precision():
-    # produced by `python -m specdial.demo.train` and committed (issue 4: <= 80 MB, bf16/fp16)
+    # produced by `python -m tools.builtin_models.train` and committed (issue 4: <= 80 MB, bf16/fp16)
     from safetensors import safe_open
     total = 0
     for name in ("target", "draft", "eagle"):
@@ -75,7 +75,7 @@ def test_builtin_model_path():
 def test_builtin_model_path_missing(monkeypatch, tmp_path):
     import specdial.builtin as builtin
     monkeypatch.setattr(builtin, "BUILTIN_DIR", tmp_path)
-    with pytest.raises(FileNotFoundError, match="python -m specdial.demo.train"):
+    with pytest.raises(FileNotFoundError, match="python -m tools.builtin_models.train"):
         builtin.builtin_model_path("target")
 
 
@@ -200,9 +200,9 @@ def _mean_accept_length(engine, rows, max_new_tokens):
 
 @pytest.mark.parametrize("drafter", ["eagle", "draft"])
 def test_acceptance_gate(drafter):
-    # issue 4's gate on a subset (MODEL_CARD.md has the full run: python -m specdial.demo.gates):
+    # issue 4's gate on a subset (MODEL_CARD.md has the full run: python -m tools.builtin_models.gates):
     # mean spec_accept_length at fixed steps 3, greedy, code.jsonl in [1.8, 3.6], hard lower
-    from specdial.demo.gates import pick
+    from tools.builtin_models.gates import pick
     from specdial.engine import Engine
     code = pick(read_jsonl(REPO_PROMPTS / "code.jsonl"), 16)
     hard = pick(read_jsonl(REPO_PROMPTS / "hard.jsonl"), 16)

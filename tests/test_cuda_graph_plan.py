@@ -22,10 +22,12 @@ from specdial.attention import flashinfer_backend as fb
 from specdial.attention import select as sel
 from specdial.kv_pool import KVPool
 from specdial.models.batch import ForwardBatch
-from specdial.worker.cuda_graphs import (CapturePlan, GraphPool, KVLayout, StaticBuffers,
-                                         TorchStaticAttention, build_runners, capture_all,
-                                         default_cuda_graph_bs, make_static_attention,
-                                         static_buffer_shapes)
+from specdial.attention.select import make_static_attention
+from specdial.attention.torch_backend import TorchStaticAttention
+from specdial.worker.graph_pool import GraphPool, capture_all
+from specdial.worker.graph_tables import CapturePlan, default_cuda_graph_bs
+from specdial.worker.step_buffers import KVLayout, StaticBuffers, static_buffer_shapes
+from specdial.worker.step_runner import build_runners
 from specdial.worker.drafters import make_drafter
 from specdial.worker.sampling import BatchSampling, SamplingParams
 

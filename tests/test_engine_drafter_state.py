@@ -88,7 +88,8 @@ def run_schedule(target, module, skip, check):
         assert (worker.draft_len[rows] == worker.target_len[rows]).all()
         if check:
             check_drafter_kv(target, worker, module, rows)
-        state_ptrs = {s: st.verify_input_ids.data_ptr() for s, st in worker.states.items()}
+        state_ptrs = {s: st.buffers.verify_input_ids.data_ptr() for s, st in worker.states.items()}
+        assert len(set(state_ptrs.values())) == 1  # one buffer set for every steps value
         for steps in SCHEDULE:
             sched.set_fixed_steps(steps)
             plan = sched.schedule()
@@ -108,8 +109,9 @@ def run_schedule(target, module, skip, check):
                 assert (lag == 0).all()
             if check:
                 check_drafter_kv(target, worker, module, rows)
-        # runtime-state buffers are filled in place, never replaced
-        assert state_ptrs == {s: st.verify_input_ids.data_ptr() for s, st in worker.states.items()}
+        # the runners' buffers are filled in place, never replaced
+        assert state_ptrs == {s: st.buffers.verify_input_ids.data_ptr()
+                              for s, st in worker.states.items()}
         for rid in rids:
             sched.abort(rid)
     assert sched.stats().kv_pages_used == 0 and sched.rows_in_use == 0

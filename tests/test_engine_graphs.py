@@ -12,7 +12,9 @@ import pytest
 from conftest import PROMPTS
 from specdial._core import ConfigError
 from specdial.engine import Engine
-from specdial.worker.cuda_graphs import CudaGraphRunner, default_cuda_graph_bs
+from specdial.worker import graph_passes
+from specdial.worker.graph_tables import default_cuda_graph_bs
+from specdial.worker.step_runner import StepRunner
 
 KW = dict(max_running_requests=8, kv_cache_tokens=2048, page_size=8, drafter_max_steps=7,
           log_interval_s=None)
@@ -83,14 +85,14 @@ def test_adaptive_switching_graphs_equal_eager(models):
 
 def test_padded_replay_and_pruned_plan(tiny, monkeypatch):
     seen = []
-    fill = CudaGraphRunner._fill_verify
+    fill = StepRunner._fill_verify
 
     def spy(self, g, input_ids, positions, out_loc, kv, start):
         if input_ids is not None:  # not a capture
             seen.append((len(start), g))
         return fill(self, g, input_ids, positions, out_loc, kv, start)
 
-    monkeypatch.setattr(CudaGraphRunner, "_fill_verify", spy)
+    monkeypatch.setattr(StepRunner, "_fill_verify", spy)
     engine = Engine.from_modules(tiny.target, tiny.draft_noisy,
                                  speculative_adaptive_config=ADAPTIVE, speculative_num_steps=3,
                                  **GRAPHS, **KW)
@@ -100,6 +102,27 @@ def test_padded_replay_and_pruned_plan(tiny, monkeypatch):
     assert plan.sizes[1] == (8, 4, 2, 1)
     run(engine)
     assert (5, 8) in seen and (3, 4) in seen, seen  # 5 requests replay the graph of 8
+
+
+def test_graph_path_writes_inputs_once(tiny, monkeypatch):
+    """The runner prepares the verify and draft inputs in the buffers the graphs read: a
+    replay pads their tail but copies none of them again (issue 16)."""
+    copies = []
+    load = graph_passes._load_into
+
+    def spy(dst, src):
+        if src is not None and src.numel() and not (
+                src.data_ptr() == dst.data_ptr() and src.shape == dst.shape
+                and src.stride() == dst.stride()):
+            copies.append(tuple(src.shape))
+        return load(dst, src)
+
+    monkeypatch.setattr(graph_passes, "_load_into", spy)
+    _, _, stats = run(Engine.from_modules(tiny.target, tiny.draft_noisy,
+                                          speculative_adaptive=False, speculative_num_steps=3,
+                                          **GRAPHS, **KW))
+    assert stats["replays"]["verify"] > 0 and stats["replays"]["draft"] > 0
+    assert copies == []
 
 
 def test_batch_above_largest_graph_falls_back_to_eager(tiny):
@@ -127,7 +150,7 @@ def test_options_defaults_and_errors(tiny):
     for kw in ({}, {"disable_cuda_graph": True, "cuda_graph_mode": "emulate"}):
         engine = Engine.from_modules(tiny.target, tiny.draft_noisy, **kw, **KW)
         assert engine.cuda_graph_bs is None and not engine.worker.graph_runners
-        assert all(s.runner is None for s in engine.worker.states.values())
+        assert all(s.pool is None for s in engine.worker.states.values())
         engine.shutdown()
     engine = Engine.from_modules(tiny.target, cuda_graph_mode="emulate", **KW)  # no drafter
     assert engine.worker.capture_plan.passes(0) == ("verify",)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specdial.kv_pool import KVPool
@@ -95,3 +96,43 @@ class AttentionBackend(abc.ABC):
         ``H`` is a multiple of ``kv_pool.num_kv_heads`` (GQA: query head ``h`` reads kv head
         ``h // (H // num_kv_heads)``). Returns ``[T, H, D]`` in ``q.dtype``.
         """
+
+
+def expand_kv_indices(flat: torch.Tensor, flat_lens: np.ndarray, kv_lens: np.ndarray,
+                      valid_lens: np.ndarray, pad_slot: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-request slot lists of length ``kv_lens``, read from a flat layout, padded.
+
+    - ``flat`` ``[sum(flat_lens)]`` int64 (device): request ``b``'s slots of positions
+      ``0 .. flat_lens[b] - 1``, request after request (a ``KVLayout``'s ``indices``).
+    - ``flat_lens``, ``kv_lens``, ``valid_lens``: host int64 ``[B]`` with
+      ``valid_lens <= flat_lens`` and ``valid_lens <= kv_lens``.
+
+    Returns ``(indices, req, pos)``, each ``[sum(kv_lens)]`` int64 on ``flat.device``: entry
+    ``(b, j)`` is ``flat[offset_b + j]`` for ``j < valid_lens[b]`` and ``pad_slot`` beyond;
+    ``req``/``pos`` give ``b``/``j`` of every entry. Host arithmetic plus one host-to-device
+    copy; never syncs. Raises ``ValueError`` for inconsistent lengths.
+    """
+    flat_lens, kv_lens, valid_lens = (np.asarray(a, np.int64) for a in
+                                      (flat_lens, kv_lens, valid_lens))
+    if not (flat_lens.shape == kv_lens.shape == valid_lens.shape) or flat_lens.ndim != 1:
+        raise ValueError("flat_lens, kv_lens and valid_lens must be 1-D arrays of one length")
+    if (valid_lens < 0).any() or (valid_lens > flat_lens).any() or (valid_lens > kv_lens).any():
+        raise ValueError("every request needs 0 <= valid_len <= min(flat_len, kv_len); got "
+                         f"valid {valid_lens.tolist()}, flat {flat_lens.tolist()}, "
+                         f"kv {kv_lens.tolist()}")
+    if int(flat_lens.sum()) != flat.numel():
+        raise ValueError(f"flat layout has {flat.numel()} slots, sum(flat_lens) is "
+                         f"{int(flat_lens.sum())}")
+    dev, b, total = flat.device, len(kv_lens), int(kv_lens.sum())
+    offsets = np.cumsum(flat_lens) - flat_lens
+    starts = np.cumsum(kv_lens) - kv_lens
+    host = torch.from_numpy(np.concatenate([kv_lens, offsets, starts, valid_lens]))
+    kv_d, off_d, start_d, valid_d = host.to(dev, non_blocking=True).view(4, b)
+    req = torch.repeat_interleave(torch.arange(b, device=dev), kv_d, output_size=total)
+    pos = torch.arange(total, device=dev) - start_d[req]
+    if flat.numel() == 0:
+        return torch.full((total,), pad_slot, dtype=torch.int64, device=dev), req, pos
+    src = (off_d[req] + pos).clamp_(max=flat.numel() - 1)
+    idx = torch.where(pos < valid_d[req], flat[src], pad_slot)
+    return idx, req, pos

@@ -13,6 +13,9 @@
 
 Anything else for ``prefer`` raises ``ValueError``. :func:`flashinfer_available` tells whether
 the module imports (cached; the import is attempted once).
+
+``make_static_attention(backend, max_bs, qo_per_request, kv_capacity, device)``: the
+fixed-shape (CUDA-graph) metadata of either backend.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 
 from specdial.attention.base import AttentionBackend
 from specdial.attention.flashinfer_backend import INSTALL_HINT
-from specdial.attention.torch_backend import TorchAttentionBackend
+from specdial.attention.torch_backend import TorchAttentionBackend, TorchStaticAttention
 
 BACKENDS = ("torch", "flashinfer")
 _FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
@@ -75,3 +78,16 @@ def select_backend(device: torch.device | str, prefer: str | None = None,
         from specdial.attention.flashinfer_backend import FlashInferAttentionBackend
         return FlashInferAttentionBackend(device, **kwargs)
     return TorchAttentionBackend(device)
+
+
+def make_static_attention(backend: AttentionBackend, max_bs: int, qo_per_request: int,
+                          kv_capacity: int, device: torch.device | str):
+    """Fixed-shape attention metadata for ``backend`` (torch: :class:`TorchStaticAttention`;
+    a backend with ``make_static_attention``, e.g. flashinfer: its own). ``TypeError`` else."""
+    if isinstance(backend, TorchAttentionBackend):
+        return TorchStaticAttention(max_bs, qo_per_request, kv_capacity, device)
+    make = getattr(backend, "make_static_attention", None)
+    if make is None:
+        raise TypeError(f"{type(backend).__name__} has no CUDA-graph metadata "
+                        "(make_static_attention)")
+    return make(max_bs, qo_per_request, kv_capacity)

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specdial.attention.base import AttentionBackend, AttentionMetadata, _indptr
+from specdial.attention.base import (AttentionBackend, AttentionMetadata, _indptr,
+                                     expand_kv_indices)
 from specdial.kv_pool import KVPool
+
+
+I64 = torch.int64
 
 
 @dataclass(kw_only=True)
@@ -88,3 +93,71 @@ class TorchAttentionBackend(AttentionBackend):
         out = F.scaled_dot_product_attention(qp, k.to(q.dtype), v.to(q.dtype),
                                              attn_mask=meta.mask, scale=scale)
         return out.transpose(1, 2).reshape(b * max_q, h, d)[meta.q_dst]
+
+
+class TorchStaticAttention:
+    """Fixed-shape metadata for :class:`TorchAttentionBackend` under CUDA graphs.
+
+    One call site (verify, a draft step, extend) with ``n`` query tokens per request. Buffers
+    on ``device``: ``kv_gather`` ``[max_bs, kv_capacity]`` int64 (slot of every key position;
+    beyond a request's valid length its position-0 slot again, masked or seen by its padded
+    queries only, so real rows never touch the pad slot, whose content may be anything;
+    padded requests read only the pad slot), ``mask`` ``[max_bs, 1, n, kv_capacity]`` bool
+    (key ``j`` visible to query ``i`` iff ``j < kv_len`` and ``j <= kv_len - n + i``),
+    ``q_dst`` = ``arange(max_bs * n)``. :meth:`plan` fills the prefix of ``g`` requests in place
+    and returns a :class:`TorchAttentionMetadata` of views (``max_kv_len = kv_capacity``), the
+    same object for every call with that ``g``. In that metadata ``kv_indices`` is the flattened
+    ``[g, kv_capacity]`` slot table and ``kv_indptr`` its row starts (unlike eager metadata).
+    Cost: attention over ``kv_capacity`` keys per request, whatever the lengths.
+    """
+
+    def __init__(self, max_bs: int, qo_per_request: int, kv_capacity: int,
+                 device: torch.device | str) -> None:
+        if min(max_bs, qo_per_request, kv_capacity) < 1:
+            raise ValueError("max_bs, qo_per_request and kv_capacity must be >= 1")
+        dev = torch.device(device)
+        self.max_bs, self.n, self.kv_capacity, self.device = max_bs, qo_per_request, kv_capacity, dev
+        n, cap = qo_per_request, kv_capacity
+        self.kv_gather = torch.zeros(max_bs, cap, dtype=I64, device=dev)
+        self.mask = torch.zeros(max_bs, 1, n, cap, dtype=torch.bool, device=dev)
+        self.kv_lens = torch.zeros(max_bs, dtype=I64, device=dev)
+        self.qo_lens = torch.full((max_bs,), n, dtype=I64, device=dev)
+        self.q_dst = torch.arange(max_bs * n, dtype=I64, device=dev)
+        self.qo_indptr = torch.arange(0, (max_bs + 1) * n, n, dtype=I64, device=dev)
+        self.kv_indptr = torch.arange(0, (max_bs + 1) * cap, cap, dtype=I64, device=dev)
+        self._j = torch.arange(cap, dtype=I64, device=dev)
+        self._i = torch.arange(n, dtype=I64, device=dev)
+        self.metas: dict[int, TorchAttentionMetadata] = {}
+
+    def plan(self, g: int, flat: torch.Tensor, flat_lens: np.ndarray, kv_lens: np.ndarray,
+             valid_lens: np.ndarray, pad_slot: int) -> TorchAttentionMetadata:
+        """Fill the metadata of ``g`` requests (host ``[g]`` arrays, see
+        :func:`~specdial.attention.base.expand_kv_indices`); no sync."""
+        if not 1 <= g <= self.max_bs or len(kv_lens) != g:
+            raise ValueError(f"static attention: batch {len(kv_lens)} padded to {g} "
+                             f"(max {self.max_bs})")
+        if int(np.max(kv_lens)) > self.kv_capacity:
+            raise ValueError(f"a request has {int(np.max(kv_lens))} KV positions, over the "
+                             f"static capacity {self.kv_capacity}")
+        valid_lens = np.asarray(valid_lens, np.int64)
+        idx, req, pos = expand_kv_indices(flat, flat_lens, valid_lens, valid_lens, pad_slot)
+        gather = self.kv_gather[:g]
+        gather.fill_(pad_slot)
+        gather[req, pos] = idx
+        host = torch.from_numpy(np.concatenate([np.asarray(kv_lens, np.int64), valid_lens]))
+        kv_valid = host.to(self.device, non_blocking=True)
+        kv = self.kv_lens[:g]
+        kv.copy_(kv_valid[:g])
+        # keys past the valid length repeat the request's first slot (pad slot if it has none)
+        gather.copy_(torch.where(self._j[None, :] < kv_valid[g:, None], gather, gather[:, :1]))
+        q_pos = (kv - self.n)[:, None] + self._i[None, :]  # [g, n]
+        j = self._j[None, None, :]
+        self.mask[:g, 0] = (j < kv[:, None, None]) & (j <= q_pos[:, :, None])
+        meta = self.metas.get(g)
+        if meta is None:
+            meta = self.metas[g] = TorchAttentionMetadata(
+                qo_lens=self.qo_lens[:g], kv_lens=kv, kv_indices=gather.view(-1),
+                qo_indptr=self.qo_indptr[: g + 1], kv_indptr=self.kv_indptr[: g + 1],
+                max_qo_len=self.n, max_kv_len=self.kv_capacity, q_dst=self.q_dst[: g * self.n],
+                kv_gather=gather, mask=self.mask[:g])
+        return meta

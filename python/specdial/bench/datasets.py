@@ -105,7 +105,7 @@ def _resolve(name: str, directory: Path) -> tuple[Path, str]:
         if not path.is_file():
             raise DatasetError(
                 f"built-in prompt set {name!r} not found at {path}; generate it with "
-                "`python -m specdial.demo.prompts` or pass --prompts-dir / a JSONL path")
+                "`python -m tools.builtin_models.prompts` or pass --prompts-dir / a JSONL path")
         return path, name
     path = Path(name)
     return path, path.stem

@@ -5,9 +5,9 @@
 - ``eagle``: an EAGLE-1 head over the target's hidden states
   (:func:`specdial.models.load_eagle_head` layout);
 - ``eagle-weak``: that head with seeded noise added to its weights, labelled for benchmarking a
-  low-acceptance drafter (``python -m specdial.demo.weak_drafter``; never a default).
+  low-acceptance drafter (``python -m tools.builtin_models.weak_drafter``; never a default).
 
-Regenerate them with ``python -m specdial.demo.train``.
+Regenerate them with ``python -m tools.builtin_models.train``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def builtin_model_path(name: str) -> Path:
     if missing:
         raise FileNotFoundError(
             f"built-in model {name!r} is missing {', '.join(missing)} in {path}; "
-            "train the built-in models with `python -m specdial.demo.train`")
+            "train the built-in models with `python -m tools.builtin_models.train`")
     return path
 
 

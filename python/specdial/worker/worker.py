@@ -17,14 +17,14 @@ validity per request (``draft_len``). Conventions in :mod:`specdial.worker.draft
   slots only for ``L..L+s``: its later drafts and verify tokens write the pad slot and it never
   accepts more than ``s`` drafts.
 
-CUDA graphs (``cuda_graph_bs`` given): at start the worker builds a
-:class:`~specdial.worker.cuda_graphs.CapturePlan` over its steps values (pruned by the adaptive
-config when there is one), one :class:`~specdial.worker.cuda_graphs.CudaGraphRunner` per steps
-value over one :class:`~specdial.worker.cuda_graphs.GraphPool`, captures them all and hangs each
-runner on its runtime state; decode iterations then replay the graphs of the plan's
-``graph_bs`` (draft, verify with its logits, draft extend and catch-up), falling back to eager
-passes (counted in :meth:`SpecWorker.graph_stats`) above the largest size, for uncaptured
-keys, sampling drafts and long catch-ups. Prefill stays eager.
+Passes: one :class:`~specdial.worker.step_runner.StepRunner` per steps value (the runtime
+state), all over one buffer set. CUDA graphs (``cuda_graph_bs`` given): at start the worker
+builds a :class:`~specdial.worker.graph_tables.CapturePlan` over its steps values (pruned by
+the adaptive config when there is one) and captures every runner's graphs in one
+:class:`~specdial.worker.graph_pool.GraphPool`; decode iterations then replay the graphs of the
+plan's ``graph_bs`` (draft, verify with its logits, draft extend and catch-up), falling back to
+the same pass bodies run eagerly (counted in :meth:`SpecWorker.graph_stats`) above the largest
+size, for uncaptured keys, sampling drafts and long catch-ups. Prefill stays eager.
 
 Rows (``0..max_running_requests-1``) belong to the scheduler: it assigns each request its row at
 admission and frees it at finish, abort or preemption, and every plan carries them
@@ -51,15 +51,16 @@ import torch
 from specdial.attention.base import AttentionBackend
 from specdial.attention.select import select_backend
 from specdial.models.llama import LlamaForCausalLM
-from specdial.worker.cuda_graphs import (CapturePlan, CaptureReport, CudaGraphRunner, GraphPool,
-                                         build_runners, capture_all)
 from specdial.worker.drafters import Drafter, run_target
 from specdial.worker.inputs import DecodeInput, PrefillInput, worker_input
 from specdial.worker.logprobs import (HostLogprobs, LogprobRows, PromptLogprobPlan,
                                       prompt_logprobs, token_logprobs)
 from specdial.worker.processors import StepProcessing, TokenCounts
-from specdial.worker.runtime import DecodeBatches, RequestTables, RuntimeState
+from specdial.worker.graph_pool import CaptureReport, GraphPool, capture_all
+from specdial.worker.graph_tables import CapturePlan
+from specdial.worker.runtime import DecodeBatches, RequestTables
 from specdial.worker.sampling import BatchSampling, sample, speculative_accept
+from specdial.worker.step_runner import StepRunner, build_runners
 
 
 @dataclass
@@ -140,8 +141,6 @@ class SpecWorker:
             drafter.init_kv(num_slots)
         self.max_bs = max_running_requests
         self.tables = RequestTables(max_running_requests, context_length + steps[-1] + 2, device)
-        self.states = {s: RuntimeState(s, max_running_requests, self.tables, self.backend)
-                       for s in steps}
         # Target features per KV slot (EAGLE input: the final hidden state, or EAGLE-3's fused
         # aux states); row num_slots is the pad sentinel, row num_slots + 1 stays zero (h_{-1}).
         self.hidden: torch.Tensor | None = None
@@ -153,26 +152,26 @@ class SpecWorker:
         self.draft_len = np.zeros(max_running_requests, np.int64)
         #: penalized rows' token counts (device tensors allocated on the first penalty)
         self.token_counts = TokenCounts(max_running_requests, target.config.vocab_size, device)
-        #: steps -> CUDA-graph runner (empty: eager passes); the capture plan and report
-        self.graph_runners: dict[int, CudaGraphRunner] = {}
+        #: the capture plan and report (None: eager passes)
         self.capture_plan: CapturePlan | None = None
         self.capture_report: CaptureReport | None = None
+        pool = None
         if cuda_graph_bs is not None:
-            self._init_graphs(steps, cuda_graph_bs, cuda_graph_mode, adaptive_config)
+            self.capture_plan = CapturePlan.build(steps, cuda_graph_bs, adaptive_config or None,
+                                                  has_drafter=drafter is not None)
+            pool = GraphPool(self.device, cuda_graph_mode)
+        #: steps -> its runner (the runtime state), all over one buffer set
+        self.states: dict[int, StepRunner] = build_runners(
+            self.capture_plan, target=target, target_kv=self.kv, drafter=drafter,
+            backend=self.backend, kv_capacity=self.tables.width, pool=pool, steps=steps,
+            tables=self.tables, max_bs=max_running_requests)
+        if self.capture_plan is not None:
+            self.capture_report = capture_all(self.states, self.capture_plan)
 
-    def _init_graphs(self, steps: list[int], sizes: Sequence[int], mode: str | None,
-                     adaptive_config: Any) -> None:
-        """Plan, build and capture the CUDA-graph runners; hang them on the runtime states."""
-        plan = CapturePlan.build(steps, sizes, adaptive_config or None,
-                                 has_drafter=self.drafter is not None)
-        pool = GraphPool(self.device, mode)
-        runners = build_runners(plan, target=self.target, target_kv=self.kv,
-                                drafter=self.drafter, backend=self.backend, pool=pool,
-                                kv_capacity=self.tables.width)
-        self.capture_report = capture_all(runners, plan)
-        self.capture_plan, self.graph_runners = plan, runners
-        for s, state in self.states.items():
-            state.runner = runners.get(s)
+    @property
+    def graph_runners(self) -> dict[int, StepRunner]:
+        """The runners that replay graphs (all of them with ``cuda_graph_bs``, else none)."""
+        return self.states if self.capture_plan is not None else {}
 
     def graph_stats(self) -> dict[str, Any]:
         """CUDA-graph counters summed over the runners: ``replays`` per pass (draft, verify,
@@ -284,10 +283,10 @@ class SpecWorker:
         offsets = np.concatenate([[0], np.cumsum(sample_first)]).astype(np.int64)
         return StepOutput(0, tokens, offsets, None, done.get("first"), done.get("prompt"))
 
-    def _draft_extend(self, rows: np.ndarray, state: RuntimeState,
+    def _draft_extend(self, rows: np.ndarray, state: StepRunner,
                       batches: DecodeBatches | None = None) -> None:
         """Drafter over ``[draft_len, target_len)`` of every request in one KV-only forward
-        (through the state's CUDA-graph runner when ``batches`` carry a KV layout)."""
+        (through the runner's graph path when ``batches`` carry a KV layout)."""
         assert self.drafter is not None
         start, end = self.draft_len[rows], self.target_len[rows]
         todo = end > start
@@ -352,7 +351,7 @@ class SpecWorker:
             if self.hidden is not None:
                 prev = self.tables.req_to_token[batches.rows, batches.verify_positions[:, 0] - 1]
                 first_hidden = self.hidden[prev]
-            drafts, probs = state.run_draft(self.drafter, batches, first_hidden=first_hidden,
+            drafts, probs = state.run_draft(batches, first_hidden=first_hidden,
                                             sampling=sampling, generator=generator,
                                             sample_positions=first_pos, processing=processing)
             batches.verify_ids[:, 1:] = drafts
@@ -360,8 +359,7 @@ class SpecWorker:
             drafts = batches.verify_ids[:, 1:]
         else:
             drafts = batches.verify_ids[:, 1:]  # [B, 0]
-        verified = state.run_verify(self.target, self.kv, batches.verify, batches,
-                                    drafter=self.drafter)
+        verified = state.run_verify(batches)
         hidden = verified.hidden
         if self.hidden is not None and verified.features is not None:
             self.hidden.index_copy_(0, batches.verify.out_loc, verified.features)

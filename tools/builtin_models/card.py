@@ -57,7 +57,7 @@ def render_card(stats: dict[str, Any], sizes_mb: dict[str, float]) -> str:
     add("## Command")
     add("")
     add("```")
-    add("python -m specdial.demo.train            # all stages; --stage NAME reruns one")
+    add("python -m tools.builtin_models.train            # all stages; --stage NAME reruns one")
     add("```")
     add("")
     add("Stages: `data` (split + tokenizer), `target`, `draft`, `eagle`, `eval` (held-out "
@@ -118,7 +118,7 @@ def render_card(stats: dict[str, Any], sizes_mb: dict[str, float]) -> str:
             "cross-entropy on the data, `top1_agree` how often its argmax equals the target's.")
     if e:
         add(f"- eagle: trained through `specdial.models.EagleHead`'s own modules "
-            "(`specdial.demo.train.eagle_train_forward`, checked against `EagleHead.forward` "
+            "(`tools.builtin_models.train.eagle_train_forward`, checked against `EagleHead.forward` "
             "in tests/test_builtin_models.py) on the saved target's final hidden states. Input "
             "at position p: `(embed(x_p), h_{p-1})`, zeros for p = 0; output regresses `h_p` "
             f"and predicts the target's next token. Loss: {e.get('loss')}. Steps 2 and 3 are "
@@ -164,7 +164,7 @@ def render_card(stats: dict[str, Any], sizes_mb: dict[str, float]) -> str:
         add("")
         add("## Acceptance (simulated chain drafting)")
         add("")
-        add(f"`python -m specdial.demo.gates --simulate`: {sim['description']}")
+        add(f"`python -m tools.builtin_models.gates --simulate`: {sim['description']}")
         add("")
         add("| prompts | drafter | mean acceptance length (steps 3) | per-step top-1 agreement |")
         add("| --- | --- | --- | --- |")

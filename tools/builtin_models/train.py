@@ -1,9 +1,9 @@
-"""Train the built-in models: ``python -m specdial.demo.train``.
+"""Train the built-in models: ``python -m tools.builtin_models.train``.
 
 Stages (``--stage``, default ``all``; each can be rerun alone, later stages read the earlier
 stages' outputs from ``--out``):
 
-- ``data``: corpus split and byte-level BPE tokenizer (:mod:`specdial.demo.data`).
+- ``data``: corpus split and byte-level BPE tokenizer (:mod:`tools.builtin_models.data`).
 - ``target``: a Llama target trained with ``transformers`` on the training split.
 - ``draft``: a 1-layer Llama draft model, initialised from the target's embedding, first layer
   and final norm, distilled from the target (KL to the target's next-token distribution).
@@ -14,7 +14,7 @@ stages' outputs from ``--out``):
   drafting would hold).
 - ``eval``: held-out perplexity per token of the target and the draft model.
 - ``card``: ``MODEL_CARD.md`` from ``training_stats.json``.
-- ``prompts``: ``python/specdial/bench/prompts/*.jsonl`` (:mod:`specdial.demo.prompts`).
+- ``prompts``: ``python/specdial/bench/prompts/*.jsonl`` (:mod:`tools.builtin_models.prompts`).
 
 Weights are saved in float16. The teachers of the draft and EAGLE stages are the *saved*
 target weights (loaded as float32), i.e. the model that is served. Deterministic for a fixed
@@ -37,9 +37,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specdial.demo import data
+from specdial.builtin import BUILTIN_DIR
+from tools.builtin_models import data
 
-PACKAGE_BUILTIN = Path(__file__).resolve().parent.parent / "builtin"
+PACKAGE_BUILTIN = BUILTIN_DIR  # the package's builtin/ folder, where the models ship
 SAVE_DTYPE = torch.float16
 SEED = 1234
 
@@ -479,7 +480,7 @@ def _dir_mb(path: Path) -> float:
 
 
 def stage_card(out: Path) -> None:
-    from specdial.demo.card import render_card
+    from tools.builtin_models.card import render_card
 
     stats = load_stats(out)
     sizes = {n: round(_dir_mb(out / n), 2) for n in ("target", "draft", "eagle")
@@ -494,7 +495,7 @@ STAGES = ("data", "target", "draft", "eagle", "eval", "card", "prompts")
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m specdial.demo.train", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m tools.builtin_models.train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stage", action="append", choices=STAGES + ("all",),
                     help="stage(s) to run (repeatable; default: all)")
@@ -515,7 +516,7 @@ def main(argv: list[str] | None = None) -> None:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    command = " ".join(["python -m specdial.demo.train"] + [
+    command = " ".join(["python -m tools.builtin_models.train"] + [
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])])
     update_stats(out, "runs", load_stats(out).get("runs", []) + [
         {"command": command, "stages": list(stages), "started": time.strftime("%Y-%m-%d %H:%M")}])
@@ -533,7 +534,7 @@ def main(argv: list[str] | None = None) -> None:
     if "eval" in stages:
         stage_eval(out, td)
     if "prompts" in stages:
-        from specdial.demo import prompts
+        from tools.builtin_models import prompts
         prompts.main(["--tokenizer", str(out / "target")]
                      + (["--out", str(args.prompts_out)] if args.prompts_out else []))
     if "card" in stages:

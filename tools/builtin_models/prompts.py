@@ -1,8 +1,8 @@
 """Benchmark prompts from the held-out standard-library modules.
 
-``python -m specdial.demo.prompts [--out python/specdial/bench/prompts] [--tokenizer DIR]`` regenerates
+``python -m tools.builtin_models.prompts [--out python/specdial/bench/prompts] [--tokenizer DIR]`` regenerates
 (deterministically, from the running interpreter's standard library and the split of
-:mod:`specdial.demo.data`):
+:mod:`tools.builtin_models.data`):
 
 - ``code.jsonl``: one prompt per eligible function or method of the held-out modules. The
   prompt is the function (dedented) up to the end of its docstring, or, without a docstring,
@@ -38,12 +38,13 @@ import tokenize
 from pathlib import Path
 from typing import Any, Callable
 
-from specdial.demo import data
+import specdial
+from tools.builtin_models import data
 
 MAX_PROMPT_TOKENS = 224
 MAX_PROMPT_CHARS = 1200  # used when no tokenizer is available
 SEED = 2024
-REPO_PROMPTS = Path(__file__).resolve().parents[1] / "bench" / "prompts"  # package data
+REPO_PROMPTS = Path(specdial.__file__).resolve().parent / "bench" / "prompts"  # package data
 
 
 def _counter(tokenizer_dir: Path | None) -> Callable[[str], int] | None:
@@ -219,9 +220,9 @@ def generate(out: Path, tokenizer_dir: Path | None) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from specdial.demo.train import PACKAGE_BUILTIN
+    from tools.builtin_models.train import PACKAGE_BUILTIN
 
-    ap = argparse.ArgumentParser(prog="python -m specdial.demo.prompts", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m tools.builtin_models.prompts", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=REPO_PROMPTS)
     ap.add_argument("--tokenizer", type=Path, default=PACKAGE_BUILTIN / "target",

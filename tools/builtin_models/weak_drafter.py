@@ -1,4 +1,4 @@
-"""``python -m specdial.demo.weak_drafter``: the built-in *weak* EAGLE head, for benchmarks.
+"""``python -m tools.builtin_models.weak_drafter``: the built-in *weak* EAGLE head, for benchmarks.
 
 A low-acceptance workload made honestly: the shipped EAGLE head with Gaussian noise of
 ``sigma`` times each weight matrix's standard deviation added to every matrix (seeded), so the

@@ -1,6 +1,6 @@
 """Acceptance and speed gates of the built-in models (issue 4).
 
-``python -m specdial.demo.gates`` (needs :class:`specdial.engine.Engine`):
+``python -m tools.builtin_models.gates`` (needs :class:`specdial.engine.Engine`):
 
 - acceptance: mean ``meta_info["spec_accept_length"]`` at fixed ``steps = 3``, greedy, per
   drafter (EAGLE head, draft model) on ``--num-prompts`` evenly spaced prompts of
@@ -9,11 +9,11 @@
   (and the draft model) alternate prompt by prompt in one process; tokens/s ratio;
 - a sample greedy continuation.
 
-``python -m specdial.demo.gates --simulate`` needs no engine: it computes the target's greedy
+``python -m tools.builtin_models.gates --simulate`` needs no engine: it computes the target's greedy
 continuation with ``transformers`` and replays chain drafting at steps 3 exactly (greedy
 drafts are accepted while they match that continuation; the draft model's step ``i`` is its
 teacher-forced argmax, the EAGLE head's step ``i`` is pass ``i`` of
-:func:`specdial.demo.train.eagle_train_forward`, which attends to the keys chain drafting
+:func:`tools.builtin_models.train.eagle_train_forward`, which attends to the keys chain drafting
 holds).
 
 ``--record`` stores the figures in ``builtin/training_stats.json`` and re-renders
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from specdial.demo.prompts import REPO_PROMPTS, read_jsonl
+from tools.builtin_models.prompts import REPO_PROMPTS, read_jsonl
 
 STEPS = 3
 
@@ -69,7 +69,7 @@ def simulate(builtin: Path, prompts_dir: Path, num_prompts: int, max_new_tokens:
              threads: int) -> dict[str, Any]:
     from tokenizers import Tokenizer
 
-    from specdial.demo.train import _shift_right, eagle_train_forward, load_hf
+    from tools.builtin_models.train import _shift_right, eagle_train_forward, load_hf
     from specdial.models import load_eagle_head, load_model
 
     torch.set_num_threads(threads)
@@ -125,7 +125,7 @@ def simulate(builtin: Path, prompts_dir: Path, num_prompts: int, max_new_tokens:
             print(rows_out[-1], flush=True)
     return {"description": f"{num_prompts} evenly spaced prompts per file, {max_new_tokens} "
                            "greedy target tokens each, chain drafting at steps 3 replayed "
-                           "exactly (see specdial/demo/gates.py); agreement = teacher-forced "
+                           "exactly (see tools/builtin_models/gates.py); agreement = teacher-forced "
                            "top-1 agreement of draft steps 1 / 2 / 3",
             "rows": rows_out}
 
@@ -188,9 +188,9 @@ def engine_gates(builtin: Path, prompts_dir: Path, num_prompts: int, max_new_tok
 
 
 def main(argv: list[str] | None = None) -> None:
-    from specdial.demo.train import PACKAGE_BUILTIN, stage_card, update_stats
+    from tools.builtin_models.train import PACKAGE_BUILTIN, stage_card, update_stats
 
-    ap = argparse.ArgumentParser(prog="python -m specdial.demo.gates", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m tools.builtin_models.gates", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--builtin", type=Path, default=PACKAGE_BUILTIN)
     ap.add_argument("--prompts", type=Path, default=REPO_PROMPTS)
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         res = engine_gates(args.builtin, args.prompts, args.num_prompts, args.max_new_tokens,
                            args.speed_prompts, args.threads)
         key = "gates"
-        res["command"] = " ".join(["python -m specdial.demo.gates"] + (
+        res["command"] = " ".join(["python -m tools.builtin_models.gates"] + (
             sys.argv[1:] if argv is None else list(argv)))
     print(json.dumps(res, indent=2))
     if args.record:

@@ -1,0 +1,295 @@
+"""One runner per steps value: one buffer set, one body per pass, eager or captured.
+
+A :class:`StepRunner` is everything bound to one ``steps`` value ``k`` (DESIGN.md "runtime
+state"), built once at engine start and swapped as a unit when the chosen steps change. It
+prepares a decode batch's inputs in the engine's one
+:class:`~specdial.worker.step_buffers.StaticBuffers` and runs the draft, verify and draft-extend passes. Each pass has **one body** (``_verify_pass``,
+``_draft_pass``, ``_extend_pass``) that runs eagerly over the buffers' prefix with dynamic
+attention metadata, or is captured over the prefix padded to a graph size with fixed-shape
+metadata and replayed (gpt-fast style). Inputs are written into the buffers once: the graph
+path only pads the tail.
+
+With a :class:`~specdial.worker.graph_pool.GraphPool` (``pool``) a batch of ``b`` requests
+replays the graph of ``graph_bs`` (the Rust ``graph_key``'s padded size) or of the smallest
+captured size ``g >= b``; the ``g - b`` padded requests get a valid dummy token id, position 0,
+the pool's pad slot as KV write target and only pad slots as keys, and their outputs are
+ignored. Batches above the largest captured size, uncaptured keys, sampling or processed drafts
+and long catch-up extends run the same bodies eagerly (counted in :attr:`StepRunner.stats`).
+Without a pool every pass runs eagerly, its metadata planned from the request tables.
+
+Attention under a graph uses fixed-shape metadata
+(:func:`~specdial.attention.select.make_static_attention`: the torch backend's
+:class:`~specdial.attention.torch_backend.TorchStaticAttention`, flashinfer's
+:class:`~specdial.attention.flashinfer_backend.FlashInferStaticAttention`). Outputs of a replay
+are graph-pool tensors: valid until the next replay of any graph of the same pool.
+
+Host arrays are numpy int64 (``start`` arrays ``[B]``: the position of each request's first
+query token of the pass); device tensors int64 unless noted. The passes do host work (input
+copies, attention plans) but never sync. Shape mismatches raise ``ValueError``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+
+from specdial.attention.base import AttentionBackend
+from specdial.attention.select import make_static_attention
+from specdial.kv_pool import KVPool
+from specdial.models.batch import ForwardBatch
+from specdial.worker.drafters import run_target
+from specdial.worker.graph_passes import GraphPasses
+from specdial.worker.graph_pool import GraphPool, _Graph
+from specdial.worker.graph_tables import CapturePlan
+from specdial.worker.runtime import DecodeBatches, RequestTables, load, ragged_positions
+from specdial.worker.sampling import BatchSampling
+from specdial.worker.step_buffers import KVLayout, RunnerStats, StaticBuffers, VerifyOutput
+
+I64 = torch.int64
+
+
+class StepRunner(GraphPasses):
+    """Buffers, metadata and passes of one ``steps`` value, eager or replayed.
+
+    Arguments:
+
+    - ``steps``: ``k`` (``n = k + 1`` verify tokens per request).
+    - ``target`` (a ``LlamaForCausalLM``) and ``target_kv`` (its :class:`KVPool`); ``drafter``
+      (a :class:`~specdial.worker.drafters.Drafter` with its ``kv``) or None (plain decoding).
+    - ``backend``: the attention backend; ``buffers``: the engine's one
+      :class:`StaticBuffers` (shared by all runners); ``tables``: the worker's
+      :class:`~specdial.worker.runtime.RequestTables` (None for a runner driven through
+      :meth:`verify` / :meth:`draft` / :meth:`draft_extend` only, as tests do).
+    - ``pool``: the shared :class:`GraphPool`, or None (eager passes, no capture);
+      ``max_graph_bs``: largest capture size (sizes the static attention metadata; default
+      the buffers' ``max_bs``); ``kv_capacity``: most KV positions of one request (context
+      length + steps + 1).
+    - ``logits_in_graph``: the verify pass also computes ``target.compute_logits``;
+      ``dummy_token_id``: token of padded requests (any valid id).
+
+    Capture with :meth:`capture` (or :func:`~specdial.worker.graph_pool.capture_all`). With
+    :attr:`enabled` False every pass runs eagerly (``disable_cuda_graph`` comparisons).
+    """
+
+    def __init__(self, steps: int, *, target, target_kv: KVPool, drafter=None,
+                 backend: AttentionBackend, buffers: StaticBuffers, kv_capacity: int,
+                 tables: RequestTables | None = None, pool: GraphPool | None = None,
+                 max_graph_bs: int | None = None, logits_in_graph: bool = True,
+                 dummy_token_id: int = 0) -> None:
+        if steps < 0 or steps > buffers.max_steps:
+            raise ValueError(f"steps {steps} outside the static buffers' 0..{buffers.max_steps}")
+        if steps > 0 and drafter is None:
+            raise ValueError("steps > 0 needs a drafter")
+        if drafter is not None and steps > drafter.max_steps:
+            raise ValueError(f"steps {steps} above the drafter's max_steps {drafter.max_steps}")
+        self.steps, self.n = steps, steps + 1
+        self.target, self.target_kv, self.drafter = target, target_kv, drafter
+        self.backend, self.buffers, self.tables, self.pool = backend, buffers, tables, pool
+        self.max_bs = buffers.max_bs
+        self.kv_capacity, self.logits_in_graph = kv_capacity, logits_in_graph
+        self.dummy_token_id = dummy_token_id
+        self.pad_slot = target_kv.pad_slot
+        self.device = dev = buffers.device
+        self.needs_hidden = bool(drafter is not None and drafter.needs_target_hidden)
+        # a one-layer drafter's KV-only extend never runs attention (the last layer only
+        # writes K/V), so its extend needs no attention plan
+        self.extend_uses_attention = drafter is not None and drafter.num_layers > 1
+        self.max_graph_bs = mg = max_graph_bs or buffers.max_bs
+        self.verify_attn = self.extend_attn = None
+        self.draft_attn: list[Any] = []
+        if pool is not None:
+            self.verify_attn = make_static_attention(backend, mg, self.n, kv_capacity, dev)
+            self.draft_attn = [make_static_attention(backend, mg, 1, kv_capacity, dev)
+                               for _ in range(steps)]
+            if drafter is not None:
+                self.extend_attn = make_static_attention(backend, mg, self.n, kv_capacity, dev)
+        self.graphs: dict[tuple[str, int], _Graph] = {}
+        self.sizes: list[int] = []  # captured batch sizes, ascending
+        self.stats = RunnerStats()
+        #: False: every pass runs eagerly with dynamic metadata (``disable_cuda_graph``)
+        self.enabled = pool is not None
+        self._greedy: dict[int, BatchSampling] = {}
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.n
+
+    # ------------------------------------------------------------------ the pass bodies
+    def _verify_pass(self, batch: ForwardBatch):
+        """Target forward -> ``(hidden, logits or None, drafter features or None)``."""
+        hidden, feats = run_target(self.target, self.drafter, batch, self.target_kv,
+                                   self.backend)
+        logits = self.target.compute_logits(hidden) if self.logits_in_graph else None
+        return hidden, logits, feats
+
+    def _draft_pass(self, batches: list[ForwardBatch], first_hidden, sampling, generator,
+                    sample_positions=None, processing=None):
+        """``k`` draft forwards -> ``(tokens [B, k], probs or None)``."""
+        return self.drafter.draft(self.steps, batches, self.backend, first_hidden=first_hidden,
+                                  sampling=sampling, generator=generator,
+                                  sample_positions=sample_positions, processing=processing)
+
+    def _extend_pass(self, batch: ForwardBatch, hidden: torch.Tensor | None) -> None:
+        """Drafter KV-only extend."""
+        self.drafter.extend(batch, self.backend, hidden_states=hidden, kv_only=True)
+
+    # ------------------------------------------------------------------ decode preparation
+    def _plan(self, rows: torch.Tensor, qo_lens: np.ndarray, kv_lens: np.ndarray):
+        """Eager metadata from the request tables (no pool)."""
+        assert self.tables is not None
+        kv_d = load(self.buffers.kv_lens, kv_lens)
+        kv_indices = self.tables.kv_indices(rows, kv_d, int(kv_lens.sum()))
+        return self.backend.plan(torch.from_numpy(qo_lens), torch.from_numpy(kv_lens),
+                                 kv_indices)
+
+    def uses_graphs(self, batch_size: int, graph_bs: int | None) -> bool:
+        """True when a decode batch of ``batch_size`` requests replays a captured graph."""
+        return self.enabled and self.padded_bs(batch_size, graph_bs) is not None
+
+    def prepare_decode(self, rows: np.ndarray, target_len: np.ndarray,
+                       graph_bs: int | None = None) -> DecodeBatches:
+        """Write the inputs of requests ``rows`` at ``target_len`` ``L`` (``[B]`` host) into
+        the buffers.
+
+        The slots of positions ``L..L+steps`` must already be in the tables. Verify input
+        column 0 gets ``x_L``; draft step 1 input gets ``x_L``; later columns are filled by the
+        draft pass. With a pool no eager metadata is planned here (``attn`` None): the batches
+        carry the KV layout and ``graph_bs`` (the plan's) for the passes, which replay or plan
+        their own eager metadata when they fall back."""
+        b, n, k = len(rows), self.n, self.steps
+        if b > self.max_bs:
+            raise ValueError(f"batch of {b} requests exceeds max_running_requests {self.max_bs}")
+        t, buf, graphs = self.tables, self.buffers, self.pool is not None
+        assert t is not None, "prepare_decode needs the request tables"
+        rows_d = load(buf.batch_rows, rows)
+        pos2d = target_len[:, None] + np.arange(n, dtype=np.int64)[None, :]
+        positions = load(buf.verify_positions, pos2d.reshape(-1)).view(b, n)
+        out_loc = buf.verify_out_loc[: b * n].view(b, n)
+        out_loc.copy_(t.req_to_token[rows_d[:, None], positions])
+        ids = buf.verify_input_ids[: b * n].view(b, n)
+        ids[:, 0] = t.req_to_ids[rows_d, positions[:, 0]]
+        layout = None
+        if graphs:
+            lens = target_len + n
+            layout = KVLayout(t.kv_indices(rows_d, load(buf.kv_lens, lens), int(lens.sum())),
+                              lens)
+        meta: Any = None if graphs else self._plan(rows_d, np.full(b, n, np.int64),
+                                                   target_len + n)
+        verify = ForwardBatch(ids.view(-1), positions.view(-1), out_loc.view(-1), meta)
+        draft = []
+        if k:
+            buf.draft_positions[:k, :b].copy_(positions[:, :k].T)
+            buf.draft_out_loc[:k, :b].copy_(out_loc[:, :k].T)
+            buf.draft_input_ids[0, :b].copy_(ids[:, 0])
+            ones = np.ones(b, np.int64)
+            for i in range(k):
+                draft.append(ForwardBatch(
+                    buf.draft_input_ids[i, :b], buf.draft_positions[i, :b],
+                    buf.draft_out_loc[i, :b],
+                    None if graphs else self._plan(rows_d, ones, target_len + i + 1)))
+        if not graphs:
+            return DecodeBatches(verify, draft, rows_d, positions, ids)
+        return DecodeBatches(verify, draft, rows_d, positions, ids,
+                             np.asarray(target_len, np.int64), layout, graph_bs)
+
+    def prepare_ragged(self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+                       hidden_rows: int | None = None
+                       ) -> tuple[ForwardBatch, torch.Tensor | None]:
+        """Forward batch over positions ``[starts[b], ends[b])`` of ``rows[b]`` (all
+        ``ends > starts``), token ids and slots read from the tables; used for prefill and
+        eager draft extends. With ``hidden_rows`` (the zero row of the target-hidden buffer)
+        also returns, per token at position ``p``, the hidden-buffer row of position ``p - 1``
+        (``hidden_rows`` for ``p = 0``): EAGLE's input feature index."""
+        ids, pos_d, loc, hidx = self.ragged_inputs(rows, starts, ends, hidden_rows)
+        meta = self._plan(load(self.buffers.ragged_rows, rows), ends - starts, ends)
+        return ForwardBatch(ids, pos_d, loc, meta), hidx
+
+    def ragged_inputs(self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+                      hidden_rows: int | None = None):
+        """Like :meth:`prepare_ragged` without planning metadata (``starts <= ends``; empty
+        ranges allowed): ``(input_ids, positions, out_loc, hidden index or None)``, packed
+        request after request."""
+        t, buf = self.tables, self.buffers
+        assert t is not None, "ragged passes need the request tables"
+        row_rep, pos = ragged_positions(rows, starts, ends)
+        pos_d = load(buf.ragged_positions, pos)
+        rows_d = load(buf.ragged_token_rows, row_rep)
+        ids, loc = t.req_to_ids[rows_d, pos_d], t.req_to_token[rows_d, pos_d]
+        if hidden_rows is None:
+            return ids, pos_d, loc, None
+        prev = t.req_to_token[rows_d, (pos_d - 1).clamp_min(0)]
+        return ids, pos_d, loc, torch.where(pos_d > 0, prev, hidden_rows)
+
+    # ------------------------------------------------------------------ the worker's passes
+    def run_verify(self, batches: DecodeBatches) -> VerifyOutput:
+        """The verify pass of a prepared batch -> final hidden ``[B * n, H]``, logits
+        ``[B * n, V]`` float32 (None with ``logits_in_graph`` False) and the drafter's
+        features (graph-pool tensors after a replay: consume them before the next one)."""
+        if batches.layout is not None:
+            assert batches.target_len is not None
+            v = batches.verify
+            return self.verify(v.input_ids, v.positions, v.out_loc, batches.layout,
+                               batches.target_len, graph_bs=batches.graph_bs)
+        return VerifyOutput(*self._verify_pass(batches.verify))
+
+    def run_draft(self, batches: DecodeBatches, **kwargs):
+        """All ``steps`` draft forwards of a prepared batch -> ``(tokens [B, k], probs
+        [B, k, V] | None)``; ``kwargs``: ``first_hidden``, ``sampling``, ``generator``,
+        ``sample_positions``, ``processing`` (see :meth:`draft`)."""
+        if batches.layout is not None:
+            assert batches.target_len is not None
+            b, k, buf = len(batches.target_len), self.steps, self.buffers
+            return self.draft(buf.draft_input_ids[0, :b], buf.draft_positions[:k, :b],
+                              buf.draft_out_loc[:k, :b], batches.layout, batches.target_len,
+                              graph_bs=batches.graph_bs, **kwargs)
+        return self._draft_pass(batches.draft, **kwargs)
+
+    def run_extend(self, batches: DecodeBatches, rows: np.ndarray, starts: np.ndarray,
+                   ends: np.ndarray, hidden: torch.Tensor | None,
+                   zero_row: int | None) -> None:
+        """Drafter KV-only extend over ``[starts[b], ends[b])`` of the decode batch's requests
+        (``rows`` all of them, in plan order; empty ranges allowed) through :meth:`draft_extend`
+        (``batches`` prepared with a pool). ``hidden``: the worker's target-hidden buffer
+        (EAGLE) with ``zero_row``, else None."""
+        assert batches.layout is not None
+        counts = np.maximum(ends - starts, 0)
+        ends = starts + counts
+        ids, pos, loc, hidx = self.ragged_inputs(rows, starts, ends,
+                                                 None if hidden is None else zero_row)
+        feats = None if hidden is None or hidx is None else hidden[hidx]
+        self.draft_extend(ids, pos, loc, batches.layout, starts, counts, feats,
+                          graph_bs=batches.graph_bs)
+
+
+def build_runners(plan: CapturePlan | None, *, target, target_kv: KVPool, drafter, backend,
+                  kv_capacity: int, pool: GraphPool | None = None,
+                  steps: Iterable[int] | None = None, tables: RequestTables | None = None,
+                  max_bs: int | None = None, logits_in_graph: bool = True,
+                  dummy_token_id: int = 0) -> dict[int, StepRunner]:
+    """One :class:`StepRunner` per steps value over one shared :class:`StaticBuffers`.
+
+    ``plan``: the capture plan (its steps values and largest size; with ``pool``), or None
+    for eager runners of ``steps``. The buffers hold ``max(max_bs, plan.max_bs)`` requests
+    (``max_bs``: the worker's ``max_running_requests``) and the largest steps value. Not
+    captured yet: call :func:`~specdial.worker.graph_pool.capture_all`. Raises ``ValueError``
+    when neither ``plan`` nor ``steps`` names a steps value, or ``pool`` comes without a plan.
+    """
+    if pool is not None and plan is None:
+        raise ValueError("build_runners: a GraphPool needs a CapturePlan")
+    values = sorted(plan.sizes) if plan is not None else sorted(set(int(s) for s in steps or ()))
+    if not values:
+        raise ValueError("build_runners: no steps values (give a plan or steps)")
+    graph_bs = plan.max_bs if plan is not None else None
+    w = target.embed_tokens.weight
+    buffers = StaticBuffers(max_bs=max(max_bs or 0, graph_bs or 0), max_steps=values[-1],
+                            hidden_size=target.config.hidden_size,
+                            vocab_size=target.config.vocab_size, kv_capacity=kv_capacity,
+                            dtype=w.dtype, device=w.device,
+                            feature_size=None if drafter is None else drafter.feature_size)
+    return {s: StepRunner(s, target=target, target_kv=target_kv, drafter=drafter,
+                          backend=backend, buffers=buffers, kv_capacity=kv_capacity,
+                          tables=tables, pool=pool, max_graph_bs=graph_bs,
+                          logits_in_graph=logits_in_graph, dummy_token_id=dummy_token_id)
+            for s in values}
