@@ -50,6 +50,15 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert 0 < cap["pruned"]["graphs"] < cap["unpruned"]["graphs"]
     assert cap["default_config_graphs"] > 0
     assert cap["pruned"]["sizes"]["7"] == [4, 2, 1]
+    # the measured surface as a cost table the simulator reads, and the simulator over it
+    from specdial import CostTable
+
+    ct = json.loads((tmp_path / "cost_table.json").read_text())
+    assert ct["graph_bs"] == [1, 4] and len(ct["entries"]) == 3 * 2  # steps 0, 1, 3 x bs 1, 4
+    CostTable.from_json((tmp_path / "cost_table.json").read_text())
+    sim = res["cost_table"]["mean_goodput_over_oracle"]
+    assert {"goodput", "ema", "throughput_aware", "fixed-0", "fixed-7"} <= set(sim)
+    assert "mean" in (tmp_path / "simulate.txt").read_text()
     table = (tmp_path / "table.md").read_text()
     assert "| parity random steps=0 | PASS |" in table and "per-iteration ms" in table
     assert proc.stdout.rstrip().endswith(table.rstrip().splitlines()[-1])
