@@ -5,7 +5,7 @@
 #   CPU smoke of the same steps:  GPU_RUN_SMOKE=1 bash benches/gpu_run.sh
 # 1. parity (graphs == eager == target-only, float32 and bfloat16, both drafters, forced
 #    switching) and the engine's parity, 4-layer 8B-shaped target       (gpu_check, <= 240 s)
-# 2. the cost surface: steps 0..7 x graph sizes up to 256 at contexts 1k and 8k, 32 layers,
+# 2. the cost surface: steps 0..7 x graph sizes up to 128 at context 1k (16 at 8k), 32 layers,
 #    as cost_table.json, and `policy simulate` over it                   (<= 2 x 150 s)
 # 3. flashinfer: install, then parity and timing with it, bfloat16      (<= 180 s, optional)
 # 4. end to end, built-in models: adaptive / fixed / no speculation at c = 1 and 256 (<= 150 s)
@@ -16,11 +16,15 @@ PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT"
 if [ -n "${GPU_RUN_SMOKE:-}" ]; then
-    CHECK=(--cpu-smoke); LAYERS=(); BS=(); STEPS=(); CTX=(24 48); E2E=(--device cpu --dtype float32)
+    CHECK=(--cpu-smoke); LAYERS=(); STEPS=(); CTX=(24 48); declare -A BS_AT=(); E2E=(--device cpu --dtype float32)
     E2E_C=1,16; E2E_N=16; T1=240; T2=120; T3=1; T4=240
 else
-    CHECK=(); LAYERS=(--layers 32); BS=(--timing-bs 1,8,32,64,128,256); STEPS=(--timing-steps 0,1,2,3,4,5,6,7)
-    CTX=(1024 8192); E2E=(--device cuda --dtype bfloat16); E2E_C=1,256; E2E_N=256
+    # KV of 32 layers x 8 kv heads x 128 x bf16 is 128 KiB per token and gpu_check's timing
+    # holds four workers (spec/plain x graphs/eager), each with KV for the largest batch: 128 x
+    # 1k (17 GiB each) and 16 x 8k (17 GiB each) fit beside the 16 GiB of weights on the H200;
+    # 256 x 1k (4 x 34 GiB) would not
+    CHECK=(); LAYERS=(--layers 32); STEPS=(--timing-steps 0,1,2,3,4,5,6,7)
+    CTX=(1024 8192); declare -A BS_AT=([1024]=1,8,32,64,128 [8192]=1,8,16); E2E=(--device cuda --dtype bfloat16); E2E_C=1,256; E2E_N=256
     T1=240; T2=150; T3=180; T4=150
 fi
 section() { echo "=== $1 $(date +%T)"; }
@@ -31,6 +35,7 @@ timeout "$T1" "$PY" benches/gpu_check.py "${CHECK[@]}" --sections parity,engine,
 
 section "2 cost surface"
 for c in "${CTX[@]}"; do
+    BS=(); [ -n "${BS_AT[$c]:-}" ] && BS=(--timing-bs "${BS_AT[$c]}")
     timeout "$T2" "$PY" benches/gpu_check.py "${CHECK[@]}" "${LAYERS[@]}" "${BS[@]}" "${STEPS[@]}" \
         --sections timing --context "$c" --out "$OUT/cost_$c" --budget-s $((T2 - 40)) \
         || echo "cost surface at context $c: exit $?"
