@@ -2,6 +2,7 @@
 # Issue 18's GPU run, one prepared script for the `device` tool (15 minutes of device time in
 # all): the most valuable results first, each section under its own time limit, so a rerun fits.
 #   run: bash benches/gpu_run.sh            (writes under $OUT, default out/gpu_run)
+#   in two device calls: GPU_RUN_SECTIONS="1 2" bash benches/gpu_run.sh, then GPU_RUN_SECTIONS="3 4"
 #   CPU smoke of the same steps:  GPU_RUN_SMOKE=1 bash benches/gpu_run.sh
 # 1. parity (graphs == eager == target-only, float32 and bfloat16, both drafters, forced
 #    switching) and the engine's parity, 4-layer 8B-shaped target       (gpu_check, <= 240 s)
@@ -28,12 +29,15 @@ else
     T1=240; T2=150; T3=180; T4=150
 fi
 section() { echo "=== $1 $(date +%T)"; }
+# GPU_RUN_SECTIONS="1 2" runs only those (the device tool allows 600 s per command)
+want() { [[ " ${GPU_RUN_SECTIONS:-1 2 3 4} " == *" $1 "* ]]; }
 
-section "1 parity"
+if want 1; then section "1 parity"
 timeout "$T1" "$PY" benches/gpu_check.py "${CHECK[@]}" --sections parity,engine,capture \
     --out "$OUT/parity" --budget-s $((T1 - 30)) || echo "parity: exit $?"
+fi
 
-section "2 cost surface"
+if want 2; then section "2 cost surface"
 for c in "${CTX[@]}"; do
     BS=(); [ -n "${BS_AT[$c]:-}" ] && BS=(--timing-bs "${BS_AT[$c]}")
     timeout "$T2" "$PY" benches/gpu_check.py "${CHECK[@]}" "${LAYERS[@]}" "${BS[@]}" "${STEPS[@]}" \
@@ -53,8 +57,9 @@ if tables:
 PYEOF
 [ -f "$OUT/cost_table.json" ] && "$PY" -m specdial.cli policy simulate --curve "$OUT/cost_table.json" \
     | tee "$OUT/simulate.txt"
+fi
 
-section "3 flashinfer"
+if want 3; then section "3 flashinfer"
 if [ -z "${GPU_RUN_SMOKE:-}" ]; then
     timeout "$T3" bash -c "$PY -m pip install -q flashinfer-python && \
         $PY benches/gpu_check.py --backend flashinfer --sections parity,timing \
@@ -62,10 +67,12 @@ if [ -z "${GPU_RUN_SMOKE:-}" ]; then
 else
     echo "flashinfer: skipped on the CPU (bfloat16 CUDA kernels only)"
 fi
+fi
 
-section "4 end to end"
+if want 4; then section "4 end to end"
 timeout "$T4" "$PY" -m specdial.cli bench compare "${E2E[@]}" --concurrency "$E2E_C" \
     --num-prompts "$E2E_N" --max-new-tokens 32 --repetitions 2 --max-running-requests 256 \
     --workloads code --configs no-spec,fixed-0,fixed-3,adaptive --no-progress --output-dir "$OUT/e2e" \
     || echo "end to end: exit $?"
+fi
 section done
