@@ -87,13 +87,14 @@ def forward_outputs(model_path: str, draft_path: str | None = None,
     return {k: v.float().cpu() for k, v in out.items()}
 
 
-def run_rank(tp: TensorParallel, config: DistConfig, model_path: str,
-             draft_path: str | None = None, algorithm: str | None = None,
+def run_rank(tp: TensorParallel, config: DistConfig, cases: list[dict[str, Any]],
              out: str | None = None) -> None:
-    """Entry of every rank: :func:`forward_outputs` sharded; rank 0 saves them to ``out``."""
-    result = forward_outputs(model_path, draft_path, algorithm, tp)
+    """Entry of every rank: :func:`forward_outputs` sharded for each case (a dict of its
+    keyword arguments: ``model_path``, optional ``draft_path`` and ``algorithm``); rank 0
+    saves the list of results to ``out`` (``torch.save``)."""
+    results = [forward_outputs(tp=tp, **case) for case in cases]
     if tp.rank == 0 and out is not None:
-        torch.save(result, out)
+        torch.save(results, out)
 
 
 def compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, tuple[float,
@@ -121,11 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     ref = forward_outputs(ns.model_path, ns.draft_model_path, ns.speculative_algorithm)
     config = DistConfig(tp_size=ns.tp_size, rank=0, init_addr=f"127.0.0.1:{free_port()}",
                         timeout_s=ns.dist_timeout)
-    args: dict[str, Any] = {"model_path": str(Path(ns.model_path).resolve()),
-                            "draft_path": ns.draft_model_path,
-                            "algorithm": ns.speculative_algorithm}
+    case = {"model_path": str(Path(ns.model_path).resolve()), "algorithm": ns.speculative_algorithm,
+            "draft_path": (str(Path(ns.draft_model_path).resolve()) if ns.draft_model_path
+                           else None)}
     with launch_ranks(config, range(1, ns.tp_size), "specdial.distributed.check:run_rank",
-                      args) as procs:
+                      {"cases": [case]}) as procs:
         tp = init_group(config, procs.failed)
         try:
             got = forward_outputs(ns.model_path, ns.draft_model_path, ns.speculative_algorithm,

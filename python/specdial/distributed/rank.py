@@ -21,6 +21,7 @@ import traceback
 from typing import Any, Callable
 
 PARENT_GONE_EXIT = 3
+RANK_FAILURE_EXIT = 2
 
 
 def _watch_parent(fd: int) -> None:
@@ -66,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         fn(tp, config, **json.loads(ns.args))
     except RankFailure as e:
         print(f"specdial rank {config.rank}: {e}", file=sys.stderr, flush=True)
-        return 2  # no destroy: leaving a broken group can block on the dead peer
+        sys.stdout.flush()
+        # a broken group must not be torn down (its destructor can block on, or abort over,
+        # the lost peer): leave now
+        os._exit(RANK_FAILURE_EXIT)
     except Exception:  # noqa: BLE001 - a worker rank reports any failure and exits non-zero
         traceback.print_exc()
         return 1

@@ -1,0 +1,58 @@
+"""Collective probes: what one all-reduce costs on this transport, and how a rank failure shows.
+
+:func:`collective_probe` is a worker-rank entry (see :mod:`specdial.distributed.rank`) that
+all-reduces a ``[numel]`` float32 tensor ``iters`` times and, on rank 0, writes a JSON report:
+``{"ok": true, "seconds_per_call": s, "calls": n}`` or, when a peer died or hung,
+``{"ok": false, "error": message, "elapsed_s": s}`` (then the rank exits with status 2). It
+first writes ``ready`` files so a caller can stop a rank mid-loop (the fault tests do).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from specdial.distributed.group import DistConfig, RankFailure, TensorParallel
+
+
+def collective_probe(tp: TensorParallel, config: DistConfig, out_dir: str, iters: int = 100,
+                     numel: int = 1024, pause_s: float = 0.0) -> None:
+    """All-reduce ``iters`` times (``pause_s`` seconds apart); see the module docstring.
+
+    Every rank touches ``out_dir/ready.<rank>`` once the group has formed; rank 0 writes
+    ``out_dir/report.json``. Raises :class:`RankFailure` (after writing the report) when a
+    peer fails.
+    """
+    out = Path(out_dir)
+    t = torch.ones(numel)
+    tp.all_reduce(t)  # everyone is here
+    (out / f"ready.{tp.rank}").touch()
+    started = time.monotonic()
+    calls = 0
+    try:
+        for _ in range(iters):
+            t.fill_(1.0)
+            tp.all_reduce(t)
+            calls += 1
+            if pause_s:
+                time.sleep(pause_s)
+    except RankFailure as e:
+        if tp.rank == 0:
+            (out / "report.json").write_text(json.dumps(
+                {"ok": False, "error": str(e), "elapsed_s": time.monotonic() - started,
+                 "calls": calls}))
+        raise
+    elapsed = time.monotonic() - started
+    if tp.rank == 0:
+        if float(t[0]) != tp.size:
+            raise RuntimeError(f"all_reduce of ones gave {float(t[0])}, expected {tp.size}")
+        (out / "report.json").write_text(json.dumps(
+            {"ok": True, "seconds_per_call": elapsed / max(calls, 1), "calls": calls}))
+
+
+def idle(tp: TensorParallel, config: DistConfig, seconds: float = 60.0) -> None:
+    """Join the group and sleep (a rank whose parent the tests kill)."""
+    time.sleep(seconds)
