@@ -113,3 +113,19 @@ def test_rendezvous_fails_fast_when_a_worker_dies_at_startup(tmp_path):
             init_group(config, procs.failed)
         assert time.monotonic() - t0 < 30
     destroy_group()
+
+
+@pytest.mark.parametrize("diverge_at", [None, 2])
+def test_leader_channel_and_divergence_check(tmp_path, diverge_at):
+    """Rank 0 leads iterations over the channel; a rank that computes a different value is
+    caught by ``check_same`` on every rank (RankDivergence naming the step)."""
+    config = DistConfig(tp_size=2, rank=0, init_addr=f"127.0.0.1:{free_port()}", timeout_s=30)
+    with launch_ranks(config, range(2), "specdial.distributed.probe:channel_probe",
+                      {"out_dir": str(tmp_path), "steps": 5, "diverge_at": diverge_at}) as procs:
+        assert [p.wait(120) for p in procs.procs.values()] == [0, 0]
+    report = json.loads((tmp_path / "report.json").read_text())
+    if diverge_at is None:
+        assert report == {"steps": 5}
+    else:
+        assert report["error"].startswith("RankDivergence: tensor-parallel ranks disagree on "
+                                          "step 2")

@@ -27,7 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistConfig", "TensorParallel", "RankFailure", "CollectiveTimer", "init_group",
+__all__ = ["DistConfig", "TensorParallel", "RankFailure", "RankDivergence", "CollectiveTimer", "init_group",
            "free_port", "parse_addr", "DEFAULT_TIMEOUT_S"]
 
 #: Seconds a collective may wait for a peer before the rank gives up (SGLang's
@@ -41,6 +41,11 @@ class RankFailure(RuntimeError):
 
     The message says which collective failed, after how long, and the transport's reason.
     """
+
+
+class RankDivergence(RuntimeError):
+    """Ranks computed different values where they must agree (e.g. the accepted tokens of an
+    iteration); the engine cannot continue consistently."""
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
@@ -237,6 +242,26 @@ class TensorParallel:
             raise self._fail("broadcast", started, e) from e
         self._count(t0, None)
         return box[0]
+
+    def check_same(self, t: torch.Tensor, what: str) -> None:
+        """Raise :class:`RankDivergence` naming ``what`` unless every rank holds the same
+        integer tensor ``t`` (compared by a 2-number fingerprint: one small all-gather).
+        Raises :class:`RankFailure` like :meth:`all_reduce`."""
+        if self.size == 1:
+            return
+        v = t.detach().reshape(-1).to("cpu", torch.int64)
+        weights = torch.arange(1, v.numel() + 1, dtype=torch.int64)
+        mine = torch.stack([v.sum(), (v * weights).sum()]).to(self._device)
+        every = self.all_gather(mine[None], 0).cpu()
+        if not bool((every == every[0]).all()):
+            raise RankDivergence(f"tensor-parallel ranks disagree on {what}: fingerprints "
+                                 f"{every.tolist()} (rank order)")
+
+    @property
+    def _device(self) -> torch.device:
+        backend = dist.get_backend(self.group) if self.size > 1 else "gloo"
+        return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
+            else torch.device("cpu")
 
     def _count(self, t0: float, t: torch.Tensor | None) -> None:
         timer = self.timer

@@ -56,3 +56,33 @@ def collective_probe(tp: TensorParallel, config: DistConfig, out_dir: str, iters
 def idle(tp: TensorParallel, config: DistConfig, seconds: float = 60.0) -> None:
     """Join the group and sleep (a rank whose parent the tests kill)."""
     time.sleep(seconds)
+
+
+def channel_probe(tp: TensorParallel, config: DistConfig, out_dir: str, steps: int = 5,
+                  diverge_at: int | None = None) -> None:
+    """Rank 0 leads ``steps`` iterations through :mod:`specdial.distributed.channel` (idle
+    heartbeats between them); every rank computes ``payload * ones(4)`` per step and checks
+    the ranks agree; ``diverge_at``: rank 1 adds 1 at that step. Rank 0 writes
+    ``out_dir/report.json`` ``{"steps": n}`` or ``{"error": "RankDivergence: ..."}``."""
+    from specdial.distributed.channel import Leader, follow
+    from specdial.distributed.group import RankDivergence
+
+    def run(payload: int) -> None:
+        value = payload + (1 if tp.rank == 1 and payload == diverge_at else 0)
+        tp.check_same(torch.full((4,), value), f"step {payload}")
+
+    report = Path(out_dir) / "report.json"
+    try:
+        if tp.rank == 0:
+            leader = Leader(tp)
+            for i in range(steps):
+                leader.step(i)
+                run(i)
+                leader.heartbeat()
+            leader.shutdown()
+            report.write_text(json.dumps({"steps": steps}))
+        else:
+            follow(tp, run)
+    except RankDivergence as e:
+        if tp.rank == 0:
+            report.write_text(json.dumps({"error": f"RankDivergence: {e}"}))
