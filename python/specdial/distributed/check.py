@@ -2,8 +2,10 @@
 
 ``python -m specdial.distributed.check MODEL_DIR [--draft-model-path DIR] --tp-size N`` loads
 the target (and drafter) unsharded, runs :func:`forward_outputs`, then joins an N-rank group as
-rank 0 (starting ranks 1..N-1 with :func:`~specdial.distributed.launcher.launch_ranks`), runs
-the same forwards sharded and prints the largest absolute and relative logit differences. The
+rank 0 (starting its node's other ranks, :func:`~specdial.distributed.node.start_rank0`), runs
+the same forwards sharded and prints the largest absolute and relative logit differences.
+Multi-node: the same command with ``--nnodes``, ``--node-rank`` and ``--dist-init-addr`` on
+every node (:func:`~specdial.distributed.node.run_worker_node` on nodes other than 0). The
 tests drive :func:`run_rank` on every rank and compare with :func:`forward_outputs` at tp 1.
 """
 
@@ -17,9 +19,9 @@ from typing import Any
 import torch
 
 from specdial.attention.torch_backend import TorchAttentionBackend
-from specdial.distributed.group import (SINGLE, DistConfig, TensorParallel, destroy_group,
-                                        free_port, init_group)
-from specdial.distributed.launcher import launch_ranks
+from specdial.distributed.group import SINGLE, DistConfig, TensorParallel, destroy_group
+from specdial.distributed.node import run_worker_node, start_rank0
+from specdial.distributed.options import ParallelOptions
 from specdial.models.batch import ForwardBatch
 from specdial.models.drafter_loader import load_drafter
 from specdial.models.loader import load_model
@@ -109,28 +111,33 @@ def compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str,
 
 def main(argv: list[str] | None = None) -> int:
     """CLI (module docstring); exit status 0 when every relative difference is below
-    ``--rtol``, 1 otherwise."""
+    ``--rtol``, 1 otherwise. With ``--nnodes N --node-rank K --dist-init-addr HOST:PORT`` the
+    same command on each node forms one group; nodes other than 0 only run their ranks."""
     p = argparse.ArgumentParser(prog="python -m specdial.distributed.check")
     p.add_argument("model_path")
     p.add_argument("--draft-model-path", default=None)
     p.add_argument("--speculative-algorithm", default=None)
     p.add_argument("--tp-size", type=int, default=2)
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--dist-init-addr", default=None)
     p.add_argument("--dist-timeout", type=float, default=60.0)
     p.add_argument("--rtol", type=float, default=1e-4)
     ns = p.parse_args(argv)
-    torch.set_num_threads(1)
-    ref = forward_outputs(ns.model_path, ns.draft_model_path, ns.speculative_algorithm)
-    config = DistConfig(tp_size=ns.tp_size, rank=0, init_addr=f"127.0.0.1:{free_port()}",
-                        timeout_s=ns.dist_timeout)
+    options = ParallelOptions(tp_size=ns.tp_size, nnodes=ns.nnodes, node_rank=ns.node_rank,
+                              dist_init_addr=ns.dist_init_addr, dist_timeout=ns.dist_timeout)
     case = {"model_path": str(Path(ns.model_path).resolve()), "algorithm": ns.speculative_algorithm,
             "draft_path": (str(Path(ns.draft_model_path).resolve()) if ns.draft_model_path
                            else None)}
-    with launch_ranks(config, range(1, ns.tp_size), "specdial.distributed.check:run_rank",
-                      {"cases": [case]}) as procs:
-        tp = init_group(config, procs.failed)
+    entry, args = "specdial.distributed.check:run_rank", {"cases": [case]}
+    if options.node_rank > 0:
+        return run_worker_node(options, entry, args)
+    torch.set_num_threads(1)
+    ref = forward_outputs(**case)
+    tp, procs = start_rank0(options, entry, args)
+    with procs:
         try:
-            got = forward_outputs(ns.model_path, ns.draft_model_path, ns.speculative_algorithm,
-                                  tp)
+            got = forward_outputs(tp=tp, **case)
         finally:
             destroy_group()
     worst = 0.0

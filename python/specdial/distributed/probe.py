@@ -86,3 +86,52 @@ def channel_probe(tp: TensorParallel, config: DistConfig, out_dir: str, steps: i
     except RankDivergence as e:
         if tp.rank == 0:
             report.write_text(json.dumps({"error": f"RankDivergence: {e}"}))
+
+
+def forward_probe(tp: TensorParallel, config: DistConfig, model_path: str, out_dir: str,
+                  batch_size: int = 1, tokens_per_request: int = 4, context: int = 256,
+                  iters: int = 30, warmup: int = 5) -> None:
+    """Time the target's forward over a decode-shaped batch on this group.
+
+    ``batch_size`` requests, each with ``context`` tokens in the KV cache and
+    ``tokens_per_request`` new ones (a verify at ``steps = tokens_per_request - 1``); logits
+    for every new token. Rank 0 writes ``out_dir/forward.json``: ``ms_per_forward`` (median),
+    ``collective_ms_per_forward`` (mean time inside all-reduce / all-gather, from the
+    :class:`~specdial.distributed.group.CollectiveTimer`), ``collectives_per_forward``,
+    ``tp_size`` and ``threads``.
+    """
+    from specdial.attention.torch_backend import TorchAttentionBackend
+    from specdial.models.batch import ForwardBatch
+    from specdial.models.loader import load_model
+
+    target = load_model(model_path, tp=tp)
+    b, q = batch_size, tokens_per_request
+    kv = target.make_kv_pool(b * context + 1)
+    backend = TorchAttentionBackend()
+    vocab = target.config.vocab_size
+    ids = torch.randint(0, vocab, (b * q,), generator=torch.Generator().manual_seed(0))
+    pos = (torch.arange(context - q, context)[None, :].expand(b, q)).reshape(-1)
+    slots = torch.arange(b * context).view(b, context)
+    loc = slots[:, context - q:].reshape(-1)
+    attn = backend.plan(torch.full((b,), q), torch.full((b,), context), slots.reshape(-1))
+    batch = ForwardBatch(ids, pos, loc, attn)
+    times = []
+    with torch.no_grad():
+        for i in range(warmup + iters):
+            tp.timer.enabled = False
+            tp.all_reduce(torch.zeros(1))  # line the ranks up: time the forward, not the wait
+            tp.timer.enabled = i >= warmup
+            t0 = time.perf_counter()
+            target.compute_logits(target(batch, kv, backend))
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+    tp.timer.enabled = False
+    calls = tp.timer.calls
+    if tp.rank == 0:
+        times.sort()
+        (Path(out_dir) / "forward.json").write_text(json.dumps({
+            "tp_size": tp.size, "threads": torch.get_num_threads(), "batch_size": b,
+            "tokens_per_request": q, "context": context,
+            "ms_per_forward": 1e3 * times[len(times) // 2],
+            "collective_ms_per_forward": 1e3 * tp.timer.seconds / iters,
+            "collectives_per_forward": calls / iters}))
