@@ -129,3 +129,19 @@ def test_leader_channel_and_divergence_check(tmp_path, diverge_at):
     else:
         assert report["error"].startswith("RankDivergence: tensor-parallel ranks disagree on "
                                           "step 2")
+
+
+@pytest.mark.parametrize("skew_at", [None, 3])
+def test_mirrored_calls_replay_on_worker_ranks(tmp_path, skew_at):
+    """Rank 0's mirrored calls run in order on the worker rank (state included: a reset is
+    replayed); a worker whose result differs is caught at that call."""
+    config = DistConfig(tp_size=2, rank=0, init_addr=f"127.0.0.1:{free_port()}", timeout_s=30)
+    with launch_ranks(config, range(2), "specdial.distributed.probe:mirror_probe",
+                      {"out_dir": str(tmp_path), "values": [1, 2, 3, 4],
+                       "skew_at": skew_at}) as procs:
+        assert [p.wait(120) for p in procs.procs.values()] == [0, 0]
+    report = json.loads((tmp_path / "report.json").read_text())
+    if skew_at is None:
+        assert report == {"totals": [1, 3, 6, 10, 0]}
+    else:
+        assert "disagree on the result of add" in report["error"]

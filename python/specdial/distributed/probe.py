@@ -135,3 +135,50 @@ def forward_probe(tp: TensorParallel, config: DistConfig, model_path: str, out_d
             "ms_per_forward": 1e3 * times[len(times) // 2],
             "collective_ms_per_forward": 1e3 * tp.timer.seconds / iters,
             "collectives_per_forward": calls / iters}))
+
+
+class _Accumulator:
+    """A stateful stand-in for a worker: ``add(x)`` returns the running total as a tensor."""
+
+    def __init__(self, rank: int, skew_at: int | None) -> None:
+        self.total, self.calls, self.rank, self.skew_at = 0, 0, rank, skew_at
+
+    def add(self, x: int) -> torch.Tensor:
+        self.calls += 1
+        self.total += x + (1 if self.rank == 1 and self.calls == self.skew_at else 0)
+        return torch.tensor([self.total])
+
+    def reset(self) -> None:
+        self.total = 0
+
+
+def mirror_probe(tp: TensorParallel, config: DistConfig, out_dir: str, values: list[int],
+                 skew_at: int | None = None) -> None:
+    """Rank 0 drives an accumulator through :class:`~specdial.distributed.mirror.Mirrored`
+    (``add`` checked across ranks, ``reset`` not); worker ranks :func:`replay`. ``skew_at``:
+    rank 1 adds 1 at that call. Rank 0 writes ``out_dir/report.json``: ``{"totals": [...],
+    "replayed": null}`` or ``{"error": ...}``."""
+    from specdial.distributed.channel import Leader
+    from specdial.distributed.group import RankDivergence
+    from specdial.distributed.mirror import Mirrored, replay
+
+    acc = _Accumulator(tp.rank, skew_at)
+    methods, check = ("add", "reset"), {"add": lambda t: t}
+    report = Path(out_dir) / "report.json"
+    try:
+        if tp.rank == 0:
+            leader = Leader(tp)
+            m = Mirrored(acc, leader, methods, check)
+            totals = []
+            for v in values:
+                totals.append(int(m.add(v)))
+            m.reset()
+            totals.append(int(m.add(0)))
+            assert m.calls == len(values) + 1  # read locally, not mirrored
+            leader.shutdown()
+            report.write_text(json.dumps({"totals": totals}))
+        else:
+            replay(tp, acc, methods, check)
+    except RankDivergence as e:
+        if tp.rank == 0:
+            report.write_text(json.dumps({"error": f"RankDivergence: {e}"}))
