@@ -142,6 +142,6 @@ def test_mirrored_calls_replay_on_worker_ranks(tmp_path, skew_at):
         assert [p.wait(120) for p in procs.procs.values()] == [0, 0]
     report = json.loads((tmp_path / "report.json").read_text())
     if skew_at is None:
-        assert report == {"totals": [1, 3, 6, 10, 0]}
+        assert report == {"totals": [2, 6, 12, 20, 0]}
     else:
         assert "disagree on the result of add" in report["error"]

@@ -16,6 +16,7 @@ collective.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from specdial.distributed.channel import Leader, follow
-from specdial.distributed.group import TensorParallel
+from specdial.distributed.group import RankDivergence, RankFailure, TensorParallel
 
 __all__ = ["Call", "Mirrored", "replay"]
 
@@ -39,19 +40,34 @@ class Call:
     kwargs: dict[str, Any]
 
 
+Transform = Callable[[str, tuple, dict], tuple[tuple, dict]]
+
+
 class Mirrored:
     """Rank 0's proxy of ``target``: the methods named in ``methods`` are mirrored to the
     worker ranks; any other attribute is ``target``'s own (read locally, never sent).
 
-    ``check``: method name -> function of its result (see the module docstring). Raises
+    - ``check``: method name -> function of its result (see the module docstring).
+    - ``wire``: ``(method, args, kwargs) -> (args, kwargs)`` as sent (e.g. a local-only
+      object replaced by a placeholder the worker ranks fill in, see :func:`replay`); the
+      local call gets the arguments as given.
+    - ``lock``: held for the whole call (send, local run, check), so another thread's messages
+      (heartbeats) never interleave with a call's collectives.
+
+    :attr:`failure`: the message of the first :class:`~specdial.distributed.group.RankFailure`
+    or ``RankDivergence`` a call raised (None while healthy); the call re-raises it. Raises
     ``ValueError`` for a ``check`` on a method that is not mirrored.
     """
 
     def __init__(self, target: Any, leader: Leader, methods: Iterable[str],
-                 check: Mapping[str, Check] | None = None) -> None:
+                 check: Mapping[str, Check] | None = None, *, wire: Transform | None = None,
+                 lock: threading.Lock | None = None) -> None:
         self._target, self._leader = target, leader
         self._methods = frozenset(methods)
         self._check = dict(check or {})
+        self._wire = wire
+        self._lock = lock or threading.Lock()
+        self.failure: str | None = None
         stray = set(self._check) - self._methods
         if stray:
             raise ValueError(f"check given for methods that are not mirrored: {sorted(stray)}")
@@ -62,11 +78,17 @@ class Mirrored:
             return attr
 
         def mirrored(*args: Any, **kwargs: Any) -> Any:
-            self._leader.step(Call(name, args, kwargs))
-            result = attr(*args, **kwargs)
-            check = self._check.get(name)
-            if check is not None:
-                self._leader.tp.check_same(check(result), f"the result of {name}")
+            sent = (args, kwargs) if self._wire is None else self._wire(name, args, kwargs)
+            with self._lock:
+                try:
+                    self._leader.step(Call(name, *sent))
+                    result = attr(*args, **kwargs)
+                    check = self._check.get(name)
+                    if check is not None:
+                        self._leader.tp.check_same(check(result), f"the result of {name}")
+                except (RankFailure, RankDivergence) as e:
+                    self.failure = self.failure or str(e)
+                    raise
             return result
 
         return mirrored
@@ -75,11 +97,19 @@ class Mirrored:
     def leader(self) -> Leader:
         return self._leader
 
+    @property
+    def lock(self) -> threading.Lock:
+        """The lock every mirrored call holds (take it to send anything else)."""
+        return self._lock
+
 
 def replay(tp: TensorParallel, target: Any, methods: Iterable[str],
-           check: Mapping[str, Check] | None = None) -> int:
+           check: Mapping[str, Check] | None = None, *,
+           local: Transform | None = None) -> int:
     """A worker rank's loop: apply rank 0's mirrored calls to ``target`` until shutdown.
-    Returns the number of calls. Raises ``ValueError`` for a call outside ``methods``,
+    ``local``: ``(method, args, kwargs) -> (args, kwargs)`` applied to each received call
+    (the inverse of :class:`Mirrored`'s ``wire``). Returns the number of calls. Raises
+    ``ValueError`` for a call outside ``methods``,
     :class:`~specdial.distributed.group.RankFailure` / ``RankDivergence`` as the channel and
     the checks do."""
     allowed = frozenset(methods)
@@ -89,7 +119,9 @@ def replay(tp: TensorParallel, target: Any, methods: Iterable[str],
         if not isinstance(call, Call) or call.method not in allowed:
             raise ValueError(f"rank {tp.rank}: unexpected call {call!r}; mirrored methods: "
                              f"{sorted(allowed)}")
-        result = getattr(target, call.method)(*call.args, **call.kwargs)
+        args, kwargs = ((call.args, call.kwargs) if local is None
+                        else local(call.method, call.args, call.kwargs))
+        result = getattr(target, call.method)(*args, **kwargs)
         c = checks.get(call.method)
         if c is not None:
             tp.check_same(c(result), f"the result of {call.method}")

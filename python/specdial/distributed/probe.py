@@ -143,8 +143,9 @@ class _Accumulator:
     def __init__(self, rank: int, skew_at: int | None) -> None:
         self.total, self.calls, self.rank, self.skew_at = 0, 0, rank, skew_at
 
-    def add(self, x: int) -> torch.Tensor:
+    def add(self, x: int, scale: int = 1) -> torch.Tensor:
         self.calls += 1
+        x *= scale
         self.total += x + (1 if self.rank == 1 and self.calls == self.skew_at else 0)
         return torch.tensor([self.total])
 
@@ -168,12 +169,15 @@ def mirror_probe(tp: TensorParallel, config: DistConfig, out_dir: str, values: l
     try:
         if tp.rank == 0:
             leader = Leader(tp)
-            m = Mirrored(acc, leader, methods, check)
+            # the wire form doubles x and sends scale 1 where the local call scales by 2:
+            # both sides add 2x (a stand-in for a local-only argument filled in remotely)
+            m = Mirrored(acc, leader, methods, check,
+                         wire=lambda name, a, kw: ((2 * a[0],) if name == "add" else a, {}))
             totals = []
             for v in values:
-                totals.append(int(m.add(v)))
+                totals.append(int(m.add(v, scale=2)))
             m.reset()
-            totals.append(int(m.add(0)))
+            totals.append(int(m.add(0, scale=2)))
             assert m.calls == len(values) + 1  # read locally, not mirrored
             leader.shutdown()
             report.write_text(json.dumps({"totals": totals}))
