@@ -134,7 +134,8 @@ def test_leader_channel_and_divergence_check(tmp_path, diverge_at):
 @pytest.mark.parametrize("skew_at", [None, 3])
 def test_mirrored_calls_replay_on_worker_ranks(tmp_path, skew_at):
     """Rank 0's mirrored calls run in order on the worker rank (state included: a reset is
-    replayed); a worker whose result differs is caught at that call."""
+    replayed); a worker whose result differs is caught at that call, after which calls fail
+    at once (no collective) except the local-only bookkeeping."""
     config = DistConfig(tp_size=2, rank=0, init_addr=f"127.0.0.1:{free_port()}", timeout_s=30)
     with launch_ranks(config, range(2), "specdial.distributed.probe:mirror_probe",
                       {"out_dir": str(tmp_path), "values": [1, 2, 3, 4],
@@ -145,3 +146,6 @@ def test_mirrored_calls_replay_on_worker_ranks(tmp_path, skew_at):
         assert report == {"totals": [2, 6, 12, 20, 0]}
     else:
         assert "disagree on the result of add" in report["error"]
+        # once failed: no more collectives (a call raises at once, bookkeeping runs locally)
+        assert report["after"].startswith("RankFailure: tensor-parallel ranks disagree")
+        assert report["failure"] in report["error"]

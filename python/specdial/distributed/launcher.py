@@ -65,8 +65,16 @@ class RankProcesses:
                 return f"worker rank {rank} (pid {p.pid}) exited with {how}"
         return None
 
-    def close(self, grace_s: float = 5.0) -> None:
-        """Stop every rank (idempotent). Returns when all have exited."""
+    def close(self, grace_s: float = 5.0, exit_first_s: float = 0.0) -> None:
+        """Stop every rank (idempotent). Returns when all have exited. ``exit_first_s``:
+        seconds to let ranks that were told to stop (a shutdown message) exit on their own
+        before the watch pipe is closed."""
+        deadline = time.monotonic() + exit_first_s
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break
         if self._watch_fd is not None:
             os.close(self._watch_fd)
             self._watch_fd = None

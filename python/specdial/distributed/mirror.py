@@ -55,13 +55,18 @@ class Mirrored:
       (heartbeats) never interleave with a call's collectives.
 
     :attr:`failure`: the message of the first :class:`~specdial.distributed.group.RankFailure`
-    or ``RankDivergence`` a call raised (None while healthy); the call re-raises it. Raises
-    ``ValueError`` for a ``check`` on a method that is not mirrored.
+    or ``RankDivergence`` a call raised (None while healthy); the call re-raises it. Once
+    failed, a mirrored call raises :class:`RankFailure` at once without touching the group,
+    except the methods in ``local_after_failure``, which then run locally only (bookkeeping
+    such as releasing a finished request's row, so that the caller can still fail its
+    requests cleanly). Raises ``ValueError`` for a ``check`` on a method that is not mirrored.
     """
 
     def __init__(self, target: Any, leader: Leader, methods: Iterable[str],
                  check: Mapping[str, Check] | None = None, *, wire: Transform | None = None,
-                 lock: threading.Lock | None = None) -> None:
+                 lock: threading.Lock | None = None,
+                 local_after_failure: Iterable[str] = ()) -> None:
+        self._local_after_failure = frozenset(local_after_failure)
         self._target, self._leader = target, leader
         self._methods = frozenset(methods)
         self._check = dict(check or {})
@@ -78,6 +83,10 @@ class Mirrored:
             return attr
 
         def mirrored(*args: Any, **kwargs: Any) -> Any:
+            if self.failure is not None:
+                if name in self._local_after_failure:
+                    return attr(*args, **kwargs)
+                raise RankFailure(self.failure)
             sent = (args, kwargs) if self._wire is None else self._wire(name, args, kwargs)
             with self._lock:
                 try:

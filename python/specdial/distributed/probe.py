@@ -157,11 +157,12 @@ def mirror_probe(tp: TensorParallel, config: DistConfig, out_dir: str, values: l
                  skew_at: int | None = None) -> None:
     """Rank 0 drives an accumulator through :class:`~specdial.distributed.mirror.Mirrored`
     (``add`` checked across ranks, ``reset`` not); worker ranks :func:`replay`. ``skew_at``:
-    rank 1 adds 1 at that call. Rank 0 writes ``out_dir/report.json``: ``{"totals": [...],
-    "replayed": null}`` or ``{"error": ...}``."""
+    rank 1 adds 1 at that call. Rank 0 writes ``out_dir/report.json``: ``{"totals": [...]}``
+    or ``{"error", "after", "failure"}`` (what a call does once the group has failed)."""
     from specdial.distributed.channel import Leader
     from specdial.distributed.group import RankDivergence
     from specdial.distributed.mirror import Mirrored, replay
+    m: Mirrored | None = None
 
     acc = _Accumulator(tp.rank, skew_at)
     methods, check = ("add", "reset"), {"add": lambda t: t}
@@ -172,7 +173,8 @@ def mirror_probe(tp: TensorParallel, config: DistConfig, out_dir: str, values: l
             # the wire form doubles x and sends scale 1 where the local call scales by 2:
             # both sides add 2x (a stand-in for a local-only argument filled in remotely)
             m = Mirrored(acc, leader, methods, check,
-                         wire=lambda name, a, kw: ((2 * a[0],) if name == "add" else a, {}))
+                         wire=lambda name, a, kw: ((2 * a[0],) if name == "add" else a, {}),
+                         local_after_failure=("reset",))
             totals = []
             for v in values:
                 totals.append(int(m.add(v, scale=2)))
@@ -185,4 +187,12 @@ def mirror_probe(tp: TensorParallel, config: DistConfig, out_dir: str, values: l
             replay(tp, acc, methods, check)
     except RankDivergence as e:
         if tp.rank == 0:
-            report.write_text(json.dumps({"error": f"RankDivergence: {e}"}))
+            assert m is not None
+            m.reset()  # local only once failed: no collective, no hang
+            try:
+                m.add(1)
+                after = "no error"
+            except RankFailure as again:
+                after = f"RankFailure: {again}"
+            report.write_text(json.dumps({"error": f"RankDivergence: {e}", "after": after,
+                                          "failure": m.failure}))
