@@ -40,7 +40,10 @@ def _engine(dirs):
 
 @pytest.fixture(scope="module")
 def dp(dirs):
-    engine = DataParallelEngine([_engine(dirs), _engine(dirs)])
+    target, noisy = dirs  # what serve --dp-size 2 builds
+    engine = ServeConfig(model_path=str(target), draft_model_path=str(noisy), dp_size=2,
+                         **COMMON).build_engine()
+    assert isinstance(engine, DataParallelEngine) and engine.dp_size == 2
     with LiveServer(engine, name=NAME) as server:
         yield server
 
