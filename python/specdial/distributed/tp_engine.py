@@ -161,7 +161,13 @@ class TensorParallelRuntime:
                 return
             except RankFailure:
                 pass
-        self.procs.close(grace_s=1.0)  # a broken group is left as is (its teardown can hang)
+        self.procs.close(grace_s=1.0)
+        # leave the broken group so that this process can start another engine; its teardown
+        # can block on a hung peer, so it gets a few seconds in a thread, then is left as is
+        # (a later tensor-parallel Engine here then fails with a clear error)
+        leave = threading.Thread(target=destroy_group, name="specdial-tp-leave", daemon=True)
+        leave.start()
+        leave.join(5.0)
 
 
 def start_worker_node(options: ParallelOptions, device: str = "cpu") -> int:
