@@ -159,9 +159,16 @@ def run_serve(cfg: ServeConfig) -> int:
     try:
         cfg.check()  # the server's options too, before the (slow) engine load
         limits, security = cfg.server_limits(), cfg.security_config(os.environ)
+        parallel = cfg.parallel_options()
     except ValueError as e:
         return cli_error(e)
     log = logging.getLogger("specdial.server")
+    if parallel.node_rank > 0:  # SGLang's layout: only node 0 serves
+        from specdial.distributed.tp_engine import start_worker_node
+
+        log.info("node %d of %d: running tensor-parallel ranks for %s", parallel.node_rank,
+                 parallel.nnodes, parallel.dist_init_addr)
+        return start_worker_node(parallel, cfg.device.split(":")[0])
     log.info("loading the engine (%s)", cfg.model_path or "built-in models")
     engine = _load_engine(cfg)
     if engine is None:

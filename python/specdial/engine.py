@@ -31,6 +31,8 @@ from typing import Any, AsyncIterator, Iterator
 
 import torch
 
+from specdial.distributed.options import ParallelOptions
+from specdial.distributed.tp_engine import TensorParallelRuntime, rank_options
 from specdial._core import (AdaptiveConfig, ConfigError, Scheduler,
                             SchedulerConfig, validate_initial_steps)
 from specdial.engine_api import EngineStats, LogprobOptions, RequestError, StreamChunk
@@ -47,6 +49,8 @@ from specdial.worker.drafters import DEFAULT_MAX_STEPS, Drafter, make_drafter
 from specdial.worker.worker import SpecWorker
 
 _DEFAULT: Any = object()
+#: Engine keyword options that place it on several ranks (:class:`ParallelOptions`).
+_PARALLEL = ("tp_size", "nnodes", "node_rank", "dist_init_addr", "dist_timeout")
 ALGORITHMS = ("EAGLE", "EAGLE3", "DRAFT", None)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 FIXED_DEFAULT_STEPS = 3
@@ -223,7 +227,20 @@ class Engine:
       (the runner path on the CPU, graphs emulated), ``"eager"`` (runners without graphs) or
       ``"cuda"``; None: ``"cuda"`` on CUDA, no runners otherwise.
       :meth:`Engine.graph_stats` reports replays and eager fallbacks.
+    - Tensor parallelism (keyword-only, :mod:`specdial.distributed`): ``tp_size`` (ranks that
+      shard the target and drafter Megatron-style; default 1, the unsharded code path), and
+      for several nodes ``nnodes``, ``node_rank`` (an Engine is node 0) and
+      ``dist_init_addr`` (``host:port`` of node 0's rendezvous; default 127.0.0.1 and a free
+      port), ``dist_timeout`` (seconds a rank waits for a peer, default 60). The Engine starts
+      its node's other ranks itself (``python -m specdial.distributed.rank`` subprocesses,
+      one torch thread each on the CPU, this process included), owns the scheduler and sends
+      each iteration's worker input to them once (:mod:`specdial.distributed.tp_engine`). A
+      rank that dies or hangs aborts the running requests with a message within
+      ``dist_timeout`` and sets :attr:`failure`. ``ValueError`` for sizes that do not split
+      (heads, key/value heads, MLP width over ``tp_size``) or bad parallel options.
     """
+
+    _tp: TensorParallelRuntime | None = None
 
     def __init__(self, model_path: str | os.PathLike[str] | None = None,
                  draft_model_path: str | os.PathLike[str] | None = None,
@@ -234,6 +251,11 @@ class Engine:
                  dtype: str = "float32", **kwargs: Any) -> None:
         if speculative_algorithm is not _DEFAULT:
             _check_choice("speculative_algorithm", speculative_algorithm, ALGORITHMS)
+        parallel = ParallelOptions(**{k: kwargs.pop(k) for k in _PARALLEL if k in kwargs})
+        if parallel.node_rank != 0:
+            raise ValueError(f"node_rank={parallel.node_rank}: an Engine runs on node 0; "
+                             "other nodes only run worker ranks (specdial serve --node-rank N, "
+                             "specdial.distributed.node.run_worker_node)")
         dev = _device(device)
         torch_dtype = None if dtype == "auto" else _dtype(dtype)
         draft_dir = None if draft_model_path is None else Path(draft_model_path)
@@ -255,18 +277,46 @@ class Engine:
                              "model or EAGLE head directory)")
         if algo is None and draft_dir is not None:
             raise ValueError("draft_model_path is given but speculative_algorithm is None")
-        target = load_model(model_dir, dtype=torch_dtype, device=dev)
-        drafter_module: torch.nn.Module | None = None
-        if algo is not None and draft_dir is not None:
-            _, drafter_module = load_drafter(draft_dir, target, algo, dtype=torch_dtype,
-                                             device=dev)
+        tp = None
+        if parallel.distributed:
+            adaptive = (None if speculative_adaptive_config is None
+                        else json.loads(speculative_adaptive_config.to_json()))
+            options = rank_options({**kwargs, "speculative_num_steps": speculative_num_steps,
+                                    "speculative_adaptive": speculative_adaptive,
+                                    "speculative_adaptive_config": adaptive,
+                                    "skip_zero_step_draft_extend": skip_zero_step_draft_extend})
+            self._tp = TensorParallelRuntime.start(parallel, {
+                "model_path": str(model_dir.resolve()), "algorithm": algo,
+                "draft_model_path": None if draft_dir is None else str(draft_dir.resolve()),
+                "dtype": str(torch_dtype).removeprefix("torch."), "options": options},
+                dev.type)
+            tp = self._tp.tp
+            dev = torch.device(dev.type, 0) if dev.type == "cuda" else dev
         try:
-            tokenizer = load_tokenizer(model_dir)
-        except FileNotFoundError:
-            tokenizer = None
-        self._setup(target, drafter_module, tokenizer, algo, speculative_num_steps,
-                    speculative_adaptive, speculative_adaptive_config,
-                    skip_zero_step_draft_extend, **kwargs)
+            target = load_model(model_dir, dtype=torch_dtype, device=dev, tp=tp)
+            drafter_module: torch.nn.Module | None = None
+            if algo is not None and draft_dir is not None:
+                _, drafter_module = load_drafter(draft_dir, target, algo, dtype=torch_dtype,
+                                                 device=dev, tp=tp)
+            try:
+                tokenizer = load_tokenizer(model_dir)
+            except FileNotFoundError:
+                tokenizer = None
+            self._setup(target, drafter_module, tokenizer, algo, speculative_num_steps,
+                        speculative_adaptive, speculative_adaptive_config,
+                        skip_zero_step_draft_extend, **kwargs)
+        except BaseException:
+            if self._tp is not None:
+                self._tp.close()
+            raise
+        if self._tp is not None:
+            self.worker = self._loop.worker = self._tp.attach(self.worker)
+
+    @property
+    def failure(self) -> str | None:
+        """None while the engine can run its passes; else why not (a tensor-parallel rank
+        died or hung: the message names it). ``/health`` then answers 503."""
+        return None if self._tp is None else self._tp.failure
 
     @classmethod
     def from_modules(cls, target: LlamaForCausalLM,
@@ -695,6 +745,8 @@ class Engine:
         elif self._loop.trace_file is not None:
             self._loop.trace_file.close()
         self.worker = None  # type: ignore[assignment]
+        if self._tp is not None:
+            self._tp.close()
 
     def __enter__(self) -> "Engine":
         return self

@@ -30,7 +30,7 @@ BUILTIN_MODEL_NAME = "specdial-default"
 NO_SPECULATION = "NONE"
 
 #: EngineArgs fields that configure the process, not the Engine.
-_NOT_ENGINE_KWARGS = frozenset({"log_level", "cpu_threads", "chat_template"})
+_NOT_ENGINE_KWARGS = frozenset({"log_level", "cpu_threads", "chat_template", "dp_size"})
 
 
 def _opt(help: str, default: Any = None, **extra: Any) -> Any:
@@ -110,6 +110,23 @@ class EngineArgs:
         "torch intra-op threads of this process (torch.set_num_threads); default: torch's "
         "(the physical cores). Small models at small batch sizes can run faster on fewer "
         "threads, especially on a shared machine (see BENCHMARKS.md)", metavar="N")
+    tp_size: int | None = _opt(
+        "tensor parallelism: ranks that shard the target and drafter (gloo on the CPU, NCCL on "
+        "CUDA); alias --tensor-parallel-size (vLLM); default 1", metavar="N")
+    dp_size: int | None = _opt(
+        "data parallelism: engine replicas behind one front end, each request to the least "
+        "loaded; default 1", metavar="N")
+    nnodes: int | None = _opt("nodes the --tp-size ranks spread over (SGLang); default 1",
+                              metavar="N")
+    node_rank: int | None = _opt(
+        "this node's index (SGLang); node 0 serves, the others only run their ranks; "
+        "default 0", metavar="K")
+    dist_init_addr: str | None = _opt(
+        "host:port of node 0's rendezvous (SGLang); default 127.0.0.1 and a free port, one "
+        "node only", metavar="HOST:PORT")
+    dist_timeout: float | None = _opt(
+        "seconds a rank waits for a peer before the engine fails its requests and /health "
+        "answers 503 (SGLang's name); default 60", metavar="SECONDS")
     log_level: str = _opt("log level of specdial (and of the HTTP server)", default="info",
                           choices=("critical", "error", "warning", "info", "debug"))
 
@@ -198,7 +215,25 @@ class EngineArgs:
         from specdial.engine import Engine
 
         self.configure_process()
-        engine = Engine(**self.engine_kwargs())
+        dp = self.parallel_options().dp_size
+        if dp > 1:
+            if (self.tp_size or 1) > 1:
+                raise ValueError("--dp-size > 1 with --tp-size > 1 is not supported yet: the "
+                                 "replicas share one process, which holds one "
+                                 "tensor-parallel group")
+            from specdial.distributed.data_parallel import DataParallelEngine
+
+            replicas: list[Any] = []
+            try:
+                for _ in range(dp):
+                    replicas.append(Engine(**self.engine_kwargs()))
+            except BaseException:
+                for r in replicas:
+                    r.shutdown(drain=False)
+                raise
+            engine: Any = DataParallelEngine(replicas)
+        else:
+            engine = Engine(**self.engine_kwargs())
         template = self.chat_template_text()
         if template is not None:
             if not hasattr(engine.tokenizer, "apply_chat_template"):
@@ -207,6 +242,15 @@ class EngineArgs:
                                  "tokenizer has none")
             engine.tokenizer.chat_template = template
         return engine
+
+    def parallel_options(self) -> Any:
+        """The :class:`~specdial.distributed.options.ParallelOptions` of these options
+        (validated: ``ValueError`` naming the option)."""
+        from specdial.distributed.options import ParallelOptions
+
+        given = {k: getattr(self, k) for k in ("tp_size", "dp_size", "nnodes", "node_rank",
+                                               "dist_init_addr", "dist_timeout")}
+        return ParallelOptions(**{k: v for k, v in given.items() if v is not None})
 
     def default_model_name(self) -> str:
         """The model name clients use: :data:`BUILTIN_MODEL_NAME` for the built-in models,

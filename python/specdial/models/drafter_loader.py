@@ -45,12 +45,14 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from specdial.distributed.group import TensorParallel
 from specdial.models.config import ModelConfig
 from specdial.models.eagle import EAGLE_ARCHITECTURE, EagleHead
 from specdial.models.eagle3 import TOP_LEVEL_IDS, Eagle3Head, Eagle3Spec, resolve_aux_layers
 from specdial.models.llama import LlamaForCausalLM
 from specdial.models.loader import (SUPPORTED_ARCHITECTURES, _assign, _build, _checkpoint_index,
                                     _read_config, _read_tensor, _tensor_shapes, load_model)
+from specdial.models.tensor_parallel import param_shard, shard_modules_, slice_shard
 
 #: EAGLE-1 architectures: specdial's own, SGLang's, vLLM's.
 EAGLE_ARCHITECTURES = (EAGLE_ARCHITECTURE, "LlamaForCausalLMEagle", "EagleLlamaForCausalLM")
@@ -119,17 +121,18 @@ def resolve_draft_algorithm(path: str | Path, requested: str | None = None) -> s
 
 
 def load_drafter(path: str | Path, target: LlamaForCausalLM, algorithm: str | None = None, *,
-                 dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> tuple[str, nn.Module]:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 tp: TensorParallel | None = None) -> tuple[str, nn.Module]:
     """``(algorithm, module)`` for the drafter directory ``path``: an :class:`EagleHead`, an
     :class:`Eagle3Head` or a draft :class:`LlamaForCausalLM` (see
-    :func:`resolve_draft_algorithm`). Raises what the loaders raise."""
+    :func:`resolve_draft_algorithm`). ``tp``: shard it over this tensor-parallel group, as
+    the target is (see :func:`load_model`). Raises what the loaders raise."""
     algo = resolve_draft_algorithm(path, algorithm)
     if algo == "EAGLE":
-        return algo, load_eagle_head(path, target, dtype, device)
+        return algo, load_eagle_head(path, target, dtype, device, tp)
     if algo == "EAGLE3":
-        return algo, load_eagle3_head(path, target, dtype, device)
-    return algo, load_model(path, dtype=dtype, device=device)
+        return algo, load_eagle3_head(path, target, dtype, device, tp)
+    return algo, load_model(path, dtype=dtype, device=device, tp=tp)
 
 
 def _head_config(path: Path, kind: str, archs: tuple[str, ...]) -> tuple[dict[str, Any], str]:
@@ -149,10 +152,11 @@ def _strip_model(name: str) -> str:
 
 
 def load_eagle_head(path: str | Path, target: LlamaForCausalLM,
-                    dtype: torch.dtype = torch.float32,
-                    device: torch.device | str = "cpu") -> EagleHead:
+                    dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                    tp: TensorParallel | None = None) -> EagleHead:
     """Load an EAGLE-1 head: specdial's layout (:mod:`specdial.models.eagle`) or SGLang's /
-    vLLM's (module docstring). The head shares ``target.embed_tokens`` and ``target.lm_head``.
+    vLLM's (module docstring). The head shares ``target.embed_tokens`` and ``target.lm_head``
+    (sharded when the target is); ``tp`` shards its decoder layer (``fc`` is replicated).
     Raises ``FileNotFoundError`` without config.json or weights, ``ValueError`` for another
     architecture, a config that does not match the target, or missing, unexpected or
     mis-shaped tensors, naming them."""
@@ -169,6 +173,8 @@ def load_eagle_head(path: str | Path, target: LlamaForCausalLM,
         names[c] = n
     head = _build(EagleHead, config, target.embed_tokens, target.lm_head, input_norm=own,
                   fc_bias=own or "fc.bias" in names.values())
+    if tp is not None:
+        shard_modules_(head, tp)
     _assign(head, files, names, dtype, device)
     head.rotary.to(device)
     return head.eval()
@@ -230,9 +236,10 @@ def _eagle3_name(ckpt: str) -> str:
 
 
 def load_eagle3_head(path: str | Path, target: LlamaForCausalLM,
-                     dtype: torch.dtype = torch.float32,
-                     device: torch.device | str = "cpu") -> Eagle3Head:
+                     dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                     tp: TensorParallel | None = None) -> Eagle3Head:
     """Load an EAGLE-3 head (layouts and fields in the module docstring) for ``target``.
+    ``tp``: shard its midlayer and its own vocabulary tensors over this group, as the target's.
 
     Raises ``FileNotFoundError`` / ``ValueError`` like :func:`load_eagle_head`, and
     ``ValueError`` when ``fc`` does not take the aux states the config selects (naming the
@@ -273,11 +280,16 @@ def load_eagle3_head(path: str | Path, target: LlamaForCausalLM,
     if "embed_tokens.weight" in special:
         c = special["embed_tokens.weight"]
         emb, ref = _read_tensor(files, c).to(device=device, dtype=dtype), target.embed_tokens.weight
+        shard = param_shard(target, "embed_tokens.weight")
+        if shard is not None and tuple(emb.shape) == shard.full:
+            emb = slice_shard(emb, shard)  # compare with this rank's rows of the target's
         own_embedding = emb.shape != ref.shape or not torch.equal(emb, ref)
         if own_embedding:
             names[c] = "embed_tokens.weight"
     head = _build(Eagle3Head, config, spec, target.embed_tokens,
                   None if own_lm_head else target.lm_head, own_embedding=own_embedding)
+    if tp is not None:
+        shard_modules_(head, tp)
     _assign(head, files, names, dtype, device)
     d2t, t2d = (_read_tensor(files, special[k]) if k in special else None
                 for k in ("d2t", "t2d"))

@@ -35,6 +35,7 @@ from specdial.models.batch import ForwardBatch
 from specdial.models.config import ModelConfig
 from specdial.models.layers import DecoderLayer, RotaryEmbedding
 from specdial.models.llama import run_layers
+from specdial.models.tensor_parallel import full_shape
 
 EAGLE_ARCHITECTURE = "SpecdialEagleHead"
 
@@ -59,13 +60,13 @@ class EagleHead(nn.Module):
         if config.num_hidden_layers != 1:
             raise ValueError("EagleHead has one decoder layer, config says "
                              f"{config.num_hidden_layers}")
-        vocab, hidden = target_embed.weight.shape
+        vocab, hidden = full_shape(target_embed)  # unsharded, also under tensor parallelism
         if (vocab, hidden) != (config.vocab_size, config.hidden_size):
             raise ValueError(f"EagleHead config (vocab {config.vocab_size}, hidden "
                              f"{config.hidden_size}) does not match the target embedding "
                              f"(vocab {vocab}, hidden {hidden})")
-        if tuple(target_lm_head.weight.shape) != (vocab, hidden):
-            raise ValueError(f"target lm_head {tuple(target_lm_head.weight.shape)} does not "
+        if full_shape(target_lm_head) != (vocab, hidden):
+            raise ValueError(f"target lm_head {full_shape(target_lm_head)} does not "
                              f"match the embedding ({vocab}, {hidden})")
         self.config = config
         # plain attributes: shared with the target, not parameters of the head
@@ -98,5 +99,6 @@ class EagleHead(nn.Module):
         """A 1-layer :class:`KVPool` for this head (dtype/device default to the weights')."""
         w = self.fc.weight
         c = self.config
-        return KVPool(1, num_slots, c.num_key_value_heads, c.head_dim,
+        kv_heads = self.layers[0].self_attn.num_kv_heads  # this rank's share
+        return KVPool(1, num_slots, kv_heads, c.head_dim,
                       dtype or w.dtype, device or w.device)

@@ -40,6 +40,7 @@ from specdial.kv_pool import KVPool
 from specdial.models.batch import ForwardBatch
 from specdial.models.config import ModelConfig
 from specdial.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from specdial.models.tensor_parallel import full_shape
 
 #: ``eagle_config.eagle_aux_hidden_state_layer_ids`` (SGLang, SpecForge) names the layer whose
 #: *output* is captured; top-level ``eagle_aux_hidden_state_layer_ids`` (vLLM, speculators)
@@ -159,7 +160,7 @@ class Eagle3Head(nn.Module):
         if config.num_hidden_layers != 1:
             raise ValueError(f"Eagle3Head has one decoder layer (midlayer), config says "
                              f"num_hidden_layers={config.num_hidden_layers}")
-        vocab, target_hidden = target_embed.weight.shape
+        vocab, target_hidden = full_shape(target_embed)  # unsharded under tensor parallelism
         h = config.hidden_size
         if config.vocab_size != vocab:
             raise ValueError(f"EAGLE-3 head vocab_size {config.vocab_size} differs from the "
@@ -181,7 +182,7 @@ class Eagle3Head(nn.Module):
         self.midlayer = Eagle3DecoderLayer(config, spec.norm_before_residual)
         self.norm = RMSNorm(h, config.rms_norm_eps)
         if target_lm_head is not None:
-            if spec.draft_vocab_size != vocab or tuple(target_lm_head.weight.shape) != (vocab, h):
+            if spec.draft_vocab_size != vocab or full_shape(target_lm_head) != (vocab, h):
                 raise ValueError("a head sharing the target's lm_head drafts over the full "
                                  f"vocabulary ({vocab}) at hidden size {h}")
             object.__setattr__(self, "lm_head", target_lm_head)
@@ -249,5 +250,6 @@ class Eagle3Head(nn.Module):
                      device: torch.device | str | None = None) -> KVPool:
         """A 1-layer :class:`KVPool` for this head (dtype/device default to the weights')."""
         w, c = self.fc.weight, self.config
-        return KVPool(1, num_slots, c.num_key_value_heads, c.head_dim,
+        kv_heads = self.midlayer.self_attn.num_kv_heads  # this rank's share
+        return KVPool(1, num_slots, kv_heads, c.head_dim,
                       dtype or w.dtype, device or w.device)

@@ -46,7 +46,8 @@ class LlamaForCausalLM(nn.Module):
     :class:`ModelConfig`). With ``tie_word_embeddings`` ``lm_head.weight`` *is*
     ``embed_tokens.weight`` (one Parameter). Parameter names are HF's without the ``model.``
     prefix. Layer ``i`` uses layer ``i`` of the :class:`KVPool`, which must have
-    ``num_hidden_layers`` layers, ``num_key_value_heads`` heads and ``head_dim``.
+    ``num_hidden_layers`` layers, ``num_key_value_heads`` heads (this rank's share under tensor
+    parallelism) and ``head_dim``.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -107,7 +108,8 @@ class LlamaForCausalLM(nn.Module):
         """A :class:`KVPool` shaped for this model (dtype/device default to the weights')."""
         w = self.embed_tokens.weight
         c = self.config
-        return KVPool(c.num_hidden_layers, num_slots, c.num_key_value_heads, c.head_dim,
+        kv_heads = cast(DecoderLayer, self.layers[0]).self_attn.num_kv_heads  # this rank's
+        return KVPool(c.num_hidden_layers, num_slots, kv_heads, c.head_dim,
                       dtype or w.dtype, device or w.device)
 
 

@@ -16,8 +16,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from specdial.distributed.group import TensorParallel
 from specdial.models.config import ModelConfig
 from specdial.models.llama import LlamaForCausalLM
+from specdial.models.tensor_parallel import param_shard, read_shard, shard_modules_
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 
@@ -64,14 +66,18 @@ def _assign(model: nn.Module, files: dict[str, Path], names: dict[str, str | Non
     ``files``: every checkpoint tensor and its file; ``names``: checkpoint name -> parameter
     name of ``model`` for the tensors to load (None: a name the layout does not allow);
     tensors absent from ``names`` are skipped. ``ckpt_name``: the checkpoint name expected
-    for a parameter (error messages). Raises ``ValueError`` naming missing, unexpected,
-    duplicated or mis-shaped tensors (by checkpoint name).
+    for a parameter (error messages). A tensor-parallel module's parameter (see
+    :func:`specdial.models.tensor_parallel.shard_modules_`) is checked against its full shape
+    and only its shard is read (a slice read). Raises ``ValueError`` naming missing,
+    unexpected, duplicated or mis-shaped tensors (by checkpoint name).
     """
     def listing(items: list[str]) -> str:
         return f"{items[:8]}" + (f" (+{len(items) - 8} more)" if len(items) > 8 else "")
 
     # named_parameters() lists a tied lm_head once, under embed_tokens
-    expected = {n: tuple(t.shape) for n, t in model.named_parameters()}
+    shards = {n: param_shard(model, n) for n, _ in model.named_parameters()}
+    expected = {n: shards[n].full if shards[n] else tuple(t.shape)  # type: ignore[union-attr]
+                for n, t in model.named_parameters()}
     shapes = _tensor_shapes(files)
     unexpected = sorted(c for c, p in names.items() if p is None or p not in expected)
     if unexpected:
@@ -95,7 +101,9 @@ def _assign(model: nn.Module, files: dict[str, Path], names: dict[str, str | Non
     for file, params in by_file.items():
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for param in params:
-                tensor = f.get_tensor(present[param]).to(device=device, dtype=dtype)
+                shard = shards[param]
+                tensor = (f.get_tensor(present[param]) if shard is None
+                          else read_shard(f, present[param], shard)).to(device=device, dtype=dtype)
                 owner, _, attr = param.rpartition(".")
                 setattr(model.get_submodule(owner), attr, nn.Parameter(tensor, requires_grad=False))
 
@@ -115,11 +123,14 @@ def _build(cls: type[M], *args: Any, **kwargs: Any) -> M:
 
 
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> LlamaForCausalLM:
+               device: torch.device | str = "cpu",
+               tp: TensorParallel | None = None) -> LlamaForCausalLM:
     """Load a local HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` directory.
 
     Returns the model in eval mode, weights in ``dtype`` on ``device`` (rotary frequencies
-    stay float32). Raises ``FileNotFoundError`` without config.json or safetensors weights,
+    stay float32). ``tp``: this rank's tensor-parallel group; with more than one rank the
+    model is sharded (:mod:`specdial.models.tensor_parallel`) and only this rank's shard of
+    each tensor is read; also ``ValueError`` when the sizes do not split over the group. Raises ``FileNotFoundError`` without config.json or safetensors weights,
     ``ValueError`` for an unsupported architecture or rope type, and for missing, unexpected
     (rotary ``inv_freq`` buffers excepted) or mis-shaped tensors, naming them.
     """
@@ -131,6 +142,8 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     config = ModelConfig.from_dict(raw)
     model = _build(LlamaForCausalLM, config)
+    if tp is not None:
+        shard_modules_(model, tp)
     files = _checkpoint_index(path)
     skip = {c for c in files if c.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings:

@@ -21,7 +21,9 @@ Endpoints:
   ``choices`` and the ``usage`` (other chunks then carry ``"usage": null``). ``usage`` holds
   ``prompt_tokens``, ``completion_tokens`` and ``total_tokens``, summed over the choices.
 - ``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health`` (200, or 503 while shutting
-  down), ``GET /metrics`` (Prometheus, :mod:`specdial.server.metrics`).
+  down or once the engine reports a fatal failure in its optional ``failure`` attribute, e.g.
+  a tensor-parallel rank died; generation requests then get the same 503), ``GET /metrics``
+  (Prometheus, :mod:`specdial.server.metrics`).
 
 Supported request fields and the validation rules are in :mod:`specdial.server.protocol`.
 Mapping to the engine: ``max_tokens`` / ``max_completion_tokens`` -> ``max_new_tokens``
@@ -553,6 +555,10 @@ def create_app(engine: Any, *, served_model_name: str = BUILTIN_MODEL_NAME,
         if state.draining:
             raise APIError(503, "The server is shutting down", type="service_unavailable",
                            code="shutting_down")
+        failure = getattr(engine, "failure", None)  # optional: a fatal engine failure
+        if failure:
+            raise APIError(503, f"The engine has failed: {failure}",
+                           type="service_unavailable", code="engine_failed")
 
     def check_tokenizer(field: str) -> None:
         if engine.tokenizer is None:

@@ -12,6 +12,7 @@ flag (origin)                        specdial option              note
 ``--max-model-len`` (vLLM)           ``--context-length``
 ``--max-total-tokens`` (SGLang)      ``--kv-cache-tokens``
 ``--chunked-prefill-size`` (SGLang)  ``--max-prefill-tokens``
+``--tensor-parallel-size`` (vLLM)    ``--tp-size``
 ``--speculative-num-draft-tokens``   ``--speculative-num-steps``  must be steps + 1 (chain drafts)
 ``--speculative-eagle-topk``         (none)                       must be 1: specdial drafts chains
 ``--cuda-graph-max-bs`` (SGLang)     ``--cuda-graph-bs``          SGLang's sizes up to N
@@ -47,6 +48,7 @@ ALIASES: dict[str, str] = {
     "--max-model-len": "context_length",
     "--max-total-tokens": "kv_cache_tokens",
     "--chunked-prefill-size": "max_prefill_tokens",
+    "--tensor-parallel-size": "tp_size",
 }
 
 #: flag whose meaning differs -> what to use instead

@@ -1,0 +1,82 @@
+"""Entry point of a worker rank: ``python -m specdial.distributed.rank``.
+
+Arguments (written by :func:`specdial.distributed.launcher.rank_command`): ``--config`` (the
+:class:`~specdial.distributed.group.DistConfig` as JSON), ``--entry module:function``,
+``--args`` (JSON object of keyword arguments) and optionally ``--parent-fd N`` (the read end
+of rank 0's watch pipe). The rank joins the group, calls ``function(tp, config, **args)`` and
+leaves. When the watch pipe reaches end-of-file (rank 0 is gone) the process exits at once with
+status 3, wherever it is. An exception in the entry prints its traceback and exits with 1; a
+:class:`~specdial.distributed.group.RankFailure` (a peer is gone) exits with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import threading
+import traceback
+from typing import Any, Callable
+
+PARENT_GONE_EXIT = 3
+RANK_FAILURE_EXIT = 2
+
+
+def _watch_parent(fd: int) -> None:
+    def run() -> None:
+        try:
+            while os.read(fd, 1):
+                pass
+        except OSError:
+            pass
+        print(f"specdial rank (pid {os.getpid()}): rank 0 is gone, exiting", file=sys.stderr,
+              flush=True)
+        os._exit(PARENT_GONE_EXIT)
+
+    threading.Thread(target=run, name="specdial-parent-watch", daemon=True).start()
+
+
+def resolve_entry(entry: str) -> Callable[..., Any]:
+    """``"module:function"`` -> the function; ``ValueError`` naming ``entry`` otherwise."""
+    module, sep, name = entry.partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"entry must be 'module:function', got {entry!r}")
+    fn = getattr(importlib.import_module(module), name, None)
+    if not callable(fn):
+        raise ValueError(f"entry {entry!r}: {module} has no function {name!r}")
+    return fn
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one worker rank; returns the process exit status."""
+    p = argparse.ArgumentParser(prog="python -m specdial.distributed.rank")
+    p.add_argument("--config", required=True)
+    p.add_argument("--entry", required=True)
+    p.add_argument("--args", default="{}")
+    p.add_argument("--parent-fd", type=int, default=None)
+    ns = p.parse_args(argv)
+    if ns.parent_fd is not None:
+        _watch_parent(ns.parent_fd)
+    from specdial.distributed.group import DistConfig, RankFailure, destroy_group, init_group
+    config = DistConfig(**json.loads(ns.config))
+    try:
+        fn = resolve_entry(ns.entry)
+        tp = init_group(config)
+        fn(tp, config, **json.loads(ns.args))
+    except RankFailure as e:
+        print(f"specdial rank {config.rank}: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # a broken group must not be torn down (its destructor can block on, or abort over,
+        # the lost peer): leave now
+        os._exit(RANK_FAILURE_EXIT)
+    except Exception:  # noqa: BLE001 - a worker rank reports any failure and exits non-zero
+        traceback.print_exc()
+        return 1
+    destroy_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

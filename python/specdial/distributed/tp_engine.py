@@ -1,0 +1,214 @@
+"""An :class:`specdial.Engine` whose models are sharded over ``tp_size`` ranks.
+
+Rank 0 is the process that constructs ``Engine(tp_size=N)``: it starts its node's other ranks
+(:func:`~specdial.distributed.node.start_rank0`, entry :func:`worker_rank`), loads its shard
+of the target and drafter, and owns the Rust scheduler and the engine loop. Its worker is
+wrapped (:class:`~specdial.distributed.mirror.Mirrored`): each ``prefill`` / ``decode`` call
+is turned into the worker's plain input once (:func:`specdial.worker.inputs.worker_input`,
+the decision already made), sent to the worker ranks, then run here; the sampling generator
+travels as a placeholder because every rank holds one seeded the same way and makes the same
+draws from identical (gathered) logits. After each call the emitted tokens and accepted
+counts are compared across ranks (``RankDivergence`` on a mismatch). Worker ranks build the
+same engine from the same options (their scheduler is never used) and replay the calls
+(:func:`~specdial.distributed.mirror.replay`).
+
+While the engine is idle a heartbeat goes out every ``dist_timeout / 6`` seconds (a worker rank
+waiting for its next call gives up after ``dist_timeout``). A rank that dies or hangs makes
+the next call fail with :class:`~specdial.distributed.group.RankFailure` within
+``dist_timeout``; the engine loop aborts that iteration's requests with the message, every
+later iteration fails at once (no collective), and ``Engine.failure`` carries the message
+(``/health`` answers 503).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from specdial.distributed.channel import Leader
+from specdial.distributed.group import DistConfig, RankFailure, TensorParallel, destroy_group
+from specdial.distributed.launcher import RankProcesses
+from specdial.distributed.mirror import Mirrored, replay
+from specdial.distributed.node import start_rank0
+from specdial.distributed.options import ParallelOptions
+
+__all__ = ["TensorParallelRuntime", "worker_rank", "rank_options", "start_worker_node"]
+
+METHODS = ("prefill", "decode")
+GENERATOR = "<this rank's generator>"
+ENTRY = "specdial.distributed.tp_engine:worker_rank"
+
+
+def _tokens(out: Any) -> torch.Tensor:
+    """What must agree across ranks after a pass: emitted tokens, then accepted counts."""
+    parts = [np.asarray(out.tokens, dtype=np.int64).reshape(-1)]
+    if getattr(out, "accepted", None) is not None:
+        parts.append(np.asarray(out.accepted, dtype=np.int64).reshape(-1))
+    return torch.from_numpy(np.concatenate(parts + [np.zeros(1, np.int64)]))
+
+
+CHECKS = {"prefill": _tokens, "decode": _tokens}
+
+
+def _wire(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return (args[0], args[1], GENERATOR) + tuple(args[3:]), kwargs
+
+
+def rank_options(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keyword-only Engine options as the worker ranks need them (JSON-serialisable):
+    what shapes the worker is kept; the trace, logging and a callable steps schedule are
+    rank 0's business (a callable schedule becomes ``[0]``: the worker then builds the same
+    runtime states, one per steps value). Raises ``ValueError`` naming an option that cannot
+    be sent."""
+    out: dict[str, Any] = {}
+    for key, value in engine_kwargs.items():
+        if key in ("record_trace", "log_interval_s"):
+            continue
+        if key == "steps_schedule" and value is not None:
+            value = [0] if callable(value) else [int(v) for v in value]
+        try:
+            json.dumps(value)
+        except TypeError:
+            raise ValueError(f"{key}={value!r} cannot be sent to the tensor-parallel worker "
+                             "ranks; pass plain values") from None
+        out[key] = value
+    return out
+
+
+class TensorParallelRuntime:
+    """Rank 0's side of a tensor-parallel engine: the group, the worker-rank processes, the
+    control channel and the heartbeat thread."""
+
+    def __init__(self, tp: TensorParallel, procs: RankProcesses) -> None:
+        self.tp, self.procs = tp, procs
+        self.leader = Leader(tp)
+        self.mirrored: Mirrored | None = None
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+
+    @classmethod
+    def start(cls, options: ParallelOptions, rank_args: dict[str, Any],
+              device: str) -> "TensorParallelRuntime":
+        """Start this node's worker ranks (:func:`worker_rank`), join the group as rank 0 and
+        send every rank ``rank_args`` (ranks on other nodes, started by
+        :func:`start_worker_node`, get them the same way). Raises :class:`RankFailure` when
+        the group does not form."""
+        tp, procs = start_rank0(options, ENTRY, {}, device=device)
+        try:
+            tp.broadcast_object(rank_args)
+        except BaseException:
+            procs.close(grace_s=1.0)
+            raise
+        return cls(tp, procs)
+
+    def attach(self, worker: Any) -> Any:
+        """Wrap rank 0's ``worker`` (returns the wrapper the engine loop must call) and start
+        the heartbeats."""
+        from specdial.worker.inputs import worker_input
+
+        mirrored = Mirrored(worker, self.leader, METHODS, CHECKS, wire=_wire)
+        self.mirrored = mirrored
+        pad = worker.pad_slot
+
+        class _Rank0Worker:
+            """The worker as the loop sees it: plans become plain inputs before mirroring."""
+
+            def __getattr__(self, name: str) -> Any:
+                fn = getattr(mirrored, name)
+                if name not in METHODS:
+                    return fn
+                return lambda plan, *rest: fn(worker_input(plan, pad), *rest)
+
+        self._beat = threading.Thread(target=self._heartbeats, name="specdial-tp-heartbeat",
+                                      daemon=True)
+        self._beat.start()
+        return _Rank0Worker()
+
+    def _heartbeats(self) -> None:
+        assert self.mirrored is not None
+        while not self._stop.wait(self.tp.timeout_s / 6):
+            with self.mirrored.lock:
+                if self.mirrored.failure is None and self.leader.heartbeat_due():
+                    try:
+                        self.leader.heartbeat()
+                    except RankFailure as e:
+                        self.mirrored.failure = str(e)
+
+    @property
+    def failure(self) -> str | None:
+        """The group's failure message, or None while every rank is well."""
+        if self.mirrored is not None and self.mirrored.failure is not None:
+            return self.mirrored.failure
+        gone = self.procs.failed()
+        return None if gone is None else f"{gone}; the engine cannot run its passes"
+
+    def close(self) -> None:
+        """Stop the worker ranks (a shutdown message when the group is healthy) and leave."""
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join()
+        healthy = self.mirrored is None or self.mirrored.failure is None
+        if healthy and self.procs.failed() is None:
+            try:
+                with self.mirrored.lock if self.mirrored else threading.Lock():
+                    self.leader.shutdown()
+                self.procs.close(exit_first_s=10.0)
+                destroy_group()
+                return
+            except RankFailure:
+                pass
+        self.procs.close(grace_s=1.0)
+        # leave the broken group so that this process can start another engine; its teardown
+        # can block on a hung peer, so it gets a few seconds in a thread, then is left as is
+        # (a later tensor-parallel Engine here then fails with a clear error)
+        leave = threading.Thread(target=destroy_group, name="specdial-tp-leave", daemon=True)
+        leave.start()
+        leave.join(5.0)
+
+
+def start_worker_node(options: ParallelOptions, device: str = "cpu") -> int:
+    """A node other than 0 (``serve --node-rank K``): run its ranks of the engine that node
+    0's ``Engine`` leads until it shuts down; returns the exit status (0: clean)."""
+    from specdial.distributed.node import run_worker_node
+
+    return run_worker_node(options, ENTRY, {}, device=device)
+
+
+def worker_rank(tp: TensorParallel, config: DistConfig) -> None:
+    """Entry of ranks ``1..tp_size-1``: receive the engine's options from rank 0, build the
+    same engine on this rank's shard, and replay rank 0's worker calls until it shuts down."""
+    args = tp.broadcast_object(None)
+    _serve_rank(tp, config, **args)
+
+
+def _serve_rank(tp: TensorParallel, config: DistConfig, model_path: str,
+                draft_model_path: str | None, algorithm: str | None, dtype: str,
+                options: dict[str, Any]) -> None:
+    from specdial.engine import Engine
+    from specdial.models import load_drafter, load_model, load_tokenizer
+
+    device = config.torch_device
+    torch_dtype = getattr(torch, dtype)
+    target = load_model(model_path, dtype=torch_dtype, device=device, tp=tp)
+    drafter = None
+    if draft_model_path is not None and algorithm is not None:
+        _, drafter = load_drafter(draft_model_path, target, algorithm, dtype=torch_dtype,
+                                  device=device, tp=tp)
+    try:
+        tokenizer = load_tokenizer(model_path)
+    except FileNotFoundError:
+        tokenizer = None
+    engine = Engine.from_modules(target, drafter, tokenizer, log_interval_s=None, **options)
+    worker, generator = engine.worker, engine.generator
+
+    def local(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return (args[0], args[1], generator) + tuple(args[3:]), kwargs
+
+    try:
+        replay(tp, worker, METHODS, CHECKS, local=local)
+    finally:
+        engine.shutdown(drain=False)

@@ -1,0 +1,129 @@
+"""Data parallelism: two real Engines behind :class:`DataParallelEngine`, served over HTTP.
+
+32 concurrent requests through the ``openai`` client all complete with the greedy outputs of
+one engine alone, both replicas take a share, ``/metrics`` sums the replicas, abort reaches the
+right replica, and ``generate`` with a list keeps prompt order."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+from specdial.distributed.data_parallel import DataParallelEngine, aggregate_stats
+from specdial.engine_api import EngineStats
+from specdial.server.config import ServeConfig
+from test_server_cli import save_tiny_model
+from test_server_engine import metric
+from test_server_fake_engine import LiveServer
+
+NAME = "tiny"
+PROMPTS = ["def add(a, b):\n    return", "import os\nimport", "class Point:\n    def",
+           "for i in range(10):\n", "x = [1, 2, 3]\nprint(", "# a comment\n"]
+COMMON = dict(max_running_requests=16, context_length=256, page_size=16)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    target = save_tiny_model(tmp_path_factory.mktemp("dp_target"), seed=20)
+    noisy = save_tiny_model(tmp_path_factory.mktemp("dp_noisy"), seed=21, perturb_of=target,
+                            noise=0.01)
+    return target, noisy
+
+
+def _engine(dirs):
+    target, noisy = dirs
+    return ServeConfig(model_path=str(target), draft_model_path=str(noisy),
+                       **COMMON).build_engine()
+
+
+@pytest.fixture(scope="module")
+def dp(dirs):
+    target, noisy = dirs  # what serve --dp-size 2 builds
+    engine = ServeConfig(model_path=str(target), draft_model_path=str(noisy), dp_size=2,
+                         **COMMON).build_engine()
+    assert isinstance(engine, DataParallelEngine) and engine.dp_size == 2
+    with LiveServer(engine, name=NAME) as server:
+        yield server
+
+
+def test_dp2_serves_32_concurrent_requests_none_lost(dp, dirs):
+    engine: DataParallelEngine = dp.engine
+    single = _engine(dirs)
+    try:
+        want = {p: single.generate(p, {"max_new_tokens": 16, "temperature": 0})["text"]
+                for p in PROMPTS}
+    finally:
+        single.shutdown()
+    before = [s.requests_finished for s in engine.replica_stats()]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(32)]
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=dp.url + "/v1", api_key="unused",
+                                      max_retries=0, timeout=300.0) as c:
+            return await asyncio.gather(*(c.completions.create(
+                model=NAME, prompt=p, max_tokens=16, temperature=0) for p in prompts))
+
+    results = asyncio.run(main())
+    assert len(results) == 32
+    for p, r in zip(prompts, results):
+        assert r.choices[0].finish_reason in ("length", "stop")
+        assert r.choices[0].text == want[p]
+    after = [s.requests_finished for s in engine.replica_stats()]
+    shares = [a - b for a, b in zip(after, before)]
+    assert sum(shares) == 32 and min(shares) >= 8, shares  # least-loaded routing spreads them
+    assert engine.inflight() == [0, 0]
+    assert metric(dp, "specdial:num_requests_running") == 0
+    total = sum(s.generation_tokens for s in engine.replica_stats())
+    assert metric(dp, "specdial:generation_tokens_total") == total
+
+
+def test_generate_list_keeps_order_and_abort_routes(dp):
+    engine: DataParallelEngine = dp.engine
+    outs = engine.generate(PROMPTS, {"max_new_tokens": 8, "temperature": 0})
+    alone = [engine.generate(p, {"max_new_tokens": 8, "temperature": 0}) for p in PROMPTS]
+    assert [o["text"] for o in outs] == [o["text"] for o in alone]
+    it = engine.stream(PROMPTS[0], sampling_params={"max_new_tokens": 200, "temperature": 0,
+                                                    "ignore_eos": True})
+    first = next(it)
+    engine.abort(first.request_id)
+    last = first
+    for last in it:
+        pass
+    assert last.finished and last.finish_reason["type"] == "abort"
+    assert engine.inflight() == [0, 0]
+
+
+def test_aggregate_stats():
+    a = EngineStats(running=1, queued=2, accepted_per_pos=[3, 1], steps_per_slot={1: 3},
+                    slot_states=[{"lower_bound": 1, "steps": 3}], generation_tokens=5)
+    b = EngineStats(running=2, accepted_per_pos=[1, 1, 1], steps_per_slot={1: 0},
+                    slot_states=[{"lower_bound": 1, "steps": 0}], generation_tokens=7)
+    s = aggregate_stats([a, b])
+    assert (s.running, s.queued, s.generation_tokens) == (3, 2, 12)
+    assert s.accepted_per_pos == [4, 2, 1]
+    assert s.steps_per_slot == {1: 3}
+    assert [d["replica"] for d in s.slot_states] == [0, 1]
+    with pytest.raises(ValueError):
+        aggregate_stats([])
+    with pytest.raises(ValueError, match="dp_size"):
+        DataParallelEngine([])
+
+
+def test_health_503_when_a_replica_fails():
+    """An engine (here a replica behind the front end) whose ``failure`` is set makes
+    ``/health`` and generation requests answer 503 naming the failure."""
+    import httpx
+
+    from test_server_fake_engine import FakeEngine
+    broken = FakeEngine()
+    engine = DataParallelEngine([FakeEngine(), broken])
+    with LiveServer(engine, name=NAME) as server:
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        broken.failure = "tensor-parallel rank 1 died"
+        r = httpx.get(server.url + "/health", timeout=10)
+        assert r.status_code == 503 and "replica 1: tensor-parallel rank 1 died" in r.text
+        r = httpx.post(server.url + "/v1/completions", timeout=10,
+                       json={"model": NAME, "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed"

@@ -1,0 +1,117 @@
+"""The engine with its models sharded over 2 gloo ranks (``Engine(tp_size=2)``, no launcher).
+
+Greedy outputs equal tp 1 for both drafters (EAGLE head, draft model) at fixed steps 0 and 3
+and adaptive; sampling runs to the end with the ranks' tokens checked equal after every pass;
+``serve``'s options (``--tp-size``) through the ``openai`` client; a killed worker rank aborts
+the running request with a message and ``/health`` answers 503 within ``dist_timeout``; two
+"nodes" on loopback (``serve --node-rank 1`` as a second process)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+import specdial
+from specdial.distributed.group import free_port
+from specdial.server.config import ServeConfig
+from test_server_fake_engine import LiveServer
+
+BUILTIN = Path(specdial.__file__).parent / "builtin"
+TARGET = str(BUILTIN / "target")
+PROMPTS = ["def fibonacci(n):", "import os\nimport", "class Stack:\n    def"]
+GREEDY = {"max_new_tokens": 24, "temperature": 0}
+DRAFTERS = {"EAGLE": BUILTIN / "eagle", "DRAFT": BUILTIN / "draft"}
+MODES = {"steps0": dict(speculative_adaptive=False, speculative_num_steps=0),
+         "steps3": dict(speculative_adaptive=False, speculative_num_steps=3),
+         "adaptive": {}}
+
+
+def _texts(engine, params=GREEDY):
+    return [o["text"] for o in engine.generate(PROMPTS, params)]
+
+
+def _tp1(**kw):
+    ref = specdial.Engine(log_interval_s=None, **kw)
+    try:
+        return _texts(ref)
+    finally:
+        ref.shutdown()
+
+
+@pytest.mark.parametrize("algo", list(DRAFTERS))
+def test_greedy_tp2_equals_tp1(algo):
+    for mode, kw in MODES.items():
+        common = dict(model_path=TARGET, draft_model_path=str(DRAFTERS[algo]),
+                      speculative_algorithm=algo, **kw)
+        want = _tp1(**common)
+        engine = specdial.Engine(tp_size=2, log_interval_s=None, **common)
+        try:
+            assert _texts(engine) == want, (algo, mode)
+            if mode != "steps0":
+                assert engine.stats().num_accepted_tokens > 0
+            sampled = _texts(engine, {"max_new_tokens": 16, "temperature": 0.8})
+            assert len(sampled) == 3 and engine.failure is None  # ranks agreed throughout
+        finally:
+            engine.shutdown()
+
+
+def test_serve_tp2_openai_and_killed_worker_rank():
+    timeout = 5.0
+    want = _tp1()[0]
+    cfg = ServeConfig(tp_size=2, dist_timeout=timeout, log_interval_s=0)
+    engine = cfg.build_engine()
+    with LiveServer(engine, name="m") as server:
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as c:
+            r = c.completions.create(model="m", prompt=PROMPTS[0], max_tokens=24,
+                                     temperature=0)
+        assert r.choices[0].text == want
+        assert httpx.get(server.url + "/health").status_code == 200
+        os.kill(engine._tp.procs.procs[1].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        out = engine.generate(PROMPTS[1], {"max_new_tokens": 64, "temperature": 0,
+                                           "ignore_eos": True})
+        reason = out["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and "peer rank died or hung" in reason["message"]
+        r = httpx.get(server.url + "/health")
+        assert r.status_code == 503 and "rank" in r.text
+        assert time.monotonic() - t0 < timeout + 10
+
+
+def test_two_nodes_on_loopback(tmp_path):
+    """tp 2 over two "nodes": node 1 is ``specdial serve --nnodes 2 --node-rank 1`` in another
+    process (it serves nothing and exits when node 0 shuts down), node 0 this Engine."""
+    addr = f"127.0.0.1:{free_port()}"
+    want = _tp1()
+    node1 = subprocess.Popen([sys.executable, "-m", "specdial.cli", "serve", "--tp-size", "2",
+                              "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr,
+                              "--dist-timeout", "120"])
+    try:
+        engine = specdial.Engine(tp_size=2, nnodes=2, node_rank=0, dist_init_addr=addr,
+                                 dist_timeout=120, log_interval_s=None)
+        try:
+            assert _texts(engine) == want
+        finally:
+            engine.shutdown()
+        assert node1.wait(60) == 0
+    finally:
+        node1.kill()
+
+
+def test_parallel_option_errors():
+    with pytest.raises(ValueError, match="node_rank=1: an Engine runs on node 0"):
+        specdial.Engine(tp_size=2, nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:1")
+    with pytest.raises(ValueError, match="tp_size must be an integer >= 1"):
+        specdial.Engine(tp_size=0)
+    with pytest.raises(ValueError, match="num_attention_heads \\(4\\) must be divisible by "
+                                         "tp_size \\(3\\)"):
+        specdial.Engine(tp_size=3, log_interval_s=None)
+    with pytest.raises(ValueError, match="--dp-size > 1 with --tp-size > 1"):
+        ServeConfig(tp_size=2, dp_size=2).build_engine()
