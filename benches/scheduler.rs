@@ -12,7 +12,8 @@
 
 use std::time::{Duration, Instant};
 
-use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
+use criterion::measurement::WallTime;
+use criterion::{black_box, criterion_group, criterion_main, BenchmarkGroup, Criterion, Throughput};
 use specdial_core::scheduler::{PlanKind, Scheduler, SchedulerConfig, StepsSource};
 
 const BATCH: usize = 256;
@@ -84,6 +85,21 @@ fn timed(base: &Scheduler, iters: u64, mut body: impl FnMut(&mut Scheduler)) -> 
     total
 }
 
+/// `schedule()` + `report()` of one steady decode iteration from `base` (`plan`: its plan, whose
+/// emitted tokens and accepted drafts are reported).
+fn bench_plan_report(group: &mut BenchmarkGroup<'_, WallTime>, name: String, base: &Scheduler, plan: &specdial_core::Plan) {
+    let (tokens, offsets, accepted) = results(plan);
+    group.bench_function(name, |b| {
+        b.iter_custom(|iters| {
+            timed(base, iters, |s| {
+                let plan = s.schedule().unwrap().unwrap();
+                let out = s.report(black_box(&tokens), &offsets, Some(&accepted)).unwrap();
+                black_box((plan, out));
+            })
+        })
+    });
+}
+
 fn bench(c: &mut Criterion) {
     let mut group = c.benchmark_group("scheduler");
     group.throughput(Throughput::Elements(BATCH as u64));
@@ -99,17 +115,7 @@ fn bench(c: &mut Criterion) {
             .iter()
             .all(|&s| s == i64::from(steps)));
         let (tokens, offsets, accepted) = results(&plan);
-        group.bench_function(format!("plan_report/{BATCH}/steps={steps}"), |b| {
-            b.iter_custom(|iters| {
-                timed(&base, iters, |s| {
-                    let plan = s.schedule().unwrap().unwrap();
-                    let out = s
-                        .report(black_box(&tokens), &offsets, Some(&accepted))
-                        .unwrap();
-                    black_box((plan, out));
-                })
-            })
-        });
+        bench_plan_report(&mut group, format!("plan_report/{BATCH}/steps={steps}"), &base, &plan);
         group.bench_function(format!("plan_only/{BATCH}/steps={steps}"), |b| {
             // The report is untimed here: only schedule() is measured.
             b.iter_custom(|iters| {
@@ -134,18 +140,7 @@ fn bench(c: &mut Criterion) {
     let base = running_state(3, true);
     let plan = base.clone().schedule().unwrap().unwrap();
     assert!(plan.kv_indices.len() > 60_000);
-    let (tokens, offsets, accepted) = results(&plan);
-    group.bench_function(format!("plan_report_kv_layout/{BATCH}/steps=3"), |b| {
-        b.iter_custom(|iters| {
-            timed(&base, iters, |s| {
-                let plan = s.schedule().unwrap().unwrap();
-                let out = s
-                    .report(black_box(&tokens), &offsets, Some(&accepted))
-                    .unwrap();
-                black_box((plan, out));
-            })
-        })
-    });
+    bench_plan_report(&mut group, format!("plan_report_kv_layout/{BATCH}/steps=3"), &base, &plan);
     group.finish();
 }
 

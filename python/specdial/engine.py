@@ -41,8 +41,7 @@ from specdial.engine_loop import (Abort, Cancel, EngineLoop, Message, RequestSpe
 from specdial.engine_output import OutputAccumulator
 from specdial.engine_requests import (async_collect, async_stream, collect, make_spec,
                                       sync_stream)
-from specdial.models import (LlamaForCausalLM, load_drafter, load_model, load_tokenizer,
-                             resolve_draft_algorithm)
+from specdial.models import LlamaForCausalLM, load_engine_modules, resolve_draft_algorithm
 from specdial.profiling import ProfilePoint, default_seq_len, profile_decode
 from specdial.worker.cuda_graphs import default_cuda_graph_bs, normalize_graph_bs
 from specdial.worker.drafters import DEFAULT_MAX_STEPS, Drafter, make_drafter
@@ -293,15 +292,8 @@ class Engine:
             tp = self._tp.tp
             dev = torch.device(dev.type, 0) if dev.type == "cuda" else dev
         try:
-            target = load_model(model_dir, dtype=torch_dtype, device=dev, tp=tp)
-            drafter_module: torch.nn.Module | None = None
-            if algo is not None and draft_dir is not None:
-                _, drafter_module = load_drafter(draft_dir, target, algo, dtype=torch_dtype,
-                                                 device=dev, tp=tp)
-            try:
-                tokenizer = load_tokenizer(model_dir)
-            except FileNotFoundError:
-                tokenizer = None
+            target, drafter_module, tokenizer = load_engine_modules(
+                model_dir, draft_dir, algo, dtype=torch_dtype, device=dev, tp=tp)
             self._setup(target, drafter_module, tokenizer, algo, speculative_num_steps,
                         speculative_adaptive, speculative_adaptive_config,
                         skip_zero_step_draft_extend, **kwargs)

@@ -98,6 +98,18 @@ class AttentionBackend(abc.ABC):
         """
 
 
+def check_static_plan(g: int, kv_lens: np.ndarray, max_bs: int, kv_capacity: int) -> None:
+    """The bounds of a static (graph-capturable) attention plan: ``g`` requests (padded
+    included), ``1 <= g <= max_bs``, one KV length per request, none over ``kv_capacity``
+    positions. Raises ``ValueError`` naming the bound."""
+    if not 1 <= g <= max_bs or len(kv_lens) != g:
+        raise ValueError(f"static attention: batch {len(kv_lens)} padded to {g} "
+                         f"(max {max_bs})")
+    if int(np.max(kv_lens)) > kv_capacity:
+        raise ValueError(f"a request has {int(np.max(kv_lens))} KV positions, over the "
+                         f"static capacity {kv_capacity}")
+
+
 def expand_kv_indices(flat: torch.Tensor, flat_lens: np.ndarray, kv_lens: np.ndarray,
                       valid_lens: np.ndarray, pad_slot: int
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from specdial.attention.base import (AttentionBackend, AttentionMetadata, _indptr,
+                                     check_static_plan,
                                      expand_kv_indices)  # noqa: F401 (re-exported)
 from specdial.kv_pool import KVPool
 
@@ -260,12 +261,7 @@ class FlashInferStaticAttention:
         :func:`expand_kv_indices`) and re-plan every wrapper of batch size ``g``; returns the
         same metadata object for every call with this ``g``. Raises ``ValueError`` when a
         request exceeds ``kv_capacity``."""
-        if not 1 <= g <= self.max_bs or len(kv_lens) != g:
-            raise ValueError(f"static attention: batch {len(kv_lens)} padded to {g} "
-                             f"(max {self.max_bs})")
-        if int(np.max(kv_lens)) > self.kv_capacity:
-            raise ValueError(f"a request has {int(np.max(kv_lens))} KV positions, over the "
-                             f"static capacity {self.kv_capacity}")
+        check_static_plan(g, kv_lens, self.max_bs, self.kv_capacity)
         idx, _, _ = expand_kv_indices(flat, flat_lens, kv_lens, valid_lens, pad_slot)
         qo = torch.full((g,), self.n, dtype=torch.int64)
         kv = torch.from_numpy(np.asarray(kv_lens, np.int64))

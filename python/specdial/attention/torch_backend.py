@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from specdial.attention.base import (AttentionBackend, AttentionMetadata, _indptr,
-                                     expand_kv_indices)
+                                     check_static_plan, expand_kv_indices)
 from specdial.kv_pool import KVPool
 
 
@@ -133,12 +133,7 @@ class TorchStaticAttention:
              valid_lens: np.ndarray, pad_slot: int) -> TorchAttentionMetadata:
         """Fill the metadata of ``g`` requests (host ``[g]`` arrays, see
         :func:`~specdial.attention.base.expand_kv_indices`); no sync."""
-        if not 1 <= g <= self.max_bs or len(kv_lens) != g:
-            raise ValueError(f"static attention: batch {len(kv_lens)} padded to {g} "
-                             f"(max {self.max_bs})")
-        if int(np.max(kv_lens)) > self.kv_capacity:
-            raise ValueError(f"a request has {int(np.max(kv_lens))} KV positions, over the "
-                             f"static capacity {self.kv_capacity}")
+        check_static_plan(g, kv_lens, self.max_bs, self.kv_capacity)
         valid_lens = np.asarray(valid_lens, np.int64)
         idx, req, pos = expand_kv_indices(flat, flat_lens, valid_lens, valid_lens, pad_slot)
         gather = self.kv_gather[:g]

@@ -149,8 +149,7 @@ class EngineFactory:
     def _load_modules(self) -> tuple[Any, Any, Any]:
         import torch
 
-        from specdial.models import (load_drafter, load_model, load_tokenizer,
-                                     resolve_draft_algorithm)
+        from specdial.models import load_engine_modules, resolve_draft_algorithm
 
         a = self.args
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
@@ -169,15 +168,7 @@ class EngineFactory:
             draft_dir = Path(a.draft_model_path) if a.draft_model_path else None
             if a.speculative_algorithm is None and draft_dir is not None:
                 algo = resolve_draft_algorithm(draft_dir)
-        target = load_model(model_dir, dtype=dtype, device=device)
-        drafter = None
-        if algo is not None and draft_dir is not None:
-            _, drafter = load_drafter(draft_dir, target, algo, dtype=dtype, device=device)
-        try:
-            tokenizer = load_tokenizer(model_dir)
-        except FileNotFoundError:
-            tokenizer = None
-        return target, drafter, tokenizer
+        return load_engine_modules(model_dir, draft_dir, algo, dtype=dtype, device=device)
 
     def _kwargs(self, conf: Configuration) -> dict[str, Any]:
         kw: dict[str, Any] = self.args.engine_kwargs()

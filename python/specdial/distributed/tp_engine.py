@@ -189,19 +189,11 @@ def _serve_rank(tp: TensorParallel, config: DistConfig, model_path: str,
                 draft_model_path: str | None, algorithm: str | None, dtype: str,
                 options: dict[str, Any]) -> None:
     from specdial.engine import Engine
-    from specdial.models import load_drafter, load_model, load_tokenizer
+    from specdial.models import load_engine_modules
 
-    device = config.torch_device
-    torch_dtype = getattr(torch, dtype)
-    target = load_model(model_path, dtype=torch_dtype, device=device, tp=tp)
-    drafter = None
-    if draft_model_path is not None and algorithm is not None:
-        _, drafter = load_drafter(draft_model_path, target, algorithm, dtype=torch_dtype,
-                                  device=device, tp=tp)
-    try:
-        tokenizer = load_tokenizer(model_path)
-    except FileNotFoundError:
-        tokenizer = None
+    target, drafter, tokenizer = load_engine_modules(
+        model_path, draft_model_path, algorithm, dtype=getattr(torch, dtype),
+        device=config.torch_device, tp=tp)
     engine = Engine.from_modules(target, drafter, tokenizer, log_interval_s=None, **options)
     worker, generator = engine.worker, engine.generator
 

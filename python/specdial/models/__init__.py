@@ -7,6 +7,7 @@ from specdial.models.drafter_loader import (
     EAGLE_ARCHITECTURES,
     infer_draft_algorithm,
     load_drafter,
+    load_engine_modules,
     load_eagle3_head,
     load_eagle_head,
     resolve_draft_algorithm,
@@ -20,5 +21,5 @@ from specdial.models.loader import SUPPORTED_ARCHITECTURES, load_model, load_tok
 __all__ = ["ForwardBatch", "ModelConfig", "EagleHead", "Eagle3Head", "Eagle3Spec",
            "LlamaForCausalLM", "Qwen2ForCausalLM", "SUPPORTED_ARCHITECTURES",
            "EAGLE_ARCHITECTURES", "EAGLE3_ARCHITECTURES", "load_model", "load_eagle_head",
-           "load_eagle3_head", "load_drafter", "infer_draft_algorithm",
+           "load_eagle3_head", "load_drafter", "load_engine_modules", "infer_draft_algorithm",
            "resolve_draft_algorithm", "save_eagle_head", "load_tokenizer"]

@@ -51,7 +51,8 @@ from specdial.models.eagle import EAGLE_ARCHITECTURE, EagleHead
 from specdial.models.eagle3 import TOP_LEVEL_IDS, Eagle3Head, Eagle3Spec, resolve_aux_layers
 from specdial.models.llama import LlamaForCausalLM
 from specdial.models.loader import (SUPPORTED_ARCHITECTURES, _assign, _build, _checkpoint_index,
-                                    _read_config, _read_tensor, _tensor_shapes, load_model)
+                                    _read_config, _read_tensor, _tensor_shapes, load_model,
+                                    load_tokenizer)
 from specdial.models.tensor_parallel import param_shard, shard_modules_, slice_shard
 
 #: EAGLE-1 architectures: specdial's own, SGLang's, vLLM's.
@@ -133,6 +134,25 @@ def load_drafter(path: str | Path, target: LlamaForCausalLM, algorithm: str | No
     if algo == "EAGLE3":
         return algo, load_eagle3_head(path, target, dtype, device, tp)
     return algo, load_model(path, dtype=dtype, device=device, tp=tp)
+
+
+def load_engine_modules(model_dir: str | Path, draft_dir: str | Path | None,
+                        algorithm: str | None, *, dtype: torch.dtype = torch.float32,
+                        device: torch.device | str = "cpu", tp: TensorParallel | None = None
+                        ) -> tuple[LlamaForCausalLM, nn.Module | None, Any]:
+    """``(target, drafter or None, tokenizer or None)``: what an engine runs. The drafter is
+    loaded when both ``draft_dir`` and ``algorithm`` are given (:func:`load_drafter`); the
+    tokenizer is the target directory's, None when it has none. ``tp``: shard both over this
+    tensor-parallel group. Raises what the loaders raise."""
+    target = load_model(model_dir, dtype=dtype, device=device, tp=tp)
+    drafter = None
+    if draft_dir is not None and algorithm is not None:
+        _, drafter = load_drafter(draft_dir, target, algorithm, dtype=dtype, device=device, tp=tp)
+    try:
+        tokenizer = load_tokenizer(model_dir)
+    except FileNotFoundError:
+        tokenizer = None
+    return target, drafter, tokenizer
 
 
 def _head_config(path: Path, kind: str, archs: tuple[str, ...]) -> tuple[dict[str, Any], str]:
