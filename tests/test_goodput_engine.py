@@ -13,6 +13,7 @@ from conftest import PROMPTS
 from test_engine_greedy import assert_no_leak
 from specdial import AdaptiveConfig, CostTable
 from specdial.cli import main
+from specdial.policy_sim import build_spec, run_simulation
 from specdial.engine import Engine
 from specdial.server.metrics import ServerMetrics as Metrics
 
@@ -70,7 +71,8 @@ def test_goodput_state_and_metrics_after_serving(tiny):
     text = Metrics(engine, "m").render().decode()
     for name in ("specdial:spec_decode_predicted_iteration_seconds{model_name=\"m\",steps=\"3\"}",
                  "specdial:spec_decode_acceptance_estimate{model_name=\"m\",position=\"0\"}",
-                 "specdial:spec_decode_policy_probes_total", "specdial:spec_decode_policy_batch_size"):
+                 "specdial:spec_decode_policy_probes_total", "specdial:spec_decode_policy_off_pace_total",
+                 "specdial:spec_decode_policy_batch_size"):
         assert name in text, name
     engine.shutdown()
     ema = Engine.from_modules(tiny.target, tiny.draft_noisy,
@@ -93,3 +95,17 @@ def test_cost_table_cli_writes_what_simulate_reads(tiny, tmp_path, capsys):
                  "--segments", "1000"]) == 0
     assert "table" in capsys.readouterr().out
     assert main(["bench", "cost-table", "--model-path", str(tiny.path), "--steps", "x"]) == 2
+
+
+def test_simulate_interference_is_validated_and_slows_only_the_measurements(capsys):
+    """``--interference`` (other work slowing the machine in stretches) must be in [0, 1]; it
+    changes what the policies measure, not the noise-free cost the contenders are scored on."""
+    assert main(["policy", "simulate", "--interference", "1.5", "--segments", "100"]) == 2
+    assert "interference must be in [0, 1]" in capsys.readouterr().err
+    spec = dict(regimes=["steady-code"], curves=["cpu-like"], policies=None, segments=1500,
+                seed=0, noise=0.1, spikes=0.0)
+    quiet = {c["curve"]: c for c in run_simulation(build_spec(**spec))}["cpu-like"]
+    busy = {c["curve"]: c for c in run_simulation(build_spec(**spec, interference=0.5))}["cpu-like"]
+    fixed = lambda case: {r["name"]: r["goodput"] for r in case["results"]}["fixed-3"]
+    assert fixed(quiet) == fixed(busy)  # fixed steps see no measurement
+    assert quiet["ratios"]["goodput"] != busy["ratios"]["goodput"]

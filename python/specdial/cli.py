@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--noise", type=_positive_float, default=0.1,
                     help="lognormal sigma of the measured seconds (default 0.1)")
     sm.add_argument("--spikes", type=float, default=0.01, help="probability of a 1.5-3x stall (default 0.01)")
+    sm.add_argument("--interference", type=float, default=0.0,
+                    help="share of the run slowed 2-4x in windows of ~50-150 iterations by other work "
+                    "on the machine, in [0, 1] (default 0)")
     sm.add_argument("--skip-zero-step-draft-extend", action="store_true",
                     help="steps 0 skip the drafter extend (catch-up cost when drafting resumes)")
     sm.add_argument("--json", action="store_true", help="print every case as JSON")
@@ -150,7 +153,7 @@ def _simulate(args: argparse.Namespace) -> int:
             raise ValueError(f"--spikes must be in [0, 1], got {args.spikes}")
         spec = build_spec(regimes=args.regime, curves=args.curve, policies=policies,
                           segments=args.segments, seed=args.seed, noise=args.noise,
-                          spikes=args.spikes,
+                          spikes=args.spikes, interference=args.interference,
                           skip_zero_step_draft_extend=args.skip_zero_step_draft_extend)
         cases = run_simulation(spec)
     except (ConfigError, OSError, ValueError) as e:

@@ -21,7 +21,7 @@ from specdial._core import AdaptiveConfig, simulate, simulation_catalog
 
 def build_spec(*, regimes: Sequence[str] | None, curves: Sequence[str] | None,
                policies: Sequence[tuple[str, AdaptiveConfig]] | None, segments: int,
-               seed: int, noise: float, spikes: float,
+               seed: int, noise: float, spikes: float, interference: float = 0.0,
                skip_zero_step_draft_extend: bool = False) -> dict[str, Any]:
     """The spec JSON object of :func:`specdial._core.simulate`. A curve that names an existing
     file is read as a cost table. Raises ``OSError`` for an unreadable table file."""
@@ -39,6 +39,7 @@ def build_spec(*, regimes: Sequence[str] | None, curves: Sequence[str] | None,
         "curves": curve_specs,
         "policies": None if policies is None else [[n, c.to_json()] for n, c in policies],
         "segments": segments, "seed": seed, "noise_sigma": noise, "spike_probability": spikes,
+        "interference": interference,
         "skip_zero_step_draft_extend": skip_zero_step_draft_extend,
     }
 

@@ -26,6 +26,8 @@ name                                                        type     meaning
 ``specdial:spec_decode_policy_batch_size``                  gauge    goodput: batch of that figure
 ``specdial:spec_decode_acceptance_estimate{position}``      gauge    goodput: acceptance estimate
 ``specdial:spec_decode_policy_probes_total``                counter  goodput: probes run
+``specdial:spec_decode_policy_off_pace_total``              counter  goodput: iterations not learned
+                                                                     (machine off its usual pace)
 ``specdial:spec_decode_num_drafts_total``                   counter  request-verifies with drafts
 ``specdial:spec_decode_num_draft_tokens_total``             counter  draft tokens proposed
 ``specdial:spec_decode_num_accepted_tokens_total``          counter  draft tokens accepted
@@ -140,6 +142,10 @@ class EngineCollector:
                                   "Probes of the goodput strategy: iterations run at steps that "
                                   "were not the predicted best, to measure a cost or acceptance.",
                                   value=g["probes"])
+        yield CounterMetricFamily("specdial:spec_decode_policy_off_pace",
+                                  "Decode iterations whose seconds the goodput strategy's cost "
+                                  "model left out because the machine ran off its usual pace "
+                                  "(other work slowing it).", value=g["off_pace_skipped"])
         acc = GaugeMetricFamily(
             "specdial:spec_decode_acceptance_estimate",
             "The goodput strategy's estimate of P(draft at this position accepted | the ones "

@@ -259,8 +259,9 @@ impl PyAdaptiveSpeculativeParams {
     }
 
     /// The `goodput` strategy's state, or None under another strategy: a dict with
-    /// `acceptance` (conditional acceptance per draft position), `probes`, `switches`, and
-    /// `last_decision` (None before the first: `slot`, `batch_size`, `context_tokens`, `steps`,
+    /// `acceptance` (conditional acceptance per draft position), `probes`, `switches`,
+    /// `off_pace_skipped` (iterations whose seconds the cost model left out because the machine
+    /// ran off its usual pace), and `last_decision` (None before the first: `slot`, `batch_size`, `context_tokens`, `steps`,
     /// `probe`, `predicted_seconds` {steps: seconds}, `expected_tokens` {steps: tokens per
     /// request}).
     fn goodput_state<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
@@ -327,6 +328,7 @@ pub(crate) fn goodput_dict<'py>(py: Python<'py>, g: &specdial_core::goodput::Goo
     d.set_item("acceptance", g.acceptance_rates())?;
     d.set_item("probes", g.probes())?;
     d.set_item("switches", g.switches())?;
+    d.set_item("off_pace_skipped", g.off_pace_skipped())?;
     match g.last_decision() {
         None => d.set_item("last_decision", py.None())?,
         Some(v) => {

@@ -25,6 +25,7 @@ struct Spec {
     noise_sigma: Option<f64>,
     spike_probability: Option<f64>,
     drift: Option<f64>,
+    interference: Option<f64>,
     max_steps: Option<u32>,
     skip_zero_step_draft_extend: Option<bool>,
 }
@@ -94,7 +95,11 @@ fn build(spec: Spec) -> PyResult<SimSpec> {
     if !(drift.is_finite() && (0.0..=2.0).contains(&drift)) {
         return Err(bad(format!("drift must be in [0, 2], got {drift}")));
     }
-    out.noise = Noise { sigma, spike_probability: spike, drift };
+    let interference = spec.interference.unwrap_or(0.0);
+    if !(0.0..=1.0).contains(&interference) {
+        return Err(bad(format!("interference must be in [0, 1], got {interference}")));
+    }
+    out.noise = Noise { sigma, spike_probability: spike, drift, interference };
     if let Some(k) = spec.max_steps {
         if k > 8 {
             return Err(bad(format!("max_steps must be in 0..=8, got {k}")));
@@ -108,7 +113,7 @@ fn build(spec: Spec) -> PyResult<SimSpec> {
 /// Runs the policy simulator (`specdial policy simulate`). `spec_json`: an object with optional
 /// `regimes` (names), `curves` (names, or `{"name", "table": <cost-table JSON text>}`),
 /// `policies` (`[[name, config JSON], ...]`; default goodput / ema / throughput_aware),
-/// `segments`, `seed`, `noise_sigma`, `spike_probability`, `drift`, `max_steps`,
+/// `segments`, `seed`, `noise_sigma`, `spike_probability`, `drift`, `interference`, `max_steps`,
 /// `skip_zero_step_draft_extend`. Returns JSON: a list of cases, each with `regime`, `steady`,
 /// `curve`, `oracle` and `results` (per contender: `goodput` tokens/s, `tokens`, `seconds`,
 /// `steps_changes`, `probes`, `steps_histogram`). Raises ValueError / ConfigError naming the

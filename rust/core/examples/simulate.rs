@@ -16,6 +16,9 @@ fn main() {
     if let Ok(x) = std::env::var("DRIFT") {
         spec.noise.drift = x.parse().expect("drift");
     }
+    if let Ok(x) = std::env::var("INTERFERENCE") {
+        spec.noise.interference = x.parse().expect("interference");
+    }
     if let Some(j) = args.get(5) {
         spec.policies[0].1 = specdial_core::AdaptiveConfig::from_json(j).expect("config");
         spec.policies.truncate(1);

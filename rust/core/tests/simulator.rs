@@ -83,19 +83,53 @@ fn context_length_moves_the_best_steps_at_a_constant_batch_size() {
     assert!(case.ratio("ema") < 0.5);
 }
 
+/// Runs the `goodput` strategy alone over every regime and curve with `noise`, once per seed, and
+/// returns per case `(label, goodput / oracle averaged over the seeds)` and the table of each run.
+fn over_seeds(noise: Noise, seeds: &[u64]) -> (Vec<(String, f64)>, String) {
+    let mut sums: Vec<(String, f64)> = Vec::new();
+    let mut tables = String::new();
+    for &seed in seeds {
+        let spec = SimSpec {
+            noise,
+            segments: 8000,
+            seed,
+            policies: specdial_core::sim::default_policies()[..1].to_vec(),
+            ..SimSpec::standard()
+        };
+        let cases = run_all(&spec);
+        tables += &format!("seed {seed}\n{}", table(&cases));
+        for (i, c) in cases.iter().enumerate() {
+            if sums.len() <= i {
+                sums.push((format!("{} on {}", c.regime, c.curve), 0.0));
+            }
+            sums[i].1 += c.ratio("goodput") / seeds.len() as f64;
+        }
+    }
+    (sums, tables)
+}
+
 #[test]
 fn goodput_holds_under_heavy_timing_noise() {
     // 30 % per-iteration timing noise, 5 % stalls and a +-20 % slow drift of the device's speed
-    // (a shared CPU): still >= 0.95 of the oracle on average.
-    let spec = SimSpec {
-        noise: Noise { sigma: 0.3, spike_probability: 0.05, drift: 0.2 },
-        segments: 8000,
-        seed: 11,
-        policies: specdial_core::sim::default_policies()[..1].to_vec(),
-        ..SimSpec::standard()
-    };
-    let cases = run_all(&spec);
-    let mean = cases.iter().map(|c| c.ratio("goodput")).sum::<f64>() / cases.len() as f64;
-    assert!(mean >= 0.95, "mean {mean:.4}\n{}", table(&cases));
-    assert!(cases.iter().all(|c| c.ratio("goodput") >= 0.85), "{}", table(&cases));
+    // (a shared CPU), three seeds: still >= 0.95 of the oracle on average, >= 0.85 in every case.
+    let (cases, tables) = over_seeds(Noise { sigma: 0.3, spike_probability: 0.05, drift: 0.2, interference: 0.0 }, &[11, 12, 13]);
+    let mean = cases.iter().map(|c| c.1).sum::<f64>() / cases.len() as f64;
+    assert!(mean >= 0.95, "mean {mean:.4}\n{tables}");
+    for (label, r) in &cases {
+        assert!(*r >= 0.85, "{label}: {r:.3}\n{tables}");
+    }
+}
+
+#[test]
+fn goodput_holds_while_other_work_slows_the_machine() {
+    // A quarter of the run, in stretches of ~50-150 iterations, 2-4x slower (a compile or a test
+    // suite beside the engine on a shared machine), three seeds: measurements from those
+    // stretches must not steer it for the rest of the run (the cost model's pace check). Before
+    // the pace check: 0.936 of the oracle on average (0.852 in the worst case); with it 0.961 (0.889).
+    let (cases, tables) = over_seeds(Noise { interference: 0.25, ..Noise::default() }, &[0, 1, 2]);
+    let mean = cases.iter().map(|c| c.1).sum::<f64>() / cases.len() as f64;
+    assert!(mean >= 0.95, "mean {mean:.4}\n{tables}");
+    for (label, r) in &cases {
+        assert!(*r >= 0.85, "{label}: {r:.3}\n{tables}");
+    }
 }

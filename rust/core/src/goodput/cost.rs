@@ -19,6 +19,18 @@
 //!
 //! Measurements more than `OUTLIER` times away from a well-measured cell's mean are clipped, so a
 //! stall of the machine does not poison a cell.
+//!
+//! 3. A *pace check*. Other work on a shared machine (a compile, another process on the same
+//!    cache) slows every iteration 2x to 4x for tens to hundreds of iterations (measured on the
+//!    development VM, BENCHMARKS.md section 10). A cell measured in such a stretch would make its
+//!    steps look that much dearer, and a policy does not go back to steps it believes expensive,
+//!    so the error would stay. The pace is the median of the last `PACE_WINDOW` ratios of
+//!    measured to predicted seconds at the steps the policy settled on, in a well-measured cell
+//!    (robust to a single stall; a sustained change shows within 3 iterations). While it is off by
+//!    more than `OFF_PACE` (or a multiple of the machine's usual timing noise, if larger), and for a settled measurement that is itself that far off its
+//!    prediction (a stall, or the first iterations of a slow stretch), the model learns nothing (the iterations still count for probe credit
+//!    and acceptance); after `OFF_PACE_ACCEPT` such iterations in a row the new pace is taken as
+//!    the machine's and learning resumes.
 
 use std::collections::BTreeMap;
 
@@ -34,6 +46,25 @@ pub const PRIOR_STEP_SHARE: f64 = 0.1;
 /// excited yet at the prior, small enough that a few measurements override it.
 const RIDGE: f64 = 1e-3;
 const OUTLIER: f64 = 3.0;
+/// Measurements a cell needs before its predictions serve as the reference of the speed factor.
+const REFERENCE_COUNT: u64 = 8;
+/// Iterations since a cell's last measurement within which it can serve as the reference.
+const REFERENCE_RECENT: u64 = 4;
+/// Reference measurements whose median ratio is the pace (a sustained change shows within 3, a
+/// single stall never).
+const PACE_WINDOW: usize = 5;
+/// Log of the pace beyond which the machine counts as disturbed (30 % slower or faster).
+const OFF_PACE: f64 = 0.262;
+/// The thresholds grow with the machine's usual timing noise: `OWN_SPREADS` (one measurement) and
+/// `MEDIAN_SPREADS` (the median) times the mean absolute log ratio of settled measurements.
+const OWN_SPREADS: f64 = 3.0;
+const MEDIAN_SPREADS: f64 = 2.5;
+/// Gain of that mean per settled measurement.
+const SPREAD_GAIN: f64 = 1.0 / 32.0;
+/// Largest log ratio one measurement adds to the spread (a stall counts as 1.5x).
+const SPREAD_CAP: f64 = 0.4;
+/// Disturbed iterations in a row after which the new pace is accepted as the machine's.
+const OFF_PACE_ACCEPT: u32 = 128;
 
 /// Batch-size buckets without CUDA graphs: powers of two and 1.5x between them.
 pub fn bucket_of(b: u32) -> u32 {
@@ -72,6 +103,10 @@ struct Cell {
     mean_catch: f64,
     /// Measurements ever taken.
     count: u64,
+    /// The model's clock at the last measurement.
+    last: u64,
+    /// Measurements in a row with gaps of at most `REFERENCE_RECENT` iterations.
+    streak: u64,
     /// `mean_t` minus the plane at the mean features (refreshed whenever the plane changes).
     residual: f64,
 }
@@ -81,12 +116,27 @@ struct Cell {
 pub struct CostModel {
     cells: BTreeMap<(u32, u32), Cell>,
     cell_decay: f64,
+    /// Decay of a cell's weight per iteration it is not measured.
+    idle_decay: f64,
     xtx: [[f64; F]; F],
     xty: [f64; F],
     plane_decay: f64,
     prior: [f64; F],
     theta: [f64; F],
     observations: u64,
+    /// Log ratios of measured to predicted seconds of the last reference measurements, oldest
+    /// first (see the module docs, layer 3).
+    recent_pace: std::collections::VecDeque<f64>,
+    /// Their median.
+    log_pace: f64,
+    /// Mean absolute log ratio of settled, on-pace measurements (the usual timing noise).
+    pace_spread: f64,
+    /// Iterations in a row with the pace off.
+    off_pace_run: u32,
+    /// Measurements not learned because the pace was off.
+    skipped: u64,
+    /// Measurements offered, learned or not.
+    clock: u64,
 }
 
 impl CostModel {
@@ -100,12 +150,19 @@ impl CostModel {
         CostModel {
             cells: BTreeMap::new(),
             cell_decay: 1.0 - 1.0 / w,
+            idle_decay: 1.0 - 1.0 / (4.0 * w),
             xtx: [[0.0; F]; F],
             xty: [0.0; F],
             plane_decay: 1.0 - 1.0 / (4.0 * w),
             prior,
             theta: prior,
             observations: 0,
+            recent_pace: std::collections::VecDeque::with_capacity(PACE_WINDOW),
+            log_pace: 0.0,
+            pace_spread: 0.15,
+            off_pace_run: 0,
+            skipped: 0,
+            clock: 0,
         }
     }
 
@@ -121,8 +178,11 @@ impl CostModel {
 
     /// Records one iteration of `seconds` (finite, > 0; checked by the caller) at bucket `bucket`
     /// with `b` requests (padded), `k` steps, `ctx` context tokens and `catch_up` tokens the
-    /// drafter caught up on before drafting.
-    pub fn observe(&mut self, bucket: u32, b: u32, k: u32, ctx: f64, catch_up: f64, seconds: f64) {
+    /// drafter caught up on before drafting. `reference`: the iteration ran the steps the policy
+    /// settled on (not a probe), so a well-measured cell's deviation from its prediction is taken
+    /// as the machine's pace (layer 3); a probe's deviation is the cell's own.
+    #[allow(clippy::too_many_arguments)]
+    pub fn observe(&mut self, bucket: u32, b: u32, k: u32, ctx: f64, catch_up: f64, seconds: f64, reference: bool) {
         if self.observations == 0 {
             // Scale the prior to the device: the first measurement fixes the unit.
             let unit = seconds / (1.0 + PRIOR_STEP_SHARE * f64::from(k));
@@ -131,13 +191,47 @@ impl CostModel {
             }
             self.theta = self.prior;
         }
+        self.clock += 1;
+        let mut own_off = false;
+        let mut settled_ratio = None;
+        if reference && self.is_reference(bucket, k) {
+            let r = (seconds / self.predict(bucket, b, k, ctx, catch_up)).ln();
+            own_off = r.abs() > OFF_PACE.max(OWN_SPREADS * self.pace_spread);
+            settled_ratio = Some(r);
+            if self.recent_pace.len() == PACE_WINDOW {
+                self.recent_pace.pop_front();
+            }
+            self.recent_pace.push_back(r);
+            let mut sorted: Vec<f64> = self.recent_pace.iter().copied().collect();
+            sorted.sort_by(f64::total_cmp);
+            self.log_pace = sorted[sorted.len() / 2];
+        }
+        if self.log_pace.abs() > OFF_PACE.max(MEDIAN_SPREADS * self.pace_spread) {
+            self.off_pace_run = self.off_pace_run.saturating_add(1);
+        } else {
+            self.off_pace_run = 0;
+        }
+        if let Some(r) = settled_ratio.filter(|_| self.off_pace_run == 0) {
+            self.pace_spread += SPREAD_GAIN * (r.abs().min(SPREAD_CAP) - self.pace_spread);
+        }
+        let accepted_pace = self.off_pace_run > OFF_PACE_ACCEPT;
+        if (self.off_pace_run > 0 || own_off) && !accepted_pace {
+            self.skipped += 1;
+            return;
+        }
         let cell = self.cells.entry((bucket, k)).or_default();
         let t = if cell.count >= 3 {
             seconds.clamp(cell.mean_t / OUTLIER, cell.mean_t * OUTLIER)
         } else {
             seconds
         };
-        cell.w = cell.w * self.cell_decay + 1.0;
+        // Weight decays per measurement of the cell and, more slowly, with the iterations since its
+        // last one: a cell measured long ago (at another context, on a machine in another state)
+        // gives way to a fresh measurement.
+        let gap = self.clock - cell.last;
+        cell.w = cell.w * self.cell_decay * self.idle_decay.powf(gap.saturating_sub(1) as f64) + 1.0;
+        cell.streak = if cell.count > 0 && gap <= REFERENCE_RECENT { cell.streak + 1 } else { 1 };
+        cell.last = self.clock;
         let a = 1.0 / cell.w;
         let b = f64::from(b);
         cell.mean_t += a * (t - cell.mean_t);
@@ -229,6 +323,23 @@ impl CostModel {
         }
     }
 
+    /// Whether cell `(bucket, k)` has been measured `REFERENCE_COUNT` times in a row, each within
+    /// `REFERENCE_RECENT` iterations of the last (so its prediction is current enough to judge the
+    /// machine's pace).
+    fn is_reference(&self, bucket: u32, k: u32) -> bool {
+        self.cells.get(&(bucket, k)).is_some_and(|c| c.streak >= REFERENCE_COUNT && self.clock - c.last <= REFERENCE_RECENT)
+    }
+
+    /// Whether measurements are being left out now because the machine is off its usual pace.
+    pub fn off_pace(&self) -> bool {
+        self.off_pace_run > 0 && self.off_pace_run <= OFF_PACE_ACCEPT
+    }
+
+    /// Measurements left out because the machine was off its pace (module docs, layer 3).
+    pub fn skipped(&self) -> u64 {
+        self.skipped
+    }
+
     /// Predicted seconds of one iteration (always > 0).
     pub fn predict(&self, bucket: u32, b: u32, k: u32, ctx: f64, catch_up: f64) -> f64 {
         let base = self.plane(f64::from(b), k, ctx, catch_up);
@@ -263,7 +374,7 @@ mod tests {
         for i in 0..400u32 {
             let b = [4, 16, 40][(i % 3) as usize];
             let k = [0, 2, 3][(i / 3 % 3) as usize];
-            m.observe(bucket_of(b), b, k, 0.0, 0.0, truth(b, k));
+            m.observe(bucket_of(b), b, k, 0.0, 0.0, truth(b, k), true);
         }
         for (b, k) in [(64, 5), (8, 7), (100, 1), (2, 0)] {
             let p = m.predict(bucket_of(b), b, k, 0.0, 0.0);
@@ -277,9 +388,9 @@ mod tests {
         // A knee: k = 0..2 cost 10 ms at bucket 64, k = 3 costs 30 ms.
         for _ in 0..50 {
             for k in 0..3 {
-                m.observe(64, 64, k, 0.0, 0.0, 0.010);
+                m.observe(64, 64, k, 0.0, 0.0, 0.010, true);
             }
-            m.observe(64, 64, 3, 0.0, 0.0, 0.030);
+            m.observe(64, 64, 3, 0.0, 0.0, 0.030, true);
         }
         assert!((m.predict(64, 64, 3, 0.0, 0.0) - 0.030).abs() < 0.002);
         assert!((m.predict(64, 64, 1, 0.0, 0.0) - 0.010).abs() < 0.002);
@@ -290,14 +401,50 @@ mod tests {
     #[test]
     fn outliers_are_clipped_and_prior_scales_to_the_first_measurement() {
         let mut m = CostModel::new(16);
-        m.observe(8, 8, 2, 0.0, 0.0, 0.012);
+        m.observe(8, 8, 2, 0.0, 0.0, 0.012, true);
         // Before a second measurement, other steps follow the prior shape (+10 % per step).
         let p4 = m.predict(8, 8, 4, 0.0, 0.0);
         assert!((p4 / 0.012 - 1.4 / 1.2).abs() < 0.05, "{p4}");
         for _ in 0..10 {
-            m.observe(8, 8, 2, 0.0, 0.0, 0.012);
+            m.observe(8, 8, 2, 0.0, 0.0, 0.012, true);
         }
-        m.observe(8, 8, 2, 0.0, 0.0, 10.0); // a 10 s stall
+        m.observe(8, 8, 2, 0.0, 0.0, 10.0, true); // a 10 s stall
         assert!(m.predict(8, 8, 2, 0.0, 0.0) < 0.02);
+    }
+
+    #[test]
+    fn a_slow_stretch_of_the_machine_does_not_poison_a_probed_cell() {
+        let mut m = CostModel::new(64);
+        for _ in 0..40 {
+            for _ in 0..4 {
+                m.observe(64, 64, 1, 0.0, 0.0, 0.010, true);
+            }
+            m.observe(64, 64, 2, 0.0, 0.0, 0.012, false);
+        }
+        // Other work slows everything 3x for 60 iterations; a probe of steps 2 runs in it.
+        for i in 0..60 {
+            m.observe(64, 64, 1, 0.0, 0.0, 0.030, true);
+            if i == 30 {
+                m.observe(64, 64, 2, 0.0, 0.0, 0.036, false);
+            }
+        }
+        assert!(m.skipped() >= 55, "{}", m.skipped());
+        for _ in 0..10 {
+            m.observe(64, 64, 1, 0.0, 0.0, 0.010, true);
+        }
+        assert!((m.predict(64, 64, 1, 0.0, 0.0) / 0.010 - 1.0).abs() < 0.05);
+        assert!((m.predict(64, 64, 2, 0.0, 0.0) / 0.012 - 1.0).abs() < 0.05, "{}", m.predict(64, 64, 2, 0.0, 0.0));
+    }
+
+    #[test]
+    fn a_lasting_change_of_pace_is_learned() {
+        let mut m = CostModel::new(32);
+        for _ in 0..50 {
+            m.observe(8, 8, 3, 0.0, 0.0, 0.010, true);
+        }
+        for _ in 0..(OFF_PACE_ACCEPT + 200) {
+            m.observe(8, 8, 3, 0.0, 0.0, 0.020, true);
+        }
+        assert!((m.predict(8, 8, 3, 0.0, 0.0) / 0.020 - 1.0).abs() < 0.05);
     }
 }

@@ -140,6 +140,12 @@ impl GoodputPolicy {
         self.probes
     }
 
+    /// Iterations whose seconds the cost model left out because the machine was off its usual
+    /// pace ([`cost`], layer 3).
+    pub fn off_pace_skipped(&self) -> u64 {
+        self.cost.skipped()
+    }
+
     /// Switches of a slot's steps so far (probes excluded).
     pub fn switches(&self) -> u64 {
         self.switches
@@ -209,7 +215,8 @@ impl GoodputPolicy {
             // too-high steps would otherwise wait some 30 iterations for enough credit to learn
             // that lower steps pay (BENCHMARKS.md, issue 11). Each cell borrows at most once.
             let unmeasured = cost.cell_count(bucket, target) == 0 && cost.cell_count(bucket, s.current) > 0;
-            if self.cfg.probe_budget > 0.0 && (s.credit >= t || unmeasured) {
+            // Off the machine's usual pace a probe's seconds would not be learned.
+            if self.cfg.probe_budget > 0.0 && !cost.off_pace() && (s.credit >= t || unmeasured) {
                 s.credit -= t;
                 s.probe_turn = !s.probe_turn;
                 steps = target;
@@ -251,7 +258,7 @@ impl GoodputPolicy {
     /// Feeds one measurement of a startup sweep to the cost model (not a decode iteration:
     /// acceptance, probe credit and slots are untouched).
     pub fn seed_cost(&mut self, bucket: u32, b: u32, steps: u32, seconds: f64, context_tokens: u64) {
-        self.cost.observe(bucket, b, steps, context_tokens as f64, 0.0, seconds);
+        self.cost.observe(bucket, b, steps, context_tokens as f64, 0.0, seconds, false);
     }
 
     /// Records one decode iteration of slot `slot` at `steps` (validated by the caller):
@@ -274,9 +281,10 @@ impl GoodputPolicy {
             self.acceptance.observe(self.iteration, steps, accepted);
         }
         let catch = if steps > 0 { std::mem::take(&mut self.catch_up) } else { 0 };
+        let settled = steps == self.slots[slot].current;
         let spent = match seconds {
             Some(t) => {
-                self.cost.observe(bucket, b_cost, steps, context_tokens as f64, catch as f64, t);
+                self.cost.observe(bucket, b_cost, steps, context_tokens as f64, catch as f64, t, settled);
                 t
             }
             None => self.cost.predict(bucket, b_cost, steps, context_tokens as f64, catch as f64),
@@ -289,7 +297,9 @@ impl GoodputPolicy {
         s.since_switch = s.since_switch.saturating_add(1);
         // Credit is capped at a few iterations' worth, so a long quiet stretch does not buy a
         // burst of probes.
-        s.credit = (s.credit + self.cfg.probe_budget * spent).min(4.0 * spent);
+        if !self.cost.off_pace() {
+            s.credit = (s.credit + self.cfg.probe_budget * spent).min(4.0 * spent);
+        }
         std::mem::take(&mut s.switched).then_some(s.current)
     }
 }

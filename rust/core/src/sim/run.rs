@@ -29,11 +29,33 @@ pub struct Noise {
     /// Standard deviation of a slow drift of the device's speed (the log of a factor that moves
     /// over hundreds to thousands of segments, as other work on a shared machine comes and goes).
     pub drift: f64,
+    /// Share of the run during which other work shares the machine: windows of
+    /// [`INTERFERENCE_WINDOW`] segments, each slowed 2x to 4x with this probability (measured on
+    /// the 2-core development VM: a compile or a test suite on the other core slowed the engine's
+    /// iterations by up to 4x for tens to hundreds of iterations, BENCHMARKS.md section 10).
+    pub interference: f64,
 }
 
 impl Default for Noise {
     fn default() -> Self {
-        Noise { sigma: 0.1, spike_probability: 0.01, drift: 0.0 }
+        Noise { sigma: 0.1, spike_probability: 0.01, drift: 0.0, interference: 0.0 }
+    }
+}
+
+/// Segments per window of [`Noise::interference`] (about 40 to 150 iterations).
+pub const INTERFERENCE_WINDOW: usize = 150;
+
+/// The slowdown at segment `i` from other work on the machine (see [`Noise::interference`]).
+fn interference_factor(seed: u64, i: usize, share: f64) -> f64 {
+    if share == 0.0 {
+        return 1.0;
+    }
+    let window = (i / INTERFERENCE_WINDOW) as u64;
+    let mut rng = SmallRng::seed_from_u64(seed ^ 0x1A7E_7F3E ^ window.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    if rng.random::<f64>() < share {
+        2.0 + 2.0 * rng.random::<f64>()
+    } else {
+        1.0
     }
 }
 
@@ -91,7 +113,8 @@ fn draws(seed: u64, i: usize, b: usize, noise: Noise) -> Draws {
         factor *= 1.5 + 1.5 * rng.random::<f64>();
     }
     let uniforms = (0..b).map(|_| std::array::from_fn(|_| rng.random::<f64>())).collect();
-    Draws { factor: factor * drift_factor(seed, i, noise.drift), uniforms }
+    let slow = drift_factor(seed, i, noise.drift) * interference_factor(seed, i, noise.interference);
+    Draws { factor: factor * slow, uniforms }
 }
 
 /// Seconds of iteration `i` at steps `k` on `curve` (the batch padded to the curve's graph
