@@ -1,12 +1,12 @@
 """Request validation and the three front ends' drivers of :class:`specdial.Engine`.
 
 - :func:`make_spec`: one request validated into a :class:`RequestSpec` (raises
-  :class:`~specdial.engine_api.RequestError` naming the field).
+  :class:`~specdial.engine.api.RequestError` naming the field).
 - :func:`collect`: ``generate``'s driver: submits a batch, waits (retrying requests refused by a
   full queue) and builds the SGLang-style output dicts.
 - :func:`async_collect`: ``async_generate``'s driver (the same dicts, on an asyncio loop).
 - :func:`sync_stream` / :func:`async_stream`: one request as an iterator of
-  :class:`~specdial.engine_api.StreamChunk`; submission on the first ``next`` / ``__anext__``;
+  :class:`~specdial.engine.api.StreamChunk`; submission on the first ``next`` / ``__anext__``;
   leaving early cancels (aborts) the request.
 
 ``post(message)`` queues a message for the engine loop (raising ``RuntimeError`` once the
@@ -21,9 +21,9 @@ import re
 from typing import Any, AsyncGenerator, Callable, Iterator
 
 from specdial._core import QueueFullError
-from specdial.engine_api import LogprobOptions, RequestError, StreamChunk
-from specdial.engine_loop import Message, RequestSpec, Submit, Submitted
-from specdial.engine_output import OutputAccumulator
+from specdial.engine.api import LogprobOptions, RequestError, StreamChunk
+from specdial.engine.loop import Message, RequestSpec, Submit, Submitted
+from specdial.engine.output import OutputAccumulator
 from specdial.worker.logprobs import MAX_TOP_LOGPROBS
 from specdial.worker.sampling import SamplingParams
 
