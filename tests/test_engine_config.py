@@ -14,6 +14,7 @@ import specdial
 from specdial.engine import Engine, EngineConfig
 from specdial.engine import core
 from specdial.engine.args import EngineArgs, add_dataclass_arguments
+from specdial.engine.config import config_of_call
 
 
 def test_the_engine_uses_the_config_defaults(tiny, monkeypatch):
@@ -72,13 +73,13 @@ def test_the_command_line_defaults_are_the_config_defaults():
 
 
 def test_positional_and_unknown_engine_arguments():
-    assert core.engine_config(("m", "d", "EAGLE"), {}).speculative_algorithm == "EAGLE"
+    assert config_of_call(("m", "d", "EAGLE"), {}).speculative_algorithm == "EAGLE"
     with pytest.raises(TypeError, match="multiple values for argument 'model_path'"):
-        core.engine_config(("m",), {"model_path": "x"})
+        config_of_call(("m",), {"model_path": "x"})
     with pytest.raises(TypeError, match="unexpected keyword argument"):
-        core.engine_config((), {"max_runing_requests": 4})
+        config_of_call((), {"max_runing_requests": 4})
     with pytest.raises(TypeError, match="at most 9 positional"):
-        core.engine_config(tuple(range(10)), {})
+        config_of_call(tuple(range(10)), {})
 
 
 @pytest.mark.parametrize("bad, match", [

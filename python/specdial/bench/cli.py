@@ -52,7 +52,7 @@ class _BenchCommon(EngineArgs):
     """Options shared by ``bench`` and ``bench compare`` (besides the engine options)."""
 
     log_level: str = _opt("log level of specdial", default="warning", choices=_LOG_LEVELS)
-    max_running_requests: int | None = _opt(
+    max_running_requests: int | None = _opt(  # type: ignore[assignment]
         "most requests decoded together; default: the (peak) --concurrency, else the "
         f"engine's ({EngineConfig.max_running_requests})", metavar="N")
     prompts_dir: str | None = _opt(

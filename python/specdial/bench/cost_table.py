@@ -36,7 +36,7 @@ class CostTableConfig(EngineArgs):
                                                "metavar": "N"})
     n_measure: int = field(default=5, metadata={"help": "timed iterations per point",
                                                 "metavar": "N"})
-    max_running_requests: int | None = field(default=None, metadata={
+    max_running_requests: int | None = field(default=None, metadata={  # type: ignore[assignment]
         "help": "most requests decoded together; default: the largest --batch-sizes",
         "metavar": "N"})
 

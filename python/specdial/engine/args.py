@@ -125,9 +125,8 @@ class EngineArgs(EngineConfig):
                 continue  # Python-only, or left to the engine's default by a command
             values[f.name] = value
         algo = values.get("speculative_algorithm")
-        if "speculative_algorithm" in values:
-            values["speculative_algorithm"] = {NO_SPECULATION: None, "STANDALONE": "DRAFT"}.get(
-                algo, algo)
+        if algo in (NO_SPECULATION, "STANDALONE"):
+            values["speculative_algorithm"] = None if algo == NO_SPECULATION else "DRAFT"
         if values.get("log_interval_s") == 0:
             values["log_interval_s"] = None
         return EngineConfig(**values)

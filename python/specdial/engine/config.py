@@ -22,7 +22,8 @@ from typing import Any
 
 from specdial._core import ConfigError
 
-__all__ = ["ALGORITHMS", "AUTO", "DTYPES", "EngineConfig", "FIXED_DEFAULT_STEPS", "GRAPH_MODES"]
+__all__ = ["ALGORITHMS", "AUTO", "DTYPES", "ENGINE_OPTIONS", "EngineConfig", "FIXED_DEFAULT_STEPS",
+           "GRAPH_MODES", "POSITIONAL", "config_of_call"]
 
 #: ``speculative_algorithm`` (and ``dtype``) value "decide from the checkpoint".
 AUTO = "auto"
@@ -202,3 +203,23 @@ class EngineConfig:
 
 #: The names of :class:`EngineConfig`'s fields (the keyword options of ``specdial.Engine``).
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig))
+#: The positional parameters of :class:`specdial.Engine`, in order (its first nine options).
+POSITIONAL = ENGINE_OPTIONS[:9]
+
+
+def config_of_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> EngineConfig:
+    """The :class:`EngineConfig` of ``Engine(*args, **kwargs)`` (positional arguments in the
+    order of :data:`POSITIONAL`). Raises ``TypeError`` for too many positional arguments, one
+    given twice or an unknown keyword; what :class:`EngineConfig` raises for bad values."""
+    if len(args) > len(POSITIONAL):
+        raise TypeError(f"Engine takes at most {len(POSITIONAL)} positional arguments "
+                        f"({', '.join(POSITIONAL)}), got {len(args)}")
+    for name, value in zip(POSITIONAL, args):
+        if name in kwargs:
+            raise TypeError(f"Engine got multiple values for argument {name!r}")
+        kwargs[name] = value
+    unknown = sorted(set(kwargs) - set(ENGINE_OPTIONS))
+    if unknown:
+        raise TypeError(f"Engine got unexpected keyword argument(s) {', '.join(unknown)}; the "
+                        "options are the fields of specdial.engine.config.EngineConfig")
+    return EngineConfig(**kwargs)

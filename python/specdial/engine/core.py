@@ -37,118 +37,18 @@ from specdial.distributed.data_parallel import DataParallelEngine
 from specdial.distributed.tp_engine import TensorParallelRuntime, rank_options
 from specdial.engine.api import EngineStats, LogprobOptions, RequestError, StreamChunk
 from specdial.engine.loop import Abort, Cancel, EngineLoop, Message, RequestSpec, Shutdown
-from specdial.engine.config import AUTO, ENGINE_OPTIONS, FIXED_DEFAULT_STEPS, EngineConfig
+from specdial.engine.config import AUTO, FIXED_DEFAULT_STEPS, EngineConfig, config_of_call
+from specdial.engine.loading import auto_dtype, builtin_dirs, resolve_device, torch_dtype
 from specdial.engine.output import OutputAccumulator
-from specdial.engine.requests import (async_collect, async_stream, collect, make_spec,
-                                      sync_stream)
+from specdial.engine.requests import (async_collect, async_stream, collect, logprob_options,
+                                      make_spec, sync_stream)
 from specdial.models import LlamaForCausalLM, load_engine_modules, resolve_draft_algorithm
 from specdial.profiling import ProfilePoint, default_seq_len, profile_decode
 from specdial.worker.graph_tables import default_cuda_graph_bs, normalize_graph_bs
 from specdial.worker.drafters import Drafter, make_drafter
 from specdial.worker.worker import SpecWorker
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-#: The positional parameters of :class:`Engine`, in order (the first fields of EngineConfig).
-_POSITIONAL = ENGINE_OPTIONS[:9]
-
 logger = logging.getLogger("specdial.engine")
-
-
-def _dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """A validated ``dtype`` (see :class:`EngineConfig`) other than ``"auto"`` as torch's."""
-    return DTYPES[str(dtype).removeprefix("torch.")]
-
-
-def _auto_dtype(model_dir: Path, device: torch.device) -> torch.dtype:
-    """``dtype="auto"`` (vLLM's): float32 on the CPU; on CUDA the checkpoint's ``torch_dtype``
-    (``dtype`` in newer configs) from its config.json, float32 when it names none. Raises
-    ``ValueError`` for a checkpoint dtype this engine does not run (float16)."""
-    if device.type == "cpu":
-        return torch.float32
-    import json
-
-    with open(model_dir / "config.json", encoding="utf-8") as f:
-        cfg = json.load(f)
-    name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
-    if name not in DTYPES:
-        raise ValueError(f"dtype='auto': the checkpoint's dtype {name!r} is not supported; "
-                         f"pass dtype={' or '.join(map(repr, DTYPES))}")
-    return DTYPES[name]
-
-
-def _device(device: str | torch.device) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'); got {device!r}")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r}: CUDA is not available on this machine "
-                             "(use device='cpu')")
-        count = torch.cuda.device_count()
-        if dev.index is not None and dev.index >= count:
-            raise ValueError(f"device {device!r}: no such CUDA device ({count} available: "
-                             f"cuda:0..cuda:{count - 1})")
-    return dev
-
-
-def engine_config(args: tuple[Any, ...], kwargs: dict[str, Any]) -> EngineConfig:
-    """The :class:`EngineConfig` of ``Engine(*args, **kwargs)`` (positional arguments in the
-    order of :data:`_POSITIONAL`). Raises ``TypeError`` for too many positional arguments, one
-    given twice or an unknown keyword; what :class:`EngineConfig` raises for bad values."""
-    if len(args) > len(_POSITIONAL):
-        raise TypeError(f"Engine takes at most {len(_POSITIONAL)} positional arguments "
-                        f"({', '.join(_POSITIONAL)}), got {len(args)}")
-    for name, value in zip(_POSITIONAL, args):
-        if name in kwargs:
-            raise TypeError(f"Engine got multiple values for argument {name!r}")
-        kwargs[name] = value
-    unknown = sorted(set(kwargs) - set(ENGINE_OPTIONS))
-    if unknown:
-        raise TypeError(f"Engine got unexpected keyword argument(s) {', '.join(unknown)}; the "
-                        "options are the fields of specdial.engine.config.EngineConfig")
-    return EngineConfig(**kwargs)
-
-
-def _builtin_dirs(draft_dir: Path | None, algo: Any) -> tuple[Path, Path | None, Any]:
-    """Target, drafter and algorithm of ``model_path=None`` (EAGLE unless told otherwise)."""
-    from specdial.builtin import builtin_model_path
-
-    try:
-        target = builtin_model_path("target")
-        if algo == AUTO:
-            algo = "EAGLE" if draft_dir is None else AUTO
-        if draft_dir is None and algo in ("EAGLE", "DRAFT"):
-            draft_dir = builtin_model_path("eagle" if algo == "EAGLE" else "draft")
-    except FileNotFoundError as e:
-        raise NotImplementedError(f"model_path=None selects the built-in models, which are not "
-                                  f"available: {e}; or pass model_path=<local HF checkpoint "
-                                  "directory>") from e
-    return target, draft_dir, algo
-
-
-def logprob_options(return_logprob: Any, logprob_start_len: Any,
-                    top_logprobs_num: Any) -> LogprobOptions | None:
-    """SGLang's ``return_logprob`` / ``logprob_start_len`` (-1: no prompt logprobs) /
-    ``top_logprobs_num`` as :class:`LogprobOptions` (None without ``return_logprob``).
-    Raises :class:`RequestError` for a wrong type, or for the other two set without
-    ``return_logprob``; the ranges are checked per request (they depend on the prompt)."""
-    if not isinstance(return_logprob, bool):
-        raise RequestError(f"return_logprob must be a bool, got {return_logprob!r}",
-                           "return_logprob")
-    for name, value in (("logprob_start_len", logprob_start_len),
-                        ("top_logprobs_num", top_logprobs_num)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise RequestError(f"{name} must be an int, got {value!r}", name)
-    if not return_logprob:
-        if logprob_start_len != -1 or top_logprobs_num != 0:
-            raise RequestError("logprob_start_len and top_logprobs_num need "
-                               "return_logprob=True", "return_logprob")
-        return None
-    return LogprobOptions(top_n=top_logprobs_num,
-                          prompt_start=None if logprob_start_len == -1 else logprob_start_len)
 
 
 def _release_loop(loop: EngineLoop) -> None:
@@ -254,12 +154,14 @@ class Engine:
     """
 
     _tp: TensorParallelRuntime | None = None
+    _loop: EngineLoop
+    worker: Any  # SpecWorker, or rank 0's tensor-parallel wrapper of it
     #: With ``dp_size > 1``: the replicas behind this Engine (each an Engine with its own
     #: scheduler and policy); every public call goes through it. None otherwise.
     _dp: DataParallelEngine | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.config = cfg = engine_config(args, kwargs)
+        self.config = cfg = config_of_call(args, kwargs)
         parallel = cfg.parallel_options()
         if parallel.node_rank != 0:
             raise ValueError(f"node_rank={parallel.node_rank}: an Engine runs on node 0; "
@@ -268,19 +170,19 @@ class Engine:
         if cfg.dp_size > 1:
             self._start_replicas(cfg)
             return
-        dev = _device(cfg.device)
-        torch_dtype = None if cfg.dtype == AUTO else _dtype(cfg.dtype)
+        dev = resolve_device(cfg.device)
+        dtype = None if cfg.dtype == AUTO else torch_dtype(cfg.dtype)
         draft_dir = None if cfg.draft_model_path is None else Path(cfg.draft_model_path)
         algo = cfg.speculative_algorithm
         # validated before any model loads
         adaptive_config = (None if cfg.speculative_adaptive_config is None
                            else self._adaptive_config(cfg.speculative_adaptive_config))
         if cfg.model_path is None:
-            model_dir, draft_dir, algo = _builtin_dirs(draft_dir, algo)
+            model_dir, draft_dir, algo = builtin_dirs(draft_dir, algo)
         else:
             model_dir = Path(cfg.model_path)
-        if torch_dtype is None:
-            torch_dtype = _auto_dtype(model_dir, dev)
+        if dtype is None:
+            dtype = auto_dtype(model_dir, dev)
         if algo == AUTO:
             algo = None if draft_dir is None else resolve_draft_algorithm(draft_dir)
         elif algo is not None and draft_dir is not None:
@@ -298,13 +200,13 @@ class Engine:
             self._tp = TensorParallelRuntime.start(parallel, {
                 "model_path": str(model_dir.resolve()), "algorithm": algo,
                 "draft_model_path": None if draft_dir is None else str(draft_dir.resolve()),
-                "dtype": str(torch_dtype).removeprefix("torch."), "options": options},
+                "dtype": str(dtype).removeprefix("torch."), "options": options},
                 dev.type)
             tp = self._tp.tp
             dev = torch.device(dev.type, 0) if dev.type == "cuda" else dev
         try:
             target, drafter_module, tokenizer = load_engine_modules(
-                model_dir, draft_dir, algo, dtype=torch_dtype, device=dev, tp=tp)
+                model_dir, draft_dir, algo, dtype=dtype, device=dev, tp=tp)
             self._setup(target, drafter_module, tokenizer, algo, cfg, adaptive_config)
         except BaseException:
             if self._tp is not None:
@@ -368,7 +270,7 @@ class Engine:
         options of :class:`Engine` (fields of :class:`EngineConfig`) other than the model
         paths, ``device``, ``dtype`` and the parallel options (``ValueError`` for a parallel
         size above 1: the modules are already built)."""
-        cfg = engine_config((), kwargs)
+        cfg = config_of_call((), kwargs)
         if cfg.tp_size > 1 or cfg.dp_size > 1:
             raise ValueError("from_modules builds one unsharded engine: tp_size and dp_size "
                              "must be 1")
@@ -741,6 +643,7 @@ class Engine:
         :class:`RequestError` / :class:`QueueFullError` before any chunk; ``aclose()`` or
         cancelling the task awaiting a chunk aborts the request. ``logprobs``: fills the
         chunks' logprob fields."""
+        chunks: Any
         if self._dp is not None:
             chunks = self._dp.async_stream(prompt, input_ids=input_ids,
                                            sampling_params=sampling_params, stop=stop,

@@ -59,6 +59,28 @@ def _check_logprobs(lp: Any, prompt_len: int, label: str) -> LogprobOptions | No
     return lp
 
 
+def logprob_options(return_logprob: Any, logprob_start_len: Any,
+                    top_logprobs_num: Any) -> LogprobOptions | None:
+    """SGLang's ``return_logprob`` / ``logprob_start_len`` (-1: no prompt logprobs) /
+    ``top_logprobs_num`` as :class:`LogprobOptions` (None without ``return_logprob``).
+    Raises :class:`RequestError` for a wrong type, or for the other two set without
+    ``return_logprob``; the ranges are checked per request (they depend on the prompt)."""
+    if not isinstance(return_logprob, bool):
+        raise RequestError(f"return_logprob must be a bool, got {return_logprob!r}",
+                           "return_logprob")
+    for name, value in (("logprob_start_len", logprob_start_len),
+                        ("top_logprobs_num", top_logprobs_num)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise RequestError(f"{name} must be an int, got {value!r}", name)
+    if not return_logprob:
+        if logprob_start_len != -1 or top_logprobs_num != 0:
+            raise RequestError("logprob_start_len and top_logprobs_num need "
+                               "return_logprob=True", "return_logprob")
+        return None
+    return LogprobOptions(top_n=top_logprobs_num,
+                          prompt_start=None if logprob_start_len == -1 else logprob_start_len)
+
+
 def _split_stop(sampling_params: Any, stop: Any, label: str) -> tuple[Any, Any]:
     """SGLang's ``sampling_params["stop"]`` moved out of the sampling params (stop strings are
     matched by the engine loop, not sampled); a different ``stop`` argument is an error."""

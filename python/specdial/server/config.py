@@ -140,7 +140,7 @@ class GenerateConfig(EngineArgs):
     temperature: float = _opt("sampling temperature; 0 = greedy", default=0.0)
     top_p: float = _opt("nucleus sampling mass in (0, 1]; 1 = off", default=1.0)
     top_k: int = _opt("sample among the k most likely tokens; -1 = off", default=-1)
-    seed: int | None = _opt("sampling seed", default=None)
+    seed: int | None = _opt("sampling seed", default=None)  # type: ignore[assignment]
     json: bool = _opt("print one JSON object (text, output_ids, meta_info, seconds) instead of "
                       "text and a statistics block", default=False)
 
