@@ -72,6 +72,13 @@ def test_the_command_line_defaults_are_the_config_defaults():
     assert EngineArgs().engine_config() == EngineConfig()
 
 
+def test_from_modules_refuses_what_cannot_apply(tiny):
+    with pytest.raises(ValueError, match="device cannot apply"):
+        Engine.from_modules(tiny.target, None, device="cpu")
+    with pytest.raises(ValueError, match="tp_size and dp_size must be 1"):
+        Engine.from_modules(tiny.target, None, dp_size=2)
+
+
 def test_positional_and_unknown_engine_arguments():
     assert config_of_call(("m", "d", "EAGLE"), {}).speculative_algorithm == "EAGLE"
     with pytest.raises(TypeError, match="multiple values for argument 'model_path'"):

@@ -274,6 +274,10 @@ class Engine:
         if cfg.tp_size > 1 or cfg.dp_size > 1:
             raise ValueError("from_modules builds one unsharded engine: tp_size and dp_size "
                              "must be 1")
+        given = [k for k in ("model_path", "draft_model_path", "device", "dtype") if k in kwargs]
+        if given:
+            raise ValueError(f"from_modules takes built modules: {', '.join(given)} cannot "
+                             "apply (load and place the modules before passing them)")
         wrapped = make_drafter(drafter, target, max_steps=cfg.drafter_max_steps)
         inferred = None if wrapped is None else wrapped.algorithm
         if cfg.speculative_algorithm not in (AUTO, inferred):
