@@ -21,7 +21,7 @@ from specdial.bench.driver import (EngineDriver, poisson_arrivals, prometheus_sn
 from specdial.bench.metrics import (RequestRecord, RunData, active_steps, percentile,
                                     snapshot, summarize, timeline_series)
 from specdial.cli import main
-from specdial.engine_api import EngineStats, StreamChunk
+from specdial.engine.api import EngineStats, StreamChunk
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

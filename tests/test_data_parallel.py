@@ -12,7 +12,8 @@ import openai
 import pytest
 
 from specdial.distributed.data_parallel import DataParallelEngine, aggregate_stats
-from specdial.engine_api import EngineStats
+from specdial.engine import Engine
+from specdial.engine.api import EngineStats
 from specdial.server.config import ServeConfig
 from test_server_cli import save_tiny_model
 from test_server_engine import metric
@@ -43,13 +44,13 @@ def dp(dirs):
     target, noisy = dirs  # what serve --dp-size 2 builds
     engine = ServeConfig(model_path=str(target), draft_model_path=str(noisy), dp_size=2,
                          **COMMON).build_engine()
-    assert isinstance(engine, DataParallelEngine) and engine.dp_size == 2
+    assert isinstance(engine, Engine) and engine.data_parallel.dp_size == 2
     with LiveServer(engine, name=NAME) as server:
         yield server
 
 
 def test_dp2_serves_32_concurrent_requests_none_lost(dp, dirs):
-    engine: DataParallelEngine = dp.engine
+    engine: DataParallelEngine = dp.engine.data_parallel
     single = _engine(dirs)
     try:
         want = {p: single.generate(p, {"max_new_tokens": 16, "temperature": 0})["text"]
@@ -80,7 +81,7 @@ def test_dp2_serves_32_concurrent_requests_none_lost(dp, dirs):
 
 
 def test_generate_list_keeps_order_and_abort_routes(dp):
-    engine: DataParallelEngine = dp.engine
+    engine: Engine = dp.engine
     outs = engine.generate(PROMPTS, {"max_new_tokens": 8, "temperature": 0})
     alone = [engine.generate(p, {"max_new_tokens": 8, "temperature": 0}) for p in PROMPTS]
     assert [o["text"] for o in outs] == [o["text"] for o in alone]
@@ -92,7 +93,35 @@ def test_generate_list_keeps_order_and_abort_routes(dp):
     for last in it:
         pass
     assert last.finished and last.finish_reason["type"] == "abort"
-    assert engine.inflight() == [0, 0]
+    assert engine.data_parallel.inflight() == [0, 0]
+
+
+def test_engine_dp_size_2_from_python(dirs):
+    """``specdial.Engine(dp_size=2)``: 24 greedy prompts through generate (a list), the same
+    outputs as one engine, none lost, both replicas used, stats summed; async_generate and
+    stream work through the same front end."""
+    target, noisy = dirs
+    options = dict(model_path=str(target), draft_model_path=str(noisy), **COMMON)
+    params = {"max_new_tokens": 12, "temperature": 0}
+    prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(24)]
+    with Engine(**options) as one:
+        want = [o["output_ids"] for o in one.generate(prompts, params)]
+    with Engine(dp_size=2, **options) as two:
+        assert len(two.replicas) == 2 and two.replicas[0] is not two.replicas[1]
+        assert two.replicas[0].scheduler is not two.replicas[1].scheduler
+        outs = two.generate(prompts, params)
+        assert [o["output_ids"] for o in outs] == want
+        per_replica = [s.requests_finished for s in two.data_parallel.replica_stats()]
+        assert sum(per_replica) == 24 and min(per_replica) > 0, per_replica
+        assert two.stats().requests_finished == 24
+        assert two.stats().generation_tokens == sum(len(w) for w in want)
+        got = asyncio.run(two.async_generate(prompts[:4], params))
+        assert [o["output_ids"] for o in got] == want[:4]
+        chunks = list(two.stream(prompts[0], sampling_params=params))
+        assert chunks[-1].finished and [t for c in chunks for t in c.token_ids] == want[0]
+        assert two.data_parallel.inflight() == [0, 0]
+    with pytest.raises(ValueError, match="dp_size > 1 with tp_size > 1"):
+        Engine(dp_size=2, tp_size=2, **options)
 
 
 def test_aggregate_stats():

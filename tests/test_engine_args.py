@@ -1,4 +1,4 @@
-"""The engine's options are defined once (specdial.engine_args) and bench reads them without
+"""The engine's options are defined once (specdial.engine.args) and bench reads them without
 importing the HTTP server; the server's config re-exports them under their old path."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def test_bench_gets_the_engine_options_without_the_server():
 
 
 def test_the_server_config_re_exports_the_engine_options():
-    from specdial import engine_args
+    from specdial.engine import args as engine_args
     from specdial.server import config
 
     assert config.EngineArgs is engine_args.EngineArgs

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import PROMPTS
 from specdial.engine import Engine
-from specdial.engine_api import RequestError
+from specdial.engine.api import RequestError
 
 KW = dict(max_running_requests=4, kv_cache_tokens=1024, page_size=8, log_interval_s=None)
 

@@ -20,7 +20,7 @@ from specdial.builtin import BUILTIN_DIR
 from specdial.cli import main as cli_main
 from specdial.detokenize import IncrementalText, decode
 from specdial.engine import Engine
-from specdial.engine_api import QueueFullError, RequestError
+from specdial.engine.api import QueueFullError, RequestError
 from specdial.models import LlamaForCausalLM, load_tokenizer
 from specdial.models.config import ModelConfig
 

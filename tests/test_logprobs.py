@@ -11,7 +11,7 @@ import torch
 
 from conftest import PROMPTS
 from specdial.engine import Engine
-from specdial.engine_api import LogprobOptions, RequestError
+from specdial.engine.api import LogprobOptions, RequestError
 
 KW = dict(max_running_requests=4, kv_cache_tokens=1024, page_size=8, log_interval_s=None)
 N = 12

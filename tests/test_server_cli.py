@@ -106,6 +106,8 @@ def test_help_documents_every_option(command, cls):
     assert proc.returncode == 0, proc.stderr
     help_text = " ".join(proc.stdout.split())
     for f in dataclasses.fields(cls):
+        if f.metadata.get("cli") is False:
+            continue  # Python-only (EngineConfig's seed and test hooks)
         if not f.metadata.get("positional"):
             assert "--" + f.name.replace("_", "-") in help_text, f.name
         first_words = " ".join(f.metadata["help"].split()[:4])
@@ -116,16 +118,20 @@ def test_help_documents_every_option(command, cls):
             assert flag in help_text
 
 
-def test_engine_kwargs_pass_only_what_is_set():
-    assert EngineArgs().engine_kwargs() == {
-        "speculative_adaptive": True, "skip_zero_step_draft_extend": False, "device": "cpu",
-        "dtype": "float32"}
+def test_engine_kwargs_are_the_engine_config():
+    from specdial.engine.config import EngineConfig
+
+    # the command line's defaults are EngineConfig's: nothing defaulted twice
+    assert EngineArgs().engine_kwargs() == EngineConfig().to_dict()
     cfg = ServeConfig(model_path="/m", speculative_algorithm="NONE", max_queued_requests=4,
                       record_trace="t.jsonl", port=1)
     kw = cfg.engine_kwargs()
     assert kw["speculative_algorithm"] is None and kw["max_queued_requests"] == 4
     assert kw["record_trace"] == "t.jsonl" and kw["model_path"] == "/m"
-    assert "port" not in kw and "log_level" not in kw and "max_running_requests" not in kw
+    assert "port" not in kw and "log_level" not in kw
+    assert kw["max_running_requests"] == EngineConfig().max_running_requests
+    assert ServeConfig(speculative_algorithm="STANDALONE").engine_kwargs()[
+        "speculative_algorithm"] == "DRAFT"
     assert ServeConfig().model_name() == "specdial-default"
     assert ServeConfig(model_path="/m").model_name() == "/m"
     assert ServeConfig(served_model_name="x").model_name() == "x"

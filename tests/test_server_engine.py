@@ -1,7 +1,7 @@
 """End to end: the server over the REAL Engine (tiny random models with the built-in tokenizer,
 float32, CPU) against a live uvicorn, with the official ``openai`` client.
 
-Skipped until ``specdial.Engine`` provides the serving contract of ``specdial.engine_api``
+Skipped until ``specdial.Engine`` provides the serving contract of ``specdial.engine.api``
 (``async_stream``, ``stats``, ``shutdown(drain)``: the continuous-batching Engine of issue 5).
 What they check, for the lead:
 

@@ -1,5 +1,5 @@
 """A FAKE engine for the server tests (no models), the live-server helper, and tests that the
-fake honours the serving contract of ``specdial.engine_api``.
+fake honours the serving contract of ``specdial.engine.api``.
 
 ``FakeEngine`` is a test double, not an engine: it "generates" the letters ``a..z`` in a cycle
 (starting at ``seed % 26`` when a seed is given), ``tokens_per_chunk`` tokens per chunk every
@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator, Iterator
 
 import pytest
 
-from specdial.engine_api import EngineStats, QueueFullError, RequestError, StreamChunk
+from specdial.engine.api import EngineStats, QueueFullError, RequestError, StreamChunk
 from specdial.server.protocol import SAMPLING_EXTRAS
 
 LETTERS = string.ascii_lowercase

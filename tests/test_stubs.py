@@ -56,5 +56,5 @@ def test_type_checkers_see_the_engine_class(tmp_path):
          "--ignore-missing-imports", "--cache-dir", str(tmp_path / "cache")],
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "-> specdial.engine.Engine" in proc.stdout, proc.stdout
+    assert "-> specdial.engine.core.Engine" in proc.stdout, proc.stdout
     assert "return_logprob: bool" in proc.stdout, proc.stdout

@@ -113,5 +113,5 @@ def test_parallel_option_errors():
     with pytest.raises(ValueError, match="num_attention_heads \\(4\\) must be divisible by "
                                          "tp_size \\(3\\)"):
         specdial.Engine(tp_size=3, log_interval_s=None)
-    with pytest.raises(ValueError, match="--dp-size > 1 with --tp-size > 1"):
+    with pytest.raises(ValueError, match="dp_size > 1 with tp_size > 1"):
         ServeConfig(tp_size=2, dp_size=2).build_engine()

@@ -60,14 +60,14 @@ __all__ = [
 
 
 if TYPE_CHECKING:  # type checkers see the class; at run time it is imported lazily below
-    from specdial.engine import Engine
+    from specdial.engine.core import Engine
 
 
 def __getattr__(name: str) -> object:
     # Engine needs torch; importing it lazily keeps `import specdial` (the policy, the replay
     # CLI) light.
     if name == "Engine":
-        from specdial.engine import Engine
+        from specdial.engine.core import Engine
 
         return Engine
     raise AttributeError(f"module 'specdial' has no attribute {name!r}")

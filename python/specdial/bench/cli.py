@@ -10,7 +10,7 @@
   configurations of :mod:`specdial.bench.compare` side by side and writes ``compare.json``,
   ``compare.md`` and the PNG plots.
 
-The engine options are those of ``specdial serve`` (:class:`specdial.engine_args.EngineArgs`);
+The engine options are those of ``specdial serve`` (:class:`specdial.engine.args.EngineArgs`);
 in ``compare`` the speculation options (``--speculative-num-steps``,
 ``--speculative-adaptive``) are set by each configuration and ``--speculative-adaptive-config``
 is an alias of ``--adaptive-config``. Exit status: 0, or 2 on bad options, a dataset that
@@ -32,7 +32,8 @@ from typing import Any
 
 from specdial.cli_common import cli_error, setup_logging
 from specdial.bench.datasets import DatasetError, build_requests
-from specdial.engine_args import EngineArgs, add_dataclass_arguments, config_from_args
+from specdial.engine.args import EngineArgs, add_dataclass_arguments, config_from_args
+from specdial.engine.config import EngineConfig
 
 __all__ = ["BenchConfig", "CompareConfig", "add_bench_subcommand", "format_result",
            "run_bench", "run_bench_command", "run_compare"]
@@ -51,6 +52,9 @@ class _BenchCommon(EngineArgs):
     """Options shared by ``bench`` and ``bench compare`` (besides the engine options)."""
 
     log_level: str = _opt("log level of specdial", default="warning", choices=_LOG_LEVELS)
+    max_running_requests: int | None = _opt(  # type: ignore[assignment]
+        "most requests decoded together; default: the (peak) --concurrency, else the "
+        f"engine's ({EngineConfig.max_running_requests})", metavar="N")
     prompts_dir: str | None = _opt(
         "directory of code.jsonl, prose.jsonl and hard.jsonl; default: the package's prompt "
         "sets", metavar="DIR")

@@ -50,6 +50,7 @@ from typing import Any, Callable, Mapping, Sequence
 from specdial.bench.datasets import BenchRequest, build_requests
 from specdial.bench.driver import EngineDriver, ramp_concurrency, run_benchmark
 from specdial.bench.metrics import RunData, summarize, timeline_series
+from specdial.engine.config import AUTO
 
 __all__ = ["Configuration", "EngineFactory", "compute_ratios", "default_config_names",
            "format_markdown", "parse_configurations", "run_comparison", "write_outputs"]
@@ -129,7 +130,7 @@ def parse_configurations(spec: str | None, adaptive_config: str | None = None
 
 class EngineFactory:
     """Builds the engine of each configuration from the engine options ``args``
-    (:class:`specdial.engine_args.EngineArgs`; the speculation options are replaced per
+    (:class:`specdial.engine.args.EngineArgs`; the speculation options are replaced per
     configuration). The models are loaded once, on the first :meth:`build`, and shared through
     ``Engine.from_modules``; if that is not possible (no ``from_modules``, or the modules cannot
     be loaded here), each configuration builds its own ``Engine(...)`` (loading the models once
@@ -143,8 +144,8 @@ class EngineFactory:
         self._shared: bool | None = None
 
     def _algorithm(self) -> str | None:
-        algo = self.args.speculative_algorithm
-        return None if algo == "NONE" else algo
+        """The engine's ``speculative_algorithm`` (None, ``"auto"`` or a name)."""
+        return self.args.engine_config().speculative_algorithm
 
     def _load_modules(self) -> tuple[Any, Any, Any]:
         import torch
@@ -159,15 +160,15 @@ class EngineFactory:
             from specdial.builtin import builtin_model_path
 
             model_dir = builtin_model_path("target")
-            algo = algo if a.speculative_algorithm is not None else "EAGLE"
+            algo = algo if algo != AUTO else "EAGLE"
             draft_dir = (Path(a.draft_model_path) if a.draft_model_path else
                          builtin_model_path("eagle" if algo == "EAGLE" else "draft")
                          if algo in ("EAGLE", "DRAFT") else None)
         else:
             model_dir = Path(a.model_path)
             draft_dir = Path(a.draft_model_path) if a.draft_model_path else None
-            if a.speculative_algorithm is None and draft_dir is not None:
-                algo = resolve_draft_algorithm(draft_dir)
+            if algo == AUTO:
+                algo = None if draft_dir is None else resolve_draft_algorithm(draft_dir)
         return load_engine_modules(model_dir, draft_dir, algo, dtype=dtype, device=device)
 
     def _kwargs(self, conf: Configuration) -> dict[str, Any]:
@@ -178,7 +179,7 @@ class EngineFactory:
         kw.update(conf.engine_overrides())
         if kw.get("speculative_adaptive_config") is None:
             kw.pop("speculative_adaptive_config", None)
-        if "max_running_requests" not in kw and self.default_max_running:
+        if self.args.max_running_requests is None and self.default_max_running:
             kw["max_running_requests"] = self.default_max_running
         return kw
 

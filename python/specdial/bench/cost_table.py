@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specdial.engine_args import EngineArgs
+from specdial.engine.args import EngineArgs
 
 
 @dataclass
@@ -36,6 +36,9 @@ class CostTableConfig(EngineArgs):
                                                "metavar": "N"})
     n_measure: int = field(default=5, metadata={"help": "timed iterations per point",
                                                 "metavar": "N"})
+    max_running_requests: int | None = field(default=None, metadata={  # type: ignore[assignment]
+        "help": "most requests decoded together; default: the largest --batch-sizes",
+        "metavar": "N"})
 
 
 def _ints(text: str, what: str, low: int) -> list[int]:
@@ -63,7 +66,7 @@ def run_cost_table(cfg: CostTableConfig) -> dict[str, Any]:
     kw = cfg.engine_kwargs()
     kw.update(speculative_adaptive=True, speculative_num_steps=None,
               speculative_adaptive_config={"strategy": "goodput", "1": {"candidate_steps": steps}},
-              max_running_requests=max(kw.get("max_running_requests") or 0, max(sizes)))
+              max_running_requests=max(cfg.max_running_requests or 0, max(sizes)))
     kw.pop("record_trace", None)
     started = time.time()
     engine = Engine(**kw)

@@ -1,6 +1,6 @@
 """Drivers (what a benchmark sends requests to) and the run loop.
 
-- :class:`EngineDriver`: an in-process engine (:mod:`specdial.engine_api`). With
+- :class:`EngineDriver`: an in-process engine (:mod:`specdial.engine.api`). With
   ``async_stream`` every request is its own stream and TTFT/TPOT/ITL are measured per chunk.
   An engine with only ``generate`` (the static-batch Engine of issue 3) is driven in batches:
   the requests that have arrived, up to the concurrency, go into one ``generate`` call; TTFT,
@@ -205,7 +205,7 @@ def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]
 
 
 def prometheus_snapshot(text: str) -> dict[str, Any]:
-    """A stats mapping (the :class:`~specdial.engine_api.EngineStats` field names) from a
+    """A stats mapping (the :class:`~specdial.engine.api.EngineStats` field names) from a
     ``/metrics`` body: specdial's names (``specdial:spec_decode_num_drafts_total``, ...), or
     vLLM's/SGLang's where they match; ``steps_per_slot`` from
     ``specdial:spec_decode_num_steps{slot=...}``."""

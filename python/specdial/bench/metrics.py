@@ -15,7 +15,7 @@ with :func:`time.perf_counter` from the start of the run):
   request throughput: successful requests / duration (requests/s).
 - Mean acceptance length: tokens emitted per verify that carried drafts, bonus included:
   ``1 + accepted draft tokens / drafts`` from the engine's cumulative counters
-  (:class:`specdial.engine_api.EngineStats`, or ``/metrics`` over HTTP), the difference between
+  (:class:`specdial.engine.api.EngineStats`, or ``/metrics`` over HTTP), the difference between
   the end and the start of the run. ``tokens_per_verify`` is the per-request figure of
   ``meta_info`` (``spec_accept_length``, trivial verifies at ``steps = 0`` included), weighted
   by verifies.
@@ -39,7 +39,7 @@ from typing import Any, Iterable, Mapping, Sequence
 __all__ = ["RequestRecord", "RunData", "active_steps", "latency_summary", "percentile",
            "snapshot", "summarize", "timeline_series"]
 
-#: Cumulative counters of :class:`specdial.engine_api.EngineStats` kept in snapshots.
+#: Cumulative counters of :class:`specdial.engine.api.EngineStats` kept in snapshots.
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "step_switches",
             "preemptions", "requests_finished", "prompt_tokens", "generation_tokens")
 
@@ -143,7 +143,7 @@ class RequestRecord:
 
 
 def snapshot(stats: Any, t: float) -> dict[str, Any]:
-    """A plain dict of an :class:`~specdial.engine_api.EngineStats` (or a mapping with its
+    """A plain dict of an :class:`~specdial.engine.api.EngineStats` (or a mapping with its
     field names) taken at ``t`` seconds: ``t``, ``running``, ``queued``, ``steps_per_slot``
     (``{slot lower batch size: steps}``), the cumulative :data:`COUNTERS`, and
     ``iterations_per_steps`` when the stats have it."""

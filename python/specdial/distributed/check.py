@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from specdial.attention.torch_backend import TorchAttentionBackend
-from specdial.distributed.group import SINGLE, DistConfig, TensorParallel, destroy_group
+from specdial.distributed.group import (DEFAULT_TIMEOUT_S, SINGLE, DistConfig, TensorParallel,
+                                       destroy_group)
 from specdial.distributed.node import run_worker_node, start_rank0
 from specdial.distributed.options import ParallelOptions
 from specdial.models.batch import ForwardBatch
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--node-rank", type=int, default=0)
     p.add_argument("--dist-init-addr", default=None)
-    p.add_argument("--dist-timeout", type=float, default=60.0)
+    p.add_argument("--dist-timeout", type=float, default=DEFAULT_TIMEOUT_S)
     p.add_argument("--rtol", type=float, default=1e-4)
     ns = p.parse_args(argv)
     options = ParallelOptions(tp_size=ns.tp_size, nnodes=ns.nnodes, node_rank=ns.node_rank,

@@ -1,6 +1,6 @@
 """Data parallelism: N engine replicas behind one front end (``dp_size``, ``serve --dp-size``).
 
-:class:`DataParallelEngine` implements the serving contract of :mod:`specdial.engine_api`
+:class:`DataParallelEngine` implements the serving contract of :mod:`specdial.engine.api`
 over replicas that each implement it (``specdial.Engine`` instances, each with its own Rust
 scheduler, KV cache and adaptive policy; nothing is shared between them). Each request goes to
 the replica with the fewest requests in flight through this front end (submitted and not
@@ -15,6 +15,7 @@ right replica. :meth:`stats` aggregates the replicas (:func:`aggregate_stats`), 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import threading
@@ -23,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
-from specdial.engine_api import EngineStats, LogprobOptions, StreamChunk
+from specdial.engine.api import EngineStats, LogprobOptions, StreamChunk
 
 __all__ = ["DataParallelEngine", "aggregate_stats"]
 
@@ -179,26 +180,71 @@ class DataParallelEngine:
                 return self._release_after(result, i)
             self._done(i)
             return result
-        routes = self._route(len(items))
-        shares: dict[int, list[int]] = {}
-        for k, i in enumerate(routes):
-            shares.setdefault(i, []).append(k)
+        shares = self._shares(len(items))
 
         def run(i: int, ks: list[int]) -> list[Any]:
             try:
-                p = [items[k][0] for k in ks]
-                ids = [items[k][1] for k in ks]
-                sp = [items[k][2] for k in ks]
-                return self.replicas[i].generate(
-                    None if prompt is None else p, sp, None if input_ids is None else ids,
-                    **kwargs)
+                return self.replicas[i].generate(*self._share_args(items, ks, prompt, input_ids),
+                                                 **kwargs)
             finally:
                 self._done(i, len(ks))
 
         futures = {i: self._pool.submit(run, i, ks) for i, ks in shares.items()}
-        out: list[Any] = [None] * len(items)
-        for i, future in futures.items():
-            for k, result in zip(shares[i], future.result()):
+        return self._merge(len(items), shares, {i: f.result() for i, f in futures.items()})
+
+    async def async_generate(self, prompt: Any = None, sampling_params: Any = None,
+                             input_ids: Any = None, **kwargs: Any) -> Any:
+        """``Engine.async_generate`` over the replicas, routed as :meth:`generate` (the
+        replicas' shares awaited together)."""
+        single, items = self._items(prompt, sampling_params, input_ids)
+        if single:
+            i = self._route()[0]
+            try:
+                result = await self.replicas[i].async_generate(prompt, sampling_params,
+                                                               input_ids, **kwargs)
+            except BaseException:
+                self._done(i)
+                raise
+            if kwargs.get("stream"):
+                return self._async_release_after(result, i)
+            self._done(i)
+            return result
+        shares = self._shares(len(items))
+
+        async def run(i: int, ks: list[int]) -> list[Any]:
+            try:
+                return await self.replicas[i].async_generate(
+                    *self._share_args(items, ks, prompt, input_ids), **kwargs)
+            finally:
+                self._done(i, len(ks))
+
+        order = list(shares)
+        results = await asyncio.gather(*(run(i, shares[i]) for i in order))
+        return self._merge(len(items), shares, dict(zip(order, results)))
+
+    def _shares(self, count: int) -> dict[int, list[int]]:
+        """Route ``count`` prompts: ``{replica: [prompt indices]}`` (counted in flight)."""
+        shares: dict[int, list[int]] = {}
+        for k, i in enumerate(self._route(count)):
+            shares.setdefault(i, []).append(k)
+        return shares
+
+    @staticmethod
+    def _share_args(items: list[tuple], ks: list[int], prompt: Any,
+                    input_ids: Any) -> tuple[Any, Any, Any]:
+        """``(prompt, sampling_params, input_ids)`` of the prompts ``ks`` for one replica."""
+        p = [items[k][0] for k in ks]
+        ids = [items[k][1] for k in ks]
+        sp = [items[k][2] for k in ks]
+        return None if prompt is None else p, sp, None if input_ids is None else ids
+
+    @staticmethod
+    def _merge(count: int, shares: dict[int, list[int]],
+               results: dict[int, list[Any]]) -> list[Any]:
+        """The replicas' results back in prompt order."""
+        out: list[Any] = [None] * count
+        for i, ks in shares.items():
+            for k, result in zip(ks, results[i]):
                 out[k] = result
         return out
 
@@ -207,6 +253,14 @@ class DataParallelEngine:
             yield from it
         finally:
             self._done(i)
+
+    async def _async_release_after(self, it: AsyncIterator[Any], i: int) -> AsyncIterator[Any]:
+        try:
+            async for item in it:
+                yield item
+        finally:
+            self._done(i)
+            await it.aclose()  # type: ignore[attr-defined]
 
     def abort(self, request_id: int) -> None:
         """Abort a request by its front-end id (see the module docstring)."""

@@ -27,6 +27,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from specdial.engine.config import EngineConfig
+
 __all__ = ["DistConfig", "TensorParallel", "RankFailure", "RankDivergence", "CollectiveTimer", "init_group",
            "free_port", "parse_addr", "DEFAULT_TIMEOUT_S"]
 

@@ -58,15 +58,22 @@ def _wire(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return (args[0], args[1], GENERATOR) + tuple(args[3:]), kwargs
 
 
-def rank_options(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The keyword-only Engine options as the worker ranks need them (JSON-serialisable):
-    what shapes the worker is kept; the trace, logging and a callable steps schedule are
-    rank 0's business (a callable schedule becomes ``[0]``: the worker then builds the same
-    runtime states, one per steps value). Raises ``ValueError`` naming an option that cannot
-    be sent."""
+#: EngineConfig fields the worker ranks do not take: rank 0 resolves the models, device and
+#: dtype and sends them apart; the trace, logging and parallel layout are rank 0's business.
+_RANK0_ONLY = frozenset({"model_path", "draft_model_path", "speculative_algorithm", "device",
+                         "dtype", "record_trace", "log_interval_s", "tp_size", "dp_size",
+                         "nnodes", "node_rank", "dist_init_addr", "dist_timeout"})
+
+
+def rank_options(config: Any) -> dict[str, Any]:
+    """The options of an :class:`~specdial.engine.config.EngineConfig` as the worker ranks
+    need them (JSON-serialisable keyword arguments of ``Engine.from_modules``): what shapes
+    the worker is kept (a callable steps schedule becomes ``[0]``: the worker then builds the
+    same runtime states, one per steps value). Raises ``ValueError`` naming an option that
+    cannot be sent."""
     out: dict[str, Any] = {}
-    for key, value in engine_kwargs.items():
-        if key in ("record_trace", "log_interval_s"):
+    for key, value in config.to_dict().items():
+        if key in _RANK0_ONLY:
             continue
         if key == "steps_schedule" and value is not None:
             value = [0] if callable(value) else [int(v) for v in value]

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP app (FastAPI) over an engine implementing
-:mod:`specdial.engine_api`.
+:mod:`specdial.engine.api`.
 
 Endpoints:
 
@@ -75,7 +75,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from specdial.engine_api import LogprobOptions, QueueFullError, RequestError, StreamChunk
+from specdial.engine.api import LogprobOptions, QueueFullError, RequestError, StreamChunk
 from specdial.server.chat import render_chat
 from specdial.server.config import BUILTIN_MODEL_NAME
 from specdial.server.limits import (BodyLimitMiddleware, ServerLimits, check_prompt_chars,
@@ -208,7 +208,7 @@ class _Run:
     """The engine requests of one HTTP request: one pump task per job, merged into a queue.
 
     Cancelling a pump task (``close``) cancels its ``await stream.__anext__()``, which aborts the
-    engine request (the :mod:`specdial.engine_api` contract); the pump then also calls
+    engine request (the :mod:`specdial.engine.api` contract); the pump then also calls
     ``aclose()``.
     """
 
@@ -517,7 +517,7 @@ def create_app(engine: Any, *, served_model_name: str = BUILTIN_MODEL_NAME,
                shutdown_engine_on_exit: bool = True,
                server_args: dict[str, Any] | None = None, limits: ServerLimits | None = None,
                security: SecurityConfig | None = None) -> FastAPI:
-    """The FastAPI app serving ``engine`` (an :class:`specdial.engine_api.EngineProtocol`)
+    """The FastAPI app serving ``engine`` (an :class:`specdial.engine.api.EngineProtocol`)
     under the model name ``served_model_name``. ``app.state.specdial`` is the
     :class:`ServerState` (``begin_drain()`` makes new requests 503). At lifespan shutdown the
     engine is shut down (``drain=False``) unless ``shutdown_engine_on_exit`` is False.

@@ -1,7 +1,7 @@
 """Typed options of ``specdial serve`` and ``specdial generate``.
 
-Every command-line option is a field of one dataclass: :class:`~specdial.engine_args.EngineArgs`
-(the engine, defined in :mod:`specdial.engine_args` and re-exported here), extended by
+Every command-line option is a field of one dataclass: :class:`~specdial.engine.args.EngineArgs`
+(the engine, defined in :mod:`specdial.engine.args` and re-exported here), extended by
 :class:`ServeConfig` (HTTP server) and :class:`GenerateConfig` (one offline generation). The
 argparse options are generated from the fields (:func:`add_dataclass_arguments`).
 """
@@ -12,8 +12,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from specdial.engine_args import (BUILTIN_MODEL_NAME, EngineArgs, _opt,
+from specdial.engine.args import (BUILTIN_MODEL_NAME, EngineArgs,
                                   add_dataclass_arguments, config_from_args)
+from specdial.engine.config import _opt
 
 __all__ = ["BUILTIN_MODEL_NAME", "EngineArgs", "GenerateConfig", "ServeConfig",
            "add_dataclass_arguments", "config_from_args"]
@@ -139,7 +140,7 @@ class GenerateConfig(EngineArgs):
     temperature: float = _opt("sampling temperature; 0 = greedy", default=0.0)
     top_p: float = _opt("nucleus sampling mass in (0, 1]; 1 = off", default=1.0)
     top_k: int = _opt("sample among the k most likely tokens; -1 = off", default=-1)
-    seed: int | None = _opt("sampling seed", default=None)
+    seed: int | None = _opt("sampling seed", default=None)  # type: ignore[assignment]
     json: bool = _opt("print one JSON object (text, output_ids, meta_info, seconds) instead of "
                       "text and a statistics block", default=False)
 

@@ -8,7 +8,7 @@
   ``prompt_tokens``, ``completion_tokens``, ``cached_tokens`` (0: no prefix cache),
   ``spec_verify_ct``, ``spec_accept_length``, ``spec_steps_histogram``, ``e2e_latency``
   (seconds) and, with ``return_logprob``, SGLang's logprob lists
-  (:mod:`specdial.engine_output`). Streaming: server-sent events of the same object with
+  (:mod:`specdial.engine.output`). Streaming: server-sent events of the same object with
   ``text`` and ``output_ids`` cumulative (SGLang's default), ``index`` added for a list input,
   ending with ``data: [DONE]``.
   ``sampling_params`` keys: ``max_new_tokens`` (default 128), ``temperature`` (1.0),
@@ -47,8 +47,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from specdial.engine_api import LogprobOptions
-from specdial.engine_output import OutputAccumulator
+from specdial.engine.api import LogprobOptions
+from specdial.engine.output import OutputAccumulator
 from specdial.server.app import (_DONE, ServerState, _ClientGone, _encode, _engine_error, _Job,
                                  _make_job, _Run, _RunStreamingResponse, _watch_disconnect)
 from specdial.server.chat import render_chat

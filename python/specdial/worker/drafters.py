@@ -58,6 +58,7 @@ import torch
 from torch import nn
 
 from specdial.attention.base import AttentionBackend
+from specdial.engine.config import EngineConfig
 from specdial.kv_pool import KVPool
 from specdial.models.batch import ForwardBatch
 from specdial.models.eagle import EagleHead
@@ -67,8 +68,9 @@ from specdial.worker.processors import StepProcessing
 from specdial.worker.sampling import BatchSampling, sample_from_probs, target_probs
 
 #: Default largest ``steps`` a chain drafter accepts (buffers and runtime states are sized by
-#: the configured candidates, so this is only a sanity bound; override per drafter).
-DEFAULT_MAX_STEPS = 16
+#: the configured candidates, so this is only a sanity bound; override per drafter). The value
+#: is :class:`~specdial.engine.config.EngineConfig`'s ``drafter_max_steps`` default.
+DEFAULT_MAX_STEPS: int = EngineConfig.drafter_max_steps
 
 
 class Drafter(abc.ABC):

@@ -112,10 +112,6 @@ class StepRunner(GraphPasses):
         self.enabled = pool is not None
         self._greedy: dict[int, BatchSampling] = {}
 
-    @property
-    def num_draft_tokens(self) -> int:
-        return self.n
-
     # ------------------------------------------------------------------ the pass bodies
     def _verify_pass(self, batch: ForwardBatch):
         """Target forward -> ``(hidden, logits or None, drafter features or None)``."""
@@ -143,10 +139,6 @@ class StepRunner(GraphPasses):
         kv_indices = self.tables.kv_indices(rows, kv_d, int(kv_lens.sum()))
         return self.backend.plan(torch.from_numpy(qo_lens), torch.from_numpy(kv_lens),
                                  kv_indices)
-
-    def uses_graphs(self, batch_size: int, graph_bs: int | None) -> bool:
-        """True when a decode batch of ``batch_size`` requests replays a captured graph."""
-        return self.enabled and self.padded_bs(batch_size, graph_bs) is not None
 
     def prepare_decode(self, rows: np.ndarray, target_len: np.ndarray,
                        graph_bs: int | None = None) -> DecodeBatches:

@@ -2,11 +2,11 @@
 
 The Rust :class:`specdial._core.Scheduler` owns the requests, the queue, the KV pages and the
 ``steps`` of every decode iteration (the adaptive policy, SGLang PRs #21599 / #24055, or fixed);
-a background loop thread (:mod:`specdial.engine_loop`) runs plan -> passes
+a background loop thread (:mod:`specdial.engine.loop`) runs plan -> passes
 (:class:`~specdial.worker.worker.SpecWorker`) -> report. Every front end shares that one running
 batch: :meth:`Engine.generate` (blocking, from any number of threads), :meth:`Engine.stream`
-(a synchronous iterator of :class:`~specdial.engine_api.StreamChunk`) and
-:meth:`Engine.async_stream` (asyncio); the contract is :mod:`specdial.engine_api`.
+(a synchronous iterator of :class:`~specdial.engine.api.StreamChunk`) and
+:meth:`Engine.async_stream` (asyncio); the contract is :mod:`specdial.engine.api`.
 
 Output dicts of ``generate`` follow SGLang's offline ``Engine.generate``: ``text``,
 ``output_ids`` and ``meta_info`` with ``prompt_tokens``, ``completion_tokens``,
@@ -31,123 +31,24 @@ from typing import Any, AsyncIterator, Iterator
 
 import torch
 
-from specdial.distributed.options import ParallelOptions
-from specdial.distributed.tp_engine import TensorParallelRuntime, rank_options
 from specdial._core import (AdaptiveConfig, ConfigError, Scheduler,
                             SchedulerConfig, validate_initial_steps)
-from specdial.engine_api import EngineStats, LogprobOptions, RequestError, StreamChunk
-from specdial.engine_loop import (Abort, Cancel, EngineLoop, Message, RequestSpec, Shutdown,
-                                  StepsSchedule)
-from specdial.engine_output import OutputAccumulator
-from specdial.engine_requests import (async_collect, async_stream, collect, make_spec,
-                                      sync_stream)
+from specdial.distributed.data_parallel import DataParallelEngine
+from specdial.distributed.tp_engine import TensorParallelRuntime, rank_options
+from specdial.engine.api import EngineStats, LogprobOptions, RequestError, StreamChunk
+from specdial.engine.loop import Abort, Cancel, EngineLoop, Message, RequestSpec, Shutdown
+from specdial.engine.config import AUTO, FIXED_DEFAULT_STEPS, EngineConfig, config_of_call
+from specdial.engine.loading import auto_dtype, builtin_dirs, resolve_device, torch_dtype
+from specdial.engine.output import OutputAccumulator
+from specdial.engine.requests import (async_collect, async_stream, collect, logprob_options,
+                                      make_spec, sync_stream)
 from specdial.models import LlamaForCausalLM, load_engine_modules, resolve_draft_algorithm
 from specdial.profiling import ProfilePoint, default_seq_len, profile_decode
-from specdial.worker.cuda_graphs import default_cuda_graph_bs, normalize_graph_bs
-from specdial.worker.drafters import DEFAULT_MAX_STEPS, Drafter, make_drafter
+from specdial.worker.graph_tables import default_cuda_graph_bs, normalize_graph_bs
+from specdial.worker.drafters import Drafter, make_drafter
 from specdial.worker.worker import SpecWorker
 
-_DEFAULT: Any = object()
-#: Engine keyword options that place it on several ranks (:class:`ParallelOptions`).
-_PARALLEL = ("tp_size", "nnodes", "node_rank", "dist_init_addr", "dist_timeout")
-ALGORITHMS = ("EAGLE", "EAGLE3", "DRAFT", None)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-FIXED_DEFAULT_STEPS = 3
-GRAPH_MODES = ("cuda", "eager", "emulate", None)
-
 logger = logging.getLogger("specdial.engine")
-
-
-def _check_choice(name: str, value: Any, allowed: Any) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
-
-
-def _dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
-        return dtype
-    _check_choice("dtype", dtype, list(DTYPES))
-    return DTYPES[str(dtype)]
-
-
-def _auto_dtype(model_dir: Path, device: torch.device) -> torch.dtype:
-    """``dtype="auto"`` (vLLM's): float32 on the CPU; on CUDA the checkpoint's ``torch_dtype``
-    (``dtype`` in newer configs) from its config.json, float32 when it names none. Raises
-    ``ValueError`` for a checkpoint dtype this engine does not run (float16)."""
-    if device.type == "cpu":
-        return torch.float32
-    import json
-
-    with open(model_dir / "config.json", encoding="utf-8") as f:
-        cfg = json.load(f)
-    name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
-    if name not in DTYPES:
-        raise ValueError(f"dtype='auto': the checkpoint's dtype {name!r} is not supported; "
-                         f"pass dtype={' or '.join(map(repr, DTYPES))}")
-    return DTYPES[name]
-
-
-def _device(device: str | torch.device) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'); got {device!r}")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r}: CUDA is not available on this machine "
-                             "(use device='cpu')")
-        count = torch.cuda.device_count()
-        if dev.index is not None and dev.index >= count:
-            raise ValueError(f"device {device!r}: no such CUDA device ({count} available: "
-                             f"cuda:0..cuda:{count - 1})")
-    return dev
-
-
-def _positive(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
-    return value
-
-
-def _builtin_dirs(draft_dir: Path | None, algo: Any) -> tuple[Path, Path | None, Any]:
-    """Target, drafter and algorithm of ``model_path=None`` (EAGLE unless told otherwise)."""
-    from specdial.builtin import builtin_model_path
-
-    try:
-        target = builtin_model_path("target")
-        if algo is _DEFAULT:
-            algo = "EAGLE" if draft_dir is None else _DEFAULT
-        if draft_dir is None and algo in ("EAGLE", "DRAFT"):
-            draft_dir = builtin_model_path("eagle" if algo == "EAGLE" else "draft")
-    except FileNotFoundError as e:
-        raise NotImplementedError(f"model_path=None selects the built-in models, which are not "
-                                  f"available: {e}; or pass model_path=<local HF checkpoint "
-                                  "directory>") from e
-    return target, draft_dir, algo
-
-
-def logprob_options(return_logprob: Any, logprob_start_len: Any,
-                    top_logprobs_num: Any) -> LogprobOptions | None:
-    """SGLang's ``return_logprob`` / ``logprob_start_len`` (-1: no prompt logprobs) /
-    ``top_logprobs_num`` as :class:`LogprobOptions` (None without ``return_logprob``).
-    Raises :class:`RequestError` for a wrong type, or for the other two set without
-    ``return_logprob``; the ranges are checked per request (they depend on the prompt)."""
-    if not isinstance(return_logprob, bool):
-        raise RequestError(f"return_logprob must be a bool, got {return_logprob!r}",
-                           "return_logprob")
-    for name, value in (("logprob_start_len", logprob_start_len),
-                        ("top_logprobs_num", top_logprobs_num)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise RequestError(f"{name} must be an int, got {value!r}", name)
-    if not return_logprob:
-        if logprob_start_len != -1 or top_logprobs_num != 0:
-            raise RequestError("logprob_start_len and top_logprobs_num need "
-                               "return_logprob=True", "return_logprob")
-        return None
-    return LogprobOptions(top_n=top_logprobs_num,
-                          prompt_start=None if logprob_start_len == -1 else logprob_start_len)
 
 
 def _release_loop(loop: EngineLoop) -> None:
@@ -163,7 +64,12 @@ def _release_loop(loop: EngineLoop) -> None:
 
 
 class Engine:
-    """Speculative-decoding engine (see the module docstring and :mod:`specdial.engine_api`).
+    """Speculative-decoding engine (see the module docstring and :mod:`specdial.engine.api`).
+
+    Its options are the fields of :class:`~specdial.engine.config.EngineConfig` (the defaults
+    and their validation live there only), given as keyword arguments (the first nine may also
+    be positional, in the order below); the built config is :attr:`config`. Unknown keywords
+    raise ``TypeError``; bad values ``ValueError`` / :class:`ConfigError` naming the field.
 
     - ``model_path``: local HF Llama/Qwen2 directory; ``None``: the built-in models (target +
       EAGLE head, adaptive steps); ``NotImplementedError`` when they are not installed.
@@ -188,7 +94,7 @@ class Engine:
       before any model loads.
     - keyword-only: ``max_running_requests`` (requests admitted at once, prefilling included),
       ``max_queued_requests`` (new requests waiting beyond the free running slots; beyond it
-      submissions raise :class:`~specdial.engine_api.QueueFullError`; ``generate`` waits
+      submissions raise :class:`~specdial.engine.api.QueueFullError`; ``generate`` waits
       instead),
       ``kv_cache_tokens`` (KV slots; default ``max_running_requests * context_length`` capped
       at 65536), ``page_size``, ``context_length`` (an int >= 1; default the target's
@@ -219,7 +125,7 @@ class Engine:
       continues differently. Requests without a seed share the engine generator and are not
       reproducible per request.
     - CUDA graphs (keyword-only): ``cuda_graph_bs`` (batch sizes to capture, per steps value;
-      None: :func:`~specdial.worker.cuda_graphs.default_cuda_graph_bs` of
+      None: :func:`~specdial.worker.graph_tables.default_cuda_graph_bs` of
       ``max_running_requests``) and ``disable_cuda_graph`` (default False). Graphs are used on
       CUDA devices only (captured at start; the adaptive config prunes the sizes per steps
       value); on the CPU the passes run eagerly. Test hook ``cuda_graph_mode``: ``"emulate"``
@@ -237,37 +143,47 @@ class Engine:
       rank that dies or hangs aborts the running requests with a message within
       ``dist_timeout`` and sets :attr:`failure`. ``ValueError`` for sizes that do not split
       (heads, key/value heads, MLP width over ``tp_size``) or bad parallel options.
+    - Data parallelism (keyword-only): ``dp_size`` replicas of this engine in this process
+      (default 1), each with its own scheduler, KV cache and adaptive policy, behind one front
+      end (:class:`~specdial.distributed.data_parallel.DataParallelEngine`, also
+      :attr:`data_parallel`): every request goes to the replica with the fewest in flight;
+      :meth:`generate` with a list spreads it over them; :meth:`stats` sums them;
+      :meth:`abort` takes the front end's ids. ``tokenizer``, ``context_length`` and the models
+      read from the Engine are replica 0's; :attr:`replicas` lists them. ``dp_size > 1`` with
+      ``tp_size > 1`` raises ``ValueError``.
     """
 
     _tp: TensorParallelRuntime | None = None
+    _loop: EngineLoop
+    worker: Any  # SpecWorker, or rank 0's tensor-parallel wrapper of it
+    #: With ``dp_size > 1``: the replicas behind this Engine (each an Engine with its own
+    #: scheduler and policy); every public call goes through it. None otherwise.
+    _dp: DataParallelEngine | None = None
 
-    def __init__(self, model_path: str | os.PathLike[str] | None = None,
-                 draft_model_path: str | os.PathLike[str] | None = None,
-                 speculative_algorithm: str | None = _DEFAULT,
-                 speculative_num_steps: int | None = None, speculative_adaptive: bool = True,
-                 speculative_adaptive_config: Any = None,
-                 skip_zero_step_draft_extend: bool = False, device: str = "cpu",
-                 dtype: str = "float32", **kwargs: Any) -> None:
-        if speculative_algorithm is not _DEFAULT:
-            _check_choice("speculative_algorithm", speculative_algorithm, ALGORITHMS)
-        parallel = ParallelOptions(**{k: kwargs.pop(k) for k in _PARALLEL if k in kwargs})
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.config = cfg = config_of_call(args, kwargs)
+        parallel = cfg.parallel_options()
         if parallel.node_rank != 0:
             raise ValueError(f"node_rank={parallel.node_rank}: an Engine runs on node 0; "
                              "other nodes only run worker ranks (specdial serve --node-rank N, "
                              "specdial.distributed.node.run_worker_node)")
-        dev = _device(device)
-        torch_dtype = None if dtype == "auto" else _dtype(dtype)
-        draft_dir = None if draft_model_path is None else Path(draft_model_path)
-        algo = speculative_algorithm
-        if speculative_adaptive_config is not None:  # validated before any model loads
-            speculative_adaptive_config = self._adaptive_config(speculative_adaptive_config)
-        if model_path is None:
-            model_dir, draft_dir, algo = _builtin_dirs(draft_dir, algo)
+        if cfg.dp_size > 1:
+            self._start_replicas(cfg)
+            return
+        dev = resolve_device(cfg.device)
+        dtype = None if cfg.dtype == AUTO else torch_dtype(cfg.dtype)
+        draft_dir = None if cfg.draft_model_path is None else Path(cfg.draft_model_path)
+        algo = cfg.speculative_algorithm
+        # validated before any model loads
+        adaptive_config = (None if cfg.speculative_adaptive_config is None
+                           else self._adaptive_config(cfg.speculative_adaptive_config))
+        if cfg.model_path is None:
+            model_dir, draft_dir, algo = builtin_dirs(draft_dir, algo)
         else:
-            model_dir = Path(model_path)
-        if torch_dtype is None:
-            torch_dtype = _auto_dtype(model_dir, dev)
-        if algo is _DEFAULT:
+            model_dir = Path(cfg.model_path)
+        if dtype is None:
+            dtype = auto_dtype(model_dir, dev)
+        if algo == AUTO:
             algo = None if draft_dir is None else resolve_draft_algorithm(draft_dir)
         elif algo is not None and draft_dir is not None:
             algo = resolve_draft_algorithm(draft_dir, algo)
@@ -278,25 +194,20 @@ class Engine:
             raise ValueError("draft_model_path is given but speculative_algorithm is None")
         tp = None
         if parallel.distributed:
-            adaptive = (None if speculative_adaptive_config is None
-                        else json.loads(speculative_adaptive_config.to_json()))
-            options = rank_options({**kwargs, "speculative_num_steps": speculative_num_steps,
-                                    "speculative_adaptive": speculative_adaptive,
-                                    "speculative_adaptive_config": adaptive,
-                                    "skip_zero_step_draft_extend": skip_zero_step_draft_extend})
+            adaptive = (None if adaptive_config is None
+                        else json.loads(adaptive_config.to_json()))
+            options = rank_options(cfg.replace(speculative_adaptive_config=adaptive))
             self._tp = TensorParallelRuntime.start(parallel, {
                 "model_path": str(model_dir.resolve()), "algorithm": algo,
                 "draft_model_path": None if draft_dir is None else str(draft_dir.resolve()),
-                "dtype": str(torch_dtype).removeprefix("torch."), "options": options},
+                "dtype": str(dtype).removeprefix("torch."), "options": options},
                 dev.type)
             tp = self._tp.tp
             dev = torch.device(dev.type, 0) if dev.type == "cuda" else dev
         try:
             target, drafter_module, tokenizer = load_engine_modules(
-                model_dir, draft_dir, algo, dtype=torch_dtype, device=dev, tp=tp)
-            self._setup(target, drafter_module, tokenizer, algo, speculative_num_steps,
-                        speculative_adaptive, speculative_adaptive_config,
-                        skip_zero_step_draft_extend, **kwargs)
+                model_dir, draft_dir, algo, dtype=dtype, device=dev, tp=tp)
+            self._setup(target, drafter_module, tokenizer, algo, cfg, adaptive_config)
         except BaseException:
             if self._tp is not None:
                 self._tp.close()
@@ -304,62 +215,95 @@ class Engine:
         if self._tp is not None:
             self.worker = self._loop.worker = self._tp.attach(self.worker)
 
+    def _start_replicas(self, cfg: EngineConfig) -> None:
+        """``dp_size`` replicas of this engine (each ``dp_size=1``) behind one
+        :class:`~specdial.distributed.data_parallel.DataParallelEngine`, which routes every
+        request to the least-loaded replica and aggregates their stats. The models, tokenizer
+        and limits read from this Engine are replica 0's."""
+        replicas: list[Engine] = []
+        try:
+            for _ in range(cfg.dp_size):
+                replicas.append(Engine(**cfg.replace(dp_size=1).to_dict()))
+        except BaseException:
+            for r in replicas:
+                r.shutdown(drain=False)
+            raise
+        self._dp = DataParallelEngine(replicas)
+        first = replicas[0]
+        for name in ("target", "tokenizer", "drafter", "speculative_algorithm",
+                     "adaptive_config", "steps_schedule", "cuda_graph_bs", "scheduler",
+                     "worker", "device", "generator", "eos_token_ids", "max_running_requests",
+                     "profile_points", "record_trace"):
+            setattr(self, name, getattr(first, name))
+        self.context_length = self._dp.context_length
+        self._closed = False
+
+    @property
+    def data_parallel(self) -> DataParallelEngine | None:
+        """The front end over the replicas when ``dp_size > 1`` (routing counts,
+        :meth:`~specdial.distributed.data_parallel.DataParallelEngine.replica_stats`), else
+        None."""
+        return self._dp
+
+    @property
+    def replicas(self) -> list["Engine"]:
+        """The engines that serve: ``dp_size`` replicas, or ``[self]``."""
+        return [self] if self._dp is None else list(self._dp.replicas)
+
     @property
     def failure(self) -> str | None:
         """None while the engine can run its passes; else why not (a tensor-parallel rank
-        died or hung: the message names it). ``/health`` then answers 503."""
+        died or hung, or a data-parallel replica failed: the message names it). ``/health``
+        then answers 503."""
+        if self._dp is not None:
+            return self._dp.failure
         return None if self._tp is None else self._tp.failure
 
     @classmethod
     def from_modules(cls, target: LlamaForCausalLM,
-                     drafter: torch.nn.Module | Drafter | None = None, tokenizer: Any = None, *,
-                     speculative_algorithm: str | None = _DEFAULT,
-                     speculative_num_steps: int | None = None, speculative_adaptive: bool = True,
-                     speculative_adaptive_config: Any = None,
-                     skip_zero_step_draft_extend: bool = False, **kwargs: Any) -> "Engine":
+                     drafter: torch.nn.Module | Drafter | None = None, tokenizer: Any = None,
+                     **kwargs: Any) -> "Engine":
         """An Engine over already-built modules (tests, notebooks). ``drafter``: an
         :class:`EagleHead` (EAGLE), an :class:`Eagle3Head` (EAGLE3), a :class:`LlamaForCausalLM`
         (DRAFT), a :class:`Drafter`, or None; the algorithm is inferred from it (an explicit
         ``speculative_algorithm`` that disagrees raises ``ValueError``). ``kwargs``: the
-        keyword-only options of :class:`Engine`."""
-        if speculative_algorithm is not _DEFAULT:
-            _check_choice("speculative_algorithm", speculative_algorithm, ALGORITHMS)
-        wrapped = make_drafter(drafter, target,
-                               max_steps=kwargs.get("drafter_max_steps", DEFAULT_MAX_STEPS))
+        options of :class:`Engine` (fields of :class:`EngineConfig`) other than the model
+        paths, ``device``, ``dtype`` and the parallel options (``ValueError`` for a parallel
+        size above 1: the modules are already built)."""
+        cfg = config_of_call((), kwargs)
+        if cfg.tp_size > 1 or cfg.dp_size > 1:
+            raise ValueError("from_modules builds one unsharded engine: tp_size and dp_size "
+                             "must be 1")
+        given = [k for k in ("model_path", "draft_model_path", "device", "dtype") if k in kwargs]
+        if given:
+            raise ValueError(f"from_modules takes built modules: {', '.join(given)} cannot "
+                             "apply (load and place the modules before passing them)")
+        wrapped = make_drafter(drafter, target, max_steps=cfg.drafter_max_steps)
         inferred = None if wrapped is None else wrapped.algorithm
-        if speculative_algorithm is not _DEFAULT and speculative_algorithm != inferred:
-            raise ValueError(f"speculative_algorithm={speculative_algorithm!r} does not match "
-                             f"the drafter given ({type(drafter).__name__})")
+        if cfg.speculative_algorithm not in (AUTO, inferred):
+            raise ValueError(f"speculative_algorithm={cfg.speculative_algorithm!r} does not "
+                             f"match the drafter given ({type(drafter).__name__})")
         self = cls.__new__(cls)
-        self._setup(target, wrapped, tokenizer, inferred, speculative_num_steps,
-                    speculative_adaptive, speculative_adaptive_config,
-                    skip_zero_step_draft_extend, **kwargs)
+        self.config = cfg
+        self._setup(target, wrapped, tokenizer, inferred, cfg,
+                    None if cfg.speculative_adaptive_config is None
+                    else self._adaptive_config(cfg.speculative_adaptive_config))
         return self
 
-    def _setup(self, target: LlamaForCausalLM, drafter: Any, tokenizer: Any, algorithm: str | None,
-               num_steps: int | None, adaptive: bool, adaptive_config: Any, skip_zero: bool, *,
-               max_running_requests: int = 32, max_queued_requests: int = 4096,
-               kv_cache_tokens: int | None = None, page_size: int = 16,
-               context_length: int | None = None, max_prefill_tokens: int = 4096,
-               record_trace: str | os.PathLike[str] | None = None,
-               log_interval_s: float | None = 10.0, seed: int = 0,
-               drafter_max_steps: int = DEFAULT_MAX_STEPS,
-               steps_schedule: StepsSchedule | None = None,
-               cuda_graph_bs: list[int] | None = None, disable_cuda_graph: bool = False,
-               cuda_graph_mode: str | None = None) -> None:
+    def _setup(self, target: LlamaForCausalLM, drafter: Any, tokenizer: Any,
+               algorithm: str | None, cfg: EngineConfig,
+               loaded_config: AdaptiveConfig | None) -> None:
+        """Scheduler, worker and loop over built modules. ``loaded_config``: the given
+        adaptive config, loaded (validated whenever given, even when it is not used: adaptive
+        off, no drafter)."""
         self.target, self.tokenizer = target.eval(), tokenizer
         self.speculative_algorithm = algorithm
-        self.drafter = make_drafter(drafter, target, max_steps=drafter_max_steps)
+        self.drafter = make_drafter(drafter, target, max_steps=cfg.drafter_max_steps)
         if self.drafter is not None:
             self.drafter.module.eval()
-        if num_steps is not None and (isinstance(num_steps, bool) or not isinstance(num_steps, int)
-                                      or num_steps < 0):
-            raise ConfigError(f"speculative_num_steps must be None or an int >= 0, "
-                              f"got {num_steps!r}")
+        num_steps, steps_schedule = cfg.speculative_num_steps, cfg.steps_schedule
         self.adaptive_config: AdaptiveConfig | None = None
         self.steps_schedule = steps_schedule
-        # loaded (validated) whenever given, even when it is not used (adaptive off, no drafter)
-        loaded_config = None if adaptive_config is None else self._adaptive_config(adaptive_config)
         max_steps = self.drafter.max_steps if self.drafter is not None else 0
         policy: dict[str, Any]
         step_values: list[int] | None = None
@@ -375,7 +319,7 @@ class Engine:
                 raise ConfigError(f"steps_schedule values must be in 0..{max_steps}")
             policy, step_values = ({"speculative_num_steps": 0, "adaptive": False},
                                    list(range(max_steps + 1)))
-        elif adaptive:
+        elif cfg.speculative_adaptive:
             config = self.adaptive_config = (loaded_config if loaded_config is not None
                                              else AdaptiveConfig.default())
             union = config.candidate_steps
@@ -392,79 +336,68 @@ class Engine:
                 raise ConfigError(f"speculative_num_steps={steps} exceeds what the drafter "
                                   f"supports (max_steps={max_steps})")
             policy = {"speculative_num_steps": steps, "adaptive": False}
-        for name, value in (("max_running_requests", max_running_requests),
-                            ("max_queued_requests", max_queued_requests),
-                            ("page_size", page_size), ("max_prefill_tokens", max_prefill_tokens)):
-            _positive(name, value)
-        ctx = (target.config.max_position_embeddings if context_length is None
-               else _positive("context_length", context_length))
-        if kv_cache_tokens is None:
-            kv_cache_tokens = min(max_running_requests * ctx, 65536)
-        num_pages = -(-_positive("kv_cache_tokens", kv_cache_tokens) // page_size)
-        if context_length is None and num_pages * page_size < ctx:
+        max_running, page_size = cfg.max_running_requests, cfg.page_size
+        ctx = (target.config.max_position_embeddings if cfg.context_length is None
+               else cfg.context_length)
+        kv_cache_tokens = (min(max_running * ctx, 65536) if cfg.kv_cache_tokens is None
+                           else cfg.kv_cache_tokens)
+        num_pages = -(-kv_cache_tokens // page_size)
+        if cfg.context_length is None and num_pages * page_size < ctx:
             logger.warning("kv_cache_tokens=%d (%d page(s) of %d tokens) is below the model's "
                            "context length %d: the context length is cut to %d tokens",
                            kv_cache_tokens, num_pages, page_size, ctx, num_pages * page_size)
             ctx = num_pages * page_size
         self.context_length = ctx
-        graph_sizes = self._graph_sizes(cuda_graph_bs, disable_cuda_graph, cuda_graph_mode,
-                                        target.embed_tokens.weight.device, max_running_requests)
-        self.cuda_graph_bs = None if graph_sizes is None else list(graph_sizes[0])
+        graph_mode = self._graph_mode(cfg, target.embed_tokens.weight.device)
+        self.cuda_graph_bs = None if graph_mode is None else (
+            list(normalize_graph_bs(cfg.cuda_graph_bs or default_cuda_graph_bs(max_running))))
         self.scheduler = Scheduler(SchedulerConfig(
-            max_running_requests=max_running_requests, max_queued_requests=max_queued_requests,
-            max_prefill_tokens=max_prefill_tokens, context_length=ctx, num_pages=num_pages,
-            page_size=page_size, eos_token_ids=[], record_trace=record_trace is not None),
+            max_running_requests=max_running, max_queued_requests=cfg.max_queued_requests,
+            max_prefill_tokens=cfg.max_prefill_tokens, context_length=ctx, num_pages=num_pages,
+            page_size=page_size, eos_token_ids=[], record_trace=cfg.record_trace is not None),
             cuda_graph_bs=self.cuda_graph_bs, **policy)
         self.worker = SpecWorker(target, self.drafter, self.scheduler.num_slots,
-                                 max_running_requests=max_running_requests, context_length=ctx,
+                                 max_running_requests=max_running, context_length=ctx,
                                  step_values=step_values or self.scheduler.candidate_steps,
-                                 skip_zero_step_draft_extend=skip_zero,
-                                 cuda_graph_bs=self.cuda_graph_bs,
-                                 cuda_graph_mode=None if graph_sizes is None else graph_sizes[1],
+                                 skip_zero_step_draft_extend=cfg.skip_zero_step_draft_extend,
+                                 cuda_graph_bs=self.cuda_graph_bs, cuda_graph_mode=graph_mode,
                                  adaptive_config=(self.adaptive_config
                                                   if steps_schedule is None else None))
         self.device = self.worker.device
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         eos = set(target.config.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(int(tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos)
-        self.max_running_requests = max_running_requests
+        self.max_running_requests = max_running
         self.profile_points: list[ProfilePoint] = []
         if self.adaptive_config is not None and self.adaptive_config.profile is not None:
             self.profile_points = self._startup_profile(self.adaptive_config)
+        record_trace = cfg.record_trace
         self.record_trace = None if record_trace is None else Path(record_trace)
         trace_file = None if record_trace is None else open(record_trace, "a", encoding="utf-8")
         self._loop = EngineLoop(self.scheduler, self.worker, tokenizer=tokenizer,
                                 generator=self.generator, steps_schedule=steps_schedule,
-                                trace_file=trace_file, log_interval_s=log_interval_s)
+                                trace_file=trace_file, log_interval_s=cfg.log_interval_s)
         self._lock = threading.Lock()
         self._started = self._closed = False
         # an Engine dropped without shutdown(): its loop thread exits and frees the buffers
         weakref.finalize(self, _release_loop, self._loop)
 
     @staticmethod
-    def _graph_sizes(sizes: Any, disable: Any, mode: Any, device: torch.device,
-                     max_running_requests: int) -> tuple[tuple[int, ...], str] | None:
-        """``(capture sizes, GraphPool mode)``, or None for eager passes without runners."""
-        if not isinstance(disable, bool):
-            raise ConfigError(f"disable_cuda_graph must be a bool, got {disable!r}")
-        if mode not in GRAPH_MODES:
-            raise ConfigError(f"cuda_graph_mode must be one of {GRAPH_MODES}, got {mode!r}")
-        try:
-            graph_bs = normalize_graph_bs(default_cuda_graph_bs(max_running_requests)
-                                          if sizes is None else sizes)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"cuda_graph_bs: {e}") from e
-        if disable:
+    def _graph_mode(cfg: EngineConfig, device: torch.device) -> str | None:
+        """The GraphPool mode of ``cfg`` on ``device``, or None for eager passes without
+        runners. ``ConfigError`` for ``cuda_graph_mode='cuda'`` off CUDA."""
+        if cfg.disable_cuda_graph:
             return None
+        mode = cfg.cuda_graph_mode
         if mode is None:
             if device.type != "cuda":
                 return None
             mode = "cuda"
         if mode == "cuda" and device.type != "cuda":
             raise ConfigError(f"cuda_graph_mode='cuda' needs a CUDA device, got {device}")
-        return graph_bs, mode
+        return mode
 
     def _startup_profile(self, config: AdaptiveConfig) -> list[ProfilePoint]:
         """The config's startup profiling run (SGLang's ``profile_run_*`` keys): times every
@@ -510,6 +443,9 @@ class Engine:
         tokens per request). Each steps value must have a runtime state (a candidate of the
         config, or the fixed steps). Only before the first request: raises ``RuntimeError``
         once the engine has started serving."""
+        if self._dp is not None:
+            raise NotImplementedError("profile_costs of a data-parallel Engine: call it on "
+                                      "each of engine.replicas")
         if getattr(self, "_started", False) or getattr(self, "_closed", False):
             raise RuntimeError("profile_costs runs only before the engine serves its first request")
         return profile_decode(self.scheduler, self.worker, batch_sizes=batch_sizes,
@@ -520,6 +456,9 @@ class Engine:
     def graph_stats(self) -> dict[str, Any]:
         """CUDA-graph counters: ``replays`` per pass, ``eager`` fallbacks per reason,
         ``captured`` graphs (all zero without graphs). Read while no request runs."""
+        if self._dp is not None:
+            raise NotImplementedError("graph_stats of a data-parallel Engine: read each of "
+                                      "engine.replicas")
         worker = self.worker
         if worker is None:
             return {"replays": {}, "eager": {}, "captured": 0}
@@ -615,7 +554,7 @@ class Engine:
         ``return_logprob`` (SGLang's): add ``output_token_logprobs`` / ``output_top_logprobs``
         (``top_logprobs_num`` alternatives, 0..20) and, with ``logprob_start_len >= 0``,
         ``input_token_logprobs`` / ``input_top_logprobs`` from that prompt position to
-        ``meta_info`` (:mod:`specdial.engine_output`; the target's log-probabilities before
+        ``meta_info`` (:mod:`specdial.engine.output`; the target's log-probabilities before
         sampling processors); ``return_text_in_logprobs`` fills their token texts.
 
         ``stream=True`` (one prompt only) returns an iterator of dicts of the same shape,
@@ -624,6 +563,13 @@ class Engine:
 
         Raises :class:`RequestError` (a ``ValueError``) for an invalid request (nothing runs).
         """
+        if self._dp is not None:
+            return self._dp.generate(prompt, sampling_params, input_ids,
+                                     return_logprob=return_logprob,
+                                     logprob_start_len=logprob_start_len,
+                                     top_logprobs_num=top_logprobs_num,
+                                     return_text_in_logprobs=return_text_in_logprobs,
+                                     stream=stream)
         single, specs, outs = self._batch(prompt, sampling_params, input_ids, return_logprob,
                                           logprob_start_len, top_logprobs_num,
                                           return_text_in_logprobs)
@@ -660,6 +606,11 @@ class Engine:
         (or list of dicts); with ``stream=True`` (one prompt) returns an async iterator of
         cumulative dicts (``async for out in await engine.async_generate(..., stream=True)``).
         Raises :class:`RequestError` for an invalid request."""
+        if self._dp is not None:
+            return await self._dp.async_generate(
+                prompt, sampling_params, input_ids, return_logprob=return_logprob,
+                logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+                return_text_in_logprobs=return_text_in_logprobs, stream=stream)
         single, specs, outs = self._batch(prompt, sampling_params, input_ids, return_logprob,
                                           logprob_start_len, top_logprobs_num,
                                           return_text_in_logprobs)
@@ -678,6 +629,11 @@ class Engine:
         """Stream one request (synchronous). Submitted on the first ``next()``, which raises
         :class:`RequestError` / :class:`QueueFullError`; closing the iterator early aborts
         the request. ``logprobs``: fills the chunks' logprob fields."""
+        if self._dp is not None:
+            yield from self._dp.stream(prompt, input_ids=input_ids,
+                                       sampling_params=sampling_params, stop=stop,
+                                       logprobs=logprobs)
+            return
         yield from sync_stream(self._post, self._cancel,
                                self._spec(prompt, input_ids, sampling_params, stop,
                                           logprobs=logprobs))
@@ -691,9 +647,15 @@ class Engine:
         :class:`RequestError` / :class:`QueueFullError` before any chunk; ``aclose()`` or
         cancelling the task awaiting a chunk aborts the request. ``logprobs``: fills the
         chunks' logprob fields."""
-        chunks = async_stream(self._post, self._cancel,
-                              self._spec(prompt, input_ids, sampling_params, stop,
-                                         logprobs=logprobs))
+        chunks: Any
+        if self._dp is not None:
+            chunks = self._dp.async_stream(prompt, input_ids=input_ids,
+                                           sampling_params=sampling_params, stop=stop,
+                                           logprobs=logprobs)
+        else:
+            chunks = async_stream(self._post, self._cancel,
+                                  self._spec(prompt, input_ids, sampling_params, stop,
+                                             logprobs=logprobs))
         try:
             async for chunk in chunks:
                 yield chunk
@@ -715,17 +677,26 @@ class Engine:
         except TypeError:
             raise TypeError(f"request_id must be an int, got {request_id!r} "
                             f"({type(request_id).__name__})") from None
-        if not self._closed and self._started:
+        if self._dp is not None:
+            self._dp.abort(rid)
+        elif not self._closed and self._started:
             self._loop.post(Abort(rid))
 
     def stats(self) -> EngineStats:
-        """A snapshot of the gauges and counters (thread-safe; see :class:`EngineStats`)."""
-        return self._loop.stats()
+        """A snapshot of the gauges and counters (thread-safe; see :class:`EngineStats`); with
+        ``dp_size > 1`` the replicas' aggregated
+        (:func:`~specdial.distributed.data_parallel.aggregate_stats`)."""
+        return self._loop.stats() if self._dp is None else self._dp.stats()
 
     def shutdown(self, drain: bool = True) -> None:
         """Stop admitting; ``drain=True`` lets every accepted request finish, ``False`` aborts
         them; joins the loop thread and releases the models' KV buffers. Idempotent; later
         submissions raise ``RuntimeError``."""
+        if self._dp is not None:
+            if not self._closed:
+                self._closed = True
+                self._dp.shutdown(drain)
+            return
         with self._lock:
             if self._closed:
                 return

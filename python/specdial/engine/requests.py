@@ -1,12 +1,12 @@
 """Request validation and the three front ends' drivers of :class:`specdial.Engine`.
 
 - :func:`make_spec`: one request validated into a :class:`RequestSpec` (raises
-  :class:`~specdial.engine_api.RequestError` naming the field).
+  :class:`~specdial.engine.api.RequestError` naming the field).
 - :func:`collect`: ``generate``'s driver: submits a batch, waits (retrying requests refused by a
   full queue) and builds the SGLang-style output dicts.
 - :func:`async_collect`: ``async_generate``'s driver (the same dicts, on an asyncio loop).
 - :func:`sync_stream` / :func:`async_stream`: one request as an iterator of
-  :class:`~specdial.engine_api.StreamChunk`; submission on the first ``next`` / ``__anext__``;
+  :class:`~specdial.engine.api.StreamChunk`; submission on the first ``next`` / ``__anext__``;
   leaving early cancels (aborts) the request.
 
 ``post(message)`` queues a message for the engine loop (raising ``RuntimeError`` once the
@@ -21,9 +21,9 @@ import re
 from typing import Any, AsyncGenerator, Callable, Iterator
 
 from specdial._core import QueueFullError
-from specdial.engine_api import LogprobOptions, RequestError, StreamChunk
-from specdial.engine_loop import Message, RequestSpec, Submit, Submitted
-from specdial.engine_output import OutputAccumulator
+from specdial.engine.api import LogprobOptions, RequestError, StreamChunk
+from specdial.engine.loop import Message, RequestSpec, Submit, Submitted
+from specdial.engine.output import OutputAccumulator
 from specdial.worker.logprobs import MAX_TOP_LOGPROBS
 from specdial.worker.sampling import SamplingParams
 
@@ -57,6 +57,28 @@ def _check_logprobs(lp: Any, prompt_len: int, label: str) -> LogprobOptions | No
                            f"(no prompt logprobs) or an int in 0..{prompt_len - 1} (a position "
                            "of the prompt)", "logprob_start_len")
     return lp
+
+
+def logprob_options(return_logprob: Any, logprob_start_len: Any,
+                    top_logprobs_num: Any) -> LogprobOptions | None:
+    """SGLang's ``return_logprob`` / ``logprob_start_len`` (-1: no prompt logprobs) /
+    ``top_logprobs_num`` as :class:`LogprobOptions` (None without ``return_logprob``).
+    Raises :class:`RequestError` for a wrong type, or for the other two set without
+    ``return_logprob``; the ranges are checked per request (they depend on the prompt)."""
+    if not isinstance(return_logprob, bool):
+        raise RequestError(f"return_logprob must be a bool, got {return_logprob!r}",
+                           "return_logprob")
+    for name, value in (("logprob_start_len", logprob_start_len),
+                        ("top_logprobs_num", top_logprobs_num)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise RequestError(f"{name} must be an int, got {value!r}", name)
+    if not return_logprob:
+        if logprob_start_len != -1 or top_logprobs_num != 0:
+            raise RequestError("logprob_start_len and top_logprobs_num need "
+                               "return_logprob=True", "return_logprob")
+        return None
+    return LogprobOptions(top_n=top_logprobs_num,
+                          prompt_start=None if logprob_start_len == -1 else logprob_start_len)
 
 
 def _split_stop(sampling_params: Any, stop: Any, label: str) -> tuple[Any, Any]:

@@ -4,10 +4,10 @@ Every :class:`specdial._core.Scheduler` call happens on this thread. Other threa
 through :meth:`EngineLoop.post` (a FIFO inbox of typed messages: :class:`Submit`,
 :class:`Cancel`, :class:`Abort`, :class:`Shutdown`) and get their results through each request's
 *sink* (a callable the loop calls, from its thread, with :class:`Submitted`, an exception, or a
-:class:`~specdial.engine_api.StreamChunk`). Each turn of the loop:
+:class:`~specdial.engine.api.StreamChunk`). Each turn of the loop:
 
 1. handles the inbox: submissions (``add_request``; the sink gets ``Submitted(id)``, or
-   :class:`~specdial.engine_api.RequestError` / :class:`~specdial.engine_api.QueueFullError`),
+   :class:`~specdial.engine.api.RequestError` / :class:`~specdial.engine.api.QueueFullError`),
    aborts, cancellations of streams, shutdown; it blocks there while nothing is live;
 2. runs one iteration (:meth:`EngineLoop.step`): ``plan = schedule()`` ->
    ``worker.prefill/decode(plan)`` -> ``report(...)`` (the plan carries each request's worker
@@ -44,7 +44,7 @@ import torch
 
 from specdial._core import InvalidRequestError, QueueFullError
 from specdial.detokenize import IncrementalText
-from specdial.engine_api import (POLICY_REFRESH_S, EngineStats, LogprobOptions, RequestError,
+from specdial.engine.api import (POLICY_REFRESH_S, EngineStats, LogprobOptions, RequestError,
                                  StreamChunk)
 from specdial.worker.logprobs import HostLogprobs, LogprobRows, PromptLogprobPlan
 from specdial.worker.sampling import BatchSampling, SamplingParams
@@ -194,7 +194,7 @@ class EngineLoop:
 
     def __init__(self, scheduler: Any, worker: SpecWorker, *, tokenizer: Any,
                  generator: torch.Generator | None, steps_schedule: StepsSchedule | None = None,
-                 trace_file: Any = None, log_interval_s: float | None = 10.0) -> None:
+                 trace_file: Any = None, log_interval_s: float | None) -> None:
         self.sched, self.worker, self.tokenizer = scheduler, worker, tokenizer
         self.generator, self.steps_schedule = generator, steps_schedule
         self.trace_file, self.log_interval_s = trace_file, log_interval_s
@@ -262,12 +262,10 @@ class EngineLoop:
             message = f"engine failure: {type(e).__name__}: {e}"
             for rid in list(self.live):
                 try:
-                    self._finish_now(rid, message)
+                    self.sched.abort(rid)
                 except Exception:  # noqa: BLE001 - the scheduler may be what broke
-                    lv = self.live.pop(rid, None)
-                    if lv is not None:
-                        self._out(lv.spec.sink, StreamChunk(
-                            rid, "", [], True, {"type": "abort", "message": message}, lv.meta()))
+                    pass
+                self._end_aborted(rid, message)
             self._flush()
             self._answer_until_shutdown(e)
         finally:
@@ -467,11 +465,13 @@ class EngineLoop:
         """The plan's passes raised: abandon it (the scheduler aborts its live requests) and
         send each of them its final chunk with the error."""
         message = f"internal error: {type(error).__name__}: {error}"
+        end = self._finish_now
         if self.sched.plan_in_flight:  # False when report() itself raised after applying
-            self.sched.abandon_plan()
+            self.sched.abandon_plan()  # aborts the plan's requests in the scheduler
+            end = self._end_aborted
         for rid in rids:
             if rid in self.live:
-                self._finish_now(rid, message)  # abort() is a no-op for those abandoned
+                end(rid, message)
         self._sampling_key = None
         self._refresh_stats()
         self._flush()
@@ -564,8 +564,13 @@ class EngineLoop:
 
     def _finish_now(self, rid: int, message: str) -> None:
         """Abort a live request now (between iterations): free everything, final chunk."""
-        lv = self.live.pop(rid)
         self.sched.abort(rid)
+        self._end_aborted(rid, message)
+
+    def _end_aborted(self, rid: int, message: str) -> None:
+        """Send a request the scheduler no longer holds its final ``abort`` chunk and forget
+        it (the one place an aborted request leaves :attr:`live`)."""
+        lv = self.live.pop(rid)
         self._stats_stale = True
         self._sampling_key = None
         self._out(lv.spec.sink, self._chunk(lv, "", [], True,

@@ -1,6 +1,6 @@
 """SGLang-style output dicts of the offline API, built from a request's stream chunks.
 
-:class:`OutputAccumulator` folds the :class:`~specdial.engine_api.StreamChunk` s of one request
+:class:`OutputAccumulator` folds the :class:`~specdial.engine.api.StreamChunk` s of one request
 into what SGLang's ``Engine.generate`` / ``async_generate`` return: ``text`` and
 ``output_ids`` (cumulative) and ``meta_info`` with ``prompt_tokens``, ``completion_tokens``,
 ``finish_reason`` (None until finished), ``spec_verify_ct``, ``spec_accept_length``,
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specdial.engine_api import StreamChunk
+from specdial.engine.api import StreamChunk
 
 __all__ = ["META_KEYS", "OutputAccumulator"]
 
