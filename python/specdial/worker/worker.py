@@ -51,6 +51,7 @@ import torch
 from specdial.attention.base import AttentionBackend
 from specdial.attention.select import select_backend
 from specdial.models.llama import LlamaForCausalLM
+from specdial.worker.cpu_malloc import keep_freed_memory
 from specdial.worker.drafters import Drafter, run_target
 from specdial.worker.inputs import DecodeInput, PrefillInput, worker_input
 from specdial.worker.logprobs import (HostLogprobs, LogprobRows, PromptLogprobPlan,
@@ -128,6 +129,8 @@ class SpecWorker:
         self.target, self.drafter = target, drafter
         self.skip_zero_step_draft_extend = skip_zero_step_draft_extend
         self.device = device = target.embed_tokens.weight.device
+        if device.type == "cpu":
+            keep_freed_memory()  # page-fault-free temporaries (cpu_malloc.py)
         self.backend = backend or select_backend(device, dtype=target.embed_tokens.weight.dtype)
         steps = sorted(set(int(s) for s in step_values)) or [0]
         max_steps = drafter.max_steps if drafter is not None else 0

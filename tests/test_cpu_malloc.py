@@ -1,0 +1,48 @@
+"""glibc malloc thresholds for CPU inference (specdial.worker.cpu_malloc)."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from specdial.worker.cpu_malloc import keep_freed_memory
+
+# An adaptive engine on the built-in models decoding 16 requests; prints the page faults of the
+# decode. "default" leaves glibc's thresholds alone (the worker's call then does nothing).
+PROBE = """
+import resource, sys, torch
+from specdial.worker import cpu_malloc
+if sys.argv[1] == "default":
+    cpu_malloc._applied = False
+from specdial import Engine
+torch.set_num_threads(1)
+engine = Engine(max_running_requests=16, log_interval_s=None)
+prompts = [[1] + [(7 * i + j) % 200 + 3 for j in range(60 + 5 * i)] for i in range(16)]
+engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 2})
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 24, "ignore_eos": True})
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+engine.shutdown()
+"""
+
+
+def _decode_page_faults(mode: str) -> int:
+    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True,
+                         check=True, timeout=300)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+                    reason="glibc only")
+def test_decode_temporaries_reuse_memory_instead_of_faulting_pages_in():
+    kept, default = _decode_page_faults("keep"), _decode_page_faults("default")
+    # measured: ~8k vs ~160k over a 32-request run; here a fraction of either
+    assert kept * 4 < default, (kept, default)
+
+
+def test_keep_freed_memory_is_idempotent_and_never_raises():
+    first = keep_freed_memory()
+    assert isinstance(first, bool) and keep_freed_memory() is first
