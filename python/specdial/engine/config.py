@@ -89,8 +89,11 @@ class EngineConfig:
         "throughput_aware; slots, candidate steps and the strategy's keys); default: the "
         "built-in goodput config", metavar="FILE", type=str)
     skip_zero_step_draft_extend: bool = _opt(
-        "at steps 0, skip the drafter's extend pass (it catches up in one batched pass when "
-        "drafting resumes)", default=False)
+        "at steps 0, skip the drafter's extend pass: it catches up on the missed tokens in one "
+        "batched pass when drafting resumes, so steps 0 costs what plain decoding costs (the "
+        "per-iteration extend cost 5-7 percent on the CPU, BENCHMARKS.md section 12); "
+        "--no-skip-zero-step-draft-extend runs it every iteration (SGLang's warm draft KV)",
+        default=True)
     device: str = _opt("cpu, cuda or cuda:N", default="cpu", type=str)
     dtype: Any = _opt("model dtype; auto: the checkpoint's torch_dtype on CUDA, float32 on the "
                       "CPU", default="float32", choices=DTYPES, type=str)

@@ -86,8 +86,11 @@ class Engine:
     - ``speculative_adaptive`` / ``speculative_adaptive_config`` (an ``AdaptiveConfig``, a
       dict, a JSON file path, or None for the default). A given config is loaded and validated
       (``ConfigError``) even when it is not used (adaptive off, or no drafter).
-    - ``skip_zero_step_draft_extend``: skip the drafter extend at ``steps = 0`` (it catches up
-      in one batched extend when steps turn positive).
+    - ``skip_zero_step_draft_extend`` (default True): skip the drafter extend at ``steps = 0``;
+      it catches up in one batched extend when steps turn positive, so the drafter resumes with
+      the KV a fresh prefill would give (DESIGN.md invariant 3) and steps 0 costs what plain
+      decoding costs (vLLM's lazy draft-KV catch-up asks #53416, #53426). False runs the extend
+      every iteration (SGLang #23994's warm draft KV).
     - ``device`` ``"cpu"``/``"cuda"``/``"cuda:N"`` (``ValueError`` when CUDA is not available
       or there is no device N); ``dtype`` ``"float32"``/``"bfloat16"``, or ``"auto"`` (the
       checkpoint's dtype on CUDA, float32 on the CPU). A given adaptive config is validated

@@ -40,9 +40,9 @@ Position / validity convention (used by :mod:`specdial.worker.worker`):
 - Uniform rule: before drafting, and as the draft-extend pass after each verify, the drafter
   processes ``[draft_len, target_len)`` of every request in one batched forward (ragged).
   Extend never needs logits, so it always runs ``kv_only`` (the last drafter layer only writes
-  K/V: no attention output, MLP or LM head). ``steps = 0`` skips drafting; extend still runs
-  (keeping the drafter warm, SGLang PR #23994) unless ``skip_zero_step_draft_extend``, in which
-  case the next positive-steps iteration catches up over every missed position in one extend.
+  K/V: no attention output, MLP or LM head). ``steps = 0`` skips drafting; with ``skip_zero_step_draft_extend`` (the engine's default)
+  the extend is skipped too and the next positive-steps iteration catches up over every missed
+  position in one extend; without it the extend runs every iteration (SGLang PR #23994).
 
 Shapes: ``B`` requests, ``k`` steps, ``V`` vocabulary, ``H`` hidden size; tokens/positions/slots
 int64, logits and probabilities float32, hidden states in the model dtype.
