@@ -130,6 +130,25 @@ def test_step_schedules_lossless(request, name, schedule, skip):
     assert set(hist) <= set(SCHEDULES[schedule])
 
 
+@pytest.mark.parametrize("name", ["draft_noisy", "eagle_noisy"])
+def test_drafter_prefill_deferred_at_steps_0_is_lossless(request, name):
+    """One row for three prompts: the later ones are prefilled after a steps-0 decode, so the
+    drafter's prefill waits for the catch-up (skip mode, the default); outputs stay exact."""
+    target, drafter, reference = setup(request, name)
+    engine = Engine.from_modules(target, drafter, steps_schedule=[0, 0, 0, 0, 0, 3, 0, 0, 0, 5],
+                                 drafter_max_steps=7, **{**KW, "max_running_requests": 1})
+    calls = []
+    prefill = engine.worker.prefill
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("draft_prefill", True))
+        return prefill(*args, **kwargs)
+
+    engine.worker.prefill = spy
+    assert [o["output_ids"] for o in run(engine)] == reference
+    assert False in calls and True in calls, calls  # both paths ran
+
+
 def test_identical_eagle_after_zero_interval_accepts_everything(tiny1):
     """Skipped zero-step extends then catch-up: the first draft after the gap is fully accepted."""
     engine = Engine.from_modules(tiny1.target, tiny1.eagle_same,

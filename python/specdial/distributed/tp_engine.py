@@ -128,7 +128,7 @@ class TensorParallelRuntime:
                 fn = getattr(mirrored, name)
                 if name not in METHODS:
                     return fn
-                return lambda plan, *rest: fn(worker_input(plan, pad), *rest)
+                return lambda plan, *rest, **kw: fn(worker_input(plan, pad), *rest, **kw)
 
         self._beat = threading.Thread(target=self._heartbeats, name="specdial-tp-heartbeat",
                                       daemon=True)

@@ -378,7 +378,12 @@ class EngineLoop:
         sampling = self._batch_sampling(first_live) if first_live else None
         lp_rows = LogprobRows.build([lv.top_n() for lv in first_live], self.device)
         prompt_plan, owners = self._prompt_plan(plan, rids)
-        out = self.worker.prefill(plan, sampling, self.generator, lp_rows, prompt_plan)
+        # while decoding runs steps 0 with the zero-step extend skipped, the drafter's prefill
+        # waits for the catch-up too (nothing reads the drafter's KV before drafting resumes)
+        lazy = (self.worker.skip_zero_step_draft_extend and self._last_decode is not None
+                and self._last_decode[0] == 0)
+        out = self.worker.prefill(plan, sampling, self.generator, lp_rows, prompt_plan,
+                                  draft_prefill=not lazy)
         res = self.sched.report(out.tokens, out.offsets)
         self._store_prompt_logprobs(out.prompt_logprobs, owners)
         return out, res

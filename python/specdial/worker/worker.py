@@ -229,7 +229,8 @@ class SpecWorker:
     @torch.inference_mode()
     def prefill(self, plan: Any, sampling: BatchSampling | None,
                 generator: torch.Generator | None, logprobs: LogprobRows | None = None,
-                prompt_plan: PromptLogprobPlan | None = None) -> StepOutput:
+                prompt_plan: PromptLogprobPlan | None = None, *,
+                draft_prefill: bool = True) -> StepOutput:
         """Run a prefill plan (a :class:`specdial._core.SchedulePlan`, or its
         :class:`~specdial.worker.inputs.PrefillInput`).
 
@@ -240,6 +241,9 @@ class SpecWorker:
         with keys at position ``P``, its prompt length). ``logprobs``: rows of those
         ``sample_first`` requests that want the first token's log-probability;
         ``prompt_plan``: prompt positions whose next token's log-probability is wanted.
+        ``draft_prefill=False`` leaves the drafter's pass over these positions to the catch-up
+        extend that runs before the next drafting iteration (the target features it needs are
+        kept per slot), so a prefill while the policy runs steps 0 costs what the target's does.
         """
         inp = plan if isinstance(plan, PrefillInput) else worker_input(plan, self.pad_slot)
         if not isinstance(inp, PrefillInput):
@@ -281,7 +285,7 @@ class SpecWorker:
             # a middle chunk of an echo prompt: no token copy to complete the logprob copies
             torch.cuda.current_stream(self.device).synchronize()
         done = {name: finish() for name, finish in pending}
-        if self.drafter is not None:
+        if self.drafter is not None and draft_prefill:
             self._draft_extend(rows, state)  # the drafter prefill: an extend over the chunk
         offsets = np.concatenate([[0], np.cumsum(sample_first)]).astype(np.int64)
         return StepOutput(0, tokens, offsets, None, done.get("first"), done.get("prompt"))

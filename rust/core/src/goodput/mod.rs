@@ -15,7 +15,9 @@
 //!
 //! - **Switches.** A slot moves from its current steps to the best candidate only when the
 //!   challenger's predicted goodput is `switch_margin` higher and the slot has kept its steps for
-//!   `min_dwell` iterations (no ping-pong between near-ties).
+//!   `min_dwell` iterations (no ping-pong between near-ties), or the batch is at least twice or
+//!   half the size it was when the current steps were chosen (a new condition: a load step
+//!   should not run the old load's steps for a whole dwell).
 //! - **Probes.** A cost the model has not measured, or acceptance while drafting is off, can only be
 //!   learned by running it. A slot earns probe credit of `probe_budget` times the seconds of every
 //!   iteration it runs and spends it on one-iteration probes: at steps 0 the smallest positive
@@ -49,6 +51,8 @@ struct Slot {
     current: u32,
     /// Decode iterations since the last switch.
     since_switch: u64,
+    /// The batch-size bucket of the decision that set `current`.
+    chosen_at: u32,
     /// Probe credit, seconds.
     credit: f64,
     /// Alternates the neighbour probed when both are equally measured.
@@ -105,6 +109,7 @@ impl GoodputPolicy {
                     candidates: c,
                     current,
                     since_switch: u64::MAX / 2,
+                    chosen_at: 1,
                     credit: 0.0,
                     probe_turn: false,
                     switched: false,
@@ -200,8 +205,13 @@ impl GoodputPolicy {
         let need = 1.0 + self.cfg.switch_margin;
         let dwell = u64::from(self.cfg.min_dwell);
         let s = &mut self.slots[slot];
-        if best.0 != s.current && best.3 > score(s.current) * need && s.since_switch >= dwell {
+        // The dwell keeps a slot from ping-ponging under the conditions it switched in; a batch
+        // at least twice or half the size of the one the current steps were chosen at is another
+        // condition, and waiting out the dwell there runs steps chosen for the old one.
+        let moved = (f64::from(bucket).log2() - f64::from(s.chosen_at).log2()).abs() >= 1.0;
+        if best.0 != s.current && best.3 > score(s.current) * need && (s.since_switch >= dwell || moved) {
             s.current = best.0;
+            s.chosen_at = bucket;
             s.since_switch = 0;
             s.switched = true;
             self.switches += 1;
