@@ -51,13 +51,13 @@ def models(request, name):
     return tiny1.target, tiny1.eagle_noisy
 
 
-def make_worker(target, module, skip):
+def make_worker(target, module, skip, max_extend_tokens=4096):
     """A worker over a scheduler's KV pool (64 pages of 8 tokens), steps fixed per iteration."""
     sched = Scheduler(SchedulerConfig(max_running_requests=4, context_length=128, num_pages=64,
                                       page_size=8), speculative_num_steps=0, adaptive=False)
     worker = SpecWorker(target, make_drafter(module, target, max_steps=7), sched.num_slots,
                         max_running_requests=4, context_length=128, step_values=range(8),
-                        skip_zero_step_draft_extend=skip)
+                        skip_zero_step_draft_extend=skip, max_extend_tokens=max_extend_tokens)
     return worker, sched
 
 
@@ -74,11 +74,11 @@ def check_drafter_kv(target, worker, module, rows):
             torch.testing.assert_close(worker.hidden[slots], feats, atol=2e-5, rtol=1e-4)
 
 
-def run_schedule(target, module, skip, check, lazy_prefill=False):
+def run_schedule(target, module, skip, check, lazy_prefill=False, max_extend_tokens=4096):
     """Prefill ``PROMPTS`` (the drafter's pass left to the catch-up with ``lazy_prefill``),
     then decode at ``SCHEDULE``'s steps, checking lengths (and drafter KV with ``check``) after
     every iteration. Returns the accepted counts per iteration."""
-    worker, sched = make_worker(target, module, skip)
+    worker, sched = make_worker(target, module, skip, max_extend_tokens)
     sampling = BatchSampling.from_params([SamplingParams()] * len(PROMPTS))
     rids = [sched.add_request(p, 100) for p in PROMPTS]  # no request is capped below steps
     accepted = []
@@ -137,8 +137,12 @@ def test_a_deferred_drafter_prefill_catches_up_to_a_fresh_one(request, name):
     # catch-up before the first drafting iteration covers the prompt, and drafts are unchanged
     lazy = run_schedule(*models(request, name), skip=True, check=True, lazy_prefill=True)
     eager = run_schedule(*models(request, name), skip=True, check=False)
-    for steps, a, b in zip(SCHEDULE, eager, lazy):
+    # a catch-up longer than max_extend_tokens runs in pieces (the prompts: 29 tokens)
+    pieces = run_schedule(*models(request, name), skip=True, check=True, lazy_prefill=True,
+                          max_extend_tokens=5)
+    for steps, a, b, c in zip(SCHEDULE, eager, lazy, pieces):
         np.testing.assert_array_equal(a, b, err_msg=f"steps={steps}")
+        np.testing.assert_array_equal(a, c, err_msg=f"steps={steps} (catch-up in pieces)")
 
 
 @pytest.mark.parametrize("name", ["draft", "eagle", "eagle3"])
@@ -148,3 +152,31 @@ def test_acceptance_after_skipped_zero_steps_is_unchanged(request, name):
     for steps, a, b in zip(SCHEDULE, warm, caught_up):
         np.testing.assert_array_equal(a, b, err_msg=f"steps={steps}")
     assert sum(int(a.sum()) for a in warm) > 0  # non-trivial acceptance somewhere
+
+
+def test_a_long_catch_up_runs_in_forwards_of_bounded_size(request):
+    target, module = models(request, "eagle")
+    worker, sched = make_worker(target, module, skip=True, max_extend_tokens=8)
+    sampling = BatchSampling.from_params([SamplingParams()] * len(PROMPTS))
+    rids = [sched.add_request(p, 100) for p in PROMPTS]
+    sizes = []
+    inner = worker._extend_eager
+
+    def counting(rows, start, end, state):
+        sizes.append(int((end - start).sum()))
+        return inner(rows, start, end, state)
+
+    worker._extend_eager = counting
+    with torch.inference_mode():
+        plan = sched.schedule()
+        out = worker.prefill(plan, sampling, None, draft_prefill=False)
+        sched.report(out.tokens, out.offsets)
+        sched.set_fixed_steps(2)
+        plan = sched.schedule()
+        worker.decode(plan, sampling, None)
+    rows = np.array([sched.row_of(r) for r in rids])
+    # the prompts (3 + 9 + 17 tokens) caught up before drafting, 8 tokens at most per forward
+    assert sum(sizes) >= sum(len(p) for p in PROMPTS)
+    assert max(sizes) <= 8 and len(sizes) >= 4, sizes
+    assert (worker.draft_len[rows] == worker.target_len[rows]).all()
+    check_drafter_kv(target, worker, module, rows)

@@ -365,7 +365,8 @@ class Engine:
                                  skip_zero_step_draft_extend=cfg.skip_zero_step_draft_extend,
                                  cuda_graph_bs=self.cuda_graph_bs, cuda_graph_mode=graph_mode,
                                  adaptive_config=(self.adaptive_config
-                                                  if steps_schedule is None else None))
+                                                  if steps_schedule is None else None),
+                                 max_extend_tokens=cfg.max_prefill_tokens)
         self.device = self.worker.device
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         eos = set(target.config.eos_token_ids)

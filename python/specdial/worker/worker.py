@@ -115,6 +115,8 @@ class SpecWorker:
       device, ``"eager"`` otherwise; ``"emulate"`` exercises the runner path on the CPU);
       ``adaptive_config``: the adaptive policy's config (prunes the capture plan; None for
       fixed steps or a steps schedule: every size for every steps value).
+    - ``max_extend_tokens``: most tokens of one drafter catch-up forward (the engine passes
+      ``max_prefill_tokens``); a longer catch-up runs in several (``ValueError`` if < 1).
 
     Raises ``ValueError`` for steps above the drafter's ``max_steps`` or positive steps
     without a drafter.
@@ -125,8 +127,11 @@ class SpecWorker:
                  skip_zero_step_draft_extend: bool = False,
                  backend: AttentionBackend | None = None,
                  cuda_graph_bs: Sequence[int] | None = None, cuda_graph_mode: str | None = None,
-                 adaptive_config: Any = None) -> None:
+                 adaptive_config: Any = None, max_extend_tokens: int = 4096) -> None:
         self.target, self.drafter = target, drafter
+        if max_extend_tokens < 1:
+            raise ValueError(f"max_extend_tokens must be >= 1, got {max_extend_tokens}")
+        self.max_extend_tokens = max_extend_tokens
         self.skip_zero_step_draft_extend = skip_zero_step_draft_extend
         self.device = device = target.embed_tokens.weight.device
         if device.type == "cpu":
@@ -292,18 +297,32 @@ class SpecWorker:
 
     def _draft_extend(self, rows: np.ndarray, state: StepRunner,
                       batches: DecodeBatches | None = None) -> None:
-        """Drafter over ``[draft_len, target_len)`` of every request in one KV-only forward
-        (through the runner's graph path when ``batches`` carry a KV layout)."""
+        """Drafter over ``[draft_len, target_len)`` of every request, KV only: one forward
+        (through the runner's graph path when ``batches`` carry a KV layout), or, for a catch-up
+        longer than ``max_extend_tokens`` (after a long steps-0 stretch or deferred prefills),
+        eager forwards of at most that many tokens each, so its activations stay bounded like a
+        prefill chunk's."""
         assert self.drafter is not None
         start, end = self.draft_len[rows], self.target_len[rows]
         todo = end > start
         if not todo.any():
             return
-        if batches is not None and batches.layout is not None:
+        short = int((end - start)[todo].sum()) <= self.max_extend_tokens
+        if short and batches is not None and batches.layout is not None:
             state.run_extend(batches, rows, start, end, self.hidden, self.zero_row)
             self.draft_len[rows] = np.maximum(start, end)
             return
         rows, start, end = rows[todo], start[todo], end[todo]
+        while len(rows):
+            stop = np.minimum(end, start + max(1, self.max_extend_tokens // len(rows)))
+            self._extend_eager(rows, start, stop, state)
+            left = stop < end
+            rows, start, end = rows[left], stop[left], end[left]
+
+    def _extend_eager(self, rows: np.ndarray, start: np.ndarray, end: np.ndarray,
+                      state: StepRunner) -> None:
+        """One ragged drafter forward over ``[start, end)`` of ``rows`` (all non-empty)."""
+        assert self.drafter is not None
         zero = None if self.hidden is None else self.zero_row
         batch, hidden_rows = state.prepare_ragged(rows, start, end, zero)
         feats = None if hidden_rows is None or self.hidden is None else self.hidden[hidden_rows]
