@@ -24,13 +24,14 @@
 //!    cache) slows every iteration 2x to 4x for tens to hundreds of iterations (measured on the
 //!    development VM, BENCHMARKS.md section 10). A cell measured in such a stretch would make its
 //!    steps look that much dearer, and a policy does not go back to steps it believes expensive,
-//!    so the error would stay. The pace is the median of the last `PACE_WINDOW` ratios of
-//!    measured to predicted seconds at the steps the policy settled on, in a well-measured cell
-//!    (robust to a single stall; a sustained change shows within 3 iterations). While it is off by
-//!    more than `OFF_PACE` (or a multiple of the machine's usual timing noise, if larger), and for a settled measurement that is itself that far off its
-//!    prediction (a stall, or the first iterations of a slow stretch), the model learns nothing (the iterations still count for probe credit
-//!    and acceptance); after `OFF_PACE_ACCEPT` such iterations in a row the new pace is taken as
-//!    the machine's and learning resumes.
+//!    so the error would stay. The pace is the median of the last `PACE_WINDOW` log ratios of
+//!    measured to predicted seconds at the steps the policy settled on, in a cell measured in a
+//!    row (robust to a single stall; a sustained change shows within 3 iterations). While it is
+//!    off by more than `OFF_PACE` (or `MEDIAN_SPREADS` times the machine's usual timing noise,
+//!    if larger), and for a settled measurement itself that far off (`OWN_SPREADS`: a stall, or
+//!    the first iterations of a slow stretch), the model learns nothing; the policy then runs no
+//!    probes and earns no probe credit ([`super`]). After `OFF_PACE_ACCEPT` such iterations in a
+//!    row the new pace is taken as the machine's and learning resumes.
 
 use std::collections::BTreeMap;
 
@@ -46,7 +47,7 @@ pub const PRIOR_STEP_SHARE: f64 = 0.1;
 /// excited yet at the prior, small enough that a few measurements override it.
 const RIDGE: f64 = 1e-3;
 const OUTLIER: f64 = 3.0;
-/// Measurements a cell needs before its predictions serve as the reference of the speed factor.
+/// Measurements in a row a cell needs before its predictions serve to judge the pace.
 const REFERENCE_COUNT: u64 = 8;
 /// Iterations since a cell's last measurement within which it can serve as the reference.
 const REFERENCE_RECENT: u64 = 4;
@@ -202,9 +203,13 @@ impl CostModel {
                 self.recent_pace.pop_front();
             }
             self.recent_pace.push_back(r);
-            let mut sorted: Vec<f64> = self.recent_pace.iter().copied().collect();
-            sorted.sort_by(f64::total_cmp);
-            self.log_pace = sorted[sorted.len() / 2];
+            let mut sorted = [0.0; PACE_WINDOW];
+            let n = self.recent_pace.len();
+            for (dst, src) in sorted.iter_mut().zip(&self.recent_pace) {
+                *dst = *src;
+            }
+            sorted[..n].sort_by(f64::total_cmp);
+            self.log_pace = sorted[n / 2];
         }
         if self.log_pace.abs() > OFF_PACE.max(MEDIAN_SPREADS * self.pace_spread) {
             self.off_pace_run = self.off_pace_run.saturating_add(1);

@@ -27,7 +27,8 @@
 //!   have been is probed at once, on credit (the slot's credit goes negative and is repaid before the next probe), so a
 //!   slot that arrives at a new batch size learns the local slope within a few iterations. Each
 //!   `(bucket, steps)` cell can borrow only once, so over a run probes still take about
-//!   `probe_budget` of the decode time; their tokens count like any others.
+//!   `probe_budget` of the decode time; their tokens count like any others. While the cost model
+//!   finds the machine off its usual pace ([`cost`], layer 3) no probe runs and no credit accrues.
 //! - **Catch-up.** After a stretch at steps 0 with the drafter's extend skipped, the first drafting
 //!   iteration also runs the drafter over the missed tokens. The cost model learns that cost per
 //!   catch-up token; a switch away from 0 is charged for it, spread over `max(min_dwell, 8)`
