@@ -173,3 +173,47 @@ fn goodput_finds_the_best_steps_soon_after_the_batch_jumps() {
     let share = after.iter().map(|&k| e(k) / t(64, k) / best).sum::<f64>() / after.len() as f64;
     assert!(share >= 0.95, "goodput {share:.3} of the best; steps after the jump {after:?}");
 }
+
+#[test]
+fn goodput_measures_a_challenger_before_it_switches_to_it() {
+    // The batch jumps from 2 to 48-64 on a device with a knee: at the large batch every draft
+    // step beyond 2 costs three times what the costs learned at batch 2 extrapolate to. A switch
+    // goes only to steps measured at the batch-size bucket it is made in (a never-measured
+    // challenger is probed first), so the slot never sits on an extrapolated cost.
+    use specdial_core::goodput::cost::bucket_of;
+    let t = |b: u32, k: u32| {
+        let (bf, kf) = (f64::from(b), f64::from(k));
+        let knee = if b >= 32 && k > 2 { 3.0 } else { 1.0 };
+        0.005 + 0.0008 * kf + 0.00085 * bf + 0.0004 * bf * kf * knee
+    };
+    let mut p = goodput();
+    let mut rng = 0x2545_f491_4f6c_dd1du64;
+    let mut uniform = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        (rng >> 11) as f64 / (1u64 << 53) as f64
+    };
+    let mut measured = std::collections::BTreeSet::new();
+    let (mut settled, mut switches, mut probes) = (4u32, 0, 0);
+    for i in 0..300 {
+        let b = if i < 40 { 2 } else { 48 + (uniform() * 17.0) as u32 };
+        let d = p.decide(i64::from(b), Some(u64::from(b) * 300)).unwrap();
+        let probe = p.goodput().unwrap().last_decision().unwrap().probe;
+        if probe {
+            probes += 1;
+        } else if d.steps != settled {
+            switches += 1;
+            // (the first 16 iterations switch on the prior shape: nothing is measured yet)
+            assert!(i < 16 || measured.contains(&(bucket_of(b), d.steps)), "iteration {i}: switched {settled} -> {} at batch {b}, never measured there", d.steps);
+            settled = d.steps;
+        }
+        let accepted: Vec<i64> = (0..b).map(|_| (0..d.steps).take_while(|_| uniform() < 0.8).count() as i64).collect();
+        let obs = Observation { seconds: Some(t(b, d.steps) * (0.95 + 0.1 * uniform())), context_tokens: Some(u64::from(b) * 300), steps: None };
+        p.on_verify_complete_with(accepted, i64::from(b), obs).unwrap();
+        measured.insert((bucket_of(b), d.steps));
+    }
+    assert!(switches >= 2 && probes >= 2, "switches {switches}, probes {probes}");
+    // It ends at the best steps of the large batch (2, behind the knee) or next to it.
+    assert!(settled <= 3, "settled at {settled}");
+}
