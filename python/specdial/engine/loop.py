@@ -12,13 +12,8 @@ through :meth:`EngineLoop.post` (a FIFO inbox of typed messages: :class:`Submit`
 2. runs one iteration (:meth:`EngineLoop.step`): ``plan = schedule()`` ->
    ``worker.prefill/decode(plan)`` -> ``report(...)`` (the plan carries each request's worker
    row, which the scheduler assigns at admission and frees at finish / abort / preemption); a
-   decode iteration is timed from just before ``schedule()`` to just after the passes return (the
-   worker's one host sync), plus the post-processing of the previous decode iteration (its
-   ``report()``, chunks and inbox, measured up to the next ``schedule()``; 0 before the first),
-   and reported as ``seconds``, which the adaptive policy's cost model learns from. Throughput is
-   tokens over the loop's whole cycle: without the post-processing (about 1.5-2 ms per iteration
-   on the development CPU, 15-40 % of an iteration at batch 1-4) steps that run more iterations
-   per token, steps 0 most, looked cheaper than they are (BENCHMARKS.md, issue 11);
+   decode iteration is timed from just before ``schedule()`` to just after the passes return (the worker's one host sync)
+   and reported as ``seconds``, which the adaptive policy's cost model learns from;
 3. post-processes the report: appends tokens, detokenizes, matches stop strings (finishing the
    request through ``finish_request``), appends the per-verify trace (``record_trace``),
    refreshes the :class:`EngineStats` snapshot (from the stats the report returned, unless a
@@ -216,10 +211,6 @@ class EngineLoop:
         self._sampling: BatchSampling | None = None
         self._lp_rows: LogprobRows | None = None
         self._last_decode: tuple[int, int] | None = None  # (steps, padded batch size)
-        # the previous decode iteration's post-processing, seconds (added to the next one's), and
-        # when its passes ended (None once measured, or when the loop idled since)
-        self._post_seconds = 0.0
-        self._post_since: float | None = None
         self._decode_iters = 0
         self._prompt_tokens = 0
         self._verify_reqs = self._verify_tokens = 0
@@ -260,8 +251,6 @@ class EngineLoop:
                     busy = self._unfinished > 0
                     if not busy and self._stopping:
                         break
-                    if not busy:
-                        self._post_since = None  # idle time is not post-processing
                     self._handle_inbox(block=not busy)
                     if not busy and self._unfinished:
                         self._log_mark = self._mark()  # tokens/s from when work arrived
@@ -351,9 +340,6 @@ class EngineLoop:
         post-processing (chunks to the sinks). A failed pass abandons the plan."""
         self._apply_steps_schedule()
         started = time.perf_counter()  # a decode iteration's seconds: schedule -> passes done
-        if self._post_since is not None:
-            self._post_seconds = started - self._post_since
-            self._post_since = None
         plan = self.sched.schedule()
         if plan is None:  # live requests but nothing to run now (not expected)
             logger.warning("nothing schedulable with %d live requests", len(self.live))
@@ -405,13 +391,10 @@ class EngineLoop:
     def _run_decode(self, plan: Any, rids: list[int], started: float
                     ) -> tuple[StepOutput, Any]:
         """The decode passes and their report, timed from ``started`` (before ``schedule()``)
-        to the passes' end, plus the previous decode iteration's post-processing: the
-        ``seconds`` the adaptive policy's cost model learns from (module docs, step 2)."""
+        to the passes' end: the ``seconds`` the adaptive policy's cost model learns from."""
         sampling = self._sampling_for(rids)
         out = self.worker.decode(plan, sampling, self.generator, self._lp_rows)
-        ended = time.perf_counter()
-        seconds = ended - started + self._post_seconds
-        self._post_since = ended
+        seconds = time.perf_counter() - started
         res = self.sched.report(out.tokens, out.offsets, out.accepted, seconds=seconds)
         self._decode_iters += 1
         self._last_decode = (int(plan.steps), int(plan.graph_bs or plan.batch_size))

@@ -797,9 +797,8 @@ impl PyScheduler {
     /// Decode: ``accepted[b] + 1`` tokens (accepted drafts, then the bonus token),
     /// ``accepted[b] <= steps_per_request[b]``. ``accepted`` (decode only, optional): accepted
     /// drafts per request, checked against ``offsets``. Arrays: 1-D integer buffers (numpy) or
-    /// lists. ``seconds`` (decode plans only, optional): the iteration's wall time, a float > 0
-    /// (the engine: from just before ``schedule()`` to just after the passes returned, plus the
-    /// previous decode iteration's post-processing); the adaptive policy
+    /// lists. ``seconds`` (decode plans only, optional): the iteration's wall time, a float > 0,
+    /// from just before ``schedule()`` to just after the passes returned; the adaptive policy
     /// learns its cost model from it (``goodput``). Results for requests aborted meanwhile are
     /// ignored. Raises SchedulerError with no plan in flight, ValueError naming tokens / offsets
     /// / accepted / seconds when they do not match the plan (which then stays in flight,
