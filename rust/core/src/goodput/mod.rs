@@ -17,10 +17,7 @@
 //!   challenger's predicted goodput is `switch_margin` higher and the slot has kept its steps for
 //!   `min_dwell` iterations (no ping-pong between near-ties), or the batch is at least twice or
 //!   half the size it was when the current steps were chosen (a new condition: a load step
-//!   should not run the old load's steps for a whole dwell). A switch goes only to steps whose
-//!   cost was measured at the current batch-size bucket: a challenger known only by
-//!   extrapolation is probed first (one iteration, on credit) and switched to if its measured
-//!   cost still makes it the best.
+//!   should not run the old load's steps for a whole dwell).
 //! - **Probes.** A cost the model has not measured, or acceptance while drafting is off, can only be
 //!   learned by running it. A slot earns probe credit of `probe_budget` times the seconds of every
 //!   iteration it runs and spends it on one-iteration probes: at steps 0 the smallest positive
@@ -47,12 +44,6 @@ pub mod cost;
 use crate::config::GoodputConfig;
 use acceptance::{expected_tokens, AcceptanceModel};
 use cost::CostModel;
-
-/// Cost observations after which a challenger never measured at the current batch-size bucket is
-/// probed before a switch to it (before, the plane has too few points to extrapolate from, and the
-/// first iterations of a fresh engine run slow: lazy initialisation and allocation; one probe's
-/// measurement there would be trusted, and a cell that looks too dear is never probed again).
-const CHALLENGE_AFTER: u64 = 16;
 
 /// Per-slot state of the strategy.
 #[derive(Debug, Clone, PartialEq)]
@@ -219,43 +210,30 @@ impl GoodputPolicy {
         // at least twice or half the size of the one the current steps were chosen at is another
         // condition, and waiting out the dwell there runs steps chosen for the old one.
         let moved = (f64::from(bucket).log2() - f64::from(s.chosen_at).log2()).abs() >= 1.0;
-        let can_probe = self.cfg.probe_budget > 0.0 && !cost.off_pace();
-        let mut challenger = None;
         if best.0 != s.current && best.3 > score(s.current) * need && (s.since_switch >= dwell || moved) {
-            // Never switch on an extrapolation: a challenger whose cost was never measured at
-            // this batch size is probed first (once, on credit) and switched to only if its
-            // measured cost still makes it the best. An extrapolated far candidate (steps 7 or
-            // 0 at batch 64, from costs learned at batch 4) otherwise held a slot for a dwell at
-            // up to twice the cost (BENCHMARKS.md, issue 11).
-            if can_probe && cost.observations() >= CHALLENGE_AFTER && cost.cell_count(bucket, best.0) == 0 {
-                challenger = Some(best.0);
-            } else {
-                s.current = best.0;
-                s.chosen_at = bucket;
-                s.since_switch = 0;
-                s.switched = true;
-                self.switches += 1;
-            }
-        }
-        let predicted = |k: u32| rows.iter().find(|r| r.0 == k).map_or(0.0, |r| r.1);
-        // A neighbour never measured at this batch size (where the current steps are) is probed
-        // at once, on credit: its cost is only extrapolated, and a slot that arrives at a new
-        // batch size with too-high steps would otherwise wait some 30 iterations for enough
-        // credit to learn that lower steps pay (BENCHMARKS.md, issue 11). Each cell borrows at
-        // most once. Off the machine's usual pace a probe's seconds would not be learned.
-        let neighbour = Self::probe_target(s, cost, bucket).filter(|&k| {
-            let unmeasured = cost.cell_count(bucket, k) == 0 && cost.cell_count(bucket, s.current) > 0;
-            challenger.is_none() && can_probe && (s.credit >= predicted(k) || unmeasured)
-        });
-        if neighbour.is_some() {
-            s.probe_turn = !s.probe_turn;
+            s.current = best.0;
+            s.chosen_at = bucket;
+            s.since_switch = 0;
+            s.switched = true;
+            self.switches += 1;
         }
         let mut steps = s.current;
-        let probe = challenger.or(neighbour).is_some();
-        if let Some(target) = challenger.or(neighbour) {
-            s.credit -= predicted(target);
-            steps = target;
-            self.probes += 1;
+        let mut probe = false;
+        if let Some(target) = Self::probe_target(s, cost, bucket) {
+            let t = rows.iter().find(|r| r.0 == target).map_or(0.0, |r| r.1);
+            // A neighbour never measured at this batch size (where the current steps are) is
+            // probed at once, on credit: its cost is only extrapolated, and a slot that arrives at a new batch size with
+            // too-high steps would otherwise wait some 30 iterations for enough credit to learn
+            // that lower steps pay (BENCHMARKS.md, issue 11). Each cell borrows at most once.
+            let unmeasured = cost.cell_count(bucket, target) == 0 && cost.cell_count(bucket, s.current) > 0;
+            // Off the machine's usual pace a probe's seconds would not be learned.
+            if self.cfg.probe_budget > 0.0 && !cost.off_pace() && (s.credit >= t || unmeasured) {
+                s.credit -= t;
+                s.probe_turn = !s.probe_turn;
+                steps = target;
+                probe = true;
+                self.probes += 1;
+            }
         }
         self.last = Some(DecisionView {
             slot,
