@@ -25,7 +25,7 @@ def test_default_config_is_goodput():
     assert c["1"] == {"candidate_steps": [0, 1, 2, 3, 4, 5, 6, 7]}
     assert c["128"] == {"candidate_steps": [0, 1, 2, 3, 4, 5]}
     assert c["256"] == {"candidate_steps": [0, 1, 2, 3]}
-    assert c["switch_margin"] == 0.03 and c["min_dwell"] == 8 and c["probe_budget"] == 0.03
+    assert c["switch_margin"] == 0.05 and c["min_dwell"] == 8 and c["probe_budget"] == 0.03
     assert AdaptiveConfig.default().profile is None
     assert AdaptiveConfig.from_json(AdaptiveConfig.default().to_json()) == AdaptiveConfig.default()
 

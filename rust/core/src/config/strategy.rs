@@ -151,7 +151,7 @@ impl ProfileConfig {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct GoodputConfig {
     /// A challenger's predicted goodput must exceed the current steps' by this fraction to
-    /// replace them (in `[0, 1)`, default 0.03; BENCHMARKS.md section 10 for why).
+    /// replace them (in `[0, 1)`, default 0.05).
     pub switch_margin: f64,
     /// Decode iterations a slot keeps steps it switched to before it may switch again (>= 1,
     /// default 8). Probes are not switches.
@@ -174,7 +174,7 @@ pub struct GoodputConfig {
 impl Default for GoodputConfig {
     fn default() -> Self {
         GoodputConfig {
-            switch_margin: 0.03,
+            switch_margin: 0.05,
             min_dwell: 8,
             acceptance_window: 16,
             cost_window: 64,
