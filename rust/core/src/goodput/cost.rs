@@ -10,7 +10,7 @@
 //!    least-squares fit over every observation, pulled toward a prior in which each draft step
 //!    adds `PRIOR_STEP_SHARE` of the iteration (a memory-bound accelerator's shape), scaled by the
 //!    first measurement. On a CPU the plane alone is close; on an accelerator the roofline's knee
-//!    bends it. The fixed cost `t0` is held `>= 0` (see [`CostModel::solve`]).
+//!    bends it. The fixed cost `t0` is held `>= 0` (`CostModel::solve`, private, says why).
 //! 2. *Cells* `(bucket of b, k)`: per cell the weighted mean of the measured seconds and of its
 //!    features. A cell's residual (its mean minus the plane at its mean features) corrects the
 //!    plane there; a cell not measured yet borrows the residuals of measured neighbours (nearby
