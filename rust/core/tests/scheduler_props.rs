@@ -131,6 +131,8 @@ fn workload() -> impl Strategy<Value = Workload> {
                     page_size,
                     eos_token_ids: if eos { vec![EOS] } else { vec![] },
                     record_trace: true,
+        chunked_prefill_size: None,
+                    chunked_prefill_size: None,
                 };
                 let initial_steps = match &adaptive {
                     Some(c) => c.candidate_union()[steps as usize % c.candidate_union().len()],
@@ -544,6 +546,7 @@ fn tiny_pool_heavy_preemption() {
         page_size: 2,
         eos_token_ids: vec![],
         record_trace: true,
+        chunked_prefill_size: None,
     };
     let mut ops = vec![];
     for i in 0..12 {
