@@ -58,6 +58,9 @@ class EngineArgs(EngineConfig):
     def check(self) -> None:
         """Validate every option: the engine's (:meth:`engine_config`) and the process's.
         Raises ``ValueError`` naming the option."""
+        if self.cpu_threads is not None and (isinstance(self.cpu_threads, bool)
+                                             or self.cpu_threads < 1):
+            raise ValueError(f"--cpu-threads must be an integer >= 1, got {self.cpu_threads}")
         if self.log_interval_s is not None and not (self.log_interval_s >= 0
                                                     and math.isfinite(self.log_interval_s)):
             raise ValueError(f"--log-interval-s must be a finite number >= 0 (0: off), got "
