@@ -69,17 +69,17 @@ class EngineArgs(EngineConfig):
         self._check_files()
 
     def _check_files(self) -> None:
-        """The files the options name, read and validated before any model loads: model
-        directories hold a config.json, the adaptive config parses (and knows the initial
-        steps), the chat template is readable. Raises ``ValueError`` naming the option."""
-        from pathlib import Path
-
+        """The files the options name, read and validated before any model loads: models are
+        directories holding a config.json or Hugging Face ids found in the local cache (or
+        downloaded), the adaptive config parses (and takes ``--speculative-num-steps`` as its
+        bound), the chat template is readable. Raises ``ValueError`` (``OSError`` for an
+        unreadable config file) naming the option."""
         from specdial.engine.resolve import resolve_model_dir
 
         for dest in ("model_path", "draft_model_path"):
             path = getattr(self, dest)
             if path is not None:  # a directory, or a Hugging Face id found (or downloaded)
-                resolve_model_dir(path, self.flag_names.get(dest, self.flag(dest)))
+                resolve_model_dir(path, self.flag(dest))
         if self.speculative_adaptive_config is not None:
             from specdial._core import AdaptiveConfig
             from specdial.engine.policy_setup import cap_candidates
