@@ -286,6 +286,8 @@ class Engine:
         if given:
             raise ValueError(f"from_modules takes built modules: {', '.join(given)} cannot "
                              "apply (load and place the modules before passing them)")
+        if cfg.cpu_threads is not None:
+            torch.set_num_threads(cfg.cpu_threads)
         wrapped = make_drafter(drafter, target, max_steps=cfg.drafter_max_steps)
         inferred = None if wrapped is None else wrapped.algorithm
         if cfg.speculative_algorithm not in (AUTO, inferred):

@@ -137,9 +137,9 @@ def _speculative_config(text: str) -> dict[str, Any]:
             out["speculative_num_steps"] = value
         else:
             raise ValueError(f"--speculative-config: key {key!r} has no specdial equivalent; "
-                             "supported keys: method, model, num_speculative_tokens (the steps "
-                             "adapt unless --no-speculative-adaptive; see "
-                             "--speculative-adaptive-config)")
+                             "supported keys: method, model, num_speculative_tokens (the most "
+                             "steps: the steps adapt up to it unless --no-speculative-adaptive "
+                             "fixes them; see --speculative-adaptive-config)")
     return out
 
 
