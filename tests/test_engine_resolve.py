@@ -86,14 +86,14 @@ def test_dtype_spellings(name, canonical):
 
 
 # ------------------------------------------------------------------ model ids
-def _hf_cache(tmp_path: Path, repo: str) -> Path:
-    """A Hugging Face hub cache under ``tmp_path/hub`` holding ``repo`` with the built-in
-    target's files (``models--org--name/snapshots/<hash>/`` and ``refs/main``)."""
+def _hf_cache(tmp_path: Path, repo: str, source: Path = TARGET) -> Path:
+    """A Hugging Face hub cache under ``tmp_path/hub`` holding ``repo`` with the files of
+    ``source`` (``models--org--name/snapshots/<hash>/`` and ``refs/main``)."""
     org, name = repo.split("/")
     root = tmp_path / "hub" / f"models--{org}--{name}"
     commit = "0123456789abcdef0123456789abcdef01234567"
     snap = root / "snapshots" / commit
-    shutil.copytree(TARGET, snap)
+    shutil.copytree(source, snap)
     (root / "refs").mkdir()
     (root / "refs" / "main").write_text(commit)
     return snap
@@ -104,6 +104,7 @@ def hf_cache(tmp_path, monkeypatch):
     from huggingface_hub import constants
 
     snap = _hf_cache(tmp_path, "specdial-test/tiny")
+    _hf_cache(tmp_path, "specdial-test/tiny-eagle", builtin_model_path("eagle"))
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # never the network
     return snap
@@ -114,8 +115,9 @@ def test_a_model_id_in_the_local_cache_loads_by_its_id(hf_cache):
     cfg = parsed(ServeConfig, ["serve", "specdial-test/tiny", "--log-interval-s", "0"])
     cfg.check()  # the id resolves before any model loads
     assert cfg.model_name() == "specdial-test/tiny"
-    with Engine(model_path="specdial-test/tiny", max_running_requests=2,
-                log_interval_s=None) as engine:
+    with Engine(model_path="specdial-test/tiny", draft_model_path="specdial-test/tiny-eagle",
+                max_running_requests=2, log_interval_s=None) as engine:
+        assert engine.speculative_algorithm == "EAGLE"
         out = engine.generate("def f(x):", {"max_new_tokens": 4, "temperature": 0})
     assert out["meta_info"]["completion_tokens"] == 4
     assert engine.device.type in ("cpu", "cuda")
