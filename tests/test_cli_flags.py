@@ -31,7 +31,8 @@ def serve_config(*argv: str) -> ServeConfig:
     (["--max-num-seqs", "12"], "max_running_requests", 12),
     (["--max-model-len", "300"], "context_length", 300),
     (["--max-total-tokens", "4096"], "kv_cache_tokens", 4096),
-    (["--chunked-prefill-size", "512"], "max_prefill_tokens", 512),
+    (["--chunked-prefill-size", "512"], "chunked_prefill_size", 512),  # SGLang's: apart
+    (["--max-prefill-tokens", "512"], "max_prefill_tokens", 512),
     (["--speculative-num-draft-tokens", "4"], "speculative_num_steps", 3),
     (["--speculative-num-steps", "2", "--speculative-num-draft-tokens", "3"],
      "speculative_num_steps", 2),
@@ -103,8 +104,9 @@ def test_config_errors_come_before_any_model_loads(tmp_path):
              (["generate", "x", "--speculative-adaptive-config", str(bad)], "bogus"),
              (["serve", "--model-path", str(tmp_path)], "no config.json"),
              (["serve", "--chat-template", str(tmp_path / "none.jinja")], "--chat-template"),
-             (["serve", "--speculative-num-steps", "4", "--speculative-adaptive-config",
-               str(save_cfg(tmp_path))], "4")]
+             (["serve", "--speculative-num-steps", "0", "--speculative-adaptive-config",
+               str(save_cfg(tmp_path, strategy="throughput_aware"))],
+              "speculative_num_steps=0")]
     for argv, needle in cases:
         start = time.perf_counter()
         r = subprocess.run([sys.executable, "-m", "specdial.cli", *argv], capture_output=True,
@@ -115,9 +117,10 @@ def test_config_errors_come_before_any_model_loads(tmp_path):
         print(argv[0], needle, f"{elapsed:.2f} s")
 
 
-def save_cfg(tmp_path):
+def save_cfg(tmp_path, strategy=None):
     path = tmp_path / "ok.json"
-    path.write_text('{"1": {"candidate_steps": [1, 3]}}')
+    data = {"1": {"candidate_steps": [1, 3]}, **({"strategy": strategy} if strategy else {})}
+    path.write_text(json.dumps(data))
     return path
 
 

@@ -91,7 +91,7 @@ def test_positional_and_unknown_engine_arguments():
 
 @pytest.mark.parametrize("bad, match", [
     ({"speculative_algorithm": "MEDUSA"}, "speculative_algorithm must be one of"),
-    ({"dtype": "float16"}, "dtype must be one of 'auto', 'float32', 'bfloat16'"),
+    ({"dtype": "int8"}, "dtype must be one of 'auto', 'float32', 'bfloat16', 'float16'"),
     ({"max_running_requests": 0}, "max_running_requests must be an int >= 1"),
     ({"page_size": True}, "page_size must be an int >= 1"),
     ({"context_length": -1}, "context_length must be an int >= 1 or None"),

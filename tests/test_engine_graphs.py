@@ -79,7 +79,7 @@ def test_adaptive_switching_graphs_equal_eager(models):
     target, drafter = models
     # request 0 runs on alone (batch-size slot 1, where steps 7 is a candidate)
     out, stats = compare(target, drafter, new=[40, *NEW[1:]],
-                         speculative_adaptive_config=ADAPTIVE, speculative_num_steps=3)
+                         speculative_adaptive_config=ADAPTIVE, speculative_initial_steps=3)
     hists = [o["meta_info"]["spec_steps_histogram"] for o in out]
     assert len(set().union(*hists)) >= 2, hists  # the policy switched steps
     assert stats["replays"]["draft"] > 0 and stats["replays"]["extend"] > 0
@@ -96,7 +96,7 @@ def test_padded_replay_and_pruned_plan(tiny, monkeypatch):
 
     monkeypatch.setattr(StepRunner, "_fill_verify", spy)
     engine = Engine.from_modules(tiny.target, tiny.draft_noisy,
-                                 speculative_adaptive_config=ADAPTIVE, speculative_num_steps=3,
+                                 speculative_adaptive_config=ADAPTIVE, speculative_initial_steps=3,
                                  **GRAPHS, **KW)
     plan = engine.worker.capture_plan
     assert plan is not None and plan.pruned

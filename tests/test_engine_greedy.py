@@ -257,13 +257,13 @@ def test_errors(tiny, tmp_path):
         with pytest.raises(NotImplementedError, match="built-in models"):
             Engine()
     with pytest.raises(ValueError, match="dtype"):
-        Engine(str(tiny.path), dtype="float16")
+        Engine(str(tiny.path), dtype="int8")
     with pytest.raises(ValueError, match="device"):
         Engine(str(tiny.path), device="tpu")
     with pytest.raises(ValueError, match="draft_model_path"):
         Engine(str(tiny.path), speculative_algorithm="EAGLE")
     with pytest.raises(ConfigError, match="candidate of no slot"):
-        Engine.from_modules(tiny.target, tiny.eagle_random, speculative_num_steps=4,
+        Engine.from_modules(tiny.target, tiny.eagle_random, speculative_initial_steps=4,
                             speculative_adaptive_config=AdaptiveConfig.ema_default(), **KW)
     with pytest.raises(ConfigError, match="max_steps=7"):
         Engine.from_modules(tiny.target, tiny.eagle_random, drafter_max_steps=7,

@@ -128,7 +128,7 @@ def test_step_schedules_lossless(heads, name, schedule, skip):
 def test_adaptive_lossless(heads, name):
     eng, ref = engine(heads, name)  # the default adaptive config
     assert [o["output_ids"] for o in generate(eng)[0]] == ref
-    eng, ref = engine(heads, name, speculative_adaptive_config=SWITCHING, speculative_num_steps=3,
+    eng, ref = engine(heads, name, speculative_adaptive_config=SWITCHING, speculative_initial_steps=3,
                       skip_zero_step_draft_extend=True)
     out, _ = generate(eng, max_new_tokens=N)
     assert [o["output_ids"] for o in out] == ref
@@ -174,7 +174,7 @@ def test_eagle3_emulated_graphs_equal_eager(heads, name):
     graphs = dict(cuda_graph_bs=[1, 2, 4], cuda_graph_mode="emulate")
     extends = 0
     for spec in (dict(speculative_adaptive=False, speculative_num_steps=3),
-                 dict(speculative_adaptive_config=SWITCHING, speculative_num_steps=1)):
+                 dict(speculative_adaptive_config=SWITCHING, speculative_initial_steps=1)):
         eng, ref = engine(heads, name, **spec, **graphs)
         buffers = next(iter(eng.worker.graph_runners.values())).buffers
         assert buffers.draft_first_hidden.shape[1] == eng.drafter.feature_size

@@ -340,7 +340,7 @@ def test_adaptive_policy_acts_inside_serving(tiny, drafter, steps):
     """12 concurrent requests (batch >= 8): a drafter identical to the target keeps slot 8 at
     3; a random one (nothing accepted) drives it to 0."""
     engine = Engine.from_modules(tiny.target, getattr(tiny, drafter),
-                                 speculative_adaptive_config=ADAPTIVE, speculative_num_steps=1,
+                                 speculative_adaptive_config=ADAPTIVE, speculative_initial_steps=1,
                                  max_running_requests=16, kv_cache_tokens=4096, page_size=8)
     assert engine.stats().steps_per_slot == {1: 1, 8: 3}
     n = 120 if steps else 30

@@ -142,7 +142,7 @@ def test_process_options_log_interval_and_cpu_threads(tiny_dirs, capsys):
 
     assert ServeConfig(log_interval_s=0).engine_kwargs()["log_interval_s"] is None  # off
     assert ServeConfig(log_interval_s=2.5).engine_kwargs()["log_interval_s"] == 2.5
-    assert "cpu_threads" not in ServeConfig(cpu_threads=1).engine_kwargs()
+    assert ServeConfig(cpu_threads=1).engine_kwargs()["cpu_threads"] == 1  # an Engine option
     before = torch.get_num_threads()
     try:
         ServeConfig(cpu_threads=1).configure_process()

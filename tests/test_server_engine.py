@@ -173,7 +173,7 @@ def test_full_queue_is_503(dirs):
 def _slot_steps_after(dirs, drafter, concurrency, max_tokens):
     """Steps of slots 1 and 8 from /metrics after ``concurrency`` greedy requests, initial
     steps 1 (slot 1 starts at 1, slot 8 at its middle candidate 3)."""
-    engine = build(dirs, drafter, speculative_num_steps=1)
+    engine = build(dirs, drafter, speculative_initial_steps=1)
     with LiveServer(engine, name=NAME) as server:
         async def main():
             async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused",

@@ -25,6 +25,7 @@ def test_two_nodes_on_loopback_match_tp1(tmp_path):
     assert node1.wait(60) == 0
     assert node0.returncode == 0, node0.stdout + node0.stderr
     assert "target_extend" in node0.stdout
+    assert node0.stdout.strip().splitlines()[-1].startswith("PASS: tp 2 matches tp 1")
 
 
 def test_parallel_options_validation():

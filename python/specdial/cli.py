@@ -13,6 +13,7 @@ import json
 import sys
 
 from specdial.cli_common import cli_error
+from specdial.engine.args import _ExtendInts, _int_list
 from specdial._core import AdaptiveConfig, ConfigError, CostTable
 from specdial.bench.cli import add_bench_subcommand, run_bench_command
 from specdial.cli_serve import SUBCOMMANDS, add_subcommands, run_subcommand
@@ -39,13 +40,6 @@ def _positive_int(text: str) -> int:
     return x
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every subcommand."""
     parser = argparse.ArgumentParser(prog="specdial", description="Adaptive speculative-decoding engine.")
@@ -62,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--config", help="adaptive config JSON file (SGLang format); default: the built-in config")
     rp.add_argument("--trace", required=True, help="trace file, one JSON object per verify")
     rp.add_argument("--initial-steps", type=int, default=None, help="starting steps (default: middle of the candidates)")
-    rp.add_argument("--cuda-graph-bs", type=_int_list, default=None, help="graph batch sizes, e.g. 1,2,4,8,16")
+    rp.add_argument("--cuda-graph-bs", type=_int_list, nargs="+", action=_ExtendInts, default=None,
+                    metavar="N", help="graph batch sizes (space- or comma-separated, as in serve): "
+                    "1 2 4 8 or 1,2,4,8")
     rp.add_argument("--cost-table", metavar="FILE",
                     help="seconds per verify from a cost table (the JSON `policy simulate --curve` reads): "
                     "the goodput strategy learns from them and the summary gives tokens/s")
@@ -91,8 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--interference", type=float, default=0.0,
                     help="share of the run slowed 2-4x in windows of ~50-150 iterations by other work "
                     "on the machine, in [0, 1] (default 0)")
-    sm.add_argument("--skip-zero-step-draft-extend", action="store_true",
-                    help="steps 0 skip the drafter extend (catch-up cost when drafting resumes)")
+    sm.add_argument("--skip-zero-step-draft-extend", action=argparse.BooleanOptionalAction,
+                    default=True,
+                    help="steps 0 skip the drafter extend (catch-up cost when drafting resumes), "
+                    "as the engine does by default; --no-skip-zero-step-draft-extend charges "
+                    "the extend every iteration (default: on)")
     sm.add_argument("--json", action="store_true", help="print every case as JSON")
     add_subcommands(sub)
     add_bench_subcommand(sub)

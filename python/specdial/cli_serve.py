@@ -74,10 +74,15 @@ def run_subcommand(args: argparse.Namespace) -> int:
                                        else ServeConfig))
     except ValueError as e:
         return cli_error(e)
+    names = dict(getattr(args, "_flag_names", {}))
     if args.command == "generate":
-        return run_generate(config_from_args(GenerateConfig, args))
+        cfg: Any = config_from_args(GenerateConfig, args)
+        cfg.flag_names = names
+        return run_generate(cfg)
     if args.command == "serve":
-        return run_serve(config_from_args(ServeConfig, args))
+        cfg = config_from_args(ServeConfig, args)
+        cfg.flag_names = names
+        return run_serve(cfg)
     raise ValueError(f"not a serving subcommand: {args.command!r}")
 
 
@@ -128,7 +133,7 @@ def run_generate(cfg: GenerateConfig) -> int:
     setup_logging(cfg.log_level)
     try:
         cfg.check()
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # bad options, an unreadable config file
         return cli_error(e)
     engine = _load_engine(cfg)
     if engine is None:
@@ -160,15 +165,23 @@ def run_serve(cfg: ServeConfig) -> int:
         cfg.check()  # the server's options too, before the (slow) engine load
         limits, security = cfg.server_limits(), cfg.security_config(os.environ)
         parallel = cfg.parallel_options()
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # bad options, an unreadable config file
         return cli_error(e)
     log = logging.getLogger("specdial.server")
     if parallel.node_rank > 0:  # SGLang's layout: only node 0 serves
+        from specdial.distributed.rank import device_problem
         from specdial.distributed.tp_engine import start_worker_node
+        from specdial.engine.resolve import resolve_device_name
+
+        device = str(resolve_device_name(cfg.device)).split(":")[0]
+        per_node = parallel.tp_size // parallel.nnodes
+        problem = device_problem(device, per_node - 1)
+        if problem is not None:
+            return cli_error(f"node {parallel.node_rank}: {problem}")
 
         log.info("node %d of %d: running tensor-parallel ranks for %s", parallel.node_rank,
                  parallel.nnodes, parallel.dist_init_addr)
-        return start_worker_node(parallel, cfg.device.split(":")[0])
+        return start_worker_node(parallel, device)
     log.info("loading the engine (%s)", cfg.model_path or "built-in models")
     engine = _load_engine(cfg)
     if engine is None:

@@ -34,6 +34,7 @@ from specdial.cli_common import cli_error, setup_logging
 from specdial.bench.datasets import DatasetError, build_requests
 from specdial.engine.args import EngineArgs, add_dataclass_arguments, config_from_args
 from specdial.engine.config import EngineConfig
+from specdial.engine.resolve import resolve_device_name
 
 __all__ = ["BenchConfig", "CompareConfig", "add_bench_subcommand", "format_result",
            "run_bench", "run_bench_command", "run_compare"]
@@ -62,10 +63,16 @@ class _BenchCommon(EngineArgs):
                                default=128, metavar="N")
     ignore_eos: bool = _opt("keep generating past EOS so every request has max_new_tokens "
                             "tokens", default=True)
-    temperature: float = _opt("sampling temperature; 0 = greedy", default=0.0)
+    temperature: float = _opt(
+        "sampling temperature of every request; 0 = greedy (the default here, as "
+        "specdial.Engine's; SGLang's Engine and the server routes default to 1.0)",
+        default=0.0)
     mix_every: int = _opt("mixed workload: switch between code and hard prompts every N "
                           "requests", default=8, metavar="N")
-    seed: int = _opt("seed of the prompt shuffle and the Poisson arrivals", default=0)
+    arrival_seed: int = _opt(
+        "seed of the prompt shuffle, the random dataset and the Poisson arrivals (SGLang's "
+        "bench_serving calls it --seed; here --seed is the engine's sampling seed, as in "
+        "serve and generate)", default=0, metavar="N")
     sample_interval: float = _opt("seconds between engine statistics samples", default=0.25,
                                   metavar="SECONDS")
     progress: bool = _opt("show a progress bar on stderr", default=True)
@@ -116,8 +123,9 @@ class CompareConfig(_BenchCommon):
     """Options of ``specdial bench compare``."""
 
     configs: str | None = _opt(
-        "comma-separated configurations: no-spec, fixed-K, adaptive, adaptive-user; a +skip "
-        "suffix (fixed-0+skip) turns on --skip-zero-step-draft-extend for that one; default: "
+        "comma-separated configurations: no-spec, fixed-K, adaptive, adaptive-user; a +noskip "
+        "suffix (fixed-0+noskip) runs that one with --no-skip-zero-step-draft-extend (the "
+        "drafter's extend every iteration), +skip with --skip-zero-step-draft-extend; default: "
         "no-spec,fixed-1,fixed-3,fixed-5,fixed-7,adaptive (+adaptive-user with "
         "--adaptive-config)", metavar="LIST")
     adaptive_config: str | None = _opt(
@@ -272,7 +280,7 @@ async def _bench_async(driver: Any, requests: list[Any], warm: list[Any],
                                 progress=False, sample_interval=cfg.sample_interval)
         return await run_benchmark(driver, requests, sampling_params=params,
                                    concurrency=cfg.concurrency, request_rate=cfg.request_rate,
-                                   seed=cfg.seed, sample_interval=cfg.sample_interval,
+                                   seed=cfg.arrival_seed, sample_interval=cfg.sample_interval,
                                    progress=cfg.progress, desc=f"bench {cfg.dataset}")
     finally:
         await driver.close()
@@ -301,7 +309,7 @@ def _requests(cfg: BenchConfig, driver: Any, engine: Any) -> list[Any]:
         reqs = random_requests(cfg.num_prompts, vocab_size=vocab,
                                input_len=cfg.random_input_len,
                                output_len=cfg.random_output_len,
-                               range_ratio=cfg.random_range_ratio, seed=cfg.seed)
+                               range_ratio=cfg.random_range_ratio, seed=cfg.arrival_seed)
         kept = [r for r in (driver.prepare(x, x.max_new_tokens) for x in reqs) if r is not None]
         if len(kept) != len(reqs):
             raise DatasetError(f"--dataset random: {len(reqs) - len(kept)} requests do not fit "
@@ -311,9 +319,9 @@ def _requests(cfg: BenchConfig, driver: Any, engine: Any) -> list[Any]:
         if cfg.dataset_path is None:
             raise DatasetError("--dataset sharegpt needs --dataset-path FILE (a ShareGPT JSON)")
         return sharegpt_requests(cfg.dataset_path, cfg.num_prompts, encode=driver.encode,
-                                 seed=cfg.seed, output_len=cfg.sharegpt_output_len,
+                                 seed=cfg.arrival_seed, output_len=cfg.sharegpt_output_len,
                                  fits=driver.fits)
-    return build_requests(cfg.dataset, cfg.num_prompts, seed=cfg.seed,
+    return build_requests(cfg.dataset, cfg.num_prompts, seed=cfg.arrival_seed,
                           mix_every=cfg.mix_every, directory=cfg.prompts_dir,
                           keep=lambda r: driver.prepare(r, cfg.max_new_tokens))
 
@@ -331,7 +339,7 @@ def run_bench(cfg: BenchConfig) -> int:
 
     try:
         cfg.configure_process()
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # bad options, an unreadable config file
         return cli_error(str(e))
     if cfg.concurrency is not None and cfg.concurrency < 1:
         return cli_error(f"--concurrency must be >= 1, got {cfg.concurrency}")
@@ -394,7 +402,7 @@ def run_compare(cfg: CompareConfig, argv: list[str] | None = None) -> int:
         return cli_error(f"{msg}; or pass --no-plots")
     try:
         cfg.configure_process()
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # bad options, an unreadable config file
         return cli_error(str(e))
     user_config = cfg.adaptive_config or cfg.speculative_adaptive_config
     if (cfg.adaptive_config and cfg.speculative_adaptive_config
@@ -420,12 +428,12 @@ def run_compare(cfg: CompareConfig, argv: list[str] | None = None) -> int:
     meta = {"command": "specdial " + shlex.join(argv) if argv else None,
             "model_path": cfg.model_path or "built-in", "draft_model_path":
             cfg.draft_model_path, "speculative_algorithm": cfg.speculative_algorithm,
-            "device": cfg.device, "dtype": cfg.dtype,
+            "device": resolve_device_name(cfg.device), "dtype": cfg.dtype,
             "skip_zero_step_draft_extend": cfg.skip_zero_step_draft_extend}
     try:
         result = run_comparison(
             factory.build, configs, workloads, concurrencies, num_prompts=cfg.num_prompts,
-            max_new_tokens=cfg.max_new_tokens, mix_every=cfg.mix_every, seed=cfg.seed,
+            max_new_tokens=cfg.max_new_tokens, mix_every=cfg.mix_every, seed=cfg.arrival_seed,
             repetitions=cfg.repetitions, prompts_dir=cfg.prompts_dir,
             warmup_prompts=cfg.warmup_prompts, sample_interval=cfg.sample_interval,
             temperature=cfg.temperature, ignore_eos=cfg.ignore_eos, progress=cfg.progress,

@@ -7,9 +7,11 @@ Configurations (``--configs``, comma-separated):
 - ``adaptive``: the adaptive policy with the built-in config;
 - ``adaptive-user``: the adaptive policy with ``--adaptive-config FILE`` (added to the default
   list when that option is given);
-- any of them with the suffix ``+skip`` (e.g. ``fixed-0+skip``): the same with
-  ``skip_zero_step_draft_extend=True``, so that ``no-spec,fixed-0,fixed-0+skip`` measures steps
-  0 with the drafter kept warm and with the skip option against plain decoding. Without the
+- any of them with the suffix ``+noskip`` (e.g. ``fixed-0+noskip``): the same with
+  ``skip_zero_step_draft_extend=False`` (SGLang's drafter extend every iteration, the warm
+  draft KV), so that ``no-spec,fixed-0,fixed-0+noskip`` measures steps 0 with the skip (the
+  default) and with the drafter kept warm against plain decoding; ``+skip`` forces the skip
+  on (it differs from no suffix only under ``--no-skip-zero-step-draft-extend``). Without a
   suffix a configuration uses ``--skip-zero-step-draft-extend`` as given.
 
 Default: ``no-spec,fixed-1,fixed-3,fixed-5,fixed-7,adaptive`` (+ ``adaptive-user``).
@@ -61,6 +63,7 @@ NO_SPEC = "no-spec"
 ADAPTIVE = "adaptive"
 ADAPTIVE_USER = "adaptive-user"
 SKIP_SUFFIX = "+skip"
+NOSKIP_SUFFIX = "+noskip"
 DEFAULT_FIXED_STEPS = (1, 3, 5, 7)
 
 
@@ -103,10 +106,12 @@ def parse_configurations(spec: str | None, adaptive_config: str | None = None
         s.strip() for s in spec.split(",") if s.strip()]
     out: list[Configuration] = []
     for name in names:
-        base, skip = (name[:-len(SKIP_SUFFIX)], True) if name.endswith(SKIP_SUFFIX) else (
-            name, None)
+        base, skip = name, None
+        for suffix, value in ((SKIP_SUFFIX, True), (NOSKIP_SUFFIX, False)):
+            if name.endswith(suffix):
+                base, skip = name[:-len(suffix)], value
         m = re.fullmatch(r"fixed-(\d+)", base)
-        if base == NO_SPEC and not skip:
+        if base == NO_SPEC and skip is None:
             out.append(Configuration(name, "none", 0))
         elif m:
             out.append(Configuration(name, "fixed", int(m.group(1)),
@@ -120,7 +125,8 @@ def parse_configurations(spec: str | None, adaptive_config: str | None = None
                                      skip_zero_step_draft_extend=skip))
         else:
             raise ValueError(f"unknown configuration {name!r}; use no-spec, fixed-K, adaptive "
-                             f"or adaptive-user, the last three optionally with {SKIP_SUFFIX}")
+                             f"or adaptive-user, the last three optionally with {SKIP_SUFFIX} or "
+                             f"{NOSKIP_SUFFIX}")
     if len({c.name for c in out}) != len(out):
         raise ValueError(f"a configuration is repeated in {spec!r}")
     if not out:
@@ -148,27 +154,26 @@ class EngineFactory:
         return self.args.engine_config().speculative_algorithm
 
     def _load_modules(self) -> tuple[Any, Any, Any]:
-        import torch
-
         from specdial.models import load_engine_modules, resolve_draft_algorithm
+        from specdial.engine.loading import resolve_placement
+        from specdial.engine.resolve import resolve_model_dir
 
         a = self.args
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
-        device = torch.device(a.device)
         algo = self._algorithm()
+        draft_dir = (resolve_model_dir(a.draft_model_path, a.flag("draft_model_path"))
+                     if a.draft_model_path else None)
         if a.model_path is None:
             from specdial.builtin import builtin_model_path
 
             model_dir = builtin_model_path("target")
             algo = algo if algo != AUTO else "EAGLE"
-            draft_dir = (Path(a.draft_model_path) if a.draft_model_path else
-                         builtin_model_path("eagle" if algo == "EAGLE" else "draft")
-                         if algo in ("EAGLE", "DRAFT") else None)
+            if draft_dir is None and algo in ("EAGLE", "DRAFT"):
+                draft_dir = builtin_model_path("eagle" if algo == "EAGLE" else "draft")
         else:
-            model_dir = Path(a.model_path)
-            draft_dir = Path(a.draft_model_path) if a.draft_model_path else None
+            model_dir = resolve_model_dir(a.model_path, a.flag("model_path"))
             if algo == AUTO:
                 algo = None if draft_dir is None else resolve_draft_algorithm(draft_dir)
+        device, dtype = resolve_placement(a.device, a.dtype, model_dir)
         return load_engine_modules(model_dir, draft_dir, algo, dtype=dtype, device=device)
 
     def _kwargs(self, conf: Configuration) -> dict[str, Any]:

@@ -111,7 +111,8 @@ def compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI (module docstring); exit status 0 when every relative difference is below
+    """CLI (module docstring); prints the differences, then a ``PASS:`` / ``FAIL:`` verdict
+    line (:func:`verdict`); exit status 0 when every relative difference is below
     ``--rtol``, 1 otherwise. With ``--nnodes N --node-rank K --dist-init-addr HOST:PORT`` the
     same command on each node forms one group; nodes other than 0 only run their ranks."""
     p = argparse.ArgumentParser(prog="python -m specdial.distributed.check")
@@ -141,11 +142,26 @@ def main(argv: list[str] | None = None) -> int:
             got = forward_outputs(tp=tp, **case)
         finally:
             destroy_group()
-    worst = 0.0
-    for k, (abs_diff, rel) in compare(ref, got).items():
+    diffs = compare(ref, got)
+    for k, (abs_diff, rel) in diffs.items():
         print(f"{k:16s} max|diff| {abs_diff:.3e}  relative {rel:.3e}")
-        worst = max(worst, rel)
-    return 0 if worst <= ns.rtol else 1
+    line, code = verdict(diffs, ns.rtol, ns.tp_size)
+    print(line)
+    return code
+
+
+def verdict(diffs: dict[str, tuple[float, float]], rtol: float, tp_size: int) -> tuple[str, int]:
+    """The closing line of the check and its exit status: ``PASS: ...`` (0) when every
+    relative difference of ``diffs`` (from :func:`compare`) is at most ``rtol``, else
+    ``FAIL: ...`` naming the outputs beyond it (1)."""
+    worst_key = max(diffs, key=lambda k: diffs[k][1])
+    worst = diffs[worst_key][1]
+    bad = [k for k, (_, rel) in diffs.items() if rel > rtol]
+    if not bad:
+        return (f"PASS: tp {tp_size} matches tp 1 within --rtol {rtol:g} (worst relative "
+                f"difference {worst:.3e}, {worst_key})", 0)
+    return (f"FAIL: tp {tp_size} differs from tp 1 beyond --rtol {rtol:g} in "
+            f"{', '.join(bad)} (worst relative difference {worst:.3e}, {worst_key})", 1)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,23 @@ def resolve_entry(entry: str) -> Callable[..., Any]:
     return fn
 
 
+def device_problem(device: str, local_index: int) -> str | None:
+    """Why a rank cannot run on ``device`` (``"cpu"`` or ``"cuda"``) as local rank
+    ``local_index`` (it uses GPU ``local_index``), or None when it can."""
+    if device != "cuda":
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return ("--device cuda, but CUDA is not available on this node (no GPU or no CUDA "
+                "driver); use --device cpu or run on a node with GPUs")
+    count = torch.cuda.device_count()
+    if local_index >= count:
+        return (f"this rank needs GPU {local_index} but the node has {count} (cuda:0.."
+                f"cuda:{count - 1}): --tp-size / --nnodes give each node more ranks than GPUs")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one worker rank; returns the process exit status."""
     p = argparse.ArgumentParser(prog="python -m specdial.distributed.rank")
@@ -61,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         _watch_parent(ns.parent_fd)
     from specdial.distributed.group import DistConfig, RankFailure, destroy_group, init_group
     config = DistConfig(**json.loads(ns.config))
+    missing = device_problem(config.device, config.rank % config.ranks_per_node)
+    if missing is not None:  # foreseeable: one line, not a traceback per rank
+        print(f"specdial rank {config.rank}: error: {missing}", file=sys.stderr, flush=True)
+        return 1
     try:
         fn = resolve_entry(ns.entry)
         tp = init_group(config)

@@ -62,7 +62,8 @@ def _wire(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 #: dtype and sends them apart; the trace, logging and parallel layout are rank 0's business.
 _RANK0_ONLY = frozenset({"model_path", "draft_model_path", "speculative_algorithm", "device",
                          "dtype", "record_trace", "log_interval_s", "tp_size", "dp_size",
-                         "nnodes", "node_rank", "dist_init_addr", "dist_timeout"})
+                         "nnodes", "node_rank", "dist_init_addr", "dist_timeout",
+                         "cpu_threads"})  # ranks run one torch thread each
 
 
 def rank_options(config: Any) -> dict[str, Any]:

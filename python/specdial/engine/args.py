@@ -43,12 +43,12 @@ class EngineArgs(EngineConfig):
     chat_template: str | None = _opt(
         "chat template for /v1/chat/completions: a Jinja file, or the template text itself; "
         "replaces the tokenizer's", metavar="FILE|TEMPLATE")
-    cpu_threads: int | None = _opt(
-        "torch intra-op threads of this process (torch.set_num_threads); default: torch's "
-        "(the physical cores). Small models at small batch sizes can run faster on fewer "
-        "threads, especially on a shared machine (see BENCHMARKS.md)", metavar="N")
     log_level: str = _opt("log level of specdial (and of the HTTP server)", default="info",
                           choices=("critical", "error", "warning", "info", "debug"))
+
+    #: option attribute -> the flag the user actually passed for it (``MODEL``, ``--model``,
+    #: ...), set by the command line after folding aliases; errors name that flag.
+    flag_names: typing.ClassVar[dict[str, str]] = {}
 
     def __post_init__(self) -> None:
         """Nothing: command-line spellings are converted and validated by
@@ -69,22 +69,30 @@ class EngineArgs(EngineConfig):
         self._check_files()
 
     def _check_files(self) -> None:
-        """The files the options name, read and validated before any model loads: model
-        directories hold a config.json, the adaptive config parses (and knows the initial
-        steps), the chat template is readable. Raises ``ValueError`` naming the option."""
-        from pathlib import Path
+        """The files the options name, read and validated before any model loads: models are
+        directories holding a config.json or Hugging Face ids found in the local cache (or
+        downloaded), the adaptive config parses (and takes ``--speculative-num-steps`` as its
+        bound), the chat template is readable. Raises ``ValueError`` (``OSError`` for an
+        unreadable config file) naming the option."""
+        from specdial.engine.resolve import resolve_model_dir
 
-        for flag, path in (("--model-path", self.model_path),
-                           ("--draft-model-path", self.draft_model_path)):
-            if path is not None and not (Path(path) / "config.json").is_file():
-                raise ValueError(f"{flag} {path}: not a model directory (no config.json)")
+        for dest in ("model_path", "draft_model_path"):
+            path = getattr(self, dest)
+            if path is not None:  # a directory, or a Hugging Face id found (or downloaded)
+                resolve_model_dir(path, self.flag(dest))
         if self.speculative_adaptive_config is not None:
-            from specdial._core import AdaptiveConfig, validate_initial_steps
+            from specdial._core import AdaptiveConfig
+            from specdial.engine.policy_setup import cap_candidates
 
             config = AdaptiveConfig.from_file(self.speculative_adaptive_config)
             if self.speculative_adaptive and self.speculative_num_steps is not None:
-                validate_initial_steps(config, self.speculative_num_steps)
+                cap_candidates(config, self.speculative_num_steps)  # the bound fits the config
         self.chat_template_text()
+
+    def flag(self, dest: str) -> str:
+        """The flag that set the option ``dest``: the one the user passed (an alias such as
+        ``--model`` or the positional ``MODEL``), else ``--dest-with-dashes``."""
+        return self.flag_names.get(dest, "--" + dest.replace("_", "-"))
 
     def chat_template_text(self) -> str | None:
         """``--chat-template`` as template text: the file's content, or the value itself when
@@ -116,13 +124,15 @@ class EngineArgs(EngineConfig):
         field). ``--speculative-algorithm NONE`` becomes ``None``, ``STANDALONE`` ``DRAFT``,
         ``--log-interval-s 0`` ``None`` (the Engine's "off"). A command may widen a field to
         None ("derive it"); None there, for a field whose engine default is not None, means
-        the engine's default. Python-only fields (``cli=False``: ``seed``, the test hooks)
-        keep the engine's defaults."""
+        the engine's default. Python-only fields (``cli=False``: the test hooks) are passed
+        when set from Python, else keep the engine's defaults."""
         values = {}
         for f in dataclasses.fields(EngineConfig):
             value = getattr(self, f.name)
-            if f.metadata.get("cli") is False or (value is None and f.default is not None):
-                continue  # Python-only, or left to the engine's default by a command
+            if f.metadata.get("cli") is False and value == f.default:
+                continue  # a Python-only option left at the engine's default
+            if value is None and f.default is not None:
+                continue  # left to the engine's default by a command
             values[f.name] = value
         algo = values.get("speculative_algorithm")
         if algo in (NO_SPECULATION, "STANDALONE"):
@@ -208,6 +218,11 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             parser.add_argument(f.name, type=kind, help=help_text)
             continue
         flag = "--" + f.name.replace("_", "-")
+        if kind is bool and f.name.startswith("disable_") and not f.default:
+            # SGLang's --disable-* switches: no confusing --no-disable-* negation
+            parser.add_argument(flag, dest=f.name, action="store_true",
+                                help=f"{meta.get('help', '')} (default: off)")
+            continue
         if kind is bool:
             state = "on" if f.default else "off"
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,

@@ -29,8 +29,8 @@ __all__ = ["ALGORITHMS", "AUTO", "DTYPES", "ENGINE_OPTIONS", "EngineConfig", "FI
 AUTO = "auto"
 #: Allowed ``speculative_algorithm`` values (None: no speculation).
 ALGORITHMS = (AUTO, "EAGLE", "EAGLE3", "DRAFT", None)
-#: Allowed ``dtype`` names.
-DTYPES = (AUTO, "float32", "bfloat16")
+#: Allowed ``dtype`` names (vLLM's spellings; ``float`` is float32, ``half`` float16).
+DTYPES = (AUTO, "float32", "bfloat16", "float16", "float", "half")
 #: Allowed ``cuda_graph_mode`` values (test hook).
 GRAPH_MODES = ("cuda", "eager", "emulate", None)
 #: Steps of a fixed (non-adaptive) policy when ``speculative_num_steps`` is None.
@@ -65,19 +65,23 @@ class EngineConfig:
     and its allowed values."""
 
     model_path: str | None = _opt(
-        "target model: a local Hugging Face Llama/Qwen2 checkpoint directory; default: the "
-        "built-in models", metavar="DIR", type=str)
+        "target model: a local Hugging Face Llama/Qwen2 checkpoint directory, or a Hugging "
+        "Face id (org/name) found in the local Hugging Face cache or downloaded (unless "
+        "HF_HUB_OFFLINE=1); default: the built-in models", metavar="DIR|ID", type=str)
     draft_model_path: str | None = _opt(
-        "drafter: a draft model directory sharing the target's tokenizer, or an EAGLE or "
-        "EAGLE-3 head directory (specdial's, SGLang's or vLLM's layout); default: none for a "
-        "user model, the built-in drafter for the built-in models", metavar="DIR", type=str)
+        "drafter: a draft model sharing the target's tokenizer, or an EAGLE or EAGLE-3 head "
+        "(specdial's, SGLang's or vLLM's layout), as a directory or a Hugging Face id; "
+        "default: none for a user model, the built-in drafter for the built-in models",
+        metavar="DIR|ID", type=str)
     speculative_algorithm: str | None = _opt(
         "EAGLE, EAGLE3, DRAFT (STANDALONE: SGLang's name for it), NONE (plain decoding) or "
         "auto: inferred from --draft-model-path (the built-in models use EAGLE)",
         default=AUTO, choices=("auto", "EAGLE", "EAGLE3", "DRAFT", "STANDALONE", "NONE"))
     speculative_num_steps: int | None = _opt(
-        "draft tokens per request per decode iteration. With --speculative-adaptive: the "
-        "initial steps (default: the middle candidate); without: the fixed steps (default "
+        "draft tokens per request per decode iteration. With --speculative-adaptive: the upper "
+        "bound of adaptation (candidates above K are removed from every slot; the steps start "
+        "at the largest candidate <= K; default: the config's candidates, starting at the "
+        "middle one); without: the fixed steps (default "
         f"{FIXED_DEFAULT_STEPS})", metavar="K")
     speculative_adaptive: bool = _opt(
         "adapt the steps every decode iteration per batch-size slot (default strategy "
@@ -86,17 +90,20 @@ class EngineConfig:
         default=True)
     speculative_adaptive_config: Any = _opt(
         "adaptive policy config, a JSON file in SGLang's format (strategy goodput, ema or "
-        "throughput_aware; slots, candidate steps and the strategy's keys); default: the "
-        "built-in goodput config", metavar="FILE", type=str)
+        "throughput_aware; slots, candidate steps and the strategy's keys; a file without a "
+        "strategy key is SGLang's EMA format: strategy ema); default: the built-in goodput "
+        "config", metavar="FILE", type=str)
     skip_zero_step_draft_extend: bool = _opt(
         "at steps 0, skip the drafter's extend pass: it catches up on the missed tokens in one "
         "batched pass when drafting resumes, so steps 0 costs what plain decoding costs (the "
         "per-iteration extend cost 5-7 percent on the CPU, BENCHMARKS.md section 12); "
         "--no-skip-zero-step-draft-extend runs it every iteration (SGLang's warm draft KV)",
         default=True)
-    device: str = _opt("cpu, cuda or cuda:N", default="cpu", type=str)
-    dtype: Any = _opt("model dtype; auto: the checkpoint's torch_dtype on CUDA, float32 on the "
-                      "CPU", default="float32", choices=DTYPES, type=str)
+    device: str = _opt("auto (CUDA when present, else the CPU), cpu, cuda or cuda:N",
+                       default=AUTO, type=str)
+    dtype: Any = _opt("model dtype: auto (on CUDA the checkpoint's torch_dtype, bfloat16 for a "
+                      "float32 checkpoint, vLLM's rule; float32 on the CPU), float32 (float), "
+                      "bfloat16, float16 (half)", default=AUTO, choices=DTYPES, type=str)
     max_running_requests: int = _opt(
         "most requests decoded together (the batch capacity, prefilling included)", default=32,
         metavar="N")
@@ -112,8 +119,12 @@ class EngineConfig:
         "max_position_embeddings, cut to --kv-cache-tokens (with a warning) when that is "
         "smaller", metavar="N")
     max_prefill_tokens: int = _opt(
-        "prompt tokens per prefill iteration (longer prompts are prefilled in chunks)",
-        default=4096, metavar="N")
+        "the prefill batch's token budget: prompt tokens per prefill iteration, over all its "
+        "requests (SGLang's meaning)", default=4096, metavar="N")
+    chunked_prefill_size: int | None = _opt(
+        "most prompt tokens of one request per prefill iteration: longer prompts are "
+        "prefilled in chunks of this size (SGLang's meaning); default: the budget "
+        "(--max-prefill-tokens)", metavar="N")
     record_trace: Any = _opt(
         "write the per-verify trace (JSONL) that `specdial policy replay` reads",
         metavar="FILE", type=str)
@@ -143,8 +154,19 @@ class EngineConfig:
     dist_timeout: float = _opt(
         "seconds a rank waits for a peer before the engine fails its requests and /health "
         "answers 503 (SGLang's name)", default=60.0, metavar="SECONDS")
+    seed: int = _opt(
+        "the engine's sampling seed: the generator of requests that give no seed of their own "
+        "(vLLM's --seed; a request's own seed always wins)", default=0, metavar="N")
+    cpu_threads: int | None = _opt(
+        "torch intra-op threads of this process (torch.set_num_threads, process-wide, set "
+        "before the engine builds); default: torch's (the physical cores). Small models at "
+        "small batch sizes can run faster on fewer threads, especially on a shared machine "
+        "(see BENCHMARKS.md)", metavar="N")
     # Python-only options (no command-line flag)
-    seed: int = _opt("the engine's sampling generator seed", default=0, cli=False)
+    speculative_initial_steps: int | None = _opt(
+        "adaptive: the steps every slot starts at when they are among its candidates (else "
+        "the slot's middle candidate); default: the largest candidate <= "
+        "speculative_num_steps, or the middle of the candidates' union", cli=False)
     drafter_max_steps: int = _opt("most steps the drafter's runtime supports", default=16,
                                   cli=False)
     steps_schedule: Any = _opt("test hook: a steps sequence or callable replacing the policy",
@@ -159,10 +181,20 @@ class EngineConfig:
                      or self.speculative_num_steps < 0)):
             raise ConfigError(f"speculative_num_steps must be None or an int >= 0, "
                               f"got {self.speculative_num_steps!r}")
+        if (self.speculative_initial_steps is not None
+                and (isinstance(self.speculative_initial_steps, bool)
+                     or not isinstance(self.speculative_initial_steps, int)
+                     or self.speculative_initial_steps < 0)):
+            raise ConfigError(f"speculative_initial_steps must be None or an int >= 0, "
+                              f"got {self.speculative_initial_steps!r}")
         check_choice("dtype", str(self.dtype).removeprefix("torch."), DTYPES)
         for name in ("max_running_requests", "max_queued_requests", "page_size",
                      "max_prefill_tokens", "drafter_max_steps"):
             _positive(name, getattr(self, name))
+        _positive("chunked_prefill_size", self.chunked_prefill_size, optional=True)
+        _positive("cpu_threads", self.cpu_threads, optional=True)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"seed must be an int >= 0, got {self.seed!r}")
         _positive("kv_cache_tokens", self.kv_cache_tokens, optional=True)
         _positive("context_length", self.context_length, optional=True)
         if not isinstance(self.disable_cuda_graph, bool):

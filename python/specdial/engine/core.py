@@ -31,14 +31,15 @@ from typing import Any, AsyncIterator, Iterator
 
 import torch
 
-from specdial._core import (AdaptiveConfig, ConfigError, Scheduler,
-                            SchedulerConfig, validate_initial_steps)
+from specdial._core import AdaptiveConfig, ConfigError, Scheduler, SchedulerConfig
 from specdial.distributed.data_parallel import DataParallelEngine
 from specdial.distributed.tp_engine import TensorParallelRuntime, rank_options
 from specdial.engine.api import EngineStats, LogprobOptions, RequestError, StreamChunk
 from specdial.engine.loop import Abort, Cancel, EngineLoop, Message, RequestSpec, Shutdown
-from specdial.engine.config import AUTO, FIXED_DEFAULT_STEPS, EngineConfig, config_of_call
-from specdial.engine.loading import auto_dtype, builtin_dirs, resolve_device, torch_dtype
+from specdial.engine.config import AUTO, EngineConfig, config_of_call
+from specdial.engine.loading import builtin_dirs, resolve_placement
+from specdial.engine.policy_setup import policy_options
+from specdial.engine.resolve import resolve_model_dir
 from specdial.engine.output import OutputAccumulator
 from specdial.engine.requests import (async_collect, async_stream, collect, logprob_options,
                                       make_spec, sync_stream)
@@ -80,9 +81,9 @@ class Engine:
       inferred from ``draft_model_path`` (none: no speculation); the built-in models use EAGLE.
       Naming EAGLE or EAGLE3 loads a head labelled ``LlamaForCausalLM`` as that kind of head,
       as SGLang and vLLM do.
-    - ``speculative_num_steps``: adaptive: the initial steps (default the middle of the
-      candidates' union); fixed: the steps (default 3). ``ConfigError`` for a value that is a
-      candidate of no slot or above the drafter's ``max_steps``.
+    - ``speculative_num_steps``: adaptive: the upper bound of adaptation, never exceeded
+      (candidates above it removed from every slot; :mod:`specdial.engine.policy_setup`);
+      fixed: the steps (default 3). ``ConfigError`` above the drafter's ``max_steps``.
     - ``speculative_adaptive`` / ``speculative_adaptive_config`` (an ``AdaptiveConfig``, a
       dict, a JSON file path, or None for the default). A given config is loaded and validated
       (``ConfigError``) even when it is not used (adaptive off, or no drafter).
@@ -91,9 +92,13 @@ class Engine:
       the KV a fresh prefill would give (DESIGN.md invariant 3) and steps 0 costs what plain
       decoding costs (vLLM's lazy draft-KV catch-up asks #53416, #53426). False runs the extend
       every iteration (SGLang #23994's warm draft KV).
-    - ``device`` ``"cpu"``/``"cuda"``/``"cuda:N"`` (``ValueError`` when CUDA is not available
-      or there is no device N); ``dtype`` ``"float32"``/``"bfloat16"``, or ``"auto"`` (the
-      checkpoint's dtype on CUDA, float32 on the CPU). A given adaptive config is validated
+    - ``device`` ``"auto"`` (default: CUDA when present, else the CPU), ``"cpu"``/``"cuda"``/
+      ``"cuda:N"`` (``ValueError`` when CUDA is not available or there is no device N);
+      ``dtype`` ``"auto"`` (default: on CUDA the checkpoint's, bfloat16 for a float32 one;
+      float32 on the CPU), ``"float32"``, ``"bfloat16"``, ``"float16"`` (``"float"``,
+      ``"half"``). ``model_path`` / ``draft_model_path`` may be Hugging Face ids, resolved
+      through the local cache (:mod:`specdial.engine.resolve`). ``cpu_threads``: torch's
+      intra-op threads, set process-wide before loading. A given adaptive config is validated
       before any model loads.
     - keyword-only: ``max_running_requests`` (requests admitted at once, prefilling included),
       ``max_queued_requests`` (new requests waiting beyond the free running slots; beyond it
@@ -173,9 +178,10 @@ class Engine:
         if cfg.dp_size > 1:
             self._start_replicas(cfg)
             return
-        dev = resolve_device(cfg.device)
-        dtype = None if cfg.dtype == AUTO else torch_dtype(cfg.dtype)
-        draft_dir = None if cfg.draft_model_path is None else Path(cfg.draft_model_path)
+        if cfg.cpu_threads is not None:
+            torch.set_num_threads(cfg.cpu_threads)  # process-wide; the loop thread inherits it
+        draft_dir = (None if cfg.draft_model_path is None
+                     else resolve_model_dir(cfg.draft_model_path, "draft_model_path"))
         algo = cfg.speculative_algorithm
         # validated before any model loads
         adaptive_config = (None if cfg.speculative_adaptive_config is None
@@ -183,9 +189,8 @@ class Engine:
         if cfg.model_path is None:
             model_dir, draft_dir, algo = builtin_dirs(draft_dir, algo)
         else:
-            model_dir = Path(cfg.model_path)
-        if dtype is None:
-            dtype = auto_dtype(model_dir, dev)
+            model_dir = resolve_model_dir(cfg.model_path, "model_path")
+        dev, dtype = resolve_placement(cfg.device, cfg.dtype, model_dir)
         if algo == AUTO:
             algo = None if draft_dir is None else resolve_draft_algorithm(draft_dir)
         elif algo is not None and draft_dir is not None:
@@ -281,6 +286,8 @@ class Engine:
         if given:
             raise ValueError(f"from_modules takes built modules: {', '.join(given)} cannot "
                              "apply (load and place the modules before passing them)")
+        if cfg.cpu_threads is not None:
+            torch.set_num_threads(cfg.cpu_threads)
         wrapped = make_drafter(drafter, target, max_steps=cfg.drafter_max_steps)
         inferred = None if wrapped is None else wrapped.algorithm
         if cfg.speculative_algorithm not in (AUTO, inferred):
@@ -304,41 +311,11 @@ class Engine:
         self.drafter = make_drafter(drafter, target, max_steps=cfg.drafter_max_steps)
         if self.drafter is not None:
             self.drafter.module.eval()
-        num_steps, steps_schedule = cfg.speculative_num_steps, cfg.steps_schedule
-        self.adaptive_config: AdaptiveConfig | None = None
-        self.steps_schedule = steps_schedule
-        max_steps = self.drafter.max_steps if self.drafter is not None else 0
-        policy: dict[str, Any]
-        step_values: list[int] | None = None
-        if self.drafter is None:
-            if num_steps:
-                raise ConfigError(f"speculative_num_steps={num_steps} needs a drafter "
-                                  "(speculative_algorithm is None)")
-            policy = {"speculative_num_steps": 0, "adaptive": False}
-        elif steps_schedule is not None:
-            if not callable(steps_schedule) and (
-                    not steps_schedule or not all(0 <= int(k) <= max_steps
-                                                  for k in steps_schedule)):
-                raise ConfigError(f"steps_schedule values must be in 0..{max_steps}")
-            policy, step_values = ({"speculative_num_steps": 0, "adaptive": False},
-                                   list(range(max_steps + 1)))
-        elif cfg.speculative_adaptive:
-            config = self.adaptive_config = (loaded_config if loaded_config is not None
-                                             else AdaptiveConfig.default())
-            union = config.candidate_steps
-            initial = union[len(union) // 2] if num_steps is None else num_steps
-            validate_initial_steps(config, initial)
-            if union[-1] > max_steps:
-                raise ConfigError(f"candidate steps {union[-1]} exceeds what the drafter supports "
-                                  f"(max_steps={max_steps})")
-            policy = {"speculative_num_steps": initial, "adaptive": True,
-                      "adaptive_config": config}
-        else:
-            steps = FIXED_DEFAULT_STEPS if num_steps is None else num_steps
-            if steps > max_steps:
-                raise ConfigError(f"speculative_num_steps={steps} exceeds what the drafter "
-                                  f"supports (max_steps={max_steps})")
-            policy = {"speculative_num_steps": steps, "adaptive": False}
+        steps_schedule = self.steps_schedule = cfg.steps_schedule
+        policy, step_values, self.adaptive_config = policy_options(
+            cfg.speculative_num_steps, cfg.speculative_adaptive, loaded_config,
+            None if self.drafter is None else self.drafter.max_steps, steps_schedule,
+            cfg.speculative_initial_steps)
         max_running, page_size = cfg.max_running_requests, cfg.page_size
         ctx = (target.config.max_position_embeddings if cfg.context_length is None
                else cfg.context_length)
@@ -356,7 +333,8 @@ class Engine:
             list(normalize_graph_bs(cfg.cuda_graph_bs or default_cuda_graph_bs(max_running))))
         self.scheduler = Scheduler(SchedulerConfig(
             max_running_requests=max_running, max_queued_requests=cfg.max_queued_requests,
-            max_prefill_tokens=cfg.max_prefill_tokens, context_length=ctx, num_pages=num_pages,
+            max_prefill_tokens=cfg.max_prefill_tokens,
+            chunked_prefill_size=cfg.chunked_prefill_size, context_length=ctx, num_pages=num_pages,
             page_size=page_size, eos_token_ids=[], record_trace=cfg.record_trace is not None),
             cuda_graph_bs=self.cuda_graph_bs, **policy)
         self.worker = SpecWorker(target, self.drafter, self.scheduler.num_slots,

@@ -14,43 +14,75 @@ from typing import Any
 import torch
 
 from specdial.engine.config import AUTO
+from specdial.engine import resolve as _resolve
+from specdial.engine.resolve import canonical_dtype, resolve_device_name
 
-__all__ = ["DTYPES", "auto_dtype", "builtin_dirs", "resolve_device", "torch_dtype"]
+__all__ = ["DTYPES", "auto_dtype", "builtin_dirs", "resolve_device", "resolve_placement",
+           "torch_dtype"]
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """A validated ``dtype`` (see :class:`EngineConfig`) other than ``"auto"`` as torch's."""
-    return DTYPES[str(dtype).removeprefix("torch.")]
+    """A validated ``dtype`` (see :class:`EngineConfig`; aliases ``float``, ``half``) other
+    than ``"auto"`` as torch's."""
+    return DTYPES[canonical_dtype(dtype)]
 
 
 def auto_dtype(model_dir: Path, device: torch.device) -> torch.dtype:
-    """``dtype="auto"`` (vLLM's): float32 on the CPU; on CUDA the checkpoint's ``torch_dtype``
-    (``dtype`` in newer configs) from its config.json, float32 when it names none. Raises
-    ``ValueError`` for a checkpoint dtype this engine does not run (float16)."""
+    """``dtype="auto"`` (vLLM's and SGLang's rule): float32 on the CPU; on CUDA the
+    checkpoint's ``torch_dtype`` (``dtype`` in newer configs) from its config.json when it is
+    bfloat16 or float16, and bfloat16 (float16 on a GPU without bfloat16) for a float32
+    checkpoint or one that names none, as vLLM does for float32 checkpoints. Raises
+    ``ValueError`` for a checkpoint dtype this engine does not run."""
     if device.type == "cpu":
         return torch.float32
     with open(model_dir / "config.json", encoding="utf-8") as f:
         cfg = json.load(f)
-    name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+    name = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
     if name not in DTYPES:
         raise ValueError(f"dtype='auto': the checkpoint's dtype {name!r} is not supported; "
                          f"pass dtype={' or '.join(map(repr, DTYPES))}")
+    if name == "float32":
+        return torch.bfloat16 if _bf16_supported() else torch.float16
     return DTYPES[name]
 
 
+def _bf16_supported() -> bool:
+    """Whether the CUDA device runs bfloat16 (True where torch cannot tell: a fake probe)."""
+    if not torch.cuda.is_available():
+        return True
+    try:
+        return bool(torch.cuda.is_bf16_supported())
+    except (RuntimeError, AssertionError):
+        return True
+
+
+def resolve_placement(device: Any, dtype: Any, model_dir: Path) -> tuple[torch.device,
+                                                                        torch.dtype]:
+    """The torch device and dtype of the options ``device`` / ``dtype`` (each possibly
+    ``"auto"``: CUDA when present, else the CPU; the checkpoint's dtype on CUDA, float32 on
+    the CPU) for the checkpoint at ``model_dir``. ``ValueError`` as :func:`resolve_device`."""
+    dev = resolve_device(resolve_device_name(device))
+    return dev, (auto_dtype(model_dir, dev) if canonical_dtype(dtype) == AUTO
+                 else torch_dtype(dtype))
+
+
 def resolve_device(device: str | torch.device) -> torch.device:
+    """The torch device of ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:N"``; resolve
+    ``"auto"`` first with :func:`~specdial.engine.resolve.resolve_device_name`). Raises
+    ``ValueError`` for another name, CUDA not available, or no device N."""
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
         dev = None
     if dev is None or dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'); got {device!r}")
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda' (or 'cuda:N'); got "
+                         f"{device!r}")
     if dev.type == "cuda":
-        if not torch.cuda.is_available():
+        if not _resolve.cuda_available():  # the probe tests replace
             raise ValueError(f"device {device!r}: CUDA is not available on this machine "
-                             "(use device='cpu')")
+                             "(use device='cpu', or 'auto': CUDA when present)")
         count = torch.cuda.device_count()
         if dev.index is not None and dev.index >= count:
             raise ValueError(f"device {device!r}: no such CUDA device ({count} available: "

@@ -137,10 +137,16 @@ class GenerateConfig(EngineArgs):
                           choices=("critical", "error", "warning", "info", "debug"))
     prompt: str = _opt("the prompt text", default="", positional=True)
     max_new_tokens: int = _opt("most tokens to generate", default=128, metavar="N")
-    temperature: float = _opt("sampling temperature; 0 = greedy", default=0.0)
+    temperature: float = _opt(
+        "sampling temperature; 0 = greedy. The default here is greedy, as specdial.Engine's "
+        "is; SGLang's Engine and every server route (here too) default to 1.0",
+        default=0.0)
     top_p: float = _opt("nucleus sampling mass in (0, 1]; 1 = off", default=1.0)
     top_k: int = _opt("sample among the k most likely tokens; -1 = off", default=-1)
-    seed: int | None = _opt("sampling seed", default=None)  # type: ignore[assignment]
+    seed: int | None = _opt(  # type: ignore[assignment]
+        "sampling seed, vLLM's --seed: the engine's sampling seed, and this request's seed (its "
+        "tokens are then those plain decoding samples with it, whatever the steps)",
+        default=None, metavar="N")
     json: bool = _opt("print one JSON object (text, output_ids, meta_info, seconds) instead of "
                       "text and a statistics block", default=False)
 

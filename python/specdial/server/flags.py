@@ -11,7 +11,6 @@ flag (origin)                        specdial option              note
 ``--max-num-seqs`` (vLLM)            ``--max-running-requests``
 ``--max-model-len`` (vLLM)           ``--context-length``
 ``--max-total-tokens`` (SGLang)      ``--kv-cache-tokens``
-``--chunked-prefill-size`` (SGLang)  ``--max-prefill-tokens``
 ``--tensor-parallel-size`` (vLLM)    ``--tp-size``
 ``--speculative-num-draft-tokens``   ``--speculative-num-steps``  must be steps + 1 (chain drafts)
 ``--speculative-eagle-topk``         (none)                       must be 1: specdial drafts chains
@@ -20,6 +19,8 @@ flag (origin)                        specdial option              note
                                                                    ``num_speculative_tokens``
 =================================== ============================ ===================================
 
+``--chunked-prefill-size`` (one request's prefill chunk) and ``--max-prefill-tokens`` (the
+prefill batch's budget) are separate options with SGLang's meanings, not aliases.
 ``--speculative-algorithm STANDALONE`` (SGLang's name for a separate draft model) is ``DRAFT``.
 Flags whose meaning differs from any specdial option are errors naming the equivalent:
 ``--mem-fraction-static`` / ``--gpu-memory-utilization`` (a fraction of GPU memory; specdial
@@ -47,7 +48,6 @@ ALIASES: dict[str, str] = {
     "--max-num-seqs": "max_running_requests",
     "--max-model-len": "context_length",
     "--max-total-tokens": "kv_cache_tokens",
-    "--chunked-prefill-size": "max_prefill_tokens",
     "--tensor-parallel-size": "tp_size",
 }
 
@@ -109,6 +109,11 @@ def _set(args: argparse.Namespace, dest: str, value: Any, flag: str,
         raise ValueError(f"{flag} {value} conflicts with --{dest.replace('_', '-')} {current}; "
                          "give one of them")
     setattr(args, dest, value)
+    names = getattr(args, "_flag_names", None)
+    if names is None:
+        names = {}
+        setattr(args, "_flag_names", names)
+    names[dest] = flag
 
 
 def _speculative_config(text: str) -> dict[str, Any]:
@@ -132,9 +137,9 @@ def _speculative_config(text: str) -> dict[str, Any]:
             out["speculative_num_steps"] = value
         else:
             raise ValueError(f"--speculative-config: key {key!r} has no specdial equivalent; "
-                             "supported keys: method, model, num_speculative_tokens (the steps "
-                             "adapt unless --no-speculative-adaptive; see "
-                             "--speculative-adaptive-config)")
+                             "supported keys: method, model, num_speculative_tokens (the most "
+                             "steps: the steps adapt up to it unless --no-speculative-adaptive "
+                             "fixes them; see --speculative-adaptive-config)")
     return out
 
 

@@ -124,7 +124,9 @@ fn arr(py: Python<'_>, v: Vec<i64>) -> PyResult<Py<Int64Array>> {
 ///   idle scheduler takes ``max_running_requests + max_queued_requests`` before an iteration).
 ///   Preempted requests are not counted.
 /// - ``max_prefill_tokens``: prompt tokens per prefill iteration, >= 1 (longer prompts are
-///   chunked).
+///   chunked; SGLang's prefill batch budget).
+/// - ``chunked_prefill_size``: most prompt tokens of one request per prefill iteration, >= 1,
+///   or None (the budget only); SGLang's meaning.
 /// - ``context_length``: longest request in tokens (prompt + output), >= 2.
 /// - ``num_pages``, ``page_size``: the KV pool, pages of ``page_size`` tokens;
 ///   ``num_pages * page_size >= context_length``.
@@ -143,7 +145,7 @@ impl PySchedulerConfig {
     #[new]
     #[pyo3(signature = (*, max_running_requests=64, max_queued_requests=1024, max_prefill_tokens=2048,
                         context_length=2048, num_pages=1024, page_size=16, eos_token_ids=Vec::new(),
-                        record_trace=false))]
+                        record_trace=false, chunked_prefill_size=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         max_running_requests: i64,
@@ -154,6 +156,7 @@ impl PySchedulerConfig {
         page_size: i64,
         eos_token_ids: Vec<i64>,
         record_trace: bool,
+        chunked_prefill_size: Option<i64>,
     ) -> PyResult<Self> {
         guard(|| {
             let inner = SchedulerConfig {
@@ -165,6 +168,9 @@ impl PySchedulerConfig {
                 page_size: u32_field("page_size", page_size)?,
                 eos_token_ids,
                 record_trace,
+                chunked_prefill_size: chunked_prefill_size
+                    .map(|n| u32_field("chunked_prefill_size", n))
+                    .transpose()?,
             };
             inner.validate().map_err(core_err)?;
             Ok(Self { inner })
@@ -215,6 +221,11 @@ impl PySchedulerConfig {
     #[getter]
     fn record_trace(&self) -> bool {
         self.inner.record_trace
+    }
+    /// Most prompt tokens of one request per prefill iteration (None: the budget only).
+    #[getter]
+    fn chunked_prefill_size(&self) -> Option<u32> {
+        self.inner.chunked_prefill_size
     }
 
     fn __repr__(&self) -> String {

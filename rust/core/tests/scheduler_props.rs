@@ -131,6 +131,8 @@ fn workload() -> impl Strategy<Value = Workload> {
                     page_size,
                     eos_token_ids: if eos { vec![EOS] } else { vec![] },
                     record_trace: true,
+                    // a third of the cases also cap one request's chunk below the budget
+                    chunked_prefill_size: (prefill % 3 == 0).then_some(1 + prefill / 3),
                 };
                 let initial_steps = match &adaptive {
                     Some(c) => c.candidate_union()[steps as usize % c.candidate_union().len()],
@@ -544,6 +546,7 @@ fn tiny_pool_heavy_preemption() {
         page_size: 2,
         eos_token_ids: vec![],
         record_trace: true,
+        chunked_prefill_size: None,
     };
     let mut ops = vec![];
     for i in 0..12 {

@@ -16,8 +16,12 @@ pub struct SchedulerConfig {
     /// waiting to resume are not counted (they were admitted already and are never refused).
     pub max_queued_requests: u32,
     /// Prompt tokens prefilled per prefill iteration, >= 1 (all requests of the iteration
-    /// together); longer prompts are prefilled in chunks.
+    /// together; SGLang's `max_prefill_tokens`); longer prompts are prefilled in chunks.
     pub max_prefill_tokens: u32,
+    /// Most prompt tokens of one request per prefill iteration, >= 1 (SGLang's
+    /// `chunked_prefill_size`): a longer prompt is prefilled in chunks of at most this many
+    /// tokens even when the budget `max_prefill_tokens` has room. `None`: the budget only.
+    pub chunked_prefill_size: Option<u32>,
     /// Longest request in tokens (prompt + output), >= 2. A prompt may have at most
     /// `context_length - 1` tokens; a request that reaches `context_length` tokens finishes with
     /// reason `length`. KV positions used never exceed `context_length - 1`.
@@ -42,6 +46,7 @@ impl Default for SchedulerConfig {
             max_running_requests: 64,
             max_queued_requests: 1024,
             max_prefill_tokens: 2048,
+            chunked_prefill_size: None,
             context_length: 2048,
             num_pages: 1024,
             page_size: 16,
@@ -67,6 +72,9 @@ impl SchedulerConfig {
         at_least("max_running_requests", self.max_running_requests, 1)?;
         at_least("max_queued_requests", self.max_queued_requests, 1)?;
         at_least("max_prefill_tokens", self.max_prefill_tokens, 1)?;
+        if let Some(chunk) = self.chunked_prefill_size {
+            at_least("chunked_prefill_size", chunk, 1)?;
+        }
         at_least("context_length", self.context_length, 2)?;
         at_least("num_pages", self.num_pages, 1)?;
         at_least("page_size", self.page_size, 1)?;

@@ -143,13 +143,15 @@ impl Scheduler {
             }
         }
         let mut budget = u64::from(self.config.max_prefill_tokens);
+        // SGLang's chunked_prefill_size: one request's chunk, whatever room the budget has
+        let chunk_cap = self.config.chunked_prefill_size.map_or(u64::MAX, u64::from);
         // (id, start, end, prefill done, samples its first token)
         let mut chunks: Vec<(u64, u64, u64, bool, bool)> = Vec::new();
 
         if let Some(id) = self.partial {
             let r = &self.requests[&id];
             let (start, target) = (r.kv_len, r.prefill_target());
-            let chunk = (target - start).min(budget);
+            let chunk = (target - start).min(budget).min(chunk_cap);
             let done = start + chunk == target;
             let extra = if done {
                 r.decode_tokens_after_prefill(smax, ctx)
@@ -185,7 +187,7 @@ impl Scheduler {
                     .get_mut(&id)
                     .expect("waiting request is known");
                 let target = r.prefill_target();
-                let chunk = target.min(budget);
+                let chunk = target.min(budget).min(chunk_cap);
                 let done = chunk == target;
                 let extra = if done {
                     r.decode_tokens_after_prefill(smax, ctx)
@@ -217,7 +219,9 @@ impl Scheduler {
                 self.admitted.push(id);
                 chunks.push((id, 0, chunk, done, done && r.output_len() == 0));
                 if !done {
+                    // one partial request at a time (its next chunk comes first next time)
                     self.partial = Some(id);
+                    break;
                 }
             }
         }

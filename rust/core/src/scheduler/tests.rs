@@ -13,6 +13,7 @@ fn config(num_pages: u32, page_size: u32) -> SchedulerConfig {
         page_size,
         eos_token_ids: vec![],
         record_trace: false,
+        chunked_prefill_size: None,
     }
 }
 
@@ -963,4 +964,41 @@ fn report_returns_the_stats_and_slot_states_after_it() {
     let (_, out) = step(&mut s, &mut full).unwrap();
     assert_eq!((out.stats.running, out.stats.decode_iterations), (0, 1));
     assert_eq!(out.stats, s.stats());
+}
+
+#[test]
+fn chunked_prefill_size_caps_one_requests_chunk_within_the_budget() {
+    // SGLang's chunked_prefill_size (4) apart from the batch budget max_prefill_tokens (64):
+    // a 10-token prompt is prefilled 4 + 4 + 2 although the budget has room, one partial
+    // request at a time; the next prompt joins the iteration that finishes it.
+    let mut s = fixed(
+        SchedulerConfig {
+            chunked_prefill_size: Some(4),
+            ..config(64, 4)
+        },
+        0,
+    );
+    s.add_request(vec![1; 10], 4, vec![], false).unwrap();
+    s.add_request(vec![2; 3], 4, vec![], false).unwrap();
+    let mut lens = Vec::new();
+    for _ in 0..3 {
+        let (plan, _) = step(&mut s, &mut full).unwrap();
+        assert_eq!(plan.kind, PlanKind::Prefill);
+        lens.push((plan.request_ids.clone(), plan.qo_lens.clone()));
+        s.check_invariants().unwrap();
+    }
+    assert_eq!(
+        lens,
+        vec![(vec![0], vec![4]), (vec![0], vec![4]), (vec![0, 1], vec![2, 3])]
+    );
+    let err = Scheduler::new(
+        SchedulerConfig {
+            chunked_prefill_size: Some(0),
+            ..config(8, 8)
+        },
+        StepsSource::Fixed(0),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.starts_with("chunked_prefill_size: must be >= 1"), "{err}");
 }

@@ -1,0 +1,84 @@
+"""The steps policy an Engine's options describe: fixed, adaptive, or a test schedule.
+
+One meaning for ``speculative_num_steps`` (SGLang's and vLLM's ``num_speculative_tokens``: the
+most draft tokens per request per iteration):
+
+- adaptive (``speculative_adaptive=True``): the **upper bound** of adaptation. Candidates above
+  it are removed from every slot of the adaptive config (a slot left with none gets ``[K]``),
+  so no decode iteration ever runs more steps; the steps start at the largest remaining
+  candidate. None: the config's candidates, starting at the middle of their union.
+  ``speculative_initial_steps`` (Python only) sets the starting steps instead.
+- fixed: the steps of every iteration (default :data:`FIXED_DEFAULT_STEPS`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from specdial._core import AdaptiveConfig, ConfigError, validate_initial_steps
+from specdial.engine.config import FIXED_DEFAULT_STEPS
+
+__all__ = ["cap_candidates", "policy_options"]
+
+
+def cap_candidates(config: AdaptiveConfig, max_steps: int) -> AdaptiveConfig:
+    """``config`` with every slot's candidates above ``max_steps`` removed (a slot left empty
+    gets ``[max_steps]``); ``config`` itself when nothing is above. Raises
+    :class:`ConfigError` when the result is invalid for the strategy (``throughput_aware``
+    with ``max_steps`` 0: its candidates must be > 0)."""
+    if max(config.candidate_steps) <= max_steps:
+        return config
+    data = json.loads(config.to_json())
+    for key, slot in data.items():
+        if key.isdigit() and isinstance(slot, dict) and "candidate_steps" in slot:
+            kept = [k for k in slot["candidate_steps"] if k <= max_steps]
+            slot["candidate_steps"] = kept or [max_steps]
+    try:
+        return AdaptiveConfig.from_dict(data)
+    except ConfigError as e:
+        raise ConfigError(f"speculative_num_steps={max_steps} as the bound of the adaptive "
+                          f"config's candidates: {e}") from None
+
+
+def policy_options(num_steps: int | None, adaptive: bool, loaded: AdaptiveConfig | None,
+                   drafter_max_steps: int | None, schedule: Any, initial: int | None = None
+                   ) -> tuple[dict[str, Any], list[int] | None, AdaptiveConfig | None]:
+    """``(scheduler policy kwargs, worker step values or None, adaptive config or None)``.
+
+    ``drafter_max_steps`` None: no drafter (plain decoding; ``num_steps`` must be 0 or None).
+    ``schedule``: the ``steps_schedule`` test hook (a sequence or callable) or None.
+    ``initial``: adaptive only, the starting steps (``speculative_initial_steps``; a candidate
+    of some slot, ``ConfigError`` otherwise); default: see the module docstring.
+    Raises :class:`ConfigError` naming the option for steps the drafter or config cannot run.
+    """
+    if drafter_max_steps is None:
+        if num_steps:
+            raise ConfigError(f"speculative_num_steps={num_steps} needs a drafter "
+                              "(speculative_algorithm is None)")
+        return {"speculative_num_steps": 0, "adaptive": False}, None, None
+    max_steps = drafter_max_steps
+    if schedule is not None:
+        if not callable(schedule) and (
+                not schedule or not all(0 <= int(k) <= max_steps for k in schedule)):
+            raise ConfigError(f"steps_schedule values must be in 0..{max_steps}")
+        return ({"speculative_num_steps": 0, "adaptive": False}, list(range(max_steps + 1)),
+                None)
+    if adaptive:
+        config = loaded if loaded is not None else AdaptiveConfig.default()
+        if num_steps is not None:
+            config = cap_candidates(config, num_steps)
+        union = config.candidate_steps
+        if initial is None:
+            initial = union[len(union) // 2] if num_steps is None else union[-1]
+        validate_initial_steps(config, initial)
+        if union[-1] > max_steps:
+            raise ConfigError(f"candidate steps {union[-1]} exceeds what the drafter supports "
+                              f"(max_steps={max_steps})")
+        return ({"speculative_num_steps": initial, "adaptive": True, "adaptive_config": config},
+                None, config)
+    steps = FIXED_DEFAULT_STEPS if num_steps is None else num_steps
+    if steps > max_steps:
+        raise ConfigError(f"speculative_num_steps={steps} exceeds what the drafter "
+                          f"supports (max_steps={max_steps})")
+    return {"speculative_num_steps": steps, "adaptive": False}, None, None
