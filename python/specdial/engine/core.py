@@ -11,7 +11,9 @@ batch: :meth:`Engine.generate` (blocking, from any number of threads), :meth:`En
 Output dicts of ``generate`` follow SGLang's offline ``Engine.generate``: ``text``,
 ``output_ids`` and ``meta_info`` with ``prompt_tokens``, ``completion_tokens``,
 ``finish_reason`` (``{"type": "length", "length": n}``, ``{"type": "stop", "matched":
-token_id_or_str}`` or ``{"type": "abort", "message": str}``), ``spec_verify_ct`` (decode
+token_id_or_str}``, ``{"type": "abort", "message": str, "cause": "client" | "shutdown"}`` or,
+for a request the engine failed, ``{"type": "error", "message": cause, "status_code": 500}``:
+:mod:`specdial.engine.ends`), ``spec_verify_ct`` (decode
 iterations the request took part in, trivial verifies at ``steps = 0`` included),
 ``spec_accept_length`` (``(completion_tokens - 1) / spec_verify_ct``, the first token coming
 from prefill; 0.0 without verifies) and ``spec_steps_histogram`` (``{steps: iterations}``).
@@ -255,11 +257,15 @@ class Engine:
 
     @property
     def failure(self) -> str | None:
-        """None while the engine can run its passes; else why not (a tensor-parallel rank
-        died or hung, or a data-parallel replica failed: the message names it). ``/health``
-        then answers 503."""
+        """None while the engine can run its passes; else why not (its loop stopped, a
+        tensor-parallel rank died or hung, or a data-parallel replica failed: the message
+        names it). ``/health`` then answers 503 and ``/metrics`` reads ``specdial:engine_up``
+        0."""
         if self._dp is not None:
             return self._dp.failure
+        dead = self._loop.dead
+        if dead is not None:
+            return f"the engine loop stopped: {type(dead).__name__}: {dead}"
         return None if self._tp is None else self._tp.failure
 
     @classmethod
