@@ -144,8 +144,10 @@ class Engine:
       port), ``dist_timeout`` (seconds a rank waits for a peer, default 60). The Engine starts
       its node's other ranks itself (``python -m specdial.distributed.rank`` subprocesses,
       one torch thread each on the CPU, this process included), owns the scheduler and sends
-      each iteration's worker input to them once (:mod:`specdial.distributed.tp_engine`). A
-      rank that dies or hangs aborts the running requests with a message within
+      each iteration's worker input to them once (:mod:`specdial.distributed.tp_engine`); it
+      takes requests once every rank has loaded and built its engine (start-up barriers under
+      a long start-up timeout, :mod:`specdial.distributed.liveness`). A rank that dies or
+      hangs fails the running requests (finish reason ``error`` naming the cause) within
       ``dist_timeout`` and sets :attr:`failure`. ``ValueError`` for sizes that do not split
       (heads, key/value heads, MLP width over ``tp_size``) or bad parallel options.
     - Data parallelism (keyword-only): ``dp_size`` replicas of this engine in this process
@@ -212,13 +214,15 @@ class Engine:
         try:
             target, drafter_module, tokenizer = load_engine_modules(
                 model_dir, draft_dir, algo, dtype=dtype, device=dev, tp=tp)
+            if self._tp is not None:  # no collective before every rank has loaded
+                self._tp.barrier("loaded")
             self._setup(target, drafter_module, tokenizer, algo, cfg, adaptive_config)
+            if self._tp is not None:  # waits for every rank's engine ("ready")
+                self.worker = self._loop.worker = self._tp.attach(self.worker)
         except BaseException:
             if self._tp is not None:
                 self._tp.close()
             raise
-        if self._tp is not None:
-            self.worker = self._loop.worker = self._tp.attach(self.worker)
 
     def _start_replicas(self, cfg: EngineConfig) -> None:
         """``dp_size`` replicas of this engine (each ``dp_size=1``) behind one
