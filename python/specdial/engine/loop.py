@@ -49,7 +49,7 @@ from specdial.detokenize import IncrementalText
 from specdial.engine.api import (POLICY_REFRESH_S, EngineStats, LogprobOptions, RequestError,
                                  StreamChunk)
 from specdial.engine.ends import aborted, failed, shut_down
-from specdial.engine.isolation import check_alone, sampling_isolated
+from specdial.engine.isolation import sampling_isolated
 from specdial.worker.logprobs import HostLogprobs, LogprobRows, PromptLogprobPlan
 from specdial.worker.sampling import BatchSampling, SamplingParams
 from specdial.worker.worker import SpecWorker, StepOutput
@@ -331,12 +331,6 @@ class EngineLoop:
     def _submit(self, spec: RequestSpec) -> None:
         if self._stopping:
             self._out(spec.sink, RuntimeError("Engine is shut down"))
-            return
-        refused = check_alone(spec, lambda: self._build_sampling([spec.params],
-                                                                 [len(spec.prompt_ids)],
-                                                                 [spec.min_tokens_ids]))
-        if refused is not None:
-            self._out(spec.sink, refused)
             return
         try:
             rid = self.sched.add_request(np.asarray(spec.prompt_ids, np.int64),
