@@ -153,7 +153,7 @@ FIELDS = {
     "/tokenize": ["prompt"],
     "/detokenize": ["tokens"],
 }
-HUGE = [1] * 100_000
+HUGE = [1] * 20_000  # past the context, the vocabulary and the stop-id cap
 EXTREMES = [2**63, 2**64, -2**63, 10**400, 1e308, -1e308, math.nan, math.inf, -math.inf,
             [2**63], [2**64, -2**63], [1e308], HUGE, [HUGE]]
 #: (field, index in EXTREMES) of the values that are in range (served with a 200)
@@ -198,3 +198,19 @@ def test_extreme_values_in_every_numeric_field(live, case):
         assert 400 <= r.status_code < 500, (path, field, r.status_code, r.text[:300])
     if r.status_code != 200:
         assert r.json()["error"]["message"]
+
+
+def test_every_extreme_value_in_every_field_once(live):
+    """The whole table above, each (endpoint, field, value) once (the Hypothesis test samples
+    it beside innocent requests): never a 5xx; a 4xx unless the value is in range."""
+    with httpx.Client(timeout=120) as client:
+        for path in sorted(BASE):
+            for field in FIELDS[path]:
+                for i, value in enumerate(EXTREMES):
+                    raw = json.dumps(_body(path, field, value), allow_nan=True)
+                    r = client.post(live.url + path, content=raw,
+                                    headers={"Content-Type": "application/json"})
+                    allowed = (200, 400) if (field, i) in VALID else range(400, 500)
+                    assert r.status_code in allowed, (path, field, i, r.status_code,
+                                                      r.text[:300])
+    _innocent(live.url)

@@ -258,6 +258,10 @@ def add_sglang_routes(app: FastAPI, state: ServerState,
             sampling, stop = sampling_from_sglang(sp, label)
             check_stop(stop, state.limits)
             max_new = sampling.pop("max_new_tokens")
+            if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
+                raise bad_request(f"Invalid value for '{label}.max_new_tokens': "
+                                  f"{str(max_new)[:40]}; allowed: an int >= 1",
+                                  f"{label}.max_new_tokens", "invalid_value")
             job = _make_job(state, i, prompt, templated=False, max_tokens=max_new,
                             max_tokens_param=f"{label}.max_new_tokens",
                             prompt_param="text" if req.text is not None else "input_ids",
