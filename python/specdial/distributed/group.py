@@ -331,7 +331,8 @@ def init_group(config: DistConfig,
     def fail(why: str) -> RankFailure:
         return RankFailure(f"rank {config.rank} of {config.tp_size} could not join the group at "
                            f"{config.init_addr} within {time.monotonic() - started:.1f}s "
-                           f"(dist_timeout {config.timeout_s:g}s): {why}")
+                           f"(start-up timeout {config.startup_s:g}s, dist_timeout "
+                           f"{config.timeout_s:g}s): {why}")
 
     outcome: list[BaseException | None] = []
     stores: list[Any] = []
