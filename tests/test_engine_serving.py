@@ -21,6 +21,7 @@ from specdial.cli import main as cli_main
 from specdial.detokenize import IncrementalText, decode
 from specdial.engine import Engine
 from specdial.engine.api import QueueFullError, RequestError
+from specdial.engine.ends import end_kind
 from specdial.models import LlamaForCausalLM, load_tokenizer
 from specdial.models.config import ModelConfig
 
@@ -320,7 +321,9 @@ def test_a_failing_iteration_aborts_its_requests_and_serving_goes_on(tiny, ref, 
     engine.worker.decode = flaky  # type: ignore[method-assign]
     with caplog.at_level(logging.ERROR, logger="specdial.engine"):
         out = engine.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": 20})
-    assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in out)
+    # a typed failure (not a client abort), naming the cause
+    assert all(o["meta_info"]["finish_reason"]["type"] == "error" for o in out)
+    assert all(end_kind(o["meta_info"]["finish_reason"]) == "failed" for o in out)
     assert "injected failure" in out[0]["meta_info"]["finish_reason"]["message"]
     assert any("injected failure" in r.getMessage() or r.exc_info for r in caplog.records)
     wait_idle(engine)

@@ -2,7 +2,7 @@
 
 Greedy outputs equal tp 1 for both drafters (EAGLE head, draft model) at fixed steps 0 and 3
 and adaptive; sampling runs to the end with the ranks' tokens checked equal after every pass;
-``serve``'s options (``--tp-size``) through the ``openai`` client; a killed worker rank aborts
+``serve``'s options (``--tp-size``) through the ``openai`` client; a killed worker rank fails
 the running request with a message and ``/health`` answers 503 within ``dist_timeout``; two
 "nodes" on loopback (``serve --node-rank 1`` as a second process)."""
 
@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -64,6 +65,10 @@ def test_greedy_tp2_equals_tp1(algo):
 
 
 def test_serve_tp2_openai_and_killed_worker_rank():
+    """The first completion after start is served (rank 0 waits for every rank to load before
+    it takes requests, however slow the start-up), then rank 1 is killed during a 400-token
+    completion: that request is a 500 naming the cause within ``dist_timeout`` plus a few
+    seconds, and ``/health`` turns 503 naming the rank."""
     timeout = 5.0
     want = _tp1()[0]
     cfg = ServeConfig(tp_size=2, dist_timeout=timeout, log_interval_s=0)
@@ -74,15 +79,26 @@ def test_serve_tp2_openai_and_killed_worker_rank():
                                      temperature=0)
         assert r.choices[0].text == want
         assert httpx.get(server.url + "/health").status_code == 200
-        os.kill(engine._tp.procs.procs[1].pid, signal.SIGKILL)
-        t0 = time.monotonic()
-        out = engine.generate(PROMPTS[1], {"max_new_tokens": 64, "temperature": 0,
-                                           "ignore_eos": True})
-        reason = out["meta_info"]["finish_reason"]
-        assert reason["type"] == "abort" and "peer rank died or hung" in reason["message"]
+        with ThreadPoolExecutor(1) as pool:
+            before = engine.stats().generation_tokens
+            long = pool.submit(httpx.post, server.url + "/v1/completions", timeout=120, json={
+                "prompt": PROMPTS[1], "max_tokens": 400, "temperature": 0, "ignore_eos": True})
+            deadline = time.monotonic() + 60
+            while engine.stats().generation_tokens < before + 8:  # decoding, not done
+                assert time.monotonic() < deadline and not long.done()
+                time.sleep(0.02)
+            os.kill(engine._tp.procs.procs[1].pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            r = long.result()
+            waited = time.monotonic() - t0
+        assert r.status_code == 500, r.text
+        err = r.json()["error"]
+        assert err["code"] == "engine_error" and "rank" in err["message"], err
+        assert waited < timeout + 10, waited
         r = httpx.get(server.url + "/health")
-        assert r.status_code == 503 and "rank" in r.text
-        assert time.monotonic() - t0 < timeout + 10
+        assert r.status_code == 503 and "worker rank 1" in r.text, r.text
+        out = engine.generate(PROMPTS[1], {"max_new_tokens": 4})  # fails at once, typed
+        assert out["meta_info"]["finish_reason"]["type"] == "error"
 
 
 def test_two_nodes_on_loopback(tmp_path):
@@ -103,6 +119,50 @@ def test_two_nodes_on_loopback(tmp_path):
         assert node1.wait(60) == 0
     finally:
         node1.kill()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d.name))
+    return out
+
+
+def test_rank0_learns_that_a_rank_on_another_node_hangs():
+    """No process handle or pipe reaches a rank on another node: when it hangs (SIGSTOP) its
+    stopped heartbeat makes rank 0's ``failure`` name it within ``dist_timeout`` plus a few
+    seconds. The start-up itself runs under the long start-up timeout (a 5 s ``dist_timeout``
+    does not fail a slow start)."""
+    timeout = 5.0
+    addr = f"127.0.0.1:{free_port()}"
+    node1 = subprocess.Popen([sys.executable, "-m", "specdial.cli", "serve", "--tp-size", "2",
+                              "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr,
+                              "--dist-timeout", str(timeout)], stderr=subprocess.DEVNULL)
+    rank1 = None
+    try:
+        engine = specdial.Engine(tp_size=2, nnodes=2, node_rank=0, dist_init_addr=addr,
+                                 dist_timeout=timeout, log_interval_s=None)
+        try:
+            assert engine.failure is None
+            (rank1,) = _children(node1.pid)
+            os.kill(rank1, signal.SIGSTOP)
+            t0 = time.monotonic()
+            while "worker rank 1 stopped its heartbeat" not in (engine.failure or ""):
+                assert time.monotonic() - t0 < timeout + 10, engine.failure
+                time.sleep(0.05)
+        finally:
+            engine.shutdown(drain=False)
+    finally:
+        if rank1 is not None:
+            os.kill(rank1, signal.SIGKILL)
+        node1.kill()
+        node1.wait()
 
 
 def test_parallel_option_errors():

@@ -149,3 +149,12 @@ def test_mirrored_calls_replay_on_worker_ranks(tmp_path, skew_at):
         # once failed: no more collectives (a call raises at once, bookkeeping runs locally)
         assert report["after"].startswith("RankFailure: tensor-parallel ranks disagree")
         assert report["failure"] in report["error"]
+
+
+def test_startup_timeout_is_validated_and_never_below_dist_timeout():
+    base = dict(tp_size=2, rank=0, init_addr="127.0.0.1:5000")
+    for bad in (0, -1.0, "600", None):
+        with pytest.raises(ValueError, match="startup_timeout_s must be a positive number"):
+            DistConfig(**base, startup_timeout_s=bad)
+    assert DistConfig(**base, timeout_s=5.0).startup_s == 600.0
+    assert DistConfig(**base, timeout_s=900.0, startup_timeout_s=30).startup_s == 900.0

@@ -149,7 +149,7 @@ class EngineDriver:
                 if chunk.finished:
                     reason = (chunk.finish_reason or {}).get("type")
                     rec.finish_reason, rec.end_time = reason, now
-                    rec.success = reason != "abort"
+                    rec.success = reason not in ("abort", "error")
                     if not rec.success:
                         rec.error = str((chunk.finish_reason or {}).get("message", "aborted"))
                     break
@@ -553,5 +553,5 @@ async def _run_batches(driver: Driver, requests: Sequence[BenchRequest],
             if "completion_tokens" not in meta:
                 rec.completion_tokens = len(outs[j].get("output_ids", []))
             rec.finish_reason = (meta.get("finish_reason") or {}).get("type")
-            rec.success = rec.finish_reason != "abort"
+            rec.success = rec.finish_reason not in ("abort", "error")
         bar.update(len(batch))

@@ -56,6 +56,10 @@ class Leader:
         """True when a third of ``dist_timeout`` has passed since the last message."""
         return time.monotonic() - self._last > self.tp.timeout_s / 3
 
+    def heartbeat_now(self) -> None:
+        """Make the next heartbeat due at once (after a long start-up without messages)."""
+        self._last = time.monotonic() - self.tp.timeout_s
+
     def heartbeat(self) -> None:
         self._send(Message(HEARTBEAT))
 

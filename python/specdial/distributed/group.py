@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,11 @@ __all__ = ["DistConfig", "TensorParallel", "RankFailure", "RankDivergence", "Col
 #: ``--dist-timeout`` has no default and falls back to torch's 30 minutes; a serving engine that
 #: must report a dead rank wants far less).
 DEFAULT_TIMEOUT_S = 60.0
+
+#: Seconds the start-up may take: the rendezvous (ranks still starting their interpreters) and
+#: each rank loading its models (:mod:`specdial.distributed.liveness`). ``dist_timeout``
+#: applies to every collective; a rank slower to start is not taken for a dead one.
+DEFAULT_STARTUP_TIMEOUT_S = 600.0
 
 
 class RankFailure(RuntimeError):
@@ -82,6 +88,9 @@ class DistConfig:
     - ``timeout_s``: seconds a rendezvous or collective waits for a peer (``--dist-timeout``).
     - ``device``: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL; rank ``r`` uses GPU ``r % per_node``).
     - ``threads``: torch intra-op threads for this rank on the CPU (None: leave torch's).
+    - ``startup_timeout_s``: seconds the rendezvous and each start-up barrier wait for the
+      slowest rank (at least ``timeout_s`` is used; default
+      :data:`DEFAULT_STARTUP_TIMEOUT_S`).
 
     Raises ``ValueError`` naming the field for any value outside these ranges.
     """
@@ -94,6 +103,7 @@ class DistConfig:
     timeout_s: float = DEFAULT_TIMEOUT_S
     device: str = "cpu"
     threads: int | None = 1
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "nnodes"):
@@ -113,12 +123,21 @@ class DistConfig:
         if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
             raise ValueError(f"dist_timeout must be a positive number of seconds, "
                              f"got {self.timeout_s!r}")
+        if not (isinstance(self.startup_timeout_s, (int, float))
+                and self.startup_timeout_s > 0):
+            raise ValueError(f"startup_timeout_s must be a positive number of seconds, "
+                             f"got {self.startup_timeout_s!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda' for tensor parallelism, "
                              f"got {self.device!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"threads must be a positive integer or None, got {self.threads!r}")
         parse_addr(self.init_addr)
+
+    @property
+    def startup_s(self) -> float:
+        """Seconds a start-up wait may take: ``max(startup_timeout_s, timeout_s)``."""
+        return float(max(self.startup_timeout_s, self.timeout_s))
 
     @property
     def ranks_per_node(self) -> int:
@@ -168,6 +187,9 @@ class TensorParallel:
     ``rank`` / ``size``: this rank and the group size; ``group``: the torch process group
     (None: the default group); ``timeout_s``: the deadline collectives were created with;
     ``timer``: :class:`CollectiveTimer`. ``size == 1`` never calls torch.distributed.
+    ``config``: the :class:`DistConfig` it was joined with and ``store``: the rendezvous's
+    ``torch.distributed.TCPStore`` (None for a group built by hand; the start-up barriers and
+    heartbeats of :mod:`specdial.distributed.liveness` use them).
     """
 
     rank: int
@@ -175,6 +197,8 @@ class TensorParallel:
     group: dist.ProcessGroup | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
     timer: CollectiveTimer = field(default_factory=CollectiveTimer)
+    config: DistConfig | None = field(default=None, repr=False)
+    store: Any = field(default=None, repr=False)
 
     def _fail(self, op: str, started: float, error: BaseException) -> RankFailure:
         waited = time.monotonic() - started
@@ -282,8 +306,10 @@ def init_group(config: DistConfig,
                peers_failed: Callable[[], str | None] | None = None) -> TensorParallel:
     """Join the group ``config`` describes (blocks until all ``tp_size`` ranks arrive).
 
-    Rank 0 serves the TCP store at ``config.init_addr``; every rank waits at most
-    ``config.timeout_s`` for the rendezvous and for each later collective. ``peers_failed``
+    Rank 0 serves the TCP store at ``config.init_addr``. The rendezvous waits at most
+    ``config.startup_s`` for every rank to reach the store (ranks still starting their
+    interpreters on a busy machine are not dead), then forms the group, whose collectives wait
+    at most ``config.timeout_s`` for a peer. ``peers_failed``
     (rank 0's :meth:`RankProcesses.failed`): polled while waiting, so a worker rank that
     dies during start-up fails the rendezvous at once with its exit status. Sets this rank's
     torch threads (``config.threads``) and, on CUDA, its device and NCCL's asynchronous error
@@ -305,16 +331,25 @@ def init_group(config: DistConfig,
     def fail(why: str) -> RankFailure:
         return RankFailure(f"rank {config.rank} of {config.tp_size} could not join the group at "
                            f"{config.init_addr} within {time.monotonic() - started:.1f}s "
-                           f"(dist_timeout {config.timeout_s:g}s): {why}")
+                           f"(start-up timeout {config.startup_s:g}s, dist_timeout "
+                           f"{config.timeout_s:g}s): {why}")
 
     outcome: list[BaseException | None] = []
+    stores: list[Any] = []
 
     def rendezvous() -> None:
         try:
+            startup = timedelta(seconds=config.startup_s)
+            store = dist.TCPStore(host, port, config.tp_size, config.rank == 0, startup,
+                                  wait_for_workers=False)
+            stores.append(store)
+            # every rank reaches the store before any joins the group: the group's own
+            # rendezvous then waits for no straggler under the (short) collective timeout
+            store.set(f"specdial/joined/{config.rank}", "1")
+            store.wait([f"specdial/joined/{r}" for r in range(config.tp_size)], startup)
             dist.init_process_group(
-                backend=config.backend, init_method=f"tcp://{host}:{port}",
-                world_size=config.tp_size, rank=config.rank,
-                timeout=timedelta(seconds=config.timeout_s))
+                backend=config.backend, store=store, world_size=config.tp_size,
+                rank=config.rank, timeout=timedelta(seconds=config.timeout_s))
             outcome.append(None)
         except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
             outcome.append(e)
@@ -329,7 +364,8 @@ def init_group(config: DistConfig,
     error = outcome[0] if outcome else RuntimeError("rendezvous thread ended without a result")
     if error is not None:
         raise fail(f"{type(error).__name__}: {error}") from error
-    return TensorParallel(rank=config.rank, size=config.tp_size, timeout_s=config.timeout_s)
+    return TensorParallel(rank=config.rank, size=config.tp_size, timeout_s=config.timeout_s,
+                          config=config, store=stores[0])
 
 
 def destroy_group() -> None:

@@ -38,6 +38,14 @@ def _watch_parent(fd: int) -> None:
     threading.Thread(target=run, name="specdial-parent-watch", daemon=True).start()
 
 
+def exit_rank_failure(message: str) -> None:
+    """Leave this worker rank now with :data:`RANK_FAILURE_EXIT` (a peer is gone), printing
+    ``message``: called from a heartbeat thread, wherever the main thread is (even inside a
+    collective that would only time out later)."""
+    print(f"specdial rank (pid {os.getpid()}): {message}, exiting", file=sys.stderr, flush=True)
+    os._exit(RANK_FAILURE_EXIT)
+
+
 def resolve_entry(entry: str) -> Callable[..., Any]:
     """``"module:function"`` -> the function; ``ValueError`` naming ``entry`` otherwise."""
     module, sep, name = entry.partition(":")

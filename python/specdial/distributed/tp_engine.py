@@ -12,6 +12,14 @@ counts are compared across ranks (``RankDivergence`` on a mismatch). Worker rank
 same engine from the same options (their scheduler is never used) and replay the calls
 (:func:`~specdial.distributed.mirror.replay`).
 
+Start-up (:mod:`~specdial.distributed.liveness`): every rank waits at a start-up barrier after
+loading its models (``"loaded"``) and after building its engine (``"ready"``), under
+``startup_timeout_s``; rank 0's Engine takes requests only after ``"ready"``, so the first
+collective never waits for a rank that is still loading. Each rank also runs a store heartbeat
+(:class:`~specdial.distributed.liveness.Heartbeat`): rank 0 learns that a worker rank stopped
+beating (also on another node) and reports it as its :attr:`TensorParallelRuntime.failure`; a
+worker rank whose rank 0 stopped beating, or whose store is gone, exits.
+
 While the engine is idle a heartbeat goes out every ``dist_timeout / 6`` seconds (a worker rank
 waiting for its next call gives up after ``dist_timeout``). A rank that dies or hangs makes
 the next call fail with :class:`~specdial.distributed.group.RankFailure` within
@@ -32,6 +40,7 @@ import torch
 from specdial.distributed.channel import Leader
 from specdial.distributed.group import DistConfig, RankFailure, TensorParallel, destroy_group
 from specdial.distributed.launcher import RankProcesses
+from specdial.distributed.liveness import Heartbeat, startup_barrier
 from specdial.distributed.mirror import Mirrored, replay
 from specdial.distributed.node import start_rank0
 from specdial.distributed.options import ParallelOptions
@@ -97,6 +106,8 @@ class TensorParallelRuntime:
         self.mirrored: Mirrored | None = None
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
+        self.liveness = Heartbeat(tp, on_failure=self._peer_failed).start() \
+            if tp.config is not None else None
 
     @classmethod
     def start(cls, options: ParallelOptions, rank_args: dict[str, Any],
@@ -112,6 +123,18 @@ class TensorParallelRuntime:
             procs.close(grace_s=1.0)
             raise
         return cls(tp, procs)
+
+    def _peer_failed(self, message: str) -> None:
+        """A worker rank stopped its heartbeat: later calls fail at once (the call in flight,
+        if any, fails by its collective's timeout)."""
+        if self.mirrored is not None and self.mirrored.failure is None:
+            self.mirrored.failure = message
+
+    def barrier(self, name: str) -> None:
+        """Wait for every rank at the start-up barrier ``name`` (``"loaded"``, ``"ready"``)
+        under ``startup_timeout_s``; this node's ranks that exit fail it at once. Raises
+        :class:`RankFailure`."""
+        startup_barrier(self.tp, name, self.procs.failed)
 
     def attach(self, worker: Any) -> Any:
         """Wrap rank 0's ``worker`` (returns the wrapper the engine loop must call) and start
@@ -131,6 +154,10 @@ class TensorParallelRuntime:
                     return fn
                 return lambda plan, *rest, **kw: fn(worker_input(plan, pad), *rest, **kw)
 
+        self.barrier("ready")  # every rank built its engine: dist_timeout applies from here
+        if self.liveness is not None:
+            self.liveness.arm()
+        self.leader.heartbeat_now()
         self._beat = threading.Thread(target=self._heartbeats, name="specdial-tp-heartbeat",
                                       daemon=True)
         self._beat.start()
@@ -148,15 +175,20 @@ class TensorParallelRuntime:
 
     @property
     def failure(self) -> str | None:
-        """The group's failure message, or None while every rank is well."""
+        """The group's failure message, or None while every rank is well: a failed call, a
+        local worker rank's exit, or a worker rank's stopped heartbeat."""
+        parts = [self.procs.failed(), None if self.liveness is None else self.liveness.failure]
+        causes = [p for p in parts if p is not None]
         if self.mirrored is not None and self.mirrored.failure is not None:
-            return self.mirrored.failure
-        gone = self.procs.failed()
-        return None if gone is None else f"{gone}; the engine cannot run its passes"
+            failed = self.mirrored.failure
+            return "; ".join([failed] + [c for c in causes if c != failed])
+        return None if not causes else f"{'; '.join(causes)}; the engine cannot run its passes"
 
     def close(self) -> None:
         """Stop the worker ranks (a shutdown message when the group is healthy) and leave."""
         self._stop.set()
+        if self.liveness is not None:
+            self.liveness.stop()
         if self._beat is not None:
             self._beat.join()
         healthy = self.mirrored is None or self.mirrored.failure is None
@@ -188,12 +220,19 @@ def start_worker_node(options: ParallelOptions, device: str = "cpu") -> int:
 
 def worker_rank(tp: TensorParallel, config: DistConfig) -> None:
     """Entry of ranks ``1..tp_size-1``: receive the engine's options from rank 0, build the
-    same engine on this rank's shard, and replay rank 0's worker calls until it shuts down."""
-    args = tp.broadcast_object(None)
-    _serve_rank(tp, config, **args)
+    same engine on this rank's shard, and replay rank 0's worker calls until it shuts down.
+    Exits the process (status 2) when rank 0 stops its heartbeat or its store is gone."""
+    from specdial.distributed.rank import exit_rank_failure
+
+    liveness = Heartbeat(tp, on_failure=exit_rank_failure).start()
+    try:
+        args = tp.broadcast_object(None)
+        _serve_rank(tp, config, liveness, **args)
+    finally:
+        liveness.stop()
 
 
-def _serve_rank(tp: TensorParallel, config: DistConfig, model_path: str,
+def _serve_rank(tp: TensorParallel, config: DistConfig, liveness: Heartbeat, model_path: str,
                 draft_model_path: str | None, algorithm: str | None, dtype: str,
                 options: dict[str, Any]) -> None:
     from specdial.engine import Engine
@@ -202,13 +241,17 @@ def _serve_rank(tp: TensorParallel, config: DistConfig, model_path: str,
     target, drafter, tokenizer = load_engine_modules(
         model_path, draft_model_path, algorithm, dtype=getattr(torch, dtype),
         device=config.torch_device, tp=tp)
+    startup_barrier(tp, "loaded")
     engine = Engine.from_modules(target, drafter, tokenizer, log_interval_s=None, **options)
     worker, generator = engine.worker, engine.generator
+    startup_barrier(tp, "ready")
+    liveness.arm()
 
     def local(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return (args[0], args[1], generator) + tuple(args[3:]), kwargs
 
     try:
         replay(tp, worker, METHODS, CHECKS, local=local)
+        liveness.stop()  # rank 0 shut down: its store may go before this rank exits
     finally:
         engine.shutdown(drain=False)

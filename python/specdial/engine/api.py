@@ -71,7 +71,10 @@ class StreamChunk:
     - ``token_ids``: tokens emitted since the previous chunk.
     - ``finished``: True on the last chunk of the request, and only there.
     - ``finish_reason``: None until finished; then SGLang style ``{"type": "length", "length": n}``,
-      ``{"type": "stop", "matched": token_id_or_str}`` or ``{"type": "abort", "message": str}``.
+      ``{"type": "stop", "matched": token_id_or_str}``, ``{"type": "abort", "message": str,
+      "cause": "client" | "shutdown"}`` (aborted by its client, or ended by a shutdown), or
+      ``{"type": "error", "message": str, "status_code": int}`` (the engine failed it; the
+      message names the cause): :mod:`specdial.engine.ends`.
     - ``meta_info``: cumulative so far: ``prompt_tokens``, ``completion_tokens``,
       ``spec_verify_ct``, ``spec_accept_length``, ``spec_steps_histogram``, and
       ``queue_time_s`` (seconds from submission to the first prefill) once scheduled.

@@ -11,7 +11,9 @@ batch: :meth:`Engine.generate` (blocking, from any number of threads), :meth:`En
 Output dicts of ``generate`` follow SGLang's offline ``Engine.generate``: ``text``,
 ``output_ids`` and ``meta_info`` with ``prompt_tokens``, ``completion_tokens``,
 ``finish_reason`` (``{"type": "length", "length": n}``, ``{"type": "stop", "matched":
-token_id_or_str}`` or ``{"type": "abort", "message": str}``), ``spec_verify_ct`` (decode
+token_id_or_str}``, ``{"type": "abort", "message": str, "cause": "client" | "shutdown"}`` or,
+for a request the engine failed, ``{"type": "error", "message": cause, "status_code": 500}``:
+:mod:`specdial.engine.ends`), ``spec_verify_ct`` (decode
 iterations the request took part in, trivial verifies at ``steps = 0`` included),
 ``spec_accept_length`` (``(completion_tokens - 1) / spec_verify_ct``, the first token coming
 from prefill; 0.0 without verifies) and ``spec_steps_histogram`` (``{steps: iterations}``).
@@ -147,8 +149,10 @@ class Engine:
       port), ``dist_timeout`` (seconds a rank waits for a peer, default 60). The Engine starts
       its node's other ranks itself (``python -m specdial.distributed.rank`` subprocesses,
       one torch thread each on the CPU, this process included), owns the scheduler and sends
-      each iteration's worker input to them once (:mod:`specdial.distributed.tp_engine`). A
-      rank that dies or hangs aborts the running requests with a message within
+      each iteration's worker input to them once (:mod:`specdial.distributed.tp_engine`); it
+      takes requests once every rank has loaded and built its engine (start-up barriers under
+      a long start-up timeout, :mod:`specdial.distributed.liveness`). A rank that dies or
+      hangs fails the running requests (finish reason ``error`` naming the cause) within
       ``dist_timeout`` and sets :attr:`failure`. ``ValueError`` for sizes that do not split
       (heads, key/value heads, MLP width over ``tp_size``) or bad parallel options.
     - Data parallelism (keyword-only): ``dp_size`` replicas of this engine in this process
@@ -215,13 +219,15 @@ class Engine:
         try:
             target, drafter_module, tokenizer = load_engine_modules(
                 model_dir, draft_dir, algo, dtype=dtype, device=dev, tp=tp)
+            if self._tp is not None:  # no collective before every rank has loaded
+                self._tp.barrier("loaded")
             self._setup(target, drafter_module, tokenizer, algo, cfg, adaptive_config)
+            if self._tp is not None:  # waits for every rank's engine ("ready")
+                self.worker = self._loop.worker = self._tp.attach(self.worker)
         except BaseException:
             if self._tp is not None:
                 self._tp.close()
             raise
-        if self._tp is not None:
-            self.worker = self._loop.worker = self._tp.attach(self.worker)
 
     def _start_replicas(self, cfg: EngineConfig) -> None:
         """``dp_size`` replicas of this engine (each ``dp_size=1``) behind one
@@ -260,11 +266,15 @@ class Engine:
 
     @property
     def failure(self) -> str | None:
-        """None while the engine can run its passes; else why not (a tensor-parallel rank
-        died or hung, or a data-parallel replica failed: the message names it). ``/health``
-        then answers 503."""
+        """None while the engine can run its passes; else why not (its loop stopped, a
+        tensor-parallel rank died or hung, or a data-parallel replica failed: the message
+        names it). ``/health`` then answers 503 and ``/metrics`` reads ``specdial:engine_up``
+        0."""
         if self._dp is not None:
             return self._dp.failure
+        dead = self._loop.dead
+        if dead is not None:
+            return f"the engine loop stopped: {type(dead).__name__}: {dead}"
         return None if self._tp is None else self._tp.failure
 
     @classmethod

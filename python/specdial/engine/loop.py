@@ -24,9 +24,11 @@ through :meth:`EngineLoop.post` (a FIFO inbox of typed messages: :class:`Submit`
 A steady decode iteration makes two scheduler calls: ``schedule()`` and ``report()``.
 
 An exception while running a plan fails the plan's requests (``abandon_plan()`` aborts them;
-finish reason ``abort`` with the message), is logged with its traceback, and the loop keeps
-serving. Aborts and stop-string
-finishes happen between iterations, never while a plan is in flight.
+finish reason ``error`` with the message, :mod:`specdial.engine.ends`), is logged with its
+traceback, and the loop keeps serving. A request whose sampling options cannot be built into
+its batch fails alone (:mod:`specdial.engine.isolation`); nothing a request carries stops the
+loop. Aborts and stop-string finishes happen between iterations, never while a plan is in
+flight (except a request failed alone while its batch is built).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ from specdial._core import InvalidRequestError, QueueFullError
 from specdial.detokenize import IncrementalText
 from specdial.engine.api import (POLICY_REFRESH_S, EngineStats, LogprobOptions, RequestError,
                                  StreamChunk)
+from specdial.engine.ends import aborted, failed, shut_down
+from specdial.engine.isolation import sampling_isolated
 from specdial.worker.logprobs import HostLogprobs, LogprobRows, PromptLogprobPlan
 from specdial.worker.sampling import BatchSampling, SamplingParams
 from specdial.worker.worker import SpecWorker, StepOutput
@@ -108,8 +112,16 @@ class Shutdown:
     drain: bool
 
 
+@dataclass(frozen=True)
+class Crash:
+    """Loop message (a test hook): stop the loop as if it had failed with ``message``; every
+    live request fails, later submissions are refused and the engine reports the failure."""
+
+    message: str
+
+
 #: What :meth:`EngineLoop.post` takes.
-Message = Submit | Cancel | Abort | Shutdown
+Message = Submit | Cancel | Abort | Shutdown | Crash
 
 
 @dataclass(eq=False)
@@ -259,13 +271,13 @@ class EngineLoop:
         except BaseException as e:  # noqa: BLE001 - the loop must answer everyone
             logger.exception("the engine loop failed; the engine stops serving")
             self.dead = e
-            message = f"engine failure: {type(e).__name__}: {e}"
+            reason = failed(f"the engine loop stopped: {type(e).__name__}: {e}")
             for rid in list(self.live):
                 try:
                     self.sched.abort(rid)
                 except Exception:  # noqa: BLE001 - the scheduler may be what broke
                     pass
-                self._end_aborted(rid, message)
+                self._end_aborted(rid, reason)
             self._flush()
             self._answer_until_shutdown(e)
         finally:
@@ -298,15 +310,18 @@ class EngineLoop:
                         self._submit(spec)
                 case Cancel(spec):
                     if spec.rid is not None and spec.rid in self.live:
-                        self._finish_now(spec.rid, "aborted: the client stopped reading")
+                        self._finish_now(spec.rid, aborted("aborted: the client stopped reading"))
                 case Abort(rid):
                     if rid in self.live:
-                        self._finish_now(rid, "aborted by request")
+                        self._finish_now(rid, aborted("aborted by request"))
                 case Shutdown(drain):
                     self._stopping, self._drain = True, bool(drain)
                     if not self._drain:
                         for rid in list(self.live):
-                            self._finish_now(rid, "aborted: the engine is shutting down")
+                            self._finish_now(rid, shut_down("aborted: the engine is shutting "
+                                                            "down"))
+                case Crash(text):
+                    raise RuntimeError(text)
                 case _:
                     raise TypeError(f"unknown engine loop message {message!r}")
         if messages:
@@ -326,6 +341,10 @@ class EngineLoop:
             return
         except QueueFullError as e:
             self._out(spec.sink, e)
+            return
+        except Exception as e:  # noqa: BLE001 - no request may stop the loop
+            self._out(spec.sink, RequestError(f"the scheduler refused the request: "
+                                              f"{type(e).__name__}: {e}"))
             return
         spec.rid = rid
         p = spec.params
@@ -400,13 +419,25 @@ class EngineLoop:
         self._last_decode = (int(plan.steps), int(plan.graph_bs or plan.batch_size))
         return out, res
 
+    def _build_sampling(self, params: list[SamplingParams], prompt_lens: list[int],
+                        min_tokens_ids: list[tuple[int, ...]]) -> BatchSampling:
+        return BatchSampling.from_params(params, self.device, prompt_lens=prompt_lens,
+                                         min_tokens_ids=min_tokens_ids)
+
     def _batch_sampling(self, live: list[_Live]) -> BatchSampling:
         """The options of ``live`` requests in batch order, with what their penalties and
-        ``min_tokens`` need (prompt lengths, masked ids)."""
-        return BatchSampling.from_params(
-            [lv.spec.params for lv in live], self.device,
-            prompt_lens=[len(lv.spec.prompt_ids) for lv in live],
-            min_tokens_ids=[lv.spec.min_tokens_ids for lv in live])
+        ``min_tokens`` need (prompt lengths, masked ids). A request whose options cannot be
+        built fails alone (aborted in the scheduler, final ``error`` chunk); the batch runs
+        with neutral options in its row (:func:`~specdial.engine.isolation.sampling_isolated`)."""
+        sampling, culprits = sampling_isolated(
+            [lv.spec.params for lv in live], [len(lv.spec.prompt_ids) for lv in live],
+            [lv.spec.min_tokens_ids for lv in live], self._build_sampling)
+        for i, error in culprits.items():
+            logger.error("request %d: its sampling options failed in its batch: %s",
+                         live[i].rid, error)
+            self._finish_now(live[i].rid, failed(
+                f"its sampling options could not be applied: {type(error).__name__}: {error}"))
+        return sampling
 
     def _sampling_for(self, rids: list[int]) -> BatchSampling:
         key = tuple(rids)
@@ -469,14 +500,14 @@ class EngineLoop:
     def _fail_plan(self, plan: Any, rids: list[int], error: Exception) -> None:
         """The plan's passes raised: abandon it (the scheduler aborts its live requests) and
         send each of them its final chunk with the error."""
-        message = f"internal error: {type(error).__name__}: {error}"
+        reason = failed(f"internal error: {type(error).__name__}: {error}")
         end = self._finish_now
         if self.sched.plan_in_flight:  # False when report() itself raised after applying
             self.sched.abandon_plan()  # aborts the plan's requests in the scheduler
             end = self._end_aborted
         for rid in rids:
             if rid in self.live:
-                end(rid, message)
+                end(rid, reason)
         self._sampling_key = None
         self._refresh_stats()
         self._flush()
@@ -516,7 +547,7 @@ class EngineLoop:
             except Exception as e:  # noqa: BLE001 - fail this request only
                 logger.exception("post-processing request %d failed", rid)
                 if rid in self.live:
-                    self._finish_now(rid, f"internal error: {type(e).__name__}: {e}")
+                    self._finish_now(rid, failed(f"internal error: {type(e).__name__}: {e}"))
         if decode and self.trace_file is not None:
             self._write_trace()
         self._refresh_stats(res)
@@ -567,19 +598,19 @@ class EngineLoop:
             reason = {"type": "abort", "message": "aborted"}
         self._out(lv.spec.sink, self._chunk(lv, text, new, True, reason, token_lp))
 
-    def _finish_now(self, rid: int, message: str) -> None:
-        """Abort a live request now (between iterations): free everything, final chunk."""
+    def _finish_now(self, rid: int, reason: dict[str, Any]) -> None:
+        """End a live request now (between iterations): free everything, final chunk with
+        ``reason`` (:mod:`specdial.engine.ends`: aborted, shut down or failed)."""
         self.sched.abort(rid)
-        self._end_aborted(rid, message)
+        self._end_aborted(rid, reason)
 
-    def _end_aborted(self, rid: int, message: str) -> None:
-        """Send a request the scheduler no longer holds its final ``abort`` chunk and forget
-        it (the one place an aborted request leaves :attr:`live`)."""
+    def _end_aborted(self, rid: int, reason: dict[str, Any]) -> None:
+        """Send a request the scheduler no longer holds its final chunk with ``reason`` and
+        forget it (the one place an aborted or failed request leaves :attr:`live`)."""
         lv = self.live.pop(rid)
         self._stats_stale = True
         self._sampling_key = None
-        self._out(lv.spec.sink, self._chunk(lv, "", [], True,
-                                            {"type": "abort", "message": message}, None))
+        self._out(lv.spec.sink, self._chunk(lv, "", [], True, reason, None))
 
     # ------------------------------------------------------------------ outputs
     def _out(self, sink: Callable[[Any], None], item: Any) -> None:

@@ -22,6 +22,7 @@ from typing import Any, AsyncGenerator, Callable, Iterator
 
 from specdial._core import QueueFullError
 from specdial.engine.api import LogprobOptions, RequestError, StreamChunk
+from specdial.engine.bounds import check_vocab_bounds
 from specdial.engine.loop import Message, RequestSpec, Submit, Submitted
 from specdial.engine.output import OutputAccumulator
 from specdial.worker.logprobs import MAX_TOP_LOGPROBS
@@ -102,7 +103,8 @@ def make_spec(prompt: Any, input_ids: Any, sampling_params: Any, stop: Any, *, t
     Raises :class:`RequestError` (``param`` = ``prompt``, ``input_ids``, a sampling key or
     ``stop``) for: both or neither of prompt / input_ids, a non-str prompt, a prompt that is not
     valid Unicode (a lone surrogate), an empty prompt,
-    token ids outside the vocabulary, a bad sampling value or unknown key, a prompt leaving no
+    token ids outside the vocabulary (prompt, ``stop_token_ids``; ``top_k`` above the vocabulary
+    size: :mod:`specdial.engine.bounds`), a bad sampling value or unknown key, a prompt leaving no
     room for a completion, prompt + ``max_new_tokens`` above ``context_length``, bad stop
     strings (or stop strings without a tokenizer), bad :class:`LogprobOptions` (``top_n``
     outside 0..20, ``prompt_start`` outside the prompt). ``sampling_params`` may hold SGLang's
@@ -134,6 +136,7 @@ def make_spec(prompt: Any, input_ids: Any, sampling_params: Any, stop: Any, *, t
     except ValueError as e:
         m = re.match(r"SamplingParams(?:\.(\w+)|: unknown key '([^']*)')", str(e))
         raise RequestError(f"{label}{e}", (m.group(1) or m.group(2)) if m else None) from e
+    check_vocab_bounds(params, vocab_size, label)
     ctx = context_length
     if len(ids) >= ctx:
         raise RequestError(f"{label}{field}: {len(ids)} tokens leave no room for a completion "

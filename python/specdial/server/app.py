@@ -50,8 +50,12 @@ Status codes: 400 invalid request (JSON error naming ``param``), 401 missing or 
 404 unknown model or route, 408 body not received in time, 413 body too large, 415 not JSON,
 503 full queue (with ``Retry-After``) or shutting down, 500 engine failure or any other
 unexpected error (also a JSON error, code ``internal_error``). Finish reasons:
-``stop``, ``length``, or ``abort`` (the engine aborted the request, or the server did at
-shutdown: :meth:`ServerState.abort_runs`). A client that disconnects aborts its engine requests
+``stop``, ``length``, or ``abort`` (the client's request was aborted, or the server's shutdown
+ended it: :meth:`ServerState.abort_runs`). A request the engine *failed* (a pass raised, a
+tensor-parallel rank died, the engine loop stopped: finish reason ``error``,
+:mod:`specdial.engine.ends`) is never a 200: it is answered 500 with an OpenAI error body naming
+the cause (code ``engine_error``), or, once streaming, with an error event
+(``data: {"error": {...}}``) and then ``data: [DONE]``. A client that disconnects aborts its engine requests
 (streaming: through the cancelled response body; non-streaming: a task waits for
 ``http.disconnect`` while the request runs), logged once at INFO with the request id.
 """
@@ -76,6 +80,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from specdial.engine.api import LogprobOptions, QueueFullError, RequestError, StreamChunk
+from specdial.engine.ends import error_body, is_failure, shut_down
 from specdial.server.chat import render_chat
 from specdial.server.config import BUILTIN_MODEL_NAME
 from specdial.server.limits import (BodyLimitMiddleware, ServerLimits, check_prompt_chars,
@@ -273,7 +278,7 @@ class _Run:
         for job, task in zip(self.jobs, self.tasks):
             if not task.done():
                 task.cancel()
-                final = StreamChunk(-1, "", [], True, {"type": "abort", "message": message})
+                final = StreamChunk(-1, "", [], True, shut_down(message))
                 self.queue.put_nowait((job.index, final, None))
                 self.queue.put_nowait((job.index, _END, None))
 
@@ -340,6 +345,12 @@ class _Run:
                 reason=c.reason or "unknown", e2e_s=now, first_token_s=c.first_token_s,
                 completion_tokens=c.completion_tokens)
         return c
+
+    def failure(self) -> dict[str, Any] | None:
+        """The finish reason of the first failed choice (:mod:`specdial.engine.ends`), or
+        None."""
+        return next((c.finish_reason for c in self.choices if is_failure(c.finish_reason)),
+                    None)
 
     def usage(self) -> dict[str, int]:
         prompt = sum(int(c.meta.get("prompt_tokens", 0))
@@ -681,6 +692,10 @@ def create_app(engine: Any, *, served_model_name: str = BUILTIN_MODEL_NAME,
                 raise
             except Exception as e:  # noqa: BLE001 - engine errors become API errors
                 raise _engine_error(e, params) from None
+            failure = run.failure()
+            if failure is not None:  # never 200 with the empty text of a failed choice
+                status, body = error_body(failure)
+                return JSONResponse(body, status_code=status)
             return JSONResponse(_full_response(run, chat))
         finally:
             watcher.cancel()
@@ -765,6 +780,11 @@ def create_app(engine: Any, *, served_model_name: str = BUILTIN_MODEL_NAME,
                     text = echo + text
                 started.add(c.index)
                 lp = logprobs(c) if chunk.token_ids else None
+                if chunk.finished and is_failure(chunk.finish_reason):
+                    if text or lp:
+                        yield event([choice(c, text, None, lp=lp)])
+                    yield f"data: {json.dumps(error_body(chunk.finish_reason)[1])}\n\n"
+                    break  # the other choices are aborted when the response closes its run
                 if chunk.finished:
                     if chat and (text or lp):
                         yield event([choice(c, text, None, lp=lp)])

@@ -16,6 +16,9 @@ acceptance rate ``accepted_tokens / draft_tokens``:
 ==========================================================  =======  ================================
 name                                                        type     meaning
 ==========================================================  =======  ================================
+``specdial:engine_up``                                      gauge    1 while the engine serves, 0
+                                                                     once it failed (``/health``
+                                                                     then answers 503)
 ``specdial:num_requests_running``                           gauge    requests in the running batch
 ``specdial:num_requests_waiting``                           gauge    requests queued for admission
 ``specdial:kv_cache_usage_perc``                            gauge    used / total KV pages (0..1)
@@ -78,7 +81,8 @@ class EngineCollector:
     """A custom collector reading ``engine.stats()`` at each scrape (see the module table).
 
     If ``stats()`` raises (e.g. the engine is shut down) the engine metrics are left out of
-    that scrape; the server's own metrics are still exported.
+    that scrape, except ``specdial:engine_up`` (from the engine's optional ``failure``); the
+    server's own metrics are still exported.
     """
 
     def __init__(self, engine: Any) -> None:
@@ -88,6 +92,11 @@ class EngineCollector:
         return []  # no stats() call at registration
 
     def collect(self) -> Iterable[Metric]:
+        failure = getattr(self.engine, "failure", None)  # optional in the engine contract
+        yield GaugeMetricFamily("specdial:engine_up",
+                                "1 while the engine can serve; 0 once it has failed (its loop "
+                                "stopped, a tensor-parallel rank died; /health answers 503 "
+                                "naming the cause).", value=0 if failure else 1)
         try:
             s = self.engine.stats()
         except Exception:  # noqa: BLE001 - a scrape must not fail because the engine is gone

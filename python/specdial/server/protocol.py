@@ -13,11 +13,12 @@ Validation order for a request body (each failure is an :class:`APIError`, answe
    first; a key given in both places with different values is 400 naming it;
 3. types and ranges through the strict pydantic models below (no string-to-number coercion, no
    NaN or infinity; ``max_tokens`` >= 1, ``temperature`` in [0, float32's largest value],
-   ``top_p`` in (0, 1]; ``n`` in 1..:data:`MAX_N`; the sampling extras that vLLM accepts at
+   ``top_p`` in (0, 1]; ``seed`` in [0, 2**64 - 1]; ``n`` in 1..:data:`MAX_N`; the sampling extras that vLLM accepts at
    the top level: ``top_k`` (-1 or 0 off, or >= 1), ``min_p`` in [0, 1],
    ``repetition_penalty`` in [1e-4, 1e4], ``presence_penalty`` / ``frequency_penalty`` in
    [-2, 2] (OpenAI's), ``min_tokens`` >= 0 (and <= the completion's max tokens, checked by the
-   engine), ``stop_token_ids`` (ids >= 0), ``include_stop_str_in_output`` and
+   engine), ``stop_token_ids`` (ids >= 0; the engine bounds them, and ``top_k``, by the
+   vocabulary: :mod:`specdial.engine.bounds`), ``include_stop_str_in_output`` and
    ``skip_special_tokens`` (bools), ``ignore_eos``; completions ``logprobs`` an int in 0..20
    (the alternatives per token) and ``echo`` a bool; chat ``logprobs`` a bool and ``top_logprobs`` 0..20, which needs
    ``logprobs: true``; ``prompt`` a string, a list of strings, a list of token ids or a list
@@ -169,7 +170,7 @@ class _CommonRequest(_Strict):
     temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=_MASK64)  # the engine's seed range
     # extension field of vLLM and SGLang (not OpenAI's): keep generating past EOS / stop
     # token ids until max_tokens; `stop` strings still apply
     ignore_eos: bool = False

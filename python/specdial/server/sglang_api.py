@@ -29,7 +29,11 @@
   ``GET /tokenizer_info`` (vLLM's; what lm-evaluation-harness's remote tokenizer reads);
   ``GET /version``.
 
-Errors are the server's JSON errors (``{"error": {"message", "type", "param", "code"}}``).
+Errors are the server's JSON errors (``{"error": {"message", "type", "param", "code"}}``). A
+prompt the engine failed (finish reason ``error``, :mod:`specdial.engine.ends`) makes
+``/generate`` answer 500 with the usual body, its ``meta_info.finish_reason`` carrying the cause
+and an ``error`` object added to that prompt's output; a stream ends with that output as its
+last event (``error`` added), then ``data: [DONE]``.
 Parsing, tokenizing and detokenizing run in the server's parsing thread
 (``ServerState.offload``), and ``/generate`` applies the prompt-count, stop-string and
 prompt-character limits of :mod:`specdial.server.limits`.
@@ -48,6 +52,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specdial.engine.api import LogprobOptions
+from specdial.engine.ends import error_body, is_failure
 from specdial.engine.output import OutputAccumulator
 from specdial.server.app import (_DONE, ServerState, _ClientGone, _encode, _engine_error, _Job,
                                  _make_job, _Run, _RunStreamingResponse, _watch_disconnect)
@@ -253,6 +258,10 @@ def add_sglang_routes(app: FastAPI, state: ServerState,
             sampling, stop = sampling_from_sglang(sp, label)
             check_stop(stop, state.limits)
             max_new = sampling.pop("max_new_tokens")
+            if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
+                raise bad_request(f"Invalid value for '{label}.max_new_tokens': "
+                                  f"{str(max_new)[:40]}; allowed: an int >= 1",
+                                  f"{label}.max_new_tokens", "invalid_value")
             job = _make_job(state, i, prompt, templated=False, max_tokens=max_new,
                             max_tokens_param=f"{label}.max_new_tokens",
                             prompt_param="text" if req.text is not None else "input_ids",
@@ -287,6 +296,8 @@ def add_sglang_routes(app: FastAPI, state: ServerState,
                                     e2e_latency=time.perf_counter() - arrival)
             if not single:
                 out["index"] = i
+            if is_failure(outs[i].finish_reason):
+                out["error"] = error_body(outs[i].finish_reason)[1]["error"]
             return out
 
         try:
@@ -308,7 +319,9 @@ def add_sglang_routes(app: FastAPI, state: ServerState,
             results = [body(i) for i in range(len(jobs))]
             for r in results:
                 r.pop("index", None)
-            return JSONResponse(results[0] if single else results)
+            failure = run.failure()
+            status = 200 if failure is None else error_body(failure)[0]
+            return JSONResponse(results[0] if single else results, status_code=status)
         finally:
             watcher.cancel()
             if not streaming:
@@ -320,6 +333,8 @@ def add_sglang_routes(app: FastAPI, state: ServerState,
             async for c, chunk in run.events():
                 outs[c.index].add(chunk)
                 yield f"data: {json.dumps(body(c.index), ensure_ascii=False)}\n\n"
+                if chunk.finished and is_failure(chunk.finish_reason):
+                    break  # that event carried the error; the others are aborted on close
         except _ClientGone:
             return
         except Exception as e:  # noqa: BLE001 - reported in-band once streaming started

@@ -87,6 +87,10 @@ MAX_REPETITION_PENALTY = 1e4
 #: Range of ``presence_penalty`` and ``frequency_penalty`` (OpenAI's and vLLM's).
 MAX_ABS_PENALTY = 2.0
 
+#: Largest ``top_k`` accepted before the vocabulary is known (it becomes an int64 tensor; the
+#: engine then bounds it by the vocabulary size, :func:`specdial.engine.requests.make_spec`).
+MAX_TOP_K = 2**31 - 1
+
 #: Largest seed accepted (``torch.Generator.manual_seed`` takes 64-bit unsigned values).
 _MAX_SEED = 2**64 - 1
 
@@ -100,7 +104,14 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """An int or float (not bool) that a float can hold (an int past float's range is not)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
 
 
 def _bad(name: str, value: Any, allowed: str) -> ValueError:
@@ -117,8 +128,8 @@ class SamplingParams:
       stored as float.
     - ``top_p``: float in ``(0, 1]`` (default ``1.0`` = off); the most likely token is always
       kept, however small ``top_p`` is (even below float32's smallest positive value).
-    - ``top_k``: int, ``-1`` or ``0`` = off (default ``-1``), else ``>= 1``; a value ``>= V``
-      keeps the whole vocabulary.
+    - ``top_k``: int, ``-1`` or ``0`` = off (default ``-1``), else ``1..MAX_TOP_K``; a value
+      ``>= V`` keeps the whole vocabulary (the engine refuses one above ``V``).
     - ``min_p``: float in ``[0, 1]`` (default ``0`` = off; vLLM's and HF transformers'
       ``min_p``): drop the tokens whose probability after temperature is below ``min_p`` times
       the most likely token's.
@@ -186,8 +197,8 @@ class SamplingParams:
             raise _bad("top_p", v, "float in (0, 1]")
         object.__setattr__(self, "top_p", float(v))
         v = self.top_k
-        if not _is_int(v) or v < -1:
-            raise _bad("top_k", v, "int: -1 or 0 (off), or >= 1")
+        if not _is_int(v) or not -1 <= v <= MAX_TOP_K:
+            raise _bad("top_k", v, f"int: -1 or 0 (off), or 1..{MAX_TOP_K}")
         self._real("min_p", 0.0, 1.0, "float in [0, 1] (0: off)")
         self._real("repetition_penalty", MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY,
                    f"float in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1: off)")
