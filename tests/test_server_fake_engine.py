@@ -212,10 +212,12 @@ class LiveServer:
 
     Use as a context manager; ``url`` is the base URL, ``server`` the
     :class:`specdial.server.launch.SpecdialServer` (``server.handle_exit(SIGTERM, None)``
-    simulates the signal). ``app_options`` go to ``create_app`` (``limits``, ``security``)."""
+    simulates the signal). ``app_options`` go to ``create_app`` (``limits``, ``security``);
+    ``connection_limits`` to ``make_server``."""
 
     def __init__(self, engine: Any, *, name: str = "specdial-default",
-                 shutdown_timeout: float = 5.0, **app_options: Any) -> None:
+                 shutdown_timeout: float = 5.0, connection_limits: Any = None,
+                 **app_options: Any) -> None:
         from specdial.server.app import create_app
         from specdial.server.launch import make_server
 
@@ -227,7 +229,7 @@ class LiveServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = make_server(self.app, host="127.0.0.1", port=self.port,
                                   log_level="warning", shutdown_timeout=shutdown_timeout,
-                                  access_log=False)
+                                  access_log=False, connection_limits=connection_limits)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        daemon=True)
 
