@@ -28,6 +28,7 @@ import pytest
 
 from specdial.engine.api import EngineStats, QueueFullError, RequestError, StreamChunk
 from specdial.server.protocol import SAMPLING_EXTRAS
+from timeouts import scaled
 
 LETTERS = string.ascii_lowercase
 
@@ -235,7 +236,7 @@ class LiveServer:
 
     def __enter__(self) -> "LiveServer":
         self.thread.start()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + scaled(20)
         while not self.server.started:
             if time.monotonic() > deadline or not self.thread.is_alive():
                 raise RuntimeError("the test server did not start")

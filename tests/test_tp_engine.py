@@ -23,6 +23,7 @@ import specdial
 from specdial.distributed.group import free_port
 from specdial.server.config import ServeConfig
 from test_server_fake_engine import LiveServer
+from timeouts import scaled
 
 BUILTIN = Path(specdial.__file__).parent / "builtin"
 TARGET = str(BUILTIN / "target")
@@ -95,12 +96,12 @@ def test_two_nodes_on_loopback(tmp_path):
                               "--dist-timeout", "120"])
     try:
         engine = specdial.Engine(tp_size=2, nnodes=2, node_rank=0, dist_init_addr=addr,
-                                 dist_timeout=120, log_interval_s=None)
+                                 dist_timeout=scaled(120), log_interval_s=None)
         try:
             assert _texts(engine) == want
         finally:
             engine.shutdown()
-        assert node1.wait(60) == 0
+        assert node1.wait(scaled(60)) == 0
     finally:
         node1.kill()
 
