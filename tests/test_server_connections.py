@@ -84,7 +84,7 @@ def test_an_idle_kept_alive_connection_is_closed_by_the_header_timeout():
 
 def test_slow_clients_fill_the_cap_while_health_answers():
     cap = 20
-    limits = ConnectionLimits(header_read_timeout_s=3.0, max_connections=cap)
+    limits = ConnectionLimits(header_read_timeout_s=scaled(3.0), max_connections=cap)
     with LiveServer(FakeEngine(), connection_limits=limits) as live:
         slow = [slow_header(live.port) for _ in range(cap)]
         with httpx.Client(base_url=live.url, timeout=scaled(30)) as c:

@@ -84,7 +84,7 @@ def test_tp2_outputs_equal_tp1(cases, tmp_path):
     EAGLE-3 heads (own reduced vocabulary; own embedding): logits and hidden states of a
     prefill and a verify-shaped extend match tp 1."""
     names = list(cases)
-    config = DistConfig(tp_size=2, rank=0, init_addr=f"127.0.0.1:{free_port()}", timeout_s=60)
+    config = DistConfig(tp_size=2, rank=0, init_addr=f"127.0.0.1:{free_port()}", timeout_s=scaled(60))
     out = tmp_path / "tp2.pt"
     procs = launch_ranks(config, range(2), "specdial.distributed.check:run_rank",
                          {"cases": [cases[n] for n in names], "out": str(out)})
