@@ -19,8 +19,21 @@ import pytest
 import torch
 import transformers
 
+import timeouts
 from specdial.models import EagleHead, LlamaForCausalLM, load_model
 from specdial.models.eagle import EAGLE_ARCHITECTURE
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--timeout-scale", type=float, default=None,
+                     help="multiply every timeout of the tests by this factor (default "
+                          f"{timeouts.DEFAULT_TIMEOUT_SCALE}, or ${timeouts.ENV}; tests/timeouts.py)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    value = config.getoption("--timeout-scale")
+    if value is not None:
+        timeouts.set_scale(value)
 
 # Tiny CPU models: intra-op threads only add overhead (about 15x slower on a shared 2-core box).
 torch.set_num_threads(1)

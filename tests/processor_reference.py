@@ -3,6 +3,8 @@ time in float64 from the rules' sources (not from specdial's code):
 
 - ``min_tokens`` (vLLM): while fewer than ``min_tokens`` tokens were generated, the EOS and
   stop token ids cannot be sampled;
+- ``logit_bias`` (OpenAI, vLLM): logit + bias for each (token id, bias) entry, after
+  ``min_tokens`` and before the penalties (vLLM V1's order);
 - ``repetition_penalty`` (vLLM, HF transformers): tokens of the prompt or the generated text:
   positive logit / r, else logit * r;
 - ``frequency_penalty`` / ``presence_penalty`` (OpenAI): logit - f * count - a * [count > 0]
@@ -27,6 +29,8 @@ def ref_logits(logits: Sequence[float], prompt: Sequence[int], generated: Sequen
     if len(generated) < sp.get("min_tokens", 0):
         for t in stop_ids:
             x[t] = -math.inf
+    for t, bias in (sp.get("logit_bias") or {}).items():
+        x[int(t)] += bias
     r = sp.get("repetition_penalty", 1.0)
     for t in set(prompt) | set(generated):
         x[t] = x[t] / r if x[t] > 0 else x[t] * r

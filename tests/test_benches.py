@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from timeouts import scaled
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -11,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_policy_py_bench_smoke():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benches" / "policy_py.py"), "--iterations", "300", "--rounds", "1", "--json"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=scaled(120),
     )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
@@ -25,7 +26,7 @@ def test_iteration_profile_smoke(tmp_path):
         [sys.executable, str(ROOT / "benches" / "iteration_profile.py"), "--concurrency", "2",
          "--configs", "no-spec,fixed-3", "--max-new-tokens", "6", "--threads", "1",
          "--output-json", str(out)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=scaled(300),
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())
@@ -40,7 +41,7 @@ def test_iteration_profile_smoke(tmp_path):
 def run_json_bench(script: str, *args: str):
     """``benches/<script> *args --json`` in a subprocess -> its parsed JSON output."""
     proc = subprocess.run([sys.executable, str(ROOT / "benches" / script), *args, "--json"],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=scaled(300))
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout)
 

@@ -17,6 +17,7 @@ from specdial.cli_serve import _defaults
 from specdial.server.config import GenerateConfig, ServeConfig, config_from_args
 from specdial.server.flags import resolve_compat
 from test_server_cli import save_tiny_model
+from timeouts import scaled
 
 
 def serve_config(*argv: str) -> ServeConfig:
@@ -110,7 +111,7 @@ def test_config_errors_come_before_any_model_loads(tmp_path):
     for argv, needle in cases:
         start = time.perf_counter()
         r = subprocess.run([sys.executable, "-m", "specdial.cli", *argv], capture_output=True,
-                           text=True, timeout=120)
+                           text=True, timeout=scaled(120))
         elapsed = time.perf_counter() - start
         assert r.returncode == 2 and needle in r.stderr, (argv, r.stderr)
         assert "loading the engine" not in r.stderr

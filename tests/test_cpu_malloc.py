@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from specdial.worker.cpu_malloc import keep_freed_memory
+from timeouts import scaled
 
 # An adaptive engine on the built-in models decoding 16 requests; prints the page faults of the
 # decode. "default" leaves glibc's thresholds alone (the worker's call then does nothing).
@@ -31,7 +32,7 @@ engine.shutdown()
 
 def _decode_page_faults(mode: str) -> int:
     out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True,
-                         check=True, timeout=300)
+                         check=True, timeout=scaled(300))
     return int(out.stdout.strip().splitlines()[-1])
 
 

@@ -18,6 +18,7 @@ from specdial.server.config import ServeConfig
 from test_server_cli import save_tiny_model
 from test_server_engine import metric
 from test_server_fake_engine import LiveServer
+from timeouts import scaled
 
 NAME = "tiny"
 PROMPTS = ["def add(a, b):\n    return", "import os\nimport", "class Point:\n    def",
@@ -62,7 +63,7 @@ def test_dp2_serves_32_concurrent_requests_none_lost(dp, dirs):
 
     async def main():
         async with openai.AsyncOpenAI(base_url=dp.url + "/v1", api_key="unused",
-                                      max_retries=0, timeout=300.0) as c:
+                                      max_retries=0, timeout=scaled(300.0)) as c:
             return await asyncio.gather(*(c.completions.create(
                 model=NAME, prompt=p, max_tokens=16, temperature=0) for p in prompts))
 
@@ -149,10 +150,10 @@ def test_health_503_when_a_replica_fails():
     broken = FakeEngine()
     engine = DataParallelEngine([FakeEngine(), broken])
     with LiveServer(engine, name=NAME) as server:
-        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        assert httpx.get(server.url + "/health", timeout=scaled(10)).status_code == 200
         broken.failure = "tensor-parallel rank 1 died"
-        r = httpx.get(server.url + "/health", timeout=10)
+        r = httpx.get(server.url + "/health", timeout=scaled(10))
         assert r.status_code == 503 and "replica 1: tensor-parallel rank 1 died" in r.text
-        r = httpx.post(server.url + "/v1/completions", timeout=10,
+        r = httpx.post(server.url + "/v1/completions", timeout=scaled(10),
                        json={"model": NAME, "prompt": "x", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from timeouts import scaled
 
 
 def test_bench_gets_the_engine_options_without_the_server():
@@ -12,7 +13,7 @@ def test_bench_gets_the_engine_options_without_the_server():
             "loaded = sorted(m for m in sys.modules if m.startswith('specdial.server'))\n"
             "assert not loaded, loaded\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=scaled(120))
     assert proc.returncode == 0, proc.stderr
 
 

@@ -65,9 +65,11 @@ PROCESSORS: dict[str, dict[str, Any]] = {
     "min_p": dict(temperature=1.0, min_p=0.08),
     "top_k": dict(temperature=0.8, top_k=4),
     "min_tokens": dict(temperature=1.0, min_tokens=3, stop_token_ids=[3]),
+    # OpenAI's JSON form (string keys); a strong push, a strong pull, a -100 near-ban
+    "logit_bias": dict(temperature=1.0, logit_bias={"2": 2.5, "5": -3.0, "6": -100.0}),
     "combination": dict(temperature=0.9, top_k=6, min_p=0.02, top_p=0.95,
                         repetition_penalty=1.6, presence_penalty=0.7, frequency_penalty=0.6,
-                        min_tokens=2, stop_token_ids=[3]),
+                        min_tokens=2, stop_token_ids=[3], logit_bias={"0": 1.5, "7": -2.0}),
 }
 
 
@@ -263,17 +265,63 @@ def verify_min_tokens_at_first_column(self: StepProcessing, logits: torch.Tensor
                       for i in range(logits.shape[1])], 1)
 
 
-@pytest.mark.parametrize("name, wrong", [
-    ("presence", verify_without_drafts), ("repetition", verify_without_drafts),
-    ("combination", verify_without_drafts), ("min_tokens", verify_min_tokens_at_first_column)])
-def test_a_wrong_rule_fails_the_same_test(models, monkeypatch, name, wrong):
+def verify_without_bias(self: StepProcessing, logits: torch.Tensor,
+                        input_ids: torch.Tensor) -> torch.Tensor:
+    """WRONG: the target's verify ignores ``logit_bias`` (only the drafter's proposals are
+    biased)."""
+    proc = dataclasses.replace(self.proc, any_bias=False)
+    return apply_processors(logits, proc, self.positions)
+
+
+def verify_bias_first_column_only(self: StepProcessing, logits: torch.Tensor,
+                                   input_ids: torch.Tensor) -> torch.Tensor:
+    """WRONG: the bias reaches the verify's first column only (the bonus-token position of a
+    plain decode), not the columns that judge the drafts.
+
+    (A drafter whose proposals miss the bias is not a wrong rule for the distribution:
+    rejection sampling corrects any proposal distribution, so only acceptance would suffer;
+    the drafter's steps are checked by ``test_logit_bias_reaches_every_draft_step``.)"""
+    unbiased = dataclasses.replace(self.proc, any_bias=False)
+    first = apply_processors(logits[:, :1], self.proc, self.positions)
+    rest = apply_processors(logits[:, 1:], unbiased, self.positions + 1)
+    return torch.cat([first, rest], 1)
+
+
+@pytest.mark.parametrize("name, method, wrong", [
+    ("presence", "verify", verify_without_drafts), ("repetition", "verify", verify_without_drafts),
+    ("combination", "verify", verify_without_drafts),
+    ("min_tokens", "verify", verify_min_tokens_at_first_column),
+    ("logit_bias", "verify", verify_without_bias),
+    ("logit_bias", "verify", verify_bias_first_column_only)])
+def test_a_wrong_rule_fails_the_same_test(models, monkeypatch, name, method, wrong):
     target, drafter, _ = models
     sp = PROCESSORS[name]
     exact = exact_sequences(target, sp)
-    monkeypatch.setattr(StepProcessing, "verify", wrong)
+    monkeypatch.setattr(StepProcessing, method, wrong)
     outcomes, _ = sample_engine(target, drafter, SETUPS["steps 3"], sp)
     pval = fit(f"WRONG rule {wrong.__name__}, {name}, steps 3", outcomes, exact)
     assert pval < ALPHA, f"the wrong rule passed: p = {pval:.3g}"
+
+
+def test_logit_bias_reaches_every_draft_step(models, monkeypatch):
+    """The drafter proposes from biased logits at every step: a -100 bias on every token but
+    one leaves that token the only proposal (so acceptance stays high where the target, biased
+    the same way, wants it too)."""
+    target, drafter, _ = models
+    seen: list[torch.Tensor] = []
+    original = StepProcessing.draft_step
+
+    def spy(self, logits, i, input_ids):
+        out = original(self, logits, i, input_ids)
+        seen.append(out.argmax(-1))
+        return out
+
+    monkeypatch.setattr(StepProcessing, "draft_step", spy)
+    bias = {str(t): -100.0 for t in range(V) if t != 6}
+    outcomes, hist = sample_engine(target, drafter, SETUPS["steps 3"],
+                                   dict(temperature=1.0, logit_bias=bias), n=8)
+    assert seen and all(bool((a == 6).all()) for a in seen)
+    assert all(set(o) == {6} for o in outcomes), outcomes
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from specdial.engine.api import QueueFullError, RequestError
 from specdial.engine.ends import end_kind
 from specdial.models import LlamaForCausalLM, load_tokenizer
 from specdial.models.config import ModelConfig
+from timeouts import scaled
 
 KW = dict(max_running_requests=4, kv_cache_tokens=1024, page_size=8)
 # every prompt of the three, extended so that the tests have more than three distinct requests
@@ -184,14 +185,14 @@ def test_abort_queued_and_running_and_queue_limit(tiny, ref):
     queued: list = []
     waiter = threading.Thread(target=lambda: queued.extend(engine.stream(input_ids=MORE[1])))
     waiter.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + scaled(30)
     while engine.stats().queued != 1:
         assert time.monotonic() < deadline
         time.sleep(0.005)
     with pytest.raises(QueueFullError):
         next(engine.stream(input_ids=MORE[2]))
     engine.abort(1)  # the queued one (ids count up from 0)
-    waiter.join(30)
+    waiter.join(scaled(30))
     assert [c.finished for c in queued] == [True]
     assert queued[0].finish_reason["type"] == "abort" and queued[0].token_ids == []
     engine.abort(0)  # the running one
@@ -236,7 +237,7 @@ def test_dropped_engine_stops_its_loop_thread(tiny):
     del engine
     import gc
     gc.collect()
-    thread.join(10)
+    thread.join(scaled(10))
     assert not thread.is_alive()
 
 
@@ -262,7 +263,7 @@ def test_interpreter_exit_without_shutdown_is_clean():
     import subprocess
     import sys
     r = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True,
-                       timeout=300)
+                       timeout=scaled(300))
     assert r.returncode == 0, r.stderr[-2000:]
     assert "exiting" in r.stdout and "terminate" not in r.stderr
 

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from timeouts import scaled
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -12,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_gpu_check_cpu_smoke(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benches" / "gpu_check.py"), "--cpu-smoke", "--out",
-         str(tmp_path)], capture_output=True, text=True, timeout=300)
+         str(tmp_path)], capture_output=True, text=True, timeout=scaled(300))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "gpu_check.json").read_text())
     assert res["status"] == "OK" and res["elapsed_s"] < 60

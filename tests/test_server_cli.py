@@ -20,6 +20,7 @@ from specdial.builtin import BUILTIN_DIR
 from specdial.cli import main
 from specdial.server.config import (EngineArgs, GenerateConfig, ServeConfig,
                                     add_dataclass_arguments)
+from timeouts import scaled
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 PROMPT = "def add(a, b):\n    return"
@@ -102,7 +103,7 @@ def test_generate_bad_options_exit_2(tiny_dirs, capsys, tmp_path):
 def test_help_documents_every_option(command, cls):
     exe = Path(sys.executable).with_name("specdial")
     proc = subprocess.run([str(exe), command, "--help"], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=scaled(120))
     assert proc.returncode == 0, proc.stderr
     help_text = " ".join(proc.stdout.split())
     for f in dataclasses.fields(cls):
@@ -233,7 +234,7 @@ def test_serve_access_options_and_the_api_key_environment_variable():
 def test_serve_help_describes_the_shutdown():
     exe = Path(sys.executable).with_name("specdial")
     proc = subprocess.run([str(exe), "serve", "--help"], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=scaled(120))
     help_text = " ".join(proc.stdout.split())
     assert "new connections are refused" in help_text
     assert "already-open connections get 503" in help_text

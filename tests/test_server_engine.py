@@ -38,6 +38,7 @@ from specdial.engine import Engine
 from specdial.server.config import ServeConfig
 from test_server_cli import save_tiny_model
 from test_server_fake_engine import LiveServer
+from timeouts import scaled
 
 pytestmark = pytest.mark.skipif(
     not hasattr(Engine, "async_stream"),
@@ -88,7 +89,7 @@ def spec(dirs):
 
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=120.0)
+                         timeout=scaled(120.0))
 
 
 def complete(server, prompt, n=24, **kw):
@@ -101,7 +102,7 @@ def metric(server, name, labels=""):
     """The value of the sample ``name`` whose labels include ``labels`` (``'{k="v"}'``)."""
     from specdial.bench.driver import parse_prometheus
 
-    text = httpx.get(server.url + "/metrics", timeout=30).text
+    text = httpx.get(server.url + "/metrics", timeout=scaled(30)).text
     want = dict(re.findall(r'(\w+)="([^"]*)"', labels))
     for lab, value in parse_prometheus(text).get(name, []):
         if all(lab.get(k) == v for k, v in want.items()):
@@ -136,7 +137,7 @@ def test_32_concurrent_requests_complete_with_unchanged_outputs(spec, plain):
 
     async def main():
         async with openai.AsyncOpenAI(base_url=spec.url + "/v1", api_key="unused",
-                                      max_retries=0, timeout=300.0) as c:
+                                      max_retries=0, timeout=scaled(300.0)) as c:
             rs = await asyncio.gather(*(c.completions.create(
                 model=NAME, prompt=p, max_tokens=16, temperature=0) for p in prompts))
             return [r.choices[0].text for r in rs]
@@ -147,10 +148,10 @@ def test_32_concurrent_requests_complete_with_unchanged_outputs(spec, plain):
 
 
 def test_disconnect_frees_the_request(spec):
-    with httpx.stream("POST", spec.url + "/v1/completions", timeout=60,
+    with httpx.stream("POST", spec.url + "/v1/completions", timeout=scaled(60),
                       json={"prompt": PROMPTS[1], "max_tokens": 200, "stream": True}) as r:
         assert next(r.iter_lines()).startswith("data: ")
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + scaled(30)
     while spec.engine.stats().running or spec.engine.stats().kv_pages_used:
         assert time.monotonic() < deadline, spec.engine.stats()
         time.sleep(0.05)
@@ -161,7 +162,7 @@ def test_full_queue_is_503(dirs):
     engine = build(dirs, "noisy", max_running_requests=1, max_queued_requests=1)
     with LiveServer(engine, name=NAME) as server:
         async def main():
-            async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            async with httpx.AsyncClient(base_url=server.url, timeout=scaled(120)) as c:
                 return await asyncio.gather(*(c.post("/v1/completions", json={
                     "prompt": PROMPTS[0], "max_tokens": 120}) for _ in range(4)))
 
@@ -177,7 +178,7 @@ def _slot_steps_after(dirs, drafter, concurrency, max_tokens):
     with LiveServer(engine, name=NAME) as server:
         async def main():
             async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused",
-                                          max_retries=0, timeout=300.0) as c:
+                                          max_retries=0, timeout=scaled(300.0)) as c:
                 await asyncio.gather(*(c.completions.create(
                     model=NAME, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=max_tokens,
                     temperature=0) for i in range(concurrency)))
@@ -201,7 +202,7 @@ def test_preemption_keeps_outputs(dirs, plain):
     with LiveServer(engine, name=NAME) as server:
         async def main():
             async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused",
-                                          max_retries=0, timeout=300.0) as c:
+                                          max_retries=0, timeout=scaled(300.0)) as c:
                 rs = await asyncio.gather(*(c.completions.create(
                     model=NAME, prompt=p, max_tokens=100, temperature=0) for p in PROMPTS * 2))
                 return [r.choices[0].text for r in rs]
@@ -223,21 +224,21 @@ def test_serve_process_health_completion_and_sigterm(dirs):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + scaled(120)
         while True:
             assert proc.poll() is None, proc.communicate()
             try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                if httpx.get(url + "/health", timeout=scaled(2)).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
             assert time.monotonic() < deadline
             time.sleep(0.2)
-        r = httpx.post(url + "/v1/completions", timeout=60,
+        r = httpx.post(url + "/v1/completions", timeout=scaled(60),
                        json={"model": NAME, "prompt": PROMPTS[0], "max_tokens": 8})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 8
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=scaled(60))
     finally:
         if proc.poll() is None:
             proc.kill()

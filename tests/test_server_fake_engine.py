@@ -28,6 +28,7 @@ import pytest
 
 from specdial.engine.api import EngineStats, QueueFullError, RequestError, StreamChunk
 from specdial.server.protocol import SAMPLING_EXTRAS
+from timeouts import scaled
 
 LETTERS = string.ascii_lowercase
 
@@ -212,10 +213,12 @@ class LiveServer:
 
     Use as a context manager; ``url`` is the base URL, ``server`` the
     :class:`specdial.server.launch.SpecdialServer` (``server.handle_exit(SIGTERM, None)``
-    simulates the signal). ``app_options`` go to ``create_app`` (``limits``, ``security``)."""
+    simulates the signal). ``app_options`` go to ``create_app`` (``limits``, ``security``);
+    ``connection_limits`` to ``make_server``."""
 
     def __init__(self, engine: Any, *, name: str = "specdial-default",
-                 shutdown_timeout: float = 5.0, **app_options: Any) -> None:
+                 shutdown_timeout: float = 5.0, connection_limits: Any = None,
+                 **app_options: Any) -> None:
         from specdial.server.app import create_app
         from specdial.server.launch import make_server
 
@@ -227,13 +230,13 @@ class LiveServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = make_server(self.app, host="127.0.0.1", port=self.port,
                                   log_level="warning", shutdown_timeout=shutdown_timeout,
-                                  access_log=False)
+                                  access_log=False, connection_limits=connection_limits)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        daemon=True)
 
     def __enter__(self) -> "LiveServer":
         self.thread.start()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + scaled(20)
         while not self.server.started:
             if time.monotonic() > deadline or not self.thread.is_alive():
                 raise RuntimeError("the test server did not start")

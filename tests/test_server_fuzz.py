@@ -27,6 +27,7 @@ from specdial.engine import Engine
 from specdial.server.config import ServeConfig
 from test_server_cli import save_tiny_model
 from test_server_fake_engine import LiveServer
+from timeouts import scaled
 
 pytestmark = pytest.mark.skipif(not hasattr(Engine, "async_stream"),
                                 reason="needs the continuous-batching Engine")
@@ -153,7 +154,7 @@ def check_response(r: httpx.Response, stream_lines: list[str] | None) -> None:
 
 def send(live: LiveServer, path: str, raw: bytes, ctype: str) -> None:
     headers = {"Content-Type": ctype} if ctype else {}
-    with httpx.stream("POST", live.url + path, content=raw, headers=headers, timeout=60) as r:
+    with httpx.stream("POST", live.url + path, content=raw, headers=headers, timeout=scaled(60)) as r:
         if r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"):
             lines = list(r.iter_lines())
             check_response(r, lines)
@@ -182,7 +183,7 @@ def test_fuzz_chat_completions(live, case):
 
 
 def test_engine_idle_after_fuzzing(live):
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + scaled(30)
     while True:
         s = live.engine.stats()
         if s.running == 0 and s.queued == 0 and s.kv_pages_used == 0:

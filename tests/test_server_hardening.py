@@ -26,9 +26,10 @@ from specdial.server.protocol import MAX_TEMPERATURE
 from specdial.worker import sampling
 from specdial.server.security import SecurityConfig, default_allowed_hosts
 from test_server_fake_engine import FakeEngine, FakeTokenizer, LiveServer
+from timeouts import scaled
 
 JSON = {"Content-Type": "application/json"}
-TIMEOUT = httpx.Timeout(30.0)
+TIMEOUT = httpx.Timeout(scaled(30.0))
 
 
 class Records(logging.Handler):
@@ -82,7 +83,7 @@ class HealthProbe:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        with httpx.Client(timeout=10) as c:
+        with httpx.Client(timeout=scaled(10)) as c:
             while not self._stop.is_set():
                 t0 = time.monotonic()
                 assert c.get(self.url + "/health").status_code == 200
@@ -96,13 +97,13 @@ class HealthProbe:
 
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
-        self._thread.join(15)
+        self._thread.join(scaled(15))
 
 
 def raw_post(port: int, body: bytes, content_length: int, path: str = "/v1/completions"
              ) -> socket.socket:
     """A POST whose headers announce ``content_length`` bytes but only ``body`` was sent."""
-    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s = socket.create_connection(("127.0.0.1", port), timeout=scaled(10))
     s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
               f"Content-Length: {content_length}\r\n\r\n".encode() + body)
     return s
@@ -133,7 +134,7 @@ def test_a_20mb_body_is_refused_in_under_3s_while_health_answers():
           f"{probe.worst * 1000:.0f} ms over {probe.count} probes")
     err = error_of(r, 413, "request_too_large")
     assert "--max-body-bytes" in err["message"]
-    assert elapsed < 3.0 and probe.worst < 1.0 and probe.count > 3
+    assert elapsed < scaled(3.0) and probe.worst < scaled(1.0) and probe.count > 3
 
 
 def test_a_chunked_body_is_counted_as_it_arrives():
@@ -162,11 +163,11 @@ def test_a_slow_body_is_refused_after_the_read_timeout():
             Records() as logs:
         s = raw_post(live.port, b'{"prompt": "x', 1000)
         t0 = time.monotonic()
-        answer = read_all(s, 5)
+        answer = read_all(s, scaled(5))
         elapsed = time.monotonic() - t0
         s.close()
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
-    assert b"body_read_timeout" in answer and 0.4 < elapsed < 3
+    assert b"body_read_timeout" in answer and 0.4 < elapsed < scaled(3)
     assert not logs.errors()
 
 
@@ -177,7 +178,7 @@ def test_a_client_leaving_during_the_upload_is_one_info_line():
         for _ in range(200):
             s = raw_post(live.port, b'{"prompt": "abc', 10_000)
             s.close()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + scaled(10)
         while (len(logs.matching("disconnected during the body upload")) < 200
                and time.monotonic() < deadline):
             time.sleep(0.05)
@@ -308,12 +309,12 @@ def test_tokenization_does_not_stall_the_event_loop(path, body):
                 if line and last is not None and slow.is_alive():
                     gaps.append(now - last)
                 last = now if line else last
-        slow.join(20)
+        slow.join(scaled(20))
     assert any(n == 4 for n in tok.encoded) or path == "/v1/chat/completions", tok.encoded
     print(f"\n[limits] slow tokenization ({path}): /health worst {probe.worst * 1000:.0f} ms, "
           "stream "
           f"worst gap {max(gaps) * 1000:.0f} ms over {len(gaps)} events")
-    assert probe.worst < 1.0 and gaps and max(gaps) < 1.0
+    assert probe.worst < scaled(1.0) and gaps and max(gaps) < scaled(1.0)
 
 
 @pytest.mark.parametrize("field,value", [("temperature", 1e39), ("temperature", 3.5e38)])
@@ -435,7 +436,7 @@ def test_a_client_leaving_mid_stream_is_one_info_line():
             for i, _ in enumerate(r.iter_lines()):
                 if i > 4:
                     break
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + scaled(10)
         while not engine.aborted and time.monotonic() < deadline:
             time.sleep(0.02)
         time.sleep(0.2)
@@ -459,24 +460,24 @@ def test_sigterm_past_the_shutdown_timeout_ends_streams_with_an_abort_event():
                 if line:
                     events[i].append(line)
                     if len(events[i]) == 1:
-                        started.wait(10)
+                        started.wait(scaled(10))
 
     with live, Records() as logs:
         threads = [threading.Thread(target=streaming, args=(i,)) for i in range(3)]
         for t in threads:
             t.start()
-        started.wait(10)
+        started.wait(scaled(10))
         t0 = time.monotonic()
         live.server.handle_exit(signal.SIGTERM, None)
         for t in threads:
-            t.join(20)
+            t.join(scaled(20))
         elapsed = time.monotonic() - t0
-        live.thread.join(20)
+        live.thread.join(scaled(20))
         assert not live.thread.is_alive()
     for ev in events:
         assert ev[-1] == "data: [DONE]", ev[-3:]
         last = json.loads(ev[-2][6:])
         assert last["choices"][0]["finish_reason"] == "abort"
-    assert elapsed < 5, elapsed
+    assert elapsed < scaled(5), elapsed
     assert sorted(engine.aborted) == [0, 1, 2]
     assert not logs.errors(), logs.errors()[:3]

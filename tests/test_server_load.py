@@ -11,7 +11,10 @@ read timeout. The tests run in order against the one process:
    no KV page is held, and greedy outputs are unchanged;
 4. a 50 MB body (413 in under 3 s) and a flood of slow-body connections (each answered 408 at
    the read timeout) while a stream keeps flowing and /health answers within 1 s;
-5. SIGTERM with streams open and a 1 s shutdown timeout: every stream ends with a final event
+5. a flood of slow-header connections (issue 25) fills ``--max-connections``: a completion then
+   gets 503 at once while /health answers and a running stream keeps flowing; the header-read
+   timeout closes the slow connections (408) and completions are served again;
+6. SIGTERM with streams open and a 1 s shutdown timeout: every stream ends with a final event
    (finish_reason ``abort`` or a normal finish) and ``[DONE]``; exit status 0; the server's log
    has no traceback and no ERROR line, and one INFO line per dropped client.
 
@@ -39,6 +42,7 @@ import pytest
 
 from specdial.engine import Engine
 from test_server_cli import save_tiny_model
+from timeouts import scaled
 
 pytestmark = pytest.mark.skipif(not hasattr(Engine, "async_stream"),
                                 reason="needs the continuous-batching Engine")
@@ -56,6 +60,8 @@ STREAMS = 256
 STORM = 128
 SLOW_BODIES = 300
 BODY_READ_TIMEOUT_S = 2
+MAX_CONNECTIONS = 400
+HEADER_READ_TIMEOUT_S = scaled(3)  # also the window the cap test has for its checks
 FIGURES: dict[str, Any] = {}
 REFERENCE: dict[str, str] = {}
 
@@ -82,15 +88,17 @@ class Server:
                 "--max-running-requests", "64", "--max-queued-requests", "1024",
                 "--kv-cache-tokens", "2048", "--page-size", "16", "--context-length", "256",
                 "--body-read-timeout", str(BODY_READ_TIMEOUT_S), "--shutdown-timeout", "1",
+                "--max-connections", str(MAX_CONNECTIONS),
+                "--header-read-timeout", str(HEADER_READ_TIMEOUT_S),
                 "--log-interval-s", "0", "--cpu-threads", "1"]
         env = {**os.environ, "SPECDIAL_API_KEY": KEY}
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, env=env,
                                      stderr=self.log.open("w"))
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + scaled(120)
         while True:
             assert self.proc.poll() is None, self.log.read_text()[-3000:]
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=scaled(2)).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
@@ -99,7 +107,7 @@ class Server:
 
     def metrics(self) -> dict[str, float]:
         """The unlabelled samples of /metrics (labelled by ``model_name`` only) by name."""
-        text = httpx.get(self.url + "/metrics", timeout=30).text
+        text = httpx.get(self.url + "/metrics", timeout=scaled(30)).text
         return {m.group(1): float(m.group(3))
                 for m in re.finditer(r'^(specdial:[^{\s]+)(\{model_name="[^"]*"\})? (\S+)$',
                                      text, re.M)}
@@ -118,7 +126,7 @@ class Server:
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
-            self.proc.wait(30)
+            self.proc.wait(scaled(30))
 
 
 @pytest.fixture(scope="module")
@@ -151,12 +159,12 @@ async def stream_one(c: httpx.AsyncClient, prompt: str) -> tuple[str, str, float
 
 
 def test_unloaded_greedy_reference(server):
-    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c:
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=scaled(60)) as c:
         for p in PROMPTS:
             r = c.post("/v1/completions", json=body(p))
             assert r.status_code == 200, r.text
             REFERENCE[p] = r.json()["choices"][0]["text"]
-        assert httpx.get(server.url + "/v1/models", timeout=10).status_code == 401
+        assert httpx.get(server.url + "/v1/models", timeout=scaled(10)).status_code == 401
     assert len(set(REFERENCE.values())) > 1
 
 
@@ -167,7 +175,7 @@ def test_256_concurrent_streams_with_kv_exhaustion(server):
     async def main():
         limits = httpx.Limits(max_connections=STREAMS + 8)
         async with httpx.AsyncClient(base_url=server.url, headers=AUTH, limits=limits,
-                                     timeout=600) as c:
+                                     timeout=scaled(600)) as c:
             return await asyncio.gather(*(stream_one(c, PROMPTS[i % len(PROMPTS)])
                                           for i in range(STREAMS)), return_exceptions=True)
 
@@ -207,12 +215,12 @@ def test_disconnect_and_abort_storms(server):
             # gives up (a fast machine did), and this test is about the abort path
             await c.post("/v1/completions",
                          json=body(PROMPTS[i % len(PROMPTS)], 200, ignore_eos=True),
-                         timeout=httpx.Timeout(60, read=0.3 + (i % 10) * 0.05))
+                         timeout=httpx.Timeout(scaled(60), read=0.3 + (i % 10) * 0.05))
 
     async def main():
         limits = httpx.Limits(max_connections=STORM + 8)
         async with httpx.AsyncClient(base_url=server.url, headers=AUTH, limits=limits,
-                                     timeout=300) as c:
+                                     timeout=scaled(300)) as c:
             await asyncio.gather(*(drop_stream(c, i) for i in range(STORM)))
             server.wait_idle()
             await asyncio.gather(*(give_up(c, i) for i in range(STORM)))
@@ -223,7 +231,7 @@ def test_disconnect_and_abort_storms(server):
                          "left_waiting": 0, "kv_pages_held": 0,
                          "kv_pages_total": int(idle["specdial:kv_cache_pages_total"])}
     print(f"\n[load] {FIGURES['storms']}")
-    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c:
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=scaled(60)) as c:
         for p in PROMPTS[:4]:
             assert c.post("/v1/completions", json=body(p)).json()["choices"][0]["text"] == \
                 REFERENCE[p]
@@ -248,7 +256,7 @@ def test_a_50mb_body_and_a_slow_body_flood_while_a_stream_flows(server):
         return "".join(parts)
 
     async def probe(done: asyncio.Event) -> None:
-        async with httpx.AsyncClient(base_url=server.url, timeout=30) as h:
+        async with httpx.AsyncClient(base_url=server.url, timeout=scaled(30)) as h:
             while not done.is_set():
                 t0 = time.monotonic()
                 assert (await h.get("/health")).status_code == 200
@@ -262,13 +270,13 @@ def test_a_50mb_body_and_a_slow_body_flood_while_a_stream_flows(server):
                      f"5000\r\n\r\n{{\"prompt\": \"".encode())
         await writer.drain()
         try:
-            return await asyncio.wait_for(reader.read(4096), 30)
+            return await asyncio.wait_for(reader.read(4096), scaled(30))
         finally:
             writer.close()
 
     async def main():
         done = asyncio.Event()
-        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120) as c:
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=scaled(120)) as c:
             stream = asyncio.create_task(flowing(c, done))
             prober = asyncio.create_task(probe(done))
             await asyncio.sleep(0.5)
@@ -282,11 +290,11 @@ def test_a_50mb_body_and_a_slow_body_flood_while_a_stream_flows(server):
             return big, big_s, answers, await stream
 
     big, big_s, answers, text = asyncio.run(main())
-    assert big.status_code == 413 and big_s < 3.0, (big.status_code, big_s)
+    assert big.status_code == 413 and big_s < scaled(3.0), (big.status_code, big_s)
     timed_out = sum(a.startswith(b"HTTP/1.1 408") for a in answers)
     others = [a[:40] for a in answers if not a.startswith(b"HTTP/1.1 408")]
     assert timed_out == SLOW_BODIES, others[:3]
-    assert gaps and max(gaps) < 1.0 and max(health) < 1.0, (max(gaps), max(health))
+    assert gaps and max(gaps) < scaled(1.0) and max(health) < scaled(1.0), (max(gaps), max(health))
     assert len(text) > 0
     server.wait_idle()
     FIGURES["body_faults"] = {"body_50mb_status": 413, "body_50mb_s": round(big_s, 2),
@@ -295,6 +303,58 @@ def test_a_50mb_body_and_a_slow_body_flood_while_a_stream_flows(server):
                               "stream_events_during_faults": len(gaps),
                               "health_max_s": round(max(health), 3)}
     print(f"\n[load] {FIGURES['body_faults']}")
+
+
+def test_slow_headers_fill_the_connection_cap_while_health_answers(server):
+    async def slow_header() -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthori")
+        await writer.drain()
+        try:
+            return await asyncio.wait_for(reader.read(4096), scaled(30))
+        finally:
+            writer.close()
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH,
+                                     timeout=scaled(120)) as c:
+            stream = asyncio.create_task(stream_one(c, PROMPTS[1]))
+            await asyncio.sleep(0.3)
+            t0 = time.monotonic()
+            slow = [asyncio.create_task(slow_header()) for _ in range(MAX_CONNECTIONS)]
+            await asyncio.sleep(0.5)  # every slow connection is open
+            async with httpx.AsyncClient(base_url=server.url, headers=AUTH,
+                                         timeout=scaled(30)) as fresh:
+                t1 = time.monotonic()
+                refused = await fresh.post("/v1/completions", json=body(PROMPTS[2], 4))
+                refused_s = time.monotonic() - t1
+                t1 = time.monotonic()
+                health = await fresh.get("/health")
+                health_s = time.monotonic() - t1
+            opened_s = time.monotonic() - t0
+            answers = await asyncio.gather(*slow)
+            closed_s = time.monotonic() - t0
+            text = (await stream)[0]
+            after = await c.post("/v1/completions", json=body(PROMPTS[2], 4))
+            return refused, refused_s, health, health_s, opened_s, answers, closed_s, text, after
+
+    (refused, refused_s, health, health_s, opened_s, answers, closed_s, text,
+     after) = asyncio.run(main())
+    assert opened_s < HEADER_READ_TIMEOUT_S, opened_s  # the cap was full during the checks
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["code"] == "too_many_connections"
+    assert refused_s < scaled(1.0), refused_s
+    assert health.status_code == 200 and health_s < scaled(1.0), health_s
+    timed_out = sum(a.startswith(b"HTTP/1.1 408") for a in answers)
+    assert timed_out == MAX_CONNECTIONS, [a[:40] for a in answers if not a.startswith(b"HTTP/1.1 408")][:3]
+    assert closed_s >= HEADER_READ_TIMEOUT_S - 0.5
+    assert text == REFERENCE[PROMPTS[1]]
+    assert after.status_code == 200, after.text
+    server.wait_idle()
+    FIGURES["slow_headers"] = {"connections": MAX_CONNECTIONS, "refused_status": refused.status_code,
+                               "refused_s": round(refused_s, 3), "health_s": round(health_s, 3),
+                               "closed_408": timed_out, "all_closed_s": round(closed_s, 2)}
+    print(f"\n[load] {FIGURES['slow_headers']}")
 
 
 def test_sigterm_under_load_and_a_quiet_log(server):
@@ -309,7 +369,7 @@ def test_sigterm_under_load_and_a_quiet_log(server):
                     events[i].append(line)
 
     async def main():
-        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60) as c:
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=scaled(60)) as c:
             tasks = [asyncio.create_task(one(c, i)) for i in range(len(events))]
             while sum(bool(e) for e in events) < len(events):
                 await asyncio.sleep(0.05)
@@ -317,7 +377,7 @@ def test_sigterm_under_load_and_a_quiet_log(server):
             await asyncio.gather(*tasks)
 
     asyncio.run(main())
-    assert server.proc.wait(60) == 0
+    assert server.proc.wait(scaled(60)) == 0
     reasons = []
     for ev in events:
         assert ev[-1] == "data: [DONE]", ev[-2:]

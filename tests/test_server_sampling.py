@@ -27,9 +27,10 @@ from specdial.server.config import ServeConfig
 from test_server_api import live, post  # noqa: F401 - the fake-engine server fixture
 from test_server_cli import save_tiny_model
 from test_server_fake_engine import LiveServer
+from timeouts import scaled
 
 NAME = "tiny"
-TIMEOUT = httpx.Timeout(120.0)
+TIMEOUT = httpx.Timeout(scaled(120.0))
 
 CONTROLS = {"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.3, "presence_penalty": -0.5,
             "frequency_penalty": 1.5, "min_tokens": 2, "stop_token_ids": [7, 9],
@@ -99,10 +100,10 @@ def test_extra_body_conflicts_and_shapes(live):
     r = post(live, "/v1/completions", {**_body("/v1/completions"),
                                        "extra_body": {"no_such_field": 1}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "no_such_field"
-    # logit_bias stays unsupported (400 naming it) wherever it comes from
+    # logit_bias (issue 25) reaches the engine as given, from the top level or extra_body
     r = post(live, "/v1/completions", {**_body("/v1/completions"),
                                        "extra_body": {"logit_bias": {"5": 1}}})
-    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter"
+    assert r.status_code == 200 and _last_params(live)["logit_bias"] == {"5": 1}
 
 
 def test_openai_client_extra_body(live):

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import specdial
+from timeouts import scaled
 
 
 def test_stubtest_passes():
@@ -13,7 +14,7 @@ def test_stubtest_passes():
         [sys.executable, "-m", "mypy.stubtest", "specdial._core", "--ignore-missing-stub"],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -32,7 +33,7 @@ def test_stubtest_notices_a_missing_name(tmp_path):
         [sys.executable, "-m", "mypy.stubtest", "specdial._core"],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
         env={**os.environ, "MYPYPATH": str(tmp_path)},
     )
     assert proc.returncode != 0
@@ -54,7 +55,7 @@ def test_type_checkers_see_the_engine_class(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "mypy", str(src), "--follow-imports=silent",
          "--ignore-missing-imports", "--cache-dir", str(tmp_path / "cache")],
-        capture_output=True, text=True, timeout=600)
+        capture_output=True, text=True, timeout=scaled(600))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "-> specdial.engine.core.Engine" in proc.stdout, proc.stdout
     assert "return_logprob: bool" in proc.stdout, proc.stdout

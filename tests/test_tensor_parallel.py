@@ -19,6 +19,7 @@ from specdial.distributed.group import TensorParallel, free_port
 from specdial.models import EagleHead, load_model, save_eagle_head
 from specdial.models.tensor_parallel import (_vocab_range, kv_head_range, read_shard,
                                              shard_modules_, slice_shard)
+from timeouts import scaled
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             max_position_embeddings=256)
@@ -83,12 +84,12 @@ def test_tp2_outputs_equal_tp1(cases, tmp_path):
     EAGLE-3 heads (own reduced vocabulary; own embedding): logits and hidden states of a
     prefill and a verify-shaped extend match tp 1."""
     names = list(cases)
-    config = DistConfig(tp_size=2, rank=0, init_addr=f"127.0.0.1:{free_port()}", timeout_s=60)
+    config = DistConfig(tp_size=2, rank=0, init_addr=f"127.0.0.1:{free_port()}", timeout_s=scaled(60))
     out = tmp_path / "tp2.pt"
     procs = launch_ranks(config, range(2), "specdial.distributed.check:run_rank",
                          {"cases": [cases[n] for n in names], "out": str(out)})
     for rank, p in procs.procs.items():
-        assert p.wait(240) == 0, f"rank {rank} failed"
+        assert p.wait(scaled(240)) == 0, f"rank {rank} failed"
     procs.close()
     got = torch.load(out)
     for name, result in zip(names, got):

@@ -24,6 +24,7 @@ import specdial
 from specdial.distributed.group import free_port
 from specdial.server.config import ServeConfig
 from test_server_fake_engine import LiveServer
+from timeouts import scaled
 
 BUILTIN = Path(specdial.__file__).parent / "builtin"
 TARGET = str(BUILTIN / "target")
@@ -81,9 +82,10 @@ def test_serve_tp2_openai_and_killed_worker_rank():
         assert httpx.get(server.url + "/health").status_code == 200
         with ThreadPoolExecutor(1) as pool:
             before = engine.stats().generation_tokens
-            long = pool.submit(httpx.post, server.url + "/v1/completions", timeout=120, json={
+            long = pool.submit(httpx.post, server.url + "/v1/completions",
+                               timeout=scaled(120), json={
                 "prompt": PROMPTS[1], "max_tokens": 400, "temperature": 0, "ignore_eos": True})
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + scaled(60)
             while engine.stats().generation_tokens < before + 8:  # decoding, not done
                 assert time.monotonic() < deadline and not long.done()
                 time.sleep(0.02)
@@ -94,7 +96,7 @@ def test_serve_tp2_openai_and_killed_worker_rank():
         assert r.status_code == 500, r.text
         err = r.json()["error"]
         assert err["code"] == "engine_error" and "rank" in err["message"], err
-        assert waited < timeout + 10, waited
+        assert waited < timeout + scaled(10), waited
         r = httpx.get(server.url + "/health")
         assert r.status_code == 503 and "worker rank 1" in r.text, r.text
         out = engine.generate(PROMPTS[1], {"max_new_tokens": 4})  # fails at once, typed
@@ -111,12 +113,12 @@ def test_two_nodes_on_loopback(tmp_path):
                               "--dist-timeout", "120"])
     try:
         engine = specdial.Engine(tp_size=2, nnodes=2, node_rank=0, dist_init_addr=addr,
-                                 dist_timeout=120, log_interval_s=None)
+                                 dist_timeout=scaled(120), log_interval_s=None)
         try:
             assert _texts(engine) == want
         finally:
             engine.shutdown()
-        assert node1.wait(60) == 0
+        assert node1.wait(scaled(60)) == 0
     finally:
         node1.kill()
 

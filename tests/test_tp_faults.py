@@ -13,6 +13,7 @@ import pytest
 
 from specdial.distributed import DistConfig, launch_ranks
 from specdial.distributed.group import free_port
+from timeouts import scaled
 
 PROBE = "specdial.distributed.probe:collective_probe"
 
@@ -95,7 +96,7 @@ def test_worker_ranks_exit_when_rank0_dies(tmp_path):
             with open(f"/proc/{child}/stat") as f:
                 return f.read().split(")")[1].split()[0] == "Z"
         _wait_for(gone, 15, "the worker rank to exit")
-        assert time.monotonic() - t0 < 15
+        assert time.monotonic() - t0 < scaled(15)
     finally:
         parent.kill()
 
@@ -105,13 +106,13 @@ def test_rendezvous_fails_fast_when_a_worker_dies_at_startup(tmp_path):
     the rank and its exit status, instead of after the timeout."""
     from specdial.distributed import RankFailure, init_group
     from specdial.distributed.group import destroy_group
-    config = DistConfig(tp_size=2, rank=0, init_addr=f"127.0.0.1:{free_port()}", timeout_s=60)
+    config = DistConfig(tp_size=2, rank=0, init_addr=f"127.0.0.1:{free_port()}", timeout_s=scaled(60))
     with launch_ranks(config, [1], "specdial.distributed.probe:no_such_entry", {},
                       stderr=subprocess.DEVNULL) as procs:
         t0 = time.monotonic()
         with pytest.raises(RankFailure, match="worker rank 1 .* exited with exit status 1"):
             init_group(config, procs.failed)
-        assert time.monotonic() - t0 < 30
+        assert time.monotonic() - t0 < scaled(30)
     destroy_group()
 
 
@@ -119,10 +120,10 @@ def test_rendezvous_fails_fast_when_a_worker_dies_at_startup(tmp_path):
 def test_leader_channel_and_divergence_check(tmp_path, diverge_at):
     """Rank 0 leads iterations over the channel; a rank that computes a different value is
     caught by ``check_same`` on every rank (RankDivergence naming the step)."""
-    config = DistConfig(tp_size=2, rank=0, init_addr=f"127.0.0.1:{free_port()}", timeout_s=30)
+    config = DistConfig(tp_size=2, rank=0, init_addr=f"127.0.0.1:{free_port()}", timeout_s=scaled(30))
     with launch_ranks(config, range(2), "specdial.distributed.probe:channel_probe",
                       {"out_dir": str(tmp_path), "steps": 5, "diverge_at": diverge_at}) as procs:
-        assert [p.wait(120) for p in procs.procs.values()] == [0, 0]
+        assert [p.wait(scaled(120)) for p in procs.procs.values()] == [0, 0]
     report = json.loads((tmp_path / "report.json").read_text())
     if diverge_at is None:
         assert report == {"steps": 5}
@@ -136,11 +137,11 @@ def test_mirrored_calls_replay_on_worker_ranks(tmp_path, skew_at):
     """Rank 0's mirrored calls run in order on the worker rank (state included: a reset is
     replayed); a worker whose result differs is caught at that call, after which calls fail
     at once (no collective) except the local-only bookkeeping."""
-    config = DistConfig(tp_size=2, rank=0, init_addr=f"127.0.0.1:{free_port()}", timeout_s=30)
+    config = DistConfig(tp_size=2, rank=0, init_addr=f"127.0.0.1:{free_port()}", timeout_s=scaled(30))
     with launch_ranks(config, range(2), "specdial.distributed.probe:mirror_probe",
                       {"out_dir": str(tmp_path), "values": [1, 2, 3, 4],
                        "skew_at": skew_at}) as procs:
-        assert [p.wait(120) for p in procs.procs.values()] == [0, 0]
+        assert [p.wait(scaled(120)) for p in procs.procs.values()] == [0, 0]
     report = json.loads((tmp_path / "report.json").read_text())
     if skew_at is None:
         assert report == {"totals": [2, 6, 12, 20, 0]}

@@ -10,6 +10,7 @@ import pytest
 from specdial.distributed.group import free_port
 from specdial.distributed.options import ParallelOptions
 from test_tensor_parallel import _save
+from timeouts import scaled
 
 
 def test_two_nodes_on_loopback_match_tp1(tmp_path):
@@ -21,8 +22,8 @@ def test_two_nodes_on_loopback_match_tp1(tmp_path):
            "--nnodes", "2", "--dist-init-addr", addr, "--dist-timeout", "120", "--rtol", "1e-5"]
     node1 = subprocess.Popen(cmd + ["--node-rank", "1"])
     node0 = subprocess.run(cmd + ["--node-rank", "0"], capture_output=True, text=True,
-                           timeout=300)
-    assert node1.wait(60) == 0
+                           timeout=scaled(300))
+    assert node1.wait(scaled(60)) == 0
     assert node0.returncode == 0, node0.stdout + node0.stderr
     assert "target_extend" in node0.stdout
     assert node0.stdout.strip().splitlines()[-1].startswith("PASS: tp 2 matches tp 1")

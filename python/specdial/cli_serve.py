@@ -164,6 +164,7 @@ def run_serve(cfg: ServeConfig) -> int:
     try:
         cfg.check()  # the server's options too, before the (slow) engine load
         limits, security = cfg.server_limits(), cfg.security_config(os.environ)
+        connection_limits = cfg.connection_limits()
         parallel = cfg.parallel_options()
     except (ValueError, OSError) as e:  # bad options, an unreadable config file
         return cli_error(e)
@@ -200,6 +201,7 @@ def run_serve(cfg: ServeConfig) -> int:
              ", ".join(security.allowed_hosts) if security.allowed_hosts else "any",
              ", ".join(security.allowed_origins) or "none")
     server = make_server(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                         shutdown_timeout=cfg.shutdown_timeout)
+                         shutdown_timeout=cfg.shutdown_timeout,
+                         connection_limits=connection_limits)
     log.info("serving %r on http://%s:%d", cfg.model_name(), cfg.host, cfg.port)
     return serve_forever(server)

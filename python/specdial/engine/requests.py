@@ -25,6 +25,7 @@ from specdial.engine.api import LogprobOptions, RequestError, StreamChunk
 from specdial.engine.bounds import check_vocab_bounds
 from specdial.engine.loop import Message, RequestSpec, Submit, Submitted
 from specdial.engine.output import OutputAccumulator
+from specdial.worker.logit_bias import check_logit_bias_vocab
 from specdial.worker.logprobs import MAX_TOP_LOGPROBS
 from specdial.worker.sampling import SamplingParams
 
@@ -137,6 +138,10 @@ def make_spec(prompt: Any, input_ids: Any, sampling_params: Any, stop: Any, *, t
         m = re.match(r"SamplingParams(?:\.(\w+)|: unknown key '([^']*)')", str(e))
         raise RequestError(f"{label}{e}", (m.group(1) or m.group(2)) if m else None) from e
     check_vocab_bounds(params, vocab_size, label)
+    try:
+        check_logit_bias_vocab(params.logit_bias, vocab_size)
+    except ValueError as e:
+        raise RequestError(f"{label}{e}", "logit_bias") from None
     ctx = context_length
     if len(ids) >= ctx:
         raise RequestError(f"{label}{field}: {len(ids)} tokens leave no room for a completion "

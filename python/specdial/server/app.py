@@ -87,6 +87,7 @@ from specdial.server.limits import (BodyLimitMiddleware, ServerLimits, check_pro
                                     check_prompt_count, check_stop, prompt_char_limit,
                                     request_id)
 from specdial.server.logprob_format import TokenDecoder, chat_logprobs, completion_logprobs
+from specdial.server.token_align import TokenAligner, TokenBytes
 from specdial.server.metrics import CONTENT_TYPE, ServerMetrics
 from specdial.server.protocol import (SAMPLING_EXTRAS, APIError, ChatCompletionRequest,
                                       CompletionRequest, bad_request, choice_seed, parse_request)
@@ -110,7 +111,7 @@ _T = TypeVar("_T")
 # engine-level names (RequestError.param or words of its message) -> OpenAI field
 _ENGINE_PARAMS = ("max_new_tokens", "input_ids", "prompt", "temperature", "top_p", "top_k",
                   "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-                  "min_tokens", "seed", "stop_token_ids", "stop")
+                  "min_tokens", "seed", "stop_token_ids", "stop", "logit_bias")
 
 
 class ServerState:
@@ -129,6 +130,7 @@ class ServerState:
         self.metrics = ServerMetrics(engine, model_name)
         self.created = int(time.time())
         self.decode = TokenDecoder(engine.tokenizer)
+        self.token_bytes = TokenBytes(engine.tokenizer)
         self.server_args: dict[str, Any] = {}
         self.draining = False
         self.shutdown_engine_on_exit = shutdown_engine_on_exit
@@ -702,28 +704,42 @@ def create_app(engine: Any, *, served_model_name: str = BUILTIN_MODEL_NAME,
             if not streaming:
                 run.close()
 
-    def _logprobs(c: _Choice, job: _Job, chat: bool, start: int = 0,
-                  offset: int = 0) -> tuple[dict[str, Any] | None, int]:
-        """The ``logprobs`` of ``c``'s tokens from ``start`` (with the echoed prompt first
-        when ``start == 0``), and the text offset after them."""
+    def _logprobs(c: _Choice, job: _Job, chat: bool, track: _LogprobTrack, text_chars: int,
+                  final: bool) -> dict[str, Any] | None:
+        """The ``logprobs`` of ``c``'s tokens not reported yet (the echoed prompt's first) whose
+        text is within the first ``text_chars`` characters sent (the echo included); ``final``:
+        the text is complete (:mod:`specdial.server.token_align`). None without logprobs, or
+        when no entry is due (before the end)."""
         if job.logprobs is None:
-            return None, offset
-        tokens, lps = c.token_ids[start:], c.logprobs[start:]
-        tops = c.top_logprobs[start:]
+            return None
+        al = track.aligner
+        if not track.prompt_done and c.token_ids:
+            track.prompt_done = True
+            if not chat and job.echo is not None and c.prompt_logprobs is not None:
+                assert job.input_ids is not None and c.prompt_top_logprobs is not None
+                al.push(job.input_ids, c.prompt_logprobs, c.prompt_top_logprobs)
+        sent = track.tokens
+        al.push(c.token_ids[sent:], c.logprobs[sent:], c.top_logprobs[sent:])  # type: ignore[arg-type]
+        track.tokens = len(c.token_ids)
+        entries = al.take(text_chars, final)
+        if not entries and not (final and track.offset == 0 and not track.reported):
+            return None
+        track.reported = True
         if chat:
-            return chat_logprobs(tokens, lps, tops, state.decode), offset
-        if start == 0 and job.echo is not None and c.prompt_logprobs is not None:
-            assert job.input_ids is not None and c.prompt_top_logprobs is not None
-            tokens = job.input_ids + tokens
-            lps = c.prompt_logprobs + lps  # type: ignore[operator]
-            tops = c.prompt_top_logprobs + tops
-        return completion_logprobs(tokens, lps, tops, state.decode, offset)
+            return chat_logprobs(entries, state.decode,
+                                 lambda t: state.token_bytes(t, skip_special=False))
+        lp, track.offset = completion_logprobs(entries, state.decode, track.offset)
+        return lp
+
+    def _track(job: _Job) -> _LogprobTrack:
+        skip = job.sampling_params.get("skip_special_tokens") is not False
+        return _LogprobTrack(TokenAligner(state.token_bytes, skip))
 
     def _full_response(run: _Run, chat: bool) -> dict[str, Any]:
         choices: list[dict[str, Any]] = []
         for c, job in zip(run.choices, run.jobs):
             text = "".join(c.parts)
-            logprobs, _ = _logprobs(c, job, chat)
+            logprobs = _logprobs(c, job, chat, _track(job), len((job.echo or "") + text), True)
             if chat:
                 choices.append({"index": c.index, "logprobs": logprobs,
                                 "finish_reason": c.reason,
@@ -748,15 +764,12 @@ def create_app(engine: Any, *, served_model_name: str = BUILTIN_MODEL_NAME,
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
         jobs = {c.index: j for c, j in zip(run.choices, run.jobs)}
-        progress: dict[int, tuple[int, int]] = {}  # index -> (tokens reported, text offset)
+        tracks = {c.index: _track(j) for c, j in zip(run.choices, run.jobs)}
 
-        def logprobs(c: _Choice) -> dict[str, Any] | None:
-            sent, offset = progress.get(c.index, (0, 0))
-            if sent == len(c.token_ids) and sent:
-                return None
-            lp, offset = _logprobs(c, jobs[c.index], chat, sent, offset)
-            progress[c.index] = (len(c.token_ids), offset)
-            return lp
+        def logprobs(c: _Choice, text: str, final: bool) -> dict[str, Any] | None:
+            track = tracks[c.index]
+            track.text_chars += len(text)
+            return _logprobs(c, jobs[c.index], chat, track, track.text_chars, final)
 
         def choice(c: _Choice, text: str | None, reason: str | None,
                    role: bool = False, lp: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -779,7 +792,7 @@ def create_app(engine: Any, *, served_model_name: str = BUILTIN_MODEL_NAME,
                                                                      or chunk.finished):
                     text = echo + text
                 started.add(c.index)
-                lp = logprobs(c) if chunk.token_ids else None
+                lp = logprobs(c, text, chunk.finished)
                 if chunk.finished and is_failure(chunk.finish_reason):
                     if text or lp:
                         yield event([choice(c, text, None, lp=lp)])
@@ -805,6 +818,19 @@ def create_app(engine: Any, *, served_model_name: str = BUILTIN_MODEL_NAME,
 
     add_sglang_routes(app, state, check_admitting)
     return app
+
+
+@dataclass
+class _LogprobTrack:
+    """Per choice: what its logprobs reported so far (``tokens`` pushed to ``aligner``, text
+    characters sent, the completions text offset)."""
+
+    aligner: TokenAligner
+    tokens: int = 0
+    text_chars: int = 0
+    offset: int = 0
+    prompt_done: bool = False
+    reported: bool = False
 
 
 def _response_id(run: _Run, chat: bool) -> str:

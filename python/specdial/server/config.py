@@ -30,6 +30,9 @@ DEFAULT_MAX_JSON_DEPTH = 32
 DEFAULT_MAX_PROMPTS = 128
 DEFAULT_MAX_STOP_STRINGS = 16
 DEFAULT_MAX_STOP_CHARS = 256
+DEFAULT_MAX_DETOKENIZE_TOKENS = 131072
+DEFAULT_HEADER_READ_TIMEOUT_S = 30.0
+DEFAULT_MAX_CONNECTIONS = 1000
 
 
 @dataclass
@@ -72,6 +75,22 @@ class ServeConfig(EngineArgs):
                                  default=DEFAULT_MAX_STOP_STRINGS, metavar="N")
     max_stop_chars: int = _opt("most characters per stop string (400 beyond)",
                                default=DEFAULT_MAX_STOP_CHARS, metavar="N")
+    header_read_timeout: float = _opt(
+        "seconds a connection has to send a request's complete headers (from its opening or its "
+        "previous response); slower clients get 408 and the connection is closed",
+        default=DEFAULT_HEADER_READ_TIMEOUT_S, metavar="SECONDS")
+    max_connections: int = _opt(
+        "most open connections (those still sending headers included); a request on a "
+        "connection beyond it gets 503 at once, except /health and /metrics",
+        default=DEFAULT_MAX_CONNECTIONS, metavar="N")
+    max_tokenize_chars: int | None = _opt(
+        "most characters in one /tokenize request (its prompts together, or the rendered chat), "
+        "refused with "
+        "400 before tokenizing; default: the prompt's character limit (--max-prompt-chars or "
+        "its automatic bound)", metavar="N")
+    max_detokenize_tokens: int = _opt(
+        "most token ids in one /detokenize request (all lists together); 400 beyond",
+        default=DEFAULT_MAX_DETOKENIZE_TOKENS, metavar="N")
     max_prompt_chars: int | None = _opt(
         "most characters in one prompt (or rendered chat), refused with 400 before tokenizing; "
         "default: the context length x the characters of the tokenizer's longest token (text "
@@ -89,6 +108,7 @@ class ServeConfig(EngineArgs):
             raise ValueError(f"--shutdown-timeout must be a finite number of seconds >= 0, got "
                              f"{self.shutdown_timeout}")
         self.server_limits()
+        self.connection_limits()
         self.security_config({})
 
     def server_limits(self) -> Any:
@@ -101,7 +121,17 @@ class ServeConfig(EngineArgs):
                             max_json_depth=self.max_json_depth, max_prompts=self.max_prompts,
                             max_stop_strings=self.max_stop_strings,
                             max_stop_chars=self.max_stop_chars,
-                            max_prompt_chars=self.max_prompt_chars)
+                            max_prompt_chars=self.max_prompt_chars,
+                            max_tokenize_chars=self.max_tokenize_chars,
+                            max_detokenize_tokens=self.max_detokenize_tokens)
+
+    def connection_limits(self) -> Any:
+        """The :class:`specdial.server.connections.ConnectionLimits` of these options
+        (``ValueError`` naming the option for a bad value)."""
+        from specdial.server.connections import ConnectionLimits
+
+        return ConnectionLimits(header_read_timeout_s=self.header_read_timeout,
+                                max_connections=self.max_connections)
 
     def security_config(self, environ: Mapping[str, str]) -> Any:
         """The :class:`specdial.server.security.SecurityConfig` of these options; ``environ``

@@ -22,6 +22,8 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from specdial.server.connections import ConnectionLimits, protocol_class
+
 __all__ = ["ABORT_GRACE_S", "SpecdialServer", "make_server", "serve_forever"]
 
 #: Seconds past ``shutdown_timeout`` that aborted responses get to finish before uvicorn
@@ -60,11 +62,16 @@ class SpecdialServer(uvicorn.Server):
 
 def make_server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 30000,
                 log_level: str = "info", shutdown_timeout: float = 30.0,
-                access_log: bool = True) -> SpecdialServer:
+                access_log: bool = True,
+                connection_limits: ConnectionLimits | None = None) -> SpecdialServer:
     """A server for ``app`` (from :func:`specdial.server.create_app`); ``shutdown_timeout`` in
-    seconds bounds the graceful drain (then open requests are aborted)."""
+    seconds bounds the graceful drain (then open requests are aborted). ``connection_limits``
+    (default: :class:`ConnectionLimits`' defaults): the header-read timeout and connection cap
+    of :mod:`specdial.server.connections`, enforced by the h11 protocol class it installs."""
     grace = shutdown_timeout + ABORT_GRACE_S
+    http = protocol_class(connection_limits or ConnectionLimits())
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                            http=http,
                             # annotated int, used as asyncio.wait_for's timeout: floats work
                             timeout_graceful_shutdown=grace,  # type: ignore[arg-type]
                             access_log=access_log)

@@ -12,6 +12,8 @@
   use in their response ids and log lines.
 - :func:`check_prompt_chars`, :func:`check_stop`, :func:`check_prompt_count`: per-request limits
   the routes apply to parsed requests before rendering templates or tokenizing.
+- :func:`check_tokenize_chars`, :func:`check_detokenize_tokens`: the ``/tokenize`` character
+  and ``/detokenize`` token-count limits (:func:`tokenize_char_limit`).
 - :func:`prompt_char_limit`: the automatic bound on prompt characters, ``context_length`` x the
   characters of the tokenizer's longest token: text longer than that cannot fit the context
   (each token covers at most that many characters), so it is refused before tokenizing. The
@@ -40,13 +42,14 @@ import numpy as np
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specdial.server.config import (DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES,
-                                    DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_PROMPTS,
+                                    DEFAULT_MAX_DETOKENIZE_TOKENS, DEFAULT_MAX_JSON_DEPTH,
+                                    DEFAULT_MAX_PROMPTS,
                                     DEFAULT_MAX_STOP_CHARS, DEFAULT_MAX_STOP_STRINGS)
 from specdial.server.protocol import APIError, bad_request, send_api_error
 
 __all__ = ["BodyLimitMiddleware", "ServerLimits", "check_prompt_chars", "check_prompt_count",
-           "check_stop", "json_depth", "longest_token_chars", "prompt_char_limit",
-           "request_id"]
+           "check_detokenize_tokens", "check_stop", "check_tokenize_chars", "json_depth", "longest_token_chars", "prompt_char_limit",
+           "request_id", "tokenize_char_limit"]
 
 logger = logging.getLogger("specdial.server")
 
@@ -77,6 +80,11 @@ class ServerLimits:
       characters per stop string (default 256); 400 above them.
     - ``max_prompt_chars``: characters of one prompt (completions) or of the rendered chat
       (chat); None (default): :func:`prompt_char_limit`'s automatic bound; 400 above it.
+    - ``max_tokenize_chars``: characters of one ``/tokenize`` request (its texts together, or
+      the rendered chat); None (default): the
+      prompt's limit (:func:`tokenize_char_limit`); 400 above it.
+    - ``max_detokenize_tokens``: token ids in one ``/detokenize`` request, all lists together
+      (default 131072); 400 above it.
     """
 
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -86,13 +94,15 @@ class ServerLimits:
     max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS
     max_stop_chars: int = DEFAULT_MAX_STOP_CHARS
     max_prompt_chars: int | None = None
+    max_tokenize_chars: int | None = None
+    max_detokenize_tokens: int = DEFAULT_MAX_DETOKENIZE_TOKENS
 
     def __post_init__(self) -> None:
         """Raises ``ValueError`` naming the ``specdial serve`` option for a bad value."""
         for name in ("max_body_bytes", "max_prompts", "max_stop_strings", "max_stop_chars",
-                     "max_prompt_chars"):
+                     "max_prompt_chars", "max_tokenize_chars", "max_detokenize_tokens"):
             v = getattr(self, name)
-            if v is None and name == "max_prompt_chars":
+            if v is None and name in ("max_prompt_chars", "max_tokenize_chars"):
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
@@ -271,3 +281,31 @@ def check_stop(stop: Sequence[str] | None, limits: ServerLimits) -> None:
             raise bad_request(f"'stop[{i}]' has {len(s)} characters; at most "
                               f"{limits.max_stop_chars} are allowed (--max-stop-chars)", "stop",
                               "stop_string_too_long")
+
+
+def tokenize_char_limit(limits: ServerLimits, prompt_chars: int | None) -> int | None:
+    """``limits.max_tokenize_chars`` if set, else ``prompt_chars`` (the prompt's limit, from
+    :func:`prompt_char_limit`): text a prompt may not carry is not tokenized for
+    ``/tokenize`` either (issue 25: a 3 MB text held the server's one tokenizer thread, which
+    every completion waits for, 7 s)."""
+    return limits.max_tokenize_chars if limits.max_tokenize_chars is not None else prompt_chars
+
+
+def check_tokenize_chars(texts: Sequence[str], limit: int | None, *, param: str) -> None:
+    """400 ``text_too_long`` (``param``) when ``texts`` have more than ``limit`` characters
+    together (one request's texts share the one tokenizer thread)."""
+    total = sum(len(t) for t in texts)
+    if limit is not None and total > limit:
+        raise bad_request(
+            f"'{param}' has {total} characters; /tokenize takes at most {limit} per request "
+            "(--max-tokenize-chars)", param, "text_too_long")
+
+
+def check_detokenize_tokens(count: int, limits: ServerLimits) -> None:
+    """400 ``too_many_tokens`` (``tokens``) when a ``/detokenize`` request carries more than
+    ``limits.max_detokenize_tokens`` token ids."""
+    if count > limits.max_detokenize_tokens:
+        raise bad_request(
+            f"'tokens' has {count} token ids; /detokenize takes at most "
+            f"{limits.max_detokenize_tokens} per request (--max-detokenize-tokens)", "tokens",
+            "too_many_tokens")

@@ -1,7 +1,9 @@
 """OpenAI logprob shapes from the engine's per-token log-probabilities.
 
 The numbers are the target's natural-log probabilities before sampling processors (vLLM's
-default, :mod:`specdial.worker.logprobs`). Token strings are each token decoded alone
+default, :mod:`specdial.worker.logprobs`). The chosen tokens' strings (and ``bytes``) follow the
+text (:mod:`specdial.server.token_align`: joined, they are the text, stop-string cuts and
+multi-byte characters included); alternatives are each token decoded alone
 (``tokenizer.decode([id])``), as vLLM reports them; two tokens with the same text collapse in a
 completions ``top_logprobs`` dict, as in vLLM.
 
@@ -17,6 +19,8 @@ completions ``top_logprobs`` dict, as in vLLM.
 from __future__ import annotations
 
 from typing import Any, Callable
+
+from specdial.server.token_align import Entry
 
 __all__ = ["TokenDecoder", "chat_logprobs", "completion_logprobs"]
 
@@ -37,38 +41,39 @@ class TokenDecoder:
         return text
 
 
-def completion_logprobs(tokens: list[int], logprobs: list[float | None],
-                        tops: list[Top | None], decode: Callable[[int], str],
+def completion_logprobs(entries: list[Entry], decode: Callable[[int], str],
                         offset: int = 0) -> tuple[dict[str, Any], int]:
-    """The completions ``logprobs`` object of ``tokens`` (their logprobs and top alternatives,
-    None where there is no context) and the text offset after them; ``offset``: the character
-    offset of the first token in the choice's text."""
-    texts, offsets, top_dicts = [], [], []
-    for token, lp, top in zip(tokens, logprobs, tops):
-        text = decode(token)
-        texts.append(text)
+    """The completions ``logprobs`` object of ``entries`` (:class:`~specdial.server.token_align.
+    Entry`: a logprob and top alternatives, or None where there is no context) and the text
+    offset after them; ``offset``: the character offset of the first entry in the choice's
+    text."""
+    texts, offsets, top_dicts, lps = [], [], [], []
+    for e in entries:
+        texts.append(e.text)
         offsets.append(offset)
-        offset += len(text)
-        if lp is None or top is None:
+        lps.append(e.logprob)
+        offset += len(e.text)
+        if e.logprob is None or e.top is None:
             top_dicts.append(None)
             continue
-        entry = {decode(t): v for t, v in top}
-        entry.setdefault(text, lp)
+        entry = {decode(t): v for t, v in e.top}
+        entry.setdefault(decode(e.token), e.logprob)
         top_dicts.append(entry)
-    return ({"tokens": texts, "token_logprobs": list(logprobs), "top_logprobs": top_dicts,
+    return ({"tokens": texts, "token_logprobs": lps, "top_logprobs": top_dicts,
              "text_offset": offsets}, offset)
 
 
-def _chat_entry(text: str, logprob: float) -> dict[str, Any]:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+def _chat_entry(text: str, logprob: float | None, raw: bytes) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
 
-def chat_logprobs(tokens: list[int], logprobs: list[float], tops: list[Top],
-                  decode: Callable[[int], str]) -> dict[str, Any]:
-    """The chat ``logprobs`` object (``{"content": [...]}``) of ``tokens``."""
+def chat_logprobs(entries: list[Entry], decode: Callable[[int], str],
+                  token_bytes: Callable[[int], bytes]) -> dict[str, Any]:
+    """The chat ``logprobs`` object (``{"content": [...]}``) of ``entries``; alternatives get
+    their lone decode as ``token`` and their own bytes (``token_bytes``) as ``bytes``."""
     content = []
-    for token, lp, top in zip(tokens, logprobs, tops):
-        entry = _chat_entry(decode(token), lp)
-        entry["top_logprobs"] = [_chat_entry(decode(t), v) for t, v in top]
+    for e in entries:
+        entry = _chat_entry(e.text, e.logprob, e.raw)
+        entry["top_logprobs"] = [_chat_entry(decode(t), v, token_bytes(t)) for t, v in e.top]
         content.append(entry)
     return {"content": content}

@@ -98,7 +98,6 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 # Known OpenAI fields this server does not implement -> the values that mean "off" and are
 # therefore accepted. Anything else for these keys is 400 "not supported".
 _COMMON_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logit_bias": (None, {}),
     "service_tier": (None,),
 }
 
@@ -135,8 +134,6 @@ _NO_TOOLS = "describe the tools in the messages and parse the reply text"
 #: What to use instead of each unsupported field (in its 400 message).
 INSTEAD: dict[str, str] = {
     "suffix": "no fill-in-the-middle: send the prefix as 'prompt'",
-    "logit_bias": "no logit bias is implemented: use presence_penalty / frequency_penalty / "
-                  "repetition_penalty, stop strings, or rank 'n' choices by their 'logprobs'",
     "service_tier": _OMIT, "tools": _NO_TOOLS, "tool_choice": _NO_TOOLS,
     "parallel_tool_calls": _NO_TOOLS, "functions": _NO_TOOLS, "function_call": _NO_TOOLS,
     "response_format": "ask for the format in the messages (no constrained decoding)",
@@ -190,8 +187,10 @@ class _CommonRequest(_Strict):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    # OpenAI's token id (a decimal string) -> bias in [-100, 100]; the engine checks the entries
+    # (specdial.worker.logit_bias) and the ids against the vocabulary
+    logit_bias: dict[str, Any] | None = None
     # validated as neutral by _check_fields; here so that extra="forbid" lets them through
-    logit_bias: Any = None
     service_tier: Any = None
 
 
@@ -272,7 +271,7 @@ class ChatCompletionRequest(_CommonRequest):
 #: The request fields that become engine sampling params of the same name when not null.
 SAMPLING_EXTRAS = ("top_k", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "min_tokens", "stop_token_ids",
-                   "include_stop_str_in_output", "skip_special_tokens")
+                   "include_stop_str_in_output", "skip_special_tokens", "logit_bias")
 
 
 def _merge_extra_body(body: dict[str, Any]) -> dict[str, Any]:

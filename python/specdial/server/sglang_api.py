@@ -15,9 +15,14 @@
   ``top_p``, ``top_k``, ``min_p``, ``frequency_penalty``, ``presence_penalty``,
   ``repetition_penalty``, ``min_new_tokens``, ``stop``, ``stop_token_ids``, ``ignore_eos``,
   ``skip_special_tokens``, ``no_stop_trim`` (keep the matched stop string or token text),
-  ``sampling_seed`` (or ``seed``); SGLang keys without an implementation are accepted at their
-  neutral value only (``n: 1``, ``spaces_between_special_tokens: true``, no constrained
-  decoding, no logit bias) and are otherwise a 400 naming what to use instead.
+  ``sampling_seed`` (or ``seed``), ``logit_bias`` (token id -> bias, OpenAI's rule:
+  :mod:`specdial.worker.logit_bias`) and ``n`` (SGLang's parallel sampling, 1..MAX_N, the same
+  for every prompt: the answer is a list of ``n`` outputs per prompt, prompt-major, each with
+  ``index``; a seeded request's sample ``j`` uses
+  :func:`~specdial.server.protocol.choice_seed` ``(seed, j)`` as ``/v1/completions`` does, and
+  its ``rid`` becomes ``rid-j``). SGLang keys without an implementation are accepted at their
+  neutral value only (``spaces_between_special_tokens: true``, no constrained decoding) and are
+  otherwise a 400 naming what to use instead.
 - ``GET /server_info`` (also ``/get_server_info``): the server's options, ``version`` and
   ``internal_states``: one entry (one engine) with ``speculative_num_steps`` (the current steps
   of the slot serving the current batch, or the latest batch when idle), ``avg_spec_accept_length``
@@ -54,11 +59,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from specdial.engine.api import LogprobOptions
 from specdial.engine.ends import error_body, is_failure
 from specdial.engine.output import OutputAccumulator
-from specdial.server.app import (_DONE, ServerState, _ClientGone, _encode, _engine_error, _Job,
-                                 _make_job, _Run, _RunStreamingResponse, _watch_disconnect)
+from specdial.server.app import (_DONE, ServerState, _choices, _ClientGone, _encode,
+                                 _engine_error, _Job, _make_job, _Run, _RunStreamingResponse,
+                                 _watch_disconnect)
 from specdial.server.chat import render_chat
-from specdial.server.limits import check_prompt_count, check_stop, request_id
-from specdial.server.protocol import APIError, bad_request
+from specdial.server.limits import (check_detokenize_tokens, check_prompt_count, check_stop,
+                                    check_tokenize_chars, request_id, tokenize_char_limit)
+from specdial.server.protocol import MAX_N, APIError, bad_request
 from specdial.worker.logprobs import MAX_TOP_LOGPROBS
 
 __all__ = ["GenerateRequest", "add_sglang_routes", "sampling_from_sglang", "server_info"]
@@ -68,18 +75,16 @@ DEFAULT_MAX_NEW_TOKENS = 128
 
 # SGLang sampling keys without an implementation -> (neutral values, what to use instead)
 _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
-    "n": ((1,), "send n requests, or /v1/completions with 'n'"),
     "spaces_between_special_tokens": ((True,), "detokenize output_ids yourself"),
     "regex": ((None,), "no constrained decoding is implemented"),
     "json_schema": ((None,), "no constrained decoding is implemented"),
     "ebnf": ((None,), "no constrained decoding is implemented"),
-    "logit_bias": ((None, {}), "no logit bias is implemented: use the penalties"),
     "custom_params": ((None,), "no custom logit processors are implemented"),
 }
 _SAMPLING = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
              "presence_penalty", "repetition_penalty", "min_new_tokens", "stop",
              "stop_token_ids", "ignore_eos", "skip_special_tokens", "no_stop_trim",
-             "sampling_seed", "seed"}
+             "sampling_seed", "seed", "logit_bias"}
 #: SGLang names -> the engine's (:class:`~specdial.worker.sampling.SamplingParams`)
 _RENAMED = {"min_new_tokens": "min_tokens", "no_stop_trim": "include_stop_str_in_output",
             "sampling_seed": "seed"}
@@ -169,6 +174,25 @@ def sampling_from_sglang(params: dict[str, Any] | None, where: str) -> tuple[dic
     return out, stop
 
 
+def _parallel_n(params: list[Any], single: bool) -> int:
+    """SGLang's ``sampling_params.n`` (parallel samples per prompt): an int in 1..MAX_N, the
+    same for every prompt (SGLang takes one ``parallel_sample_num`` per request). Raises
+    :class:`APIError` 400 naming the field otherwise."""
+    ns = []
+    for i, sp in enumerate(params):
+        name = "sampling_params.n" if single else f"sampling_params[{i}].n"
+        n = (sp or {}).get("n", 1)
+        n = 1 if n is None else n
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+            raise bad_request(f"'{name}' = {json.dumps(n)} is not allowed; allowed: an integer "
+                              f"in 1..{MAX_N}", name, "invalid_value")
+        ns.append(n)
+    if len(set(ns)) > 1:
+        raise bad_request(f"'sampling_params' gives different 'n' per prompt ({ns}); give one "
+                          "value for all prompts", "sampling_params.n", "invalid_value")
+    return ns[0]
+
+
 def _per_prompt(value: Any, n: int, name: str) -> list[Any]:
     if isinstance(value, list):
         if len(value) != n:
@@ -218,6 +242,7 @@ def add_sglang_routes(app: FastAPI, state: ServerState,
                       check_admitting: Callable[[], None]) -> None:
     """Register the module's endpoints on ``app`` (called by :func:`create_app`)."""
     engine = state.engine
+    tokenize_chars = tokenize_char_limit(state.limits, state.prompt_chars)
 
     def tokenizer() -> Any:
         if engine.tokenizer is None:
@@ -252,9 +277,15 @@ def add_sglang_routes(app: FastAPI, state: ServerState,
                               "'return_logprob': true", "return_logprob", "invalid_value")
         params = _per_prompt(req.sampling_params, len(prompts), "sampling_params")
         rids = _per_prompt(req.rid, len(prompts), "rid")
+        n = _parallel_n(params, single)
+        if n * len(prompts) > state.limits.max_prompts:
+            raise bad_request(f"{len(prompts)} prompts x 'n' = {n} make {n * len(prompts)} "
+                              f"sequences; at most {state.limits.max_prompts} are allowed per "
+                              "request (--max-prompts)", "sampling_params.n", "too_many_prompts")
         jobs: list[_Job] = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             label = "sampling_params" if single else f"sampling_params[{i}]"
+            sp = {k: v for k, v in (sp or {}).items() if k != "n"}
             sampling, stop = sampling_from_sglang(sp, label)
             check_stop(stop, state.limits)
             max_new = sampling.pop("max_new_tokens")
@@ -274,6 +305,10 @@ def add_sglang_routes(app: FastAPI, state: ServerState,
                                   "invalid_value")
             job.logprobs = lp
             jobs.append(job)
+        if n > 1:  # SGLang's parallel sampling: a list of n outputs per prompt, prompt-major
+            jobs = _choices(jobs, n)
+            rids = [None if r is None else f"{r}-{j}" for r in rids for j in range(n)]
+            single = False
         return req, single, jobs, rids
 
     @app.api_route("/generate", methods=["POST", "PUT"])
@@ -374,10 +409,12 @@ def add_sglang_routes(app: FastAPI, state: ServerState,
                 raise bad_request("'add_generation_prompt': false is not supported; the chat "
                                   "prompt always opens the assistant's turn",
                                   "add_generation_prompt", "unsupported_parameter")
+            check_tokenize_chars([text], tokenize_chars, param="messages")
             ids = _encode(tok, text, add_special_tokens=not templated)
             return {"tokens": ids, "count": len(ids), "max_model_len": int(engine.context_length)}
         assert req.prompt is not None
         texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        check_tokenize_chars(texts, tokenize_chars, param="prompt")
         tokens = [_encode(tok, t, add_special_tokens=req.add_special_tokens) for t in texts]
         single = isinstance(req.prompt, str)
         return {"tokens": tokens[0] if single else tokens,
@@ -395,6 +432,7 @@ def add_sglang_routes(app: FastAPI, state: ServerState,
         tok = tokenizer()
         single = not req.tokens or isinstance(req.tokens[0], int)
         lists: list[list[int]] = [req.tokens] if single else req.tokens  # type: ignore[list-item]
+        check_detokenize_tokens(sum(len(ids) for ids in lists), state.limits)
         texts = []
         for ids in lists:
             try:

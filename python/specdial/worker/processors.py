@@ -13,8 +13,12 @@ Controls (one value per request, from :class:`~specdial.worker.sampling.Sampling
   than ``m`` tokens, the EOS token ids and the request's ``stop_token_ids`` get logit ``-inf``
   (vLLM masks EOS here even with ``ignore_eos``).
 
-Order, as vLLM's sampler: ``min_tokens`` masking, then the repetition, frequency and presence
-penalties, on the raw logits; then :func:`~specdial.worker.sampling.target_probs` (temperature,
+- ``logit_bias`` (OpenAI's and vLLM's; :mod:`specdial.worker.logit_bias`): ``logit[id] +=
+  bias`` for each of the request's ``(id, bias)`` entries, at every position. It does not depend
+  on the history; applying it at every draft step and verify column keeps speculation exact.
+
+Order, as vLLM's sampler: ``min_tokens`` masking, then ``logit_bias``, then the repetition,
+frequency and presence penalties, on the raw logits; then :func:`~specdial.worker.sampling.target_probs` (temperature,
 top-k, min-p, top-p). Greedy requests take the argmax of the processed logits (vLLM applies
 penalties and ``min_tokens`` before its greedy argmax too). Log-probabilities reported to users
 stay the raw ones (vLLM's default ``raw_logprobs``).
@@ -71,6 +75,8 @@ class BatchProcessors:
     - ``any_penalty`` / ``any_min_tokens``: Python flags (no device sync in the passes).
     - ``penalized`` ``[B]`` bool and ``prompt_lens_host`` ``[B]`` int64 (numpy): the rows whose
       token counts are kept (:class:`TokenCounts`), and their prompt lengths.
+    - ``bias_rows`` / ``bias_ids`` ``[N]`` int64 and ``bias_values`` ``[N]`` float32: the
+      ``logit_bias`` entries as ``(row, token, bias)``; ``any_bias`` a Python flag.
     """
 
     repetition: torch.Tensor
@@ -84,6 +90,10 @@ class BatchProcessors:
     any_min_tokens: bool
     penalized: np.ndarray
     prompt_lens_host: np.ndarray
+    bias_rows: torch.Tensor | None = None
+    bias_ids: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
+    any_bias: bool = False
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], prompt_lens: Sequence[int] | None,
@@ -97,9 +107,12 @@ class BatchProcessors:
         length."""
         penalized = np.array([p.has_penalty for p in params], bool)
         minned = [p.min_tokens > 0 for p in params]
-        if not penalized.any() and not any(minned):
+        bias = [(r, t, v) for r, p in enumerate(params) for t, v in p.logit_bias]
+        if not penalized.any() and not any(minned) and not bias:
             return None
         b = len(params)
+        if not penalized.any() and not any(minned):  # logit_bias only: no history needed
+            prompt_lens = [0] * b
         if prompt_lens is None or len(prompt_lens) != b:
             raise ValueError(f"BatchProcessors: penalties and min_tokens need the prompt length "
                              f"of each of the {b} rows")
@@ -108,7 +121,7 @@ class BatchProcessors:
                              f"of the {b} rows")
         pairs = [(r, t) for r, m in enumerate(minned) if m
                  for t in sorted(set(min_tokens_ids[r]))] if any(minned) else []  # type: ignore[index]
-        if not penalized.any() and not pairs:  # min_tokens without any id to mask
+        if not penalized.any() and not pairs and not bias:  # min_tokens without an id to mask
             return None
         def f32(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
@@ -125,7 +138,9 @@ class BatchProcessors:
             prompt_lens=torch.from_numpy(lens).to(device),
             stop_rows=i64([r for r, _ in pairs]), stop_ids=i64([t for _, t in pairs]),
             any_penalty=bool(penalized.any()), any_min_tokens=bool(pairs),
-            penalized=penalized, prompt_lens_host=lens)
+            penalized=penalized, prompt_lens_host=lens,
+            bias_rows=i64([r for r, _, _ in bias]), bias_ids=i64([t for _, t, _ in bias]),
+            bias_values=f32([v for _, _, v in bias]), any_bias=bool(bias))
 
     def select(self, index: torch.Tensor) -> BatchProcessors | None:
         """The rows ``index`` (``[B']`` int64, new batch order); None when none of them uses a
@@ -141,13 +156,23 @@ class BatchProcessors:
         mapped = new_row[self.stop_rows]
         keep = mapped >= 0
         any_min = bool(keep.any())
-        if not penalized.any() and not any_min:
+        bias_rows = bias_ids = bias_values = None
+        any_bias = False
+        if self.any_bias:
+            assert self.bias_rows is not None and self.bias_ids is not None
+            mapped_bias = new_row[self.bias_rows]
+            kept = mapped_bias >= 0
+            any_bias = bool(kept.any())
+            bias_rows, bias_ids = mapped_bias[kept], self.bias_ids[kept]
+            bias_values = self.bias_values[kept]  # type: ignore[index]
+        if not penalized.any() and not any_min and not any_bias:
             return None
         return BatchProcessors(
             self.repetition.index_select(0, index), self.frequency.index_select(0, index),
             self.presence.index_select(0, index), min_tokens,
             self.prompt_lens.index_select(0, index), mapped[keep], self.stop_ids[keep],
-            bool(penalized.any()), any_min, penalized, self.prompt_lens_host[idx])
+            bool(penalized.any()), any_min, penalized, self.prompt_lens_host[idx],
+            bias_rows, bias_ids, bias_values, any_bias)
 
 
 def column_counts(base: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -185,6 +210,11 @@ def apply_processors(logits: torch.Tensor, proc: BatchProcessors, positions: tor
         active = out_len < proc.min_tokens[:, None]
         r, t = proc.stop_rows, proc.stop_ids
         x[r, :, t] = x[r, :, t].masked_fill(active[r], -math.inf)
+    if proc.any_bias:
+        if not proc.any_min_tokens:
+            x = x.clone()
+        r, t = proc.bias_rows, proc.bias_ids
+        x[r, :, t] = x[r, :, t] + proc.bias_values[:, None].to(x.device)  # type: ignore[index]
     if proc.any_penalty:
         if counts is None or prompt_seen is None:
             raise ValueError("apply_processors: penalties need counts and prompt_seen")
@@ -192,7 +222,7 @@ def apply_processors(logits: torch.Tensor, proc: BatchProcessors, positions: tor
         rep = torch.where(prompt_seen[:, None, :] | present, proc.repetition.view(b, 1, 1), 1.0)
         x = torch.where(x > 0, x / rep, x * rep)  # a new tensor: the input is never modified
         x.sub_(counts * proc.frequency.view(b, 1, 1)).sub_(present * proc.presence.view(b, 1, 1))
-    elif not proc.any_min_tokens:
+    elif not proc.any_min_tokens and not proc.any_bias:
         x = x.clone()
     return x
 

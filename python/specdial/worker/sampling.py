@@ -51,6 +51,7 @@ from typing import Any, Mapping
 
 import torch
 
+from specdial.worker.logit_bias import normalize_logit_bias
 from specdial.worker.processors import BatchProcessors
 from specdial.worker.seeded_noise import (PURPOSE_TOKEN, draw_keys, seed_to_int64,
                                           seeded_exponentials)
@@ -147,6 +148,11 @@ class SamplingParams:
       string, or the text of the matched stop token, at the end of the text.
     - ``skip_special_tokens``: bool (default True; vLLM's): leave special tokens out of the
       detokenized text (the token ids are reported either way).
+    - ``logit_bias``: token id -> bias added to its logit (OpenAI's and vLLM's
+      ``logit_bias``): a mapping (JSON object, string or int keys) or pairs, values in
+      ``[-100, 100]``, at most 300 entries; stored as sorted ``(id, bias)`` pairs
+      (:mod:`specdial.worker.logit_bias`; ids are checked against the vocabulary by the
+      engine). Applied to greedy requests too.
     - ``seed``: ``None`` (default) or int in ``[0, 2**64 - 1]``. A seeded sampling request
       draws every random number from :mod:`specdial.worker.seeded_noise`, keyed by (seed,
       position of the token decided), instead of the engine's generator, and its drafts are
@@ -176,6 +182,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     seed: int | None = None
+    logit_bias: Any = ()
 
     def _real(self, name: str, low: float, high: float, allowed: str) -> None:
         v = getattr(self, name)
@@ -217,6 +224,7 @@ class SamplingParams:
         v = self.seed
         if v is not None and (not _is_int(v) or not 0 <= v <= _MAX_SEED):
             raise _bad("seed", v, "None or int in [0, 2**64 - 1]")
+        object.__setattr__(self, "logit_bias", normalize_logit_bias(self.logit_bias))
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> SamplingParams:

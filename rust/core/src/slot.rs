@@ -96,7 +96,7 @@ impl AdaptiveStepSlot {
     }
 
     /// The state transition for one non-empty verify whose mean accepted drafts is `mean`.
-    fn observe_mean(&mut self, mean: f64) -> Option<u32> {
+    pub(crate) fn observe_mean(&mut self, mean: f64) -> Option<u32> {
         if self.current_steps() > 0 {
             let a = self.config.ema_alpha;
             self.ema = (1.0 - a) * self.ema + a * mean;
