@@ -429,7 +429,7 @@ impl Scheduler {
     }
 }
 
-/// Appends a request's page table and the slots of its positions `0 .. len` (`kv_indices`).
+/// Appends a request's page table and the KV indices of its positions `0 .. len` (`kv_indices`).
 fn push_context(a: &mut Arrays, pages: &[u32], page_size: u64, len: u64) {
     a.page_table.extend(pages.iter().map(|&p| i64::from(p)));
     a.page_table_offsets.push(a.page_table.len() as i64);
