@@ -79,6 +79,8 @@ def test_params_surface():
     d = p.decide(9)
     assert isinstance(d, StepDecision)
     assert (d.steps, d.num_draft_tokens, d.graph_bs, d.slot) == (3, 4, None, 1)
+    # Every built-in strategy decides a chain of the same steps for every request.
+    assert (d.verify_lengths, d.tree_shape) == (None, None)
     assert p.cuda_graph_bs_for_step(3) is None
     p.set_cuda_graph_bs([1, 2, 4, 8, 16, 32, 64])
     assert p.decide(5).graph_bs == 8 and p.decide(5).slot == 1

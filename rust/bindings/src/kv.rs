@@ -107,7 +107,7 @@ impl PyKvPagePool {
     /// Total slots, ``num_pages * page_size``: the first dimension of the KV buffers.
     #[getter]
     fn num_slots(&self) -> u64 {
-        self.inner.num_slots()
+        self.inner.num_kv_slots()
     }
 
     /// Pages not owned by any request.
@@ -202,7 +202,7 @@ impl PyKvPagePool {
     ) -> PyResult<Int64Array> {
         guard(|| {
             self.inner
-                .slots(request_id, start, end)
+                .kv_indices(request_id, start, end)
                 .map(Int64Array::from_vec)
                 .map_err(kv_err)
         })

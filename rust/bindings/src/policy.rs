@@ -9,7 +9,7 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use specdial_core::{AdaptiveSpeculativeParams, AdaptiveStepSlot, Observation, PolicyError, StepDecision};
+use specdial_core::{AdaptiveSpeculativeParams, AdaptiveStepSlot, Observation, PolicyError, StepDecision, VerifyShape};
 
 use crate::config::{config_arg, config_err, slot_config_arg, PyAdaptiveConfig};
 use crate::guard;
@@ -124,7 +124,10 @@ impl PyAdaptiveStepSlot {
 }
 
 /// What one decode iteration runs: `steps`, `num_draft_tokens` (= steps + 1), `graph_bs` (the
-/// padded CUDA-graph batch size, or None for eager) and `slot` (index of the deciding slot).
+/// padded CUDA-graph batch size, or None for eager), `slot` (index of the deciding slot),
+/// `verify_lengths` (per-request verify lengths, or None when every request runs `steps`: what
+/// every strategy decides today) and `tree_shape` (`(depth, topk, num_draft_tokens)` of a draft
+/// tree, or None for a chain: always None today).
 #[pyclass(name = "StepDecision", module = "specdial._core", frozen, eq)]
 #[derive(Clone, PartialEq)]
 pub struct PyStepDecision {
@@ -148,6 +151,17 @@ impl PyStepDecision {
     #[getter]
     fn slot(&self) -> usize {
         self.inner.slot
+    }
+    #[getter]
+    fn verify_lengths(&self) -> Option<Vec<u32>> {
+        match &self.inner.verify {
+            VerifyShape::Uniform => None,
+            VerifyShape::PerRequest(lengths) => Some(lengths.clone()),
+        }
+    }
+    #[getter]
+    fn tree_shape(&self) -> Option<(u32, u32, u32)> {
+        self.inner.tree.map(|t| (t.depth, t.topk, t.num_draft_tokens))
     }
     fn __repr__(&self) -> String {
         let g = self.inner.graph_bs.map_or("None".to_string(), |g| g.to_string());

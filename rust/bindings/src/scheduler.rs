@@ -1086,7 +1086,7 @@ impl PyScheduler {
     /// KV slots, ``num_pages * page_size``: the first dimension of the KV buffers.
     #[getter]
     fn num_slots(&self) -> u64 {
-        self.inner.pool().num_slots()
+        self.inner.pool().num_kv_slots()
     }
 
     fn __repr__(&self) -> String {

@@ -1,19 +1,24 @@
 //! KV page allocator shared by the target and drafter KV pools.
 //!
-//! The KV cache is a flat array of `num_pages * page_size` **slots**; one slot holds the K/V
-//! entries of one token. Slots are handed out in **pages** of `page_size` consecutive slots:
-//! token position `t` of a request lives in slot `pages[t / page_size] * page_size + t % page_size`,
-//! where `pages` is the request's page table.
+//! The KV cache is a flat array of `num_pages * page_size` **KV slots**; one KV slot holds the
+//! K/V entries of one token. KV slots are handed out in **pages** of `page_size` consecutive KV
+//! slots: token position `t` of a request lives in KV index
+//! `pages[t / page_size] * page_size + t % page_size`, where `pages` is the request's page table.
 //!
 //! Units used throughout: *tokens* (positions in a request's sequence), *pages* (page ids
-//! `0..num_pages`) and *slots* (indices `0..num_pages * page_size` into the KV buffers, `i64`
-//! so they can go straight into a torch index tensor).
+//! `0..num_pages`) and *KV indices* (of KV slots, `0..num_pages * page_size`, into the KV
+//! buffers, `i64` so they can go straight into a torch index tensor).
+//!
+//! Naming: a plain "slot" elsewhere in the core is the policy's batch-size range
+//! ([`crate::slot`]); here it is always a "KV slot" / "KV index" (the Rust methods are
+//! [`PagePool::kv_indices`] and [`PagePool::num_kv_slots`]). The Python-facing names keep
+//! SGLang's and the worker's `num_slots` / `slots(...)` (bindings).
 //!
 //! Requests follow a check/act pattern (like nano-vllm's `can_allocate` / `allocate`):
 //! [`PagePool::can_reserve`] says whether [`PagePool::reserve`] would succeed. Every method that
 //! fails returns a [`KvError`] and leaves the pool exactly as it was; no input panics.
 //!
-//! Speculative decoding reserves `steps + 1` slots per request per iteration and then gives back
+//! Speculative decoding reserves `steps + 1` KV slots per request per iteration and then gives back
 //! the rejected tail with [`PagePool::truncate`], which frees pages that become empty.
 
 use crate::id_hash::IdMap;
@@ -153,7 +158,7 @@ impl PagePool {
     }
 
     /// Total slots, `num_pages * page_size`: the first dimension of the KV buffers.
-    pub fn num_slots(&self) -> u64 {
+    pub fn num_kv_slots(&self) -> u64 {
         u64::from(self.num_pages) * u64::from(self.page_size)
     }
 
@@ -261,7 +266,7 @@ impl PagePool {
                 total,
             });
         }
-        // needed <= free <= u32::MAX, and the new length fits: len + n_tokens <= num_slots.
+        // needed <= free <= u32::MAX, and the new length fits: len + n_tokens <= num_kv_slots.
         let start = table.len;
         let end = start + n_tokens;
         let host_memory = |what, count| KvError::HostMemory {
@@ -290,7 +295,7 @@ impl PagePool {
             table.pages.push(page);
         }
         table.len = end;
-        push_slots(&table.pages, page_size, start, end, out);
+        push_kv_indices(&table.pages, page_size, start, end, out);
         Ok(())
     }
 
@@ -298,14 +303,14 @@ impl PagePool {
     ///
     /// Errors: [`KvError::UnknownRequest`], [`KvError::InvalidRange`] unless
     /// `start <= end <= len`, [`KvError::HostMemory`].
-    pub fn slots(&self, request_id: u64, start: u64, end: u64) -> Result<Vec<i64>, KvError> {
+    pub fn kv_indices(&self, request_id: u64, start: u64, end: u64) -> Result<Vec<i64>, KvError> {
         let mut out = Vec::new();
-        self.slots_into(request_id, start, end, &mut out)?;
+        self.kv_indices_into(request_id, start, end, &mut out)?;
         Ok(out)
     }
 
-    /// [`slots`](Self::slots), appending to `out` (left as it was on error).
-    pub fn slots_into(
+    /// [`kv_indices`](Self::kv_indices), appending to `out` (left as it was on error).
+    pub fn kv_indices_into(
         &self,
         request_id: u64,
         start: u64,
@@ -321,14 +326,14 @@ impl PagePool {
                 len: table.len,
             });
         }
-        // end <= len <= num_slots fits in memory already reserved for the page table's tokens.
+        // end <= len <= num_kv_slots fits in memory already reserved for the page table's tokens.
         out.try_reserve((end - start) as usize)
             .map_err(|_| KvError::HostMemory {
                 request_id,
                 what: "slot array",
                 count: end - start,
             })?;
-        push_slots(&table.pages, u64::from(self.page_size), start, end, out);
+        push_kv_indices(&table.pages, u64::from(self.page_size), start, end, out);
         Ok(())
     }
 
@@ -395,7 +400,7 @@ fn pages_needed(table: &PageTable, page_size: u64, n_tokens: u64) -> u64 {
 }
 
 /// Appends the slots of token positions `start..end` (all `< pages.len() * page_size`).
-fn push_slots(pages: &[u32], page_size: u64, start: u64, end: u64, out: &mut Vec<i64>) {
+fn push_kv_indices(pages: &[u32], page_size: u64, start: u64, end: u64, out: &mut Vec<i64>) {
     let mut pos = start;
     while pos < end {
         let page_index = pos / page_size;
@@ -433,7 +438,7 @@ mod tests {
         // The largest pools are O(1) to create: nothing is allocated up front.
         let big = pool(u32::MAX, 1 << 31);
         assert_eq!(big.num_free_pages(), u32::MAX);
-        assert_eq!(big.num_slots(), u64::from(u32::MAX) << 31);
+        assert_eq!(big.num_kv_slots(), u64::from(u32::MAX) << 31);
     }
 
     #[test]
@@ -463,8 +468,8 @@ mod tests {
         assert_eq!(p.reserve(1, 3).unwrap(), vec![6, 7, 8]);
         assert_eq!(p.pages(1).unwrap(), &[0, 1, 2]);
         assert_eq!(p.len(1), Ok(9));
-        assert_eq!(p.slots(1, 0, 9).unwrap(), (0..9).collect::<Vec<i64>>());
-        assert_eq!(p.slots(1, 5, 5).unwrap(), Vec::<i64>::new());
+        assert_eq!(p.kv_indices(1, 0, 9).unwrap(), (0..9).collect::<Vec<i64>>());
+        assert_eq!(p.kv_indices(1, 5, 5).unwrap(), Vec::<i64>::new());
         assert_eq!(p.num_used_pages(), 3);
         assert_eq!(p.num_free_pages(), 1);
     }
@@ -480,7 +485,7 @@ mod tests {
         assert_eq!(p.free_request(2), Ok(1));
         assert_eq!(p.reserve(1, 3).unwrap(), vec![5, 2, 3]); // rest of page 2, then page 1
         assert_eq!(p.pages(1).unwrap(), &[0, 2, 1]);
-        assert_eq!(p.slots(1, 1, 6).unwrap(), vec![1, 4, 5, 2, 3]);
+        assert_eq!(p.kv_indices(1, 1, 6).unwrap(), vec![1, 4, 5, 2, 3]);
     }
 
     #[test]
@@ -503,7 +508,7 @@ mod tests {
         assert_eq!(p.pages_needed(9, 1), unknown);
         assert!(!p.can_reserve(9, 0));
         assert_eq!(p.reserve(9, 1), Err(KvError::UnknownRequest(9)));
-        assert_eq!(p.slots(9, 0, 0), Err(KvError::UnknownRequest(9)));
+        assert_eq!(p.kv_indices(9, 0, 0), Err(KvError::UnknownRequest(9)));
         assert_eq!(p.truncate(9, 0), Err(KvError::UnknownRequest(9)));
         assert_eq!(p.free_request(9), Err(KvError::UnknownRequest(9)));
         assert_eq!(p, pool(2, 2));
@@ -584,7 +589,7 @@ mod tests {
         let mut p = pool(2, 4);
         p.add_request(3).unwrap();
         p.reserve(3, 5).unwrap();
-        let err = p.slots(3, 4, 6).unwrap_err();
+        let err = p.kv_indices(3, 4, 6).unwrap_err();
         assert_eq!(
             err,
             KvError::InvalidRange {
@@ -600,17 +605,17 @@ mod tests {
              (need start <= end <= length)"
         );
         assert!(matches!(
-            p.slots(3, 3, 2),
+            p.kv_indices(3, 3, 2),
             Err(KvError::InvalidRange { .. })
         ));
         assert!(matches!(
-            p.slots(3, u64::MAX, u64::MAX),
+            p.kv_indices(3, u64::MAX, u64::MAX),
             Err(KvError::InvalidRange { .. })
         ));
         let mut out = vec![7];
-        assert!(p.slots_into(3, 0, 9, &mut out).is_err());
+        assert!(p.kv_indices_into(3, 0, 9, &mut out).is_err());
         assert_eq!(out, vec![7]);
-        p.slots_into(3, 3, 5, &mut out).unwrap();
+        p.kv_indices_into(3, 3, 5, &mut out).unwrap();
         assert_eq!(out, vec![7, 3, 4]);
     }
 

@@ -15,15 +15,22 @@
 //!   pending decision, else the slot's current steps), and optionally its measured wall time and
 //!   the batch's context tokens, which the `goodput` strategy learns its cost model from (`ema` and
 //!   `throughput_aware` ignore both).
+//!
+//! The strategies themselves live in [`crate::strategies`], one file each behind the
+//! [`StepStrategy`] trait: the policy routes, validates and keeps the pending decision; the
+//! strategy decides and learns.
 
-use crate::config::{AdaptiveConfig, Strategy};
+use crate::config::AdaptiveConfig;
+use crate::decision::{TreeShape, VerifyShape};
 use crate::error::PolicyError;
-use crate::goodput::{cost::bucket_of, GoodputPolicy};
+use crate::goodput::GoodputPolicy;
 use crate::slot::AdaptiveStepSlot;
+use crate::strategies::{self, ema::EmaStrategy, DecideContext, StepStrategy, VerifyObservation};
 use crate::throughput::ThroughputAwarePolicy;
 
-/// What one decode iteration runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What one decode iteration runs: the strategy's [`crate::decision::Decision`] plus where the
+/// policy routed it.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StepDecision {
     /// `speculative_num_steps` for this iteration (0 = plain decoding through the verify path).
     pub steps: u32,
@@ -34,6 +41,10 @@ pub struct StepDecision {
     pub graph_bs: Option<u32>,
     /// Index of the slot that decided (into the config's slots, ascending by lower bound).
     pub slot: usize,
+    /// Per-request verify lengths (every strategy decides [`VerifyShape::Uniform`] today).
+    pub verify: VerifyShape,
+    /// The draft tree's shape; `None` (a chain) from every strategy today.
+    pub tree: Option<TreeShape>,
 }
 
 /// What a report carries besides the accepted drafts. Every field is optional.
@@ -62,18 +73,11 @@ pub struct SlotState {
     pub verify_count: u64,
 }
 
-#[derive(Debug, Clone)]
-enum Rules {
-    Ema(Vec<AdaptiveStepSlot>),
-    Goodput(GoodputPolicy),
-    ThroughputAware(ThroughputAwarePolicy),
-}
-
 /// The adaptive policy: the strategy's state per batch-size slot, plus the router.
 #[derive(Debug, Clone)]
 pub struct AdaptiveSpeculativeParams {
     config: AdaptiveConfig,
-    rules: Rules,
+    strategy: Box<dyn StepStrategy>,
     /// Lower bounds of the slots, ascending.
     bounds: Vec<u32>,
     graph_bs: Option<Vec<u32>>,
@@ -91,23 +95,18 @@ impl AdaptiveSpeculativeParams {
     /// `initial_steps` is not one of its candidates; `throughput_aware`: one engine-wide steps
     /// value, SGLang's rule).
     pub fn new(initial_steps: u32, config: AdaptiveConfig) -> Self {
-        let candidates: Vec<Vec<u32>> = config.slots.iter().map(|(_, c)| c.candidate_steps.clone()).collect();
+        let strategy = strategies::build(initial_steps, &config);
+        Self::with_strategy(config, strategy)
+    }
+
+    /// A policy deciding with `strategy` instead of the one `config` names (a strategy outside
+    /// this crate, or a test's). `strategy` must know `config.slots.len()` slots; the config
+    /// still gives the routing and each slot's candidate steps.
+    pub fn with_strategy(config: AdaptiveConfig, strategy: Box<dyn StepStrategy>) -> Self {
         let candidate_union = config.candidate_union();
-        let rules = match &config.strategy {
-            Strategy::Ema => Rules::Ema(
-                config.slots.iter().map(|(_, c)| AdaptiveStepSlot::new(initial_steps, c.clone())).collect(),
-            ),
-            Strategy::Goodput(g) => Rules::Goodput(GoodputPolicy::new(g.clone(), initial_steps, candidates)),
-            Strategy::ThroughputAware(t) => Rules::ThroughputAware(ThroughputAwarePolicy::new(
-                t.clone(),
-                initial_steps,
-                &config.slots[0].1.candidate_steps,
-                &candidate_union,
-            )),
-        };
         let bounds = config.slots.iter().map(|(b, _)| *b).collect();
         let pending = vec![None; config.slots.len()];
-        AdaptiveSpeculativeParams { config, rules, bounds, graph_bs: None, candidate_union, pending, scratch: Vec::new() }
+        AdaptiveSpeculativeParams { config, strategy, bounds, graph_bs: None, candidate_union, pending, scratch: Vec::new() }
     }
 
     /// The validated config this policy was built from.
@@ -120,45 +119,31 @@ impl AdaptiveSpeculativeParams {
         &self.candidate_union
     }
 
+    /// The strategy deciding the steps.
+    pub fn strategy(&self) -> &dyn StepStrategy {
+        self.strategy.as_ref()
+    }
+
     /// The `ema` slots (None under another strategy).
     pub fn ema_slots(&self) -> Option<&[AdaptiveStepSlot]> {
-        match &self.rules {
-            Rules::Ema(s) => Some(s),
-            _ => None,
-        }
+        self.strategy.as_any().downcast_ref::<EmaStrategy>().map(EmaStrategy::slots)
     }
 
     /// The `goodput` strategy's state (None under another strategy).
     pub fn goodput(&self) -> Option<&GoodputPolicy> {
-        match &self.rules {
-            Rules::Goodput(g) => Some(g),
-            _ => None,
-        }
+        self.strategy.as_any().downcast_ref()
     }
 
     /// The `throughput_aware` strategy's state (None under another strategy).
     pub fn throughput_aware(&self) -> Option<&ThroughputAwarePolicy> {
-        match &self.rules {
-            Rules::ThroughputAware(t) => Some(t),
-            _ => None,
-        }
+        self.strategy.as_any().downcast_ref()
     }
 
     /// Every slot's state, ascending by lower bound.
     pub fn slot_states(&self) -> Vec<SlotState> {
         (0..self.bounds.len())
             .map(|i| {
-                let (current_steps, accepted_estimate, verify_count) = match &self.rules {
-                    Rules::Ema(s) => (s[i].current_steps(), s[i].ema_accept_len(), s[i].verify_count()),
-                    Rules::Goodput(g) => {
-                        let k = g.current_steps(i);
-                        (k, g.expected_accepted(k), g.verify_count(i))
-                    }
-                    Rules::ThroughputAware(t) => {
-                        let k = t.current_steps();
-                        (k, t.expected_tokens(k).map_or(0.0, |e| e - 1.0), t.batch_count())
-                    }
-                };
+                let (current_steps, accepted_estimate, verify_count) = self.strategy.slot_state(i);
                 SlotState { lower_bound: self.bounds[i], current_steps, accepted_estimate, verify_count }
             })
             .collect()
@@ -166,11 +151,7 @@ impl AdaptiveSpeculativeParams {
 
     /// Switches of the steps so far (every strategy; `goodput` probes excluded).
     pub fn switches(&self) -> u64 {
-        match &self.rules {
-            Rules::Ema(_) => 0,
-            Rules::Goodput(g) => g.switches(),
-            Rules::ThroughputAware(t) => t.switches(),
-        }
+        self.strategy.switches()
     }
 
     /// Sets one entry of the `throughput_aware` cost table (or, under `goodput`, feeds the
@@ -183,11 +164,7 @@ impl AdaptiveSpeculativeParams {
         if batch_size < 1 {
             return Err(PolicyError::BatchSize(i64::from(batch_size)));
         }
-        match &mut self.rules {
-            Rules::Ema(_) => {}
-            Rules::ThroughputAware(t) => t.set_cost(batch_size, steps, seconds),
-            Rules::Goodput(g) => g.seed_cost(bucket_of(batch_size), batch_size, steps, seconds, context_tokens),
-        }
+        self.strategy.set_profiled_cost(batch_size, steps, seconds, context_tokens);
         Ok(())
     }
 
@@ -242,37 +219,35 @@ impl AdaptiveSpeculativeParams {
     }
 
     fn current_steps(&self, slot: usize) -> u32 {
-        match &self.rules {
-            Rules::Ema(s) => s[slot].current_steps(),
-            Rules::Goodput(g) => g.current_steps(slot),
-            Rules::ThroughputAware(t) => t.current_steps(),
-        }
-    }
-
-    /// The bucket and the batch size the cost model sees: the graph size where a graph replays.
-    fn cost_batch(batch_size: u32, graph: Option<u32>) -> (u32, u32) {
-        match graph {
-            Some(g) => (g, g),
-            None => (bucket_of(batch_size), batch_size),
-        }
+        self.strategy.current_steps(slot)
     }
 
     /// The decision for one decode iteration of `batch_size` requests with `context_tokens`
     /// tokens of context (the sum of their KV lengths before it; None: unknown). Records the steps
     /// as the slot's pending decision.
+    ///
+    /// Panics if the strategy breaks its contract: a per-request verify list whose length is not
+    /// the batch size, or an entry above the decision's steps.
     pub fn decide(&mut self, batch_size: i64, context_tokens: Option<u64>) -> Result<StepDecision, PolicyError> {
         let (slot, graph_bs) = self.route(batch_size)?;
-        let b = batch_size as u32;
-        let steps = match &mut self.rules {
-            Rules::Ema(s) => s[slot].current_steps(),
-            Rules::Goodput(g) => {
-                let (bucket, b_cost) = Self::cost_batch(b, graph_bs);
-                g.decide(slot, bucket, b, b_cost, context_tokens.unwrap_or(0))
-            }
-            Rules::ThroughputAware(t) => t.decide(graph_bs.unwrap_or(b), &self.config.slots[slot].1.candidate_steps),
+        let ctx = DecideContext {
+            slot,
+            batch_size: batch_size as u32,
+            graph_bs,
+            context_tokens,
+            candidates: &self.config.slots[slot].1.candidate_steps,
         };
-        self.pending[slot] = Some(steps);
-        Ok(StepDecision { steps, num_draft_tokens: steps + 1, graph_bs, slot })
+        let d = self.strategy.decide(&ctx);
+        if let VerifyShape::PerRequest(lengths) = &d.verify {
+            assert!(
+                lengths.len() as i64 == batch_size && lengths.iter().all(|&n| n <= d.steps),
+                "strategy {} returned per-request verify lengths {lengths:?} for a batch of {batch_size} at steps {}",
+                self.strategy.name(),
+                d.steps
+            );
+        }
+        self.pending[slot] = Some(d.steps);
+        Ok(StepDecision { steps: d.steps, num_draft_tokens: d.steps + 1, graph_bs, slot, verify: d.verify, tree: d.tree })
     }
 
     /// [`Self::on_verify_complete_with`] with nothing but the accepted drafts.
@@ -305,34 +280,28 @@ impl AdaptiveSpeculativeParams {
             }
         }
         let steps = obs.steps.or(self.pending[slot]).unwrap_or_else(|| self.current_steps(slot));
-        // one pass: check every value (nothing changes on an error) and keep them and their sum
+        // one pass: check every value (nothing changes on an error) and keep them
         let mut values = std::mem::take(&mut self.scratch);
         values.clear();
-        let mut sum = 0i64;
         for (index, value) in accepted.into_iter().enumerate() {
             if value < 0 || value > i64::from(steps) {
                 self.scratch = values;
                 return Err(PolicyError::Accepted { index, value, steps });
             }
-            sum += value;
             values.push(value);
         }
         self.pending[slot] = None;
-        let b = batch_size as u32;
-        let out = match &mut self.rules {
-            // the slot's own update (same rule), on the sum already taken
-            Rules::Ema(s) if steps == s[slot].current_steps() && !values.is_empty() => {
-                s[slot].observe_mean(sum as f64 / values.len() as f64)
-            }
-            Rules::Ema(_) => None,
-            Rules::Goodput(g) => {
-                let (bucket, b_cost) = Self::cost_batch(b, graph_bs);
-                g.observe(slot, bucket, b, b_cost, steps, &values, obs.seconds, obs.context_tokens.unwrap_or(0))
-            }
-            Rules::ThroughputAware(t) => t.observe(steps, &values),
-        };
+        let out = self.strategy.on_verify_complete(&VerifyObservation {
+            slot,
+            batch_size: batch_size as u32,
+            graph_bs,
+            steps,
+            accepted: &values,
+            seconds: obs.seconds,
+            context_tokens: obs.context_tokens,
+        });
         self.scratch = values;
-        Ok(out)
+        out
     }
 
     /// The graph batch sizes whose slot can choose `steps` (only those graphs need capturing for

@@ -17,7 +17,7 @@
 //!
 //! - **KV convention.** A running request with `T` tokens (prompt + output) holds KV for positions
 //!   `0 .. T - 1`: its last token has no KV yet and is the input of its next decode. The target
-//!   and the drafter share slot indices, so one page table serves both.
+//!   and the drafter share KV indices, so one page table serves both.
 //! - **FCFS admission.** Waiting requests are admitted strictly in queue order (no skipping),
 //!   while the prefill token budget (`max_prefill_tokens`), the running bound
 //!   (`max_running_requests`, prefilling included) and the pages allow. A request is admitted only
@@ -198,7 +198,7 @@ impl Scheduler {
         &self.config
     }
 
-    /// The KV page pool (read-only: slots, page tables, lengths).
+    /// The KV page pool (read-only: KV indices, page tables, lengths).
     pub fn pool(&self) -> &PagePool {
         &self.pool
     }
@@ -325,7 +325,7 @@ impl Scheduler {
                 format!("stop_token_ids[{i}] = {t}: token ids must be >= 0"),
             );
         }
-        let queued = self.queued_beyond_free_slots();
+        let queued = self.queued_beyond_free_rows();
         if queued >= self.config.max_queued_requests as usize {
             return Err(SchedulerError::QueueFull {
                 queued,
@@ -470,20 +470,20 @@ impl Scheduler {
         self.waiting.len()
     }
 
-    /// Running slots free for new requests: `max_running_requests` minus the admitted requests
+    /// Running rows free for new requests: `max_running_requests` minus the admitted requests
     /// and the preempted ones waiting to resume (they are first in line), at least 0.
-    fn free_running_slots(&self) -> usize {
+    fn free_running_rows(&self) -> usize {
         (self.config.max_running_requests as usize)
             .saturating_sub(self.admitted.len() + self.waiting_preempted)
     }
 
-    /// New requests waiting beyond the free running slots: what `max_queued_requests` bounds.
+    /// New requests waiting beyond the free running rows: what `max_queued_requests` bounds.
     /// Requests submitted between two iterations wait until the next `schedule()` admits them;
-    /// they are not "queued" while a running slot is free for them (a server must not answer
+    /// they are not "queued" while a running row is free for them (a server must not answer
     /// 503 to an idle engine). Page shortage is not counted: admission may still have to wait
     /// for pages.
-    pub fn queued_beyond_free_slots(&self) -> usize {
-        (self.waiting.len() - self.waiting_preempted).saturating_sub(self.free_running_slots())
+    pub fn queued_beyond_free_rows(&self) -> usize {
+        (self.waiting.len() - self.waiting_preempted).saturating_sub(self.free_running_rows())
     }
 
     /// State of a live request, `None` once finished (or never added).

@@ -58,11 +58,11 @@ fn check_invariants(pool: &PagePool, model: &HashMap<u64, u64>) -> Result<(), Te
                 prop_assert!(false, "page {} owned by requests {} and {}", p, other, id);
             }
         }
-        let slots = pool.slots(id, 0, len).unwrap();
+        let slots = pool.kv_indices(id, 0, len).unwrap();
         prop_assert_eq!(slots.len() as u64, len);
         for (t, &s) in slots.iter().enumerate() {
             let t = t as u64;
-            prop_assert!(s >= 0 && (s as u64) < pool.num_slots());
+            prop_assert!(s >= 0 && (s as u64) < pool.num_kv_slots());
             prop_assert_eq!(s as u64 / ps, u64::from(pages[(t / ps) as usize]));
             prop_assert_eq!(s as u64 % ps, t % ps);
             prop_assert!(all_slots.insert(s), "slot {} handed out twice", s);
@@ -101,7 +101,7 @@ fn run_ops(num_pages: u32, page_size: u32, ops: &[Op]) -> Result<(), TestCaseErr
                             free_before - needed.unwrap()
                         );
                         model.insert(id, old + n);
-                        prop_assert_eq!(slots, pool.slots(id, old, old + n).unwrap());
+                        prop_assert_eq!(slots, pool.kv_indices(id, old, old + n).unwrap());
                         false
                     }
                     Err(e) => {
@@ -141,11 +141,11 @@ fn run_ops(num_pages: u32, page_size: u32, ops: &[Op]) -> Result<(), TestCaseErr
                 }
             },
             Op::Slots(id, start, end) => {
-                let r = pool.slots(id, start, end);
+                let r = pool.kv_indices(id, start, end);
                 match model.get(&id) {
                     None => prop_assert_eq!(r, Err(KvError::UnknownRequest(id))),
                     Some(&len) if start <= end && end <= len => {
-                        let all = pool.slots(id, 0, len).unwrap();
+                        let all = pool.kv_indices(id, 0, len).unwrap();
                         prop_assert_eq!(r.unwrap(), all[start as usize..end as usize].to_vec());
                     }
                     Some(&len) => prop_assert_eq!(
@@ -314,7 +314,7 @@ proptest! {
                 3 => pool.truncate(id, b).is_err(),
                 4 => pool.truncate(id, pool.len(id).unwrap_or(0).saturating_sub(c)).is_err(),
                 5 => pool.free_request(id).is_err(),
-                6 => { let _ = pool.slots(id, b.min(c), if c % 2 == 0 { c % 64 } else { c }); true }
+                6 => { let _ = pool.kv_indices(id, b.min(c), if c % 2 == 0 { c % 64 } else { c }); true }
                 _ => { let _ = pool.len(id); let _ = pool.pages(id); true }
             };
             if failed {

@@ -234,7 +234,7 @@ fn check_plan(
             kv_len < u64::from(cfg.context_length),
             "KV past the context end"
         );
-        let slots = s.pool().slots(id, 0, kv_len).unwrap();
+        let slots = s.pool().kv_indices(id, 0, kv_len).unwrap();
         if layout {
             prop_assert_eq!(&plan.kv_indices[kv_at..kv_at + kv_len as usize], &slots[..]);
         }
@@ -397,7 +397,7 @@ fn check_bounds(s: &Scheduler, cfg: &SchedulerConfig) -> Result<(), TestCaseErro
         .saturating_sub(st.running + st.prefilling + st.queued_preempted);
     prop_assert!(st.queued - st.queued_preempted <= cfg.max_queued_requests as usize + free);
     prop_assert_eq!(
-        s.queued_beyond_free_slots(),
+        s.queued_beyond_free_rows(),
         (st.queued - st.queued_preempted).saturating_sub(free)
     );
     prop_assert!(st.kv_pages_used <= st.kv_pages_total);
@@ -439,7 +439,7 @@ fn run(w: Workload) -> Result<(), TestCaseError> {
                     Err(specdial_core::SchedulerError::QueueFull { queued, max }) => {
                         prop_assert_eq!(max, cfg.max_queued_requests);
                         prop_assert_eq!(queued, max as usize);
-                        prop_assert_eq!(s.queued_beyond_free_slots(), max as usize);
+                        prop_assert_eq!(s.queued_beyond_free_rows(), max as usize);
                     }
                     Err(e) => return Err(TestCaseError::fail(format!("unexpected {e}"))),
                 }

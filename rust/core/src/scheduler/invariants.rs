@@ -14,7 +14,7 @@ impl Scheduler {
                 self.admitted.len()
             ));
         }
-        let queued = self.queued_beyond_free_slots();
+        let queued = self.queued_beyond_free_rows();
         if queued > cfg.max_queued_requests as usize {
             return fail(format!(
                 "{queued} queued beyond the free running slots > max_queued_requests"

@@ -34,14 +34,14 @@ impl PlanKind {
 ///
 /// **Decode**: request `b` with `L = positions[b]` KV positions feeds its last emitted token
 /// `input_ids[b]` at position `L`; its `steps_per_request[b]` drafts go to positions
-/// `L + 1 ..= L + steps_per_request[b]`. `out_loc` holds the slots of positions
+/// `L + 1 ..= L + steps_per_request[b]`. `out_loc` holds the KV indices of positions
 /// `L ..= L + steps_per_request[b]` (`qo_lens[b] = steps_per_request[b] + 1` each), already
 /// reserved. `input_ids` and `positions` have `B` entries.
 ///
 /// Both: `rows[b]` = the worker row request `b` holds (assigned at admission, unique among
 /// admitted requests; a prefill chunk starting at position 0 starts its row afresh);
 /// `kv_lens[b]` = KV positions after this iteration's writes. Only when the scheduler's
-/// `plan_kv_layout` is on (empty otherwise): `kv_indices` = the slots of positions
+/// `plan_kv_layout` is on (empty otherwise): `kv_indices` = the KV indices of positions
 /// `0 .. kv_lens[b]` of every request, concatenated (the torch backend's `plan(qo_lens, kv_lens,
 /// kv_indices)`); `page_table` = every request's page ids in token order, concatenated, request
 /// `b` at `page_table_offsets[b] .. page_table_offsets[b + 1]` (flashinfer's `paged_kv_indices`
@@ -63,7 +63,7 @@ pub struct Plan {
     pub qo_lens: Vec<i64>,
     /// `[B]` KV positions per request after this iteration's writes.
     pub kv_lens: Vec<i64>,
-    /// `[sum(kv_lens)]` slots of positions `0 .. kv_lens[b]`, request after request (empty
+    /// `[sum(kv_lens)]` KV indices of positions `0 .. kv_lens[b]`, request after request (empty
     /// unless `plan_kv_layout`).
     pub kv_indices: Vec<i64>,
     /// `[sum(pages)]` page ids, request after request (empty unless `plan_kv_layout`).

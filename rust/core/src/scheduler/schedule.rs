@@ -2,6 +2,7 @@
 //! and preemption.
 
 use super::{InFlight, Plan, PlanKind, RequestState, Scheduler, SchedulerError};
+use crate::decision::VerifyShape;
 
 /// Per-plan array builder shared by prefill and decode.
 #[derive(Default)]
@@ -74,16 +75,17 @@ impl Scheduler {
         }
     }
 
-    /// `(steps, padded graph batch size, lower steps to fall back to when pages run short)` for a
-    /// decode batch of `b >= 1` requests with `context` tokens of context. Asks the policy's
-    /// `decide` (which records the steps as its pending decision) unless fixed steps are in force.
-    fn decide(&mut self, b: usize, context: u64) -> (u32, Option<u32>, Vec<u32>) {
+    /// `(steps, per-request verify lengths, padded graph batch size, lower steps to fall back to
+    /// when pages run short)` for a decode batch of `b >= 1` requests with `context` tokens of
+    /// context. Asks the policy's `decide` (which records the steps as its pending decision)
+    /// unless fixed steps are in force (then every request runs them).
+    fn decide(&mut self, b: usize, context: u64) -> (u32, VerifyShape, Option<u32>, Vec<u32>) {
         let graph = self
             .graph_bs
             .as_ref()
             .and_then(|g| g.get(g.partition_point(|&s| (s as usize) < b)).copied());
         match (self.fixed_steps, &mut self.policy) {
-            (Some(k), _) => (k, graph, Vec::new()),
+            (Some(k), _) => (k, VerifyShape::Uniform, graph, Vec::new()),
             (None, Some(p)) => {
                 let d = p.decide(b as i64, Some(context)).expect("decode batch size is >= 1");
                 let lower = p.config().slots[d.slot]
@@ -94,15 +96,16 @@ impl Scheduler {
                     .copied()
                     .filter(|&k| k < d.steps)
                     .collect();
-                (d.steps, graph, lower)
+                (d.steps, d.verify, graph, lower)
             }
             (None, None) => unreachable!("a scheduler has fixed steps or a policy"),
         }
     }
 
-    /// Fills `batch` with `(id, steps_r)` of every running request for `steps` and returns the
-    /// KV pages that needs and the KV positions the plan will cover.
-    fn decode_batch(&self, steps: u32, batch: &mut Vec<(u64, u32)>) -> (u64, u64) {
+    /// Fills `batch` with `(id, steps_r)` of every running request (the `i`-th in admission order
+    /// runs `verify.steps_for(i, steps)`, capped near its end) and returns the KV pages that needs
+    /// and the KV positions the plan will cover.
+    fn decode_batch(&self, steps: u32, verify: &VerifyShape, batch: &mut Vec<(u64, u32)>) -> (u64, u64) {
         let ctx = u64::from(self.config.context_length);
         batch.clear();
         let (mut need, mut n_kv) = (0u64, 0u64);
@@ -111,7 +114,7 @@ impl Scheduler {
             if r.state != RequestState::Running {
                 continue;
             }
-            let steps_r = u64::from(steps).min(r.remaining(ctx) - 1);
+            let steps_r = u64::from(verify.steps_for(batch.len(), steps)).min(r.remaining(ctx) - 1);
             need += self
                 .pool
                 .pages_needed(*id, steps_r + 1)
@@ -319,9 +322,9 @@ impl Scheduler {
                 .filter(|r| r.state == RequestState::Running)
                 .map(|r| r.kv_len)
                 .sum();
-            let (decided, graph_bs, lower) = self.decide(self.num_running, context);
+            let (decided, verify, graph_bs, lower) = self.decide(self.num_running, context);
             for steps in std::iter::once(decided).chain(lower) {
-                let (need, n_kv) = self.decode_batch(steps, &mut batch);
+                let (need, n_kv) = self.decode_batch(steps, &verify, &mut batch);
                 if need <= u64::from(self.pool.num_free_pages()) {
                     break 'fit (steps, graph_bs, n_kv, context);
                 }
@@ -430,7 +433,7 @@ impl Scheduler {
     }
 }
 
-/// Appends a request's page table and the slots of its positions `0 .. len` (`kv_indices`).
+/// Appends a request's page table and the KV indices of its positions `0 .. len` (`kv_indices`).
 fn push_context(a: &mut Arrays, pages: &[u32], page_size: u64, len: u64) {
     a.page_table.extend(pages.iter().map(|&p| i64::from(p)));
     a.page_table_offsets.push(a.page_table.len() as i64);

@@ -159,7 +159,7 @@ fn queue_full_is_a_typed_error_and_preempted_requests_do_not_count() {
     for id in 0..5 {
         assert_eq!(s.add_request(vec![1], 4, vec![], false), Ok(id));
     }
-    assert_eq!(s.queued_beyond_free_slots(), 2);
+    assert_eq!(s.queued_beyond_free_rows(), 2);
     let err = s.add_request(vec![1], 4, vec![], false).unwrap_err();
     assert_eq!(err, SchedulerError::QueueFull { queued: 2, max: 2 });
     assert!(err
@@ -172,12 +172,12 @@ fn queue_full_is_a_typed_error_and_preempted_requests_do_not_count() {
     ));
     // Admission fills the running slots; the 2 beyond them are still queued.
     step(&mut s, &mut full).unwrap();
-    assert_eq!((s.num_queued(), s.queued_beyond_free_slots()), (2, 2));
+    assert_eq!((s.num_queued(), s.queued_beyond_free_rows()), (2, 2));
     assert!(s.add_request(vec![1], 4, vec![], false).is_err());
     s.check_invariants().unwrap();
     // A finished request frees a slot: one more new request fits.
     s.abort(0).unwrap();
-    assert_eq!(s.queued_beyond_free_slots(), 1);
+    assert_eq!(s.queued_beyond_free_rows(), 1);
     assert_eq!(s.add_request(vec![1], 4, vec![], false), Ok(5));
     s.check_invariants().unwrap();
 }
@@ -300,8 +300,8 @@ fn chunk_arrays_cover_the_chunk_and_the_whole_context() {
         (vec![13, 14, 15], vec![3, 4, 5])
     );
     assert_eq!((p2.qo_lens.clone(), p2.kv_lens.clone()), (vec![3], vec![6]));
-    assert_eq!(p2.kv_indices, s.pool().slots(0, 0, 6).unwrap());
-    assert_eq!(p2.out_loc, s.pool().slots(0, 3, 6).unwrap());
+    assert_eq!(p2.kv_indices, s.pool().kv_indices(0, 0, 6).unwrap());
+    assert_eq!(p2.out_loc, s.pool().kv_indices(0, 3, 6).unwrap());
     let (p3, o3) = step(&mut s, &mut full).unwrap();
     assert_eq!(
         (
@@ -332,11 +332,11 @@ fn decode_plan_layout_and_truncation() {
     assert_eq!(plan.steps_per_request, vec![3, 3]);
     assert_eq!(plan.qo_lens, vec![4, 4]);
     assert_eq!(plan.kv_lens, vec![9, 6]);
-    let mut out_loc = s.pool().slots(0, 5, 9).unwrap();
-    out_loc.extend(s.pool().slots(1, 2, 6).unwrap());
+    let mut out_loc = s.pool().kv_indices(0, 5, 9).unwrap();
+    out_loc.extend(s.pool().kv_indices(1, 2, 6).unwrap());
     assert_eq!(plan.out_loc, out_loc);
-    let mut kv = s.pool().slots(0, 0, 9).unwrap();
-    kv.extend(s.pool().slots(1, 0, 6).unwrap());
+    let mut kv = s.pool().kv_indices(0, 0, 9).unwrap();
+    kv.extend(s.pool().kv_indices(1, 0, 6).unwrap());
     assert_eq!(plan.kv_indices, kv);
     assert_eq!(plan.page_table_offsets, vec![0, 3, 5]);
     assert!(plan.prefill_done.is_empty() && plan.sample_first.is_empty());
