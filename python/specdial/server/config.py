@@ -141,6 +141,9 @@ class GenerateConfig(EngineArgs):
     top_p: float = _opt("nucleus sampling mass in (0, 1]; 1 = off", default=1.0)
     top_k: int = _opt("sample among the k most likely tokens; -1 = off", default=-1)
     seed: int | None = _opt("sampling seed", default=None)  # type: ignore[assignment]
+    compare_no_spec: bool = _opt(
+        "after the generation, run the same one without speculation on the loaded target and "
+        "print its time and the speed-up", default=False)
     json: bool = _opt("print one JSON object (text, output_ids, meta_info, seconds) instead of "
                       "text and a statistics block", default=False)
 
