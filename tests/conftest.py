@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
 from types import SimpleNamespace
 
 import pytest
@@ -34,6 +36,10 @@ def pytest_configure(config: pytest.Config) -> None:
     value = config.getoption("--timeout-scale")
     if value is not None:
         timeouts.set_scale(value)
+# The policy cache (specdial.engine.policy_cache) of every engine and CLI run in the suite goes
+# to a fresh directory, never the user's: an engine seeded by an earlier run on this machine
+# would make tests of a fresh policy depend on what ran before.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="specdial-test-cache-")
 
 # Tiny CPU models: intra-op threads only add overhead (about 15x slower on a shared 2-core box).
 torch.set_num_threads(1)

@@ -481,3 +481,16 @@ def test_ramp_schedule_and_gate(prompts):
     with pytest.raises(ValueError, match="one cap"):
         asyncio.run(run_benchmark(driver, reqs, sampling_params={"max_new_tokens": 5},
                                   concurrency_schedule=caps[:3], progress=False))
+
+
+def test_json_reports_the_output_lengths_that_ruled():
+    """--random-output-len 16 rules over --max-new-tokens 128 (issue 26: the JSON said 128)."""
+    from specdial.bench.cli import _output_lengths
+    from specdial.bench.datasets import BenchRequest
+
+    own = [BenchRequest(i, "random", "x", max_new_tokens=16) for i in range(3)]
+    assert _output_lengths(own, 128) == {"max_new_tokens": 16, "max_new_tokens_range": [16, 16]}
+    mixed = [BenchRequest(0, "r", "x", max_new_tokens=8), BenchRequest(1, "r", "x")]
+    assert _output_lengths(mixed, 128) == {"max_new_tokens": None,
+                                           "max_new_tokens_range": [8, 128]}
+    assert _output_lengths([BenchRequest(0, "code", "x")], 128)["max_new_tokens"] == 128

@@ -89,6 +89,9 @@ def test_cost_table_cli_writes_what_simulate_reads(tiny, tmp_path, capsys):
                  "--kv-cache-tokens", "2048"]) == 0
     table = json.loads(out.read_text())
     assert len(table["entries"]) == 2 * 2 * 2 and table["graph_bs"] is None
+    # a progress bar with the points measured, of how many, and the time left (issue 26)
+    err = capsys.readouterr().err
+    assert "cost table" in err and "8/8" in err and "point" in err, err
     t = CostTable.from_json(out.read_text())
     assert t.steps == [0, 2] and t.seconds(2, 1, 24.0) > 0
     assert main(["policy", "simulate", "--regime", "steady-code", "--curve", str(out),

@@ -68,9 +68,36 @@ def test_generate_prints_the_completion_and_statistics(tiny_dirs, capsys):
     assert main(["generate", PROMPT, "--model-path", str(target), "--max-new-tokens", "8",
                  "--max-running-requests", "2"]) == 0
     out = capsys.readouterr().out
-    for label in ("--- speculation: off ---", "prompt tokens", "completion tokens",
-                  "verify count", "acceptance length", "steps histogram", "tokens/s"):
+    for label in ("--- prompt (", "completion (8 tokens, finish: length)", PROMPT,
+                  "--- speculation: off ---", "policy             off", "start-up", "generation",
+                  "tokens/s", "why runs differ"):
         assert label in out, out
+    # nothing about verifies or acceptance when speculation is off (issue 26)
+    assert "verif" not in out and "acceptance" not in out and not out.startswith("\n"), out
+
+
+def test_generate_explains_policy_cache_and_compares_without_speculation(tiny_dirs, capsys,
+                                                                          tmp_path):
+    target, draft = tiny_dirs
+    common = ["generate", PROMPT, "--model-path", str(target), "--draft-model-path", str(draft),
+              "--max-new-tokens", "12", "--max-running-requests", "2",
+              "--policy-cache-dir", str(tmp_path)]
+    assert main(common) == 0
+    first = capsys.readouterr().out
+    for label in ("--- speculation: DRAFT ---", "policy             adaptive goodput, candidate "
+                  "steps per batch-size slot: 1+: 0-7", "policy cache       none",
+                  "acceptance length", "tokens per verify with drafts (accepted drafts + 1)",
+                  "verifies", "steps histogram", "start-up"):
+        assert label in first, first
+    assert "no speculation" not in first
+    assert main([*common, "--compare-no-spec"]) == 0
+    second = capsys.readouterr().out
+    assert "policy cache       loaded" in second, second  # the first run's costs seeded it
+    assert "no speculation" in second and "same text" in second and "speed-up" in second
+    assert main([*common, "--json", "--no-policy-cache", "--compare-no-spec"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["policy_cache"] == "off" and report["startup_seconds"] > 0
+    assert report["no_spec"]["same_text"] is True and report["prompt"] == PROMPT
 
 
 def test_generate_json_with_a_draft_model_is_lossless(tiny_dirs, capsys):

@@ -1,11 +1,10 @@
 """``specdial generate`` and ``specdial serve``.
 
 - ``specdial generate "PROMPT" [engine options] [--max-new-tokens --temperature --top-p --top-k
-  --seed --json]`` loads the engine, generates one completion with ``Engine.generate``, and
-  prints it followed by the speculation statistics: prompt and completion tokens, finish
-  reason, verify count, acceptance length (tokens emitted per verify, bonus included), the
-  histogram of steps per decode iteration and the throughput (completion tokens / wall seconds
-  of the ``generate`` call, prefill included).
+  --seed --compare-no-spec --json]`` loads the engine, generates one completion and prints the
+  prompt with it, the policy and its bounds, the speculation statistics, start-up and
+  generation time apart, optionally the same generation without speculation, and why runs
+  differ (:mod:`specdial.generate_cmd`).
 - ``specdial serve [engine options] [--host --port --served-model-name --shutdown-timeout]
   [--api-key --allowed-hosts --allowed-origins] [limits]`` starts the OpenAI-compatible server
   (:mod:`specdial.server.app`) and runs until SIGTERM or SIGINT (:mod:`specdial.server.launch`).
@@ -30,7 +29,7 @@ from specdial.server.config import (GenerateConfig, ServeConfig, add_dataclass_a
                                     config_from_args)
 from specdial.server.flags import add_compat_flags, resolve_compat
 
-__all__ = ["add_subcommands", "format_generation", "run_generate", "run_serve", "run_subcommand"]
+__all__ = ["add_subcommands", "run_generate", "run_serve", "run_subcommand"]
 
 SUBCOMMANDS = ("generate", "serve")
 
@@ -101,58 +100,26 @@ def _load_engine(cfg: Any) -> Any:
         return None
 
 
-def format_generation(out: dict[str, Any], seconds: float, algorithm: str | None) -> str:
-    """The text ``specdial generate`` prints: the completion, a blank line, the statistics.
-
-    ``out`` is one ``Engine.generate`` result (``text``, ``meta_info``); ``seconds`` the wall
-    time of the call; ``algorithm`` the engine's speculative algorithm (None = off)."""
-    m = out["meta_info"]
-    n = int(m.get("completion_tokens", 0))
-    finish = m.get("finish_reason") or {}
-    hist = m.get("spec_steps_histogram") or {}
-    hist_text = ", ".join(f"{k}: {v}" for k, v in sorted(hist.items())) or "-"
-    rate = n / seconds if seconds > 0 else float("inf")
-    lines = [
-        out.get("text", ""),
-        "",
-        f"--- speculation: {algorithm or 'off'} ---",
-        f"prompt tokens      {m.get('prompt_tokens', 0)}",
-        f"completion tokens  {n} (finish: {finish.get('type', '?')})",
-        f"verify count       {m.get('spec_verify_ct', 0)}",
-        f"acceptance length  {float(m.get('spec_accept_length', 0.0)):.2f} tokens per verify",
-        f"steps histogram    {hist_text} (steps: decode iterations)",
-        f"throughput         {rate:.1f} tokens/s ({seconds:.2f} s)",
-    ]
-    return "\n".join(lines)
-
-
 def run_generate(cfg: GenerateConfig) -> int:
     """``specdial generate``: returns 0, or 2 (message on stderr) for bad options (checked
     before the engine loads), or when the engine cannot be built or rejects the
-    prompt/sampling options."""
+    prompt/sampling options. The output: :mod:`specdial.generate_cmd`."""
+    from specdial.generate_cmd import format_generation, run_generation
+
     setup_logging(cfg.log_level)
     try:
         cfg.check()
     except (ValueError, OSError) as e:  # bad options, an unreadable config file
         return cli_error(e)
+    start = time.perf_counter()
     engine = _load_engine(cfg)
     if engine is None:
         return 2
     try:
-        start = time.perf_counter()
-        out = engine.generate(cfg.prompt, cfg.sampling_params())
-        seconds = time.perf_counter() - start
+        report = run_generation(engine, cfg, time.perf_counter() - start)
     except ValueError as e:  # RequestError is a ValueError
         return cli_error(e)
-    finally:
-        engine.shutdown()
-    algorithm = getattr(engine, "speculative_algorithm", None)
-    if cfg.json:
-        print(json.dumps({"text": out.get("text", ""), "output_ids": out.get("output_ids", []),
-                          "meta_info": out["meta_info"], "seconds": seconds,
-                          "speculative_algorithm": algorithm}))
-    else:
-        print(format_generation(out, seconds, algorithm))
+    print(json.dumps(report) if cfg.json else format_generation(report))
     return 0
 
 

@@ -244,7 +244,7 @@ def format_result(result: dict[str, Any]) -> str:
     rows += [("-- Speculative decoding --", ""),
              ("Mean acceptance length", num(s["mean_accept_length"])),
              ("Draft acceptance rate", num(s["draft_acceptance_rate"])),
-             ("Tokens per verify (meta_info)", num(s["tokens_per_verify"])),
+             ("Tokens per decode iteration (steps 0 included)", num(s["tokens_per_verify"])),
              ("Steps (request-iterations)", ", ".join(
                  f"{k}: {v} ({100 * v / total:.0f}%)" for k, v in hist.items()) or "-"),
              ("Steps (time share)", ", ".join(
@@ -294,6 +294,15 @@ def missing_extra(module: str, what: str) -> str | None:
         return None
     return (f"{what} needs {module}, which is not installed: pip install 'specdial[bench]' "
             f"(or pip install {module})")
+
+
+def _output_lengths(requests: list[Any], default: int) -> dict[str, Any]:
+    """The run's output lengths for the JSON report: ``max_new_tokens`` the one length every
+    request had (a dataset's own lengths, e.g. ``--random-output-len``, rule over
+    ``--max-new-tokens``), or None when they differ; ``max_new_tokens_range`` ``[min, max]``."""
+    lengths = [r.max_new_tokens or default for r in requests] or [default]
+    lo, hi = min(lengths), max(lengths)
+    return {"max_new_tokens": lo if lo == hi else None, "max_new_tokens_range": [lo, hi]}
 
 
 def _requests(cfg: BenchConfig, driver: Any, engine: Any) -> list[Any]:
@@ -377,7 +386,7 @@ def run_bench(cfg: BenchConfig) -> int:
                 "concurrency": cfg.concurrency,
                 "request_rate": None if cfg.request_rate is None or math.isinf(cfg.request_rate)
                 else cfg.request_rate,
-                "max_new_tokens": cfg.max_new_tokens,
+                **_output_lengths(requests, cfg.max_new_tokens),
                 "speculative_algorithm": getattr(engine, "speculative_algorithm", None),
                 "warnings": list(getattr(driver, "warnings", []))},
         "summary": summary, "config": conf,

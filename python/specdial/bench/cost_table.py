@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import json
 import platform
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tqdm import tqdm
 
 from specdial.engine.args import EngineArgs
 
@@ -72,9 +75,14 @@ def run_cost_table(cfg: CostTableConfig) -> dict[str, Any]:
     engine = Engine(**kw)
     try:
         points = []
-        for ctx in contexts:
-            points += engine.profile_costs(sizes, steps, n_warmup=cfg.n_warmup,
-                                           n_measure=cfg.n_measure, seq_len=ctx)
+        grid = [(ctx, k, bs) for ctx in contexts for k in steps for bs in sizes]
+        # one point at a time, so the bar (on stderr) moves and estimates
+        # the time left; each point is measured alike either way (its own prefill and passes)
+        with tqdm(grid, desc="cost table", unit="point", file=sys.stderr) as bar:
+            for ctx, k, bs in bar:
+                bar.set_postfix_str(f"context {ctx}, steps {k}, batch {bs}")
+                points += engine.profile_costs([bs], [k], n_warmup=cfg.n_warmup,
+                                               n_measure=cfg.n_measure, seq_len=ctx)
     finally:
         engine.shutdown()
     import torch

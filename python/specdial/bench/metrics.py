@@ -16,9 +16,12 @@ with :func:`time.perf_counter` from the start of the run):
 - Mean acceptance length: tokens emitted per verify that carried drafts, bonus included:
   ``1 + accepted draft tokens / drafts`` from the engine's cumulative counters
   (:class:`specdial.engine.api.EngineStats`, or ``/metrics`` over HTTP), the difference between
-  the end and the start of the run. ``tokens_per_verify`` is the per-request figure of
-  ``meta_info`` (``spec_accept_length``, trivial verifies at ``steps = 0`` included), weighted
-  by verifies.
+  the end and the start of the run; the same definition as ``meta_info``'s
+  ``spec_accept_length`` and ``specdial generate``'s. ``tokens_per_verify`` is another figure,
+  printed as "Tokens per decode iteration": completion tokens after the first per decode
+  iteration a request took part in, trivial verifies at ``steps = 0`` (plain decodes, one token
+  each) included, so it is lower than the acceptance length whenever the policy ran steps 0
+  (issue 26: 1.67 against 1.77).
 - ``steps_histogram``: ``{steps: request-iterations}``: the per-request ``spec_steps_histogram``
   summed over requests (an iteration at batch size ``b`` counts ``b`` times).
   ``engine_iterations_per_steps`` is the engine's own count when its stats expose one

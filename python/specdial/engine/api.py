@@ -136,6 +136,9 @@ class EngineStats:
     (``batch_size``, ``context_tokens``, ``steps``, ``probe``, ``predicted_seconds`` {steps:
     seconds per decode iteration at that batch size}, ``expected_tokens`` {steps: tokens per
     request per verify}); see :meth:`specdial._core.Scheduler.goodput_state`.
+    ``policy_cache``: whether the goodput policy was seeded from this machine's policy cache
+    (``"loaded"``, ``"none"``, ``"ignored: <why>"``, ``"off"``, ``"n/a: <why>"``; see
+    :mod:`specdial.engine.policy_cache`).
     """
 
     running: int = 0
@@ -157,6 +160,7 @@ class EngineStats:
     last_decode_batch_size: int | None = None
     policy: str | None = None
     goodput: dict[str, Any] | None = None
+    policy_cache: str | None = None
 
 
 #: Seconds between refreshes of :attr:`EngineStats.goodput` (a few dicts built from Rust).

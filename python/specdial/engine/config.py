@@ -162,6 +162,14 @@ class EngineConfig:
         "before the engine builds); default: torch's (the physical cores). Small models at "
         "small batch sizes can run faster on fewer threads, especially on a shared machine "
         "(see BENCHMARKS.md)", metavar="N")
+    policy_cache: bool = _opt(
+        "seed the goodput policy with what it learned in earlier runs on this machine with the "
+        "same model, drafter, dtype and threads, and save it at shutdown (a versioned JSON file "
+        "per key; see specdial.engine.policy_cache); --no-policy-cache starts from nothing",
+        default=True)
+    policy_cache_dir: str | None = _opt(
+        "directory of the policy cache; default: specdial/policy in the user cache directory "
+        "($XDG_CACHE_HOME or ~/.cache on Linux)", metavar="DIR")
     # Python-only options (no command-line flag)
     speculative_initial_steps: int | None = _opt(
         "adaptive: the steps every slot starts at when they are among its candidates (else "
@@ -197,6 +205,12 @@ class EngineConfig:
             raise ConfigError(f"seed must be an int >= 0, got {self.seed!r}")
         _positive("kv_cache_tokens", self.kv_cache_tokens, optional=True)
         _positive("context_length", self.context_length, optional=True)
+        if not isinstance(self.policy_cache, bool):
+            raise ConfigError(f"policy_cache must be a bool, got {self.policy_cache!r}")
+        if self.policy_cache_dir is not None and not isinstance(self.policy_cache_dir,
+                                                                (str, os.PathLike)):
+            raise ConfigError(f"policy_cache_dir must be a directory path or None, got "
+                              f"{self.policy_cache_dir!r}")
         if not isinstance(self.disable_cuda_graph, bool):
             raise ConfigError(f"disable_cuda_graph must be a bool, got {self.disable_cuda_graph!r}")
         if self.cuda_graph_mode not in GRAPH_MODES:

@@ -15,12 +15,14 @@ token_id_or_str}``, ``{"type": "abort", "message": str, "cause": "client" | "shu
 for a request the engine failed, ``{"type": "error", "message": cause, "status_code": 500}``:
 :mod:`specdial.engine.ends`), ``spec_verify_ct`` (decode
 iterations the request took part in, trivial verifies at ``steps = 0`` included),
-``spec_accept_length`` (``(completion_tokens - 1) / spec_verify_ct``, the first token coming
-from prefill; 0.0 without verifies) and ``spec_steps_histogram`` (``{steps: iterations}``).
+``spec_accept_length`` (the acceptance length: tokens emitted per verify that carried
+drafts, accepted drafts + 1; trivial verifies left out; ``(completion_tokens - 1) /
+spec_verify_ct`` when no verify carried drafts, 0.0 without verifies) and ``spec_steps_histogram`` (``{steps: iterations}``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import operator
@@ -43,6 +45,7 @@ from specdial.engine.loading import builtin_dirs, resolve_placement
 from specdial.engine.policy_setup import policy_options
 from specdial.engine.resolve import resolve_model_dir
 from specdial.engine.output import OutputAccumulator
+from specdial.engine.policy_cache import PolicyCache, engine_key
 from specdial.engine.requests import (async_collect, async_stream, collect, logprob_options,
                                       make_spec, sync_stream)
 from specdial.models import LlamaForCausalLM, load_engine_modules, resolve_draft_algorithm
@@ -228,6 +231,9 @@ class Engine:
             if self._tp is not None:
                 self._tp.close()
             raise
+        self.policy_cache = PolicyCache.open(
+            self.scheduler, enabled=cfg.policy_cache, directory=cfg.policy_cache_dir,
+            key=engine_key(self, cfg, model_dir, draft_dir, algo, dtype))
 
     def _start_replicas(self, cfg: EngineConfig) -> None:
         """``dp_size`` replicas of this engine (each ``dp_size=1``) behind one
@@ -373,6 +379,7 @@ class Engine:
                                 trace_file=trace_file, log_interval_s=cfg.log_interval_s)
         self._lock = threading.Lock()
         self._started = self._closed = False
+        self.policy_cache = PolicyCache.disabled("n/a: an engine built from modules")
         # an Engine dropped without shutdown(): its loop thread exits and frees the buffers
         weakref.finalize(self, _release_loop, self._loop)
 
@@ -678,7 +685,10 @@ class Engine:
         """A snapshot of the gauges and counters (thread-safe; see :class:`EngineStats`); with
         ``dp_size > 1`` the replicas' aggregated
         (:func:`~specdial.distributed.data_parallel.aggregate_stats`)."""
-        return self._loop.stats() if self._dp is None else self._dp.stats()
+        if self._dp is not None:
+            return dataclasses.replace(self._dp.stats(),
+                                       policy_cache=self.replicas[0].policy_cache.status)
+        return dataclasses.replace(self._loop.stats(), policy_cache=self.policy_cache.status)
 
     def shutdown(self, drain: bool = True) -> None:
         """Stop admitting; ``drain=True`` lets every accepted request finish, ``False`` aborts
@@ -697,6 +707,7 @@ class Engine:
             self._loop.post(Shutdown(drain))
         if started:
             self._loop.thread.join()
+            self.policy_cache.save(self.scheduler)
         elif self._loop.trace_file is not None:
             self._loop.trace_file.close()
         self.worker = None  # type: ignore[assignment]

@@ -131,6 +131,9 @@ class _Live:
     text: IncrementalText
     output: list[int] = field(default_factory=list)
     verify_ct: int = 0
+    # verifies that carried drafts (steps > 0) and the tokens they emitted: the acceptance length
+    draft_verify_ct: int = 0
+    draft_verify_tokens: int = 0
     hist: dict[int, int] = field(default_factory=dict)
     submitted: float = field(default_factory=time.perf_counter)
     queue_time: float | None = None
@@ -144,11 +147,21 @@ class _Live:
         n = len(self.output)
         meta = {"prompt_tokens": len(self.spec.prompt_ids), "completion_tokens": n,
                 "spec_verify_ct": self.verify_ct,
-                "spec_accept_length": (n - 1) / self.verify_ct if self.verify_ct else 0.0,
+                "spec_accept_length": self.accept_length(),
                 "spec_steps_histogram": dict(sorted(self.hist.items()))}
         if self.queue_time is not None:
             meta["queue_time_s"] = self.queue_time
         return meta
+
+    def accept_length(self) -> float:
+        """Acceptance length: tokens emitted per verify that carried drafts (accepted drafts + 1,
+        the bonus token included; DESIGN.md's definition, vLLM's mean acceptance length); trivial
+        verifies at steps 0 are plain decodes and are left out. Without any drafting verify:
+        ``(completion_tokens - 1) / spec_verify_ct`` (1.0 for plain decoding), 0.0 without
+        verifies."""
+        if self.draft_verify_ct:
+            return self.draft_verify_tokens / self.draft_verify_ct
+        return (len(self.output) - 1) / self.verify_ct if self.verify_ct else 0.0
 
     def top_n(self) -> int | None:
         """The logprob rows entry of this request (None: no logprobs)."""
@@ -533,6 +546,9 @@ class EngineLoop:
             if decode:
                 lv.verify_ct += 1
                 lv.hist[steps] = lv.hist.get(steps, 0) + 1
+                if steps > 0:
+                    lv.draft_verify_ct += 1
+                    lv.draft_verify_tokens += len(new)
                 self._verify_reqs += 1
                 self._verify_tokens += len(new)
             fin = finished.get(rid)

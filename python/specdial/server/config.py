@@ -177,6 +177,9 @@ class GenerateConfig(EngineArgs):
         "sampling seed, vLLM's --seed: the engine's sampling seed, and this request's seed (its "
         "tokens are then those plain decoding samples with it, whatever the steps)",
         default=None, metavar="N")
+    compare_no_spec: bool = _opt(
+        "after the generation, run the same one without speculation on the loaded target and "
+        "print its time and the speed-up", default=False)
     json: bool = _opt("print one JSON object (text, output_ids, meta_info, seconds) instead of "
                       "text and a statistics block", default=False)
 

@@ -282,6 +282,26 @@ impl PyAdaptiveSpeculativeParams {
         guard(|| self.inner.goodput().map(|g| goodput_dict(py, g)).transpose())
     }
 
+    /// What the `goodput` strategy learned (its cost model and long-run acceptance counts) as
+    /// versioned JSON text, or None under another strategy. `import_policy_state` reads it.
+    fn export_policy_state(&self) -> Option<String> {
+        self.inner.goodput().map(|g| g.export_state())
+    }
+
+    /// Seeds the `goodput` strategy with a state `export_policy_state` wrote (on the same
+    /// machine and models). Returns False (nothing done) under another strategy. Raises
+    /// ValueError, with nothing changed, on text that does not parse, another version or values
+    /// out of range.
+    fn import_policy_state(&mut self, state: &str) -> PyResult<bool> {
+        guard(|| match self.inner.goodput_mut() {
+            None => Ok(false),
+            Some(g) => g
+                .import_state(state)
+                .map(|()| true)
+                .map_err(|e| PyValueError::new_err(format!("policy state: {e}"))),
+        })
+    }
+
     /// Feeds one profiled measurement: under `throughput_aware` a cost-table entry (SGLang's
     /// startup profiling), under `goodput` a seed of its cost model; ignored under `ema`.
     /// `seconds` > 0 (per decode iteration), `batch_size` >= 1. Raises ValueError.

@@ -950,6 +950,26 @@ impl PyScheduler {
         })
     }
 
+    /// What the ``goodput`` strategy learned (its cost model and long-run acceptance counts) as
+    /// versioned JSON text (``AdaptiveSpeculativeParams.export_policy_state``); None under
+    /// another strategy or without an adaptive policy.
+    fn export_policy_state(&self) -> Option<String> {
+        self.inner.policy().and_then(|p| p.goodput()).map(|g| g.export_state())
+    }
+
+    /// Seeds the ``goodput`` strategy with a state ``export_policy_state`` wrote. Returns False
+    /// (nothing done) under another strategy or without a policy. Raises ValueError, with
+    /// nothing changed, on text that does not parse, another version or values out of range.
+    fn import_policy_state(&mut self, state: &str) -> PyResult<bool> {
+        guard(|| match self.inner.policy_mut().and_then(|p| p.goodput_mut()) {
+            None => Ok(false),
+            Some(g) => g
+                .import_state(state)
+                .map(|()| true)
+                .map_err(|e| PyValueError::new_err(format!("policy state: {e}"))),
+        })
+    }
+
     /// Predicted seconds of one decode iteration per candidate steps value of the slot serving a
     /// batch of ``batch_size`` requests with ``context_tokens`` tokens (``goodput`` only; {}
     /// otherwise). A pure read.

@@ -134,6 +134,15 @@ impl AdaptiveSpeculativeParams {
         self.strategy.as_any().downcast_ref()
     }
 
+    /// The `goodput` strategy's state, mutable (to seed it with a saved state; None under
+    /// another strategy).
+    pub fn goodput_mut(&mut self) -> Option<&mut GoodputPolicy> {
+        match &mut self.rules {
+            Rules::Goodput(g) => Some(g),
+            _ => None,
+        }
+    }
+
     /// The `throughput_aware` strategy's state (None under another strategy).
     pub fn throughput_aware(&self) -> Option<&ThroughputAwarePolicy> {
         self.strategy.as_any().downcast_ref()

@@ -21,12 +21,14 @@
 //! not observed lately (beyond the current depth, or at steps 0) therefore follows the positions
 //! before it with the depth profile seen earlier: "an estimate kept from earlier depths".
 
+use serde::{Deserialize, Serialize};
+
 /// Pseudo-requests of the prior in each position's estimate.
 const PRIOR_WEIGHT: f64 = 4.0;
 /// Rate assumed before anything was observed (only the first decisions see it).
 const INITIAL_RATE: f64 = 0.6;
 
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 struct Counts {
     reached: f64,
     accepted: f64,
@@ -38,6 +40,17 @@ impl Counts {
     fn shrunk(&self, prior: f64) -> f64 {
         (self.accepted + PRIOR_WEIGHT * prior) / (self.reached + PRIOR_WEIGHT)
     }
+}
+
+/// What an [`AcceptanceModel`] keeps across runs ([`AcceptanceModel::state`]): the long-run
+/// counts per position, i.e. the prior a position's estimate starts from and the depth profile.
+/// The recent counts are left out: they describe the content of one run, and a restored model
+/// follows the new content as fast as a fresh one (the prior weighs `PRIOR_WEIGHT` requests).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AcceptanceState {
+    long_run: Vec<Counts>,
+    long_prev: Vec<Counts>,
+    observed: u64,
 }
 
 /// The shared acceptance estimator (see the module docs).
@@ -81,6 +94,27 @@ impl AcceptanceModel {
     /// Verifies with drafts observed so far.
     pub fn observed(&self) -> u64 {
         self.observed
+    }
+
+    /// The long-run counts (see [`AcceptanceState`]).
+    pub fn state(&self) -> AcceptanceState {
+        AcceptanceState { long_run: self.long_run.clone(), long_prev: self.long_prev.clone(), observed: self.observed }
+    }
+
+    /// Takes the long-run counts of `state` for the positions both models track (positions
+    /// beyond the saved ones keep no counts). Errors (nothing changes) on counts that are
+    /// negative, not finite, or accepted above reached.
+    pub fn restore(&mut self, state: &AcceptanceState) -> Result<(), String> {
+        let ok = |c: &Counts| c.reached.is_finite() && c.accepted >= 0.0 && c.accepted <= c.reached * (1.0 + 1e-9) + 1e-9;
+        if state.long_run.len() != state.long_prev.len() || !state.long_run.iter().chain(&state.long_prev).all(ok) {
+            return Err("acceptance: counts that are negative, not finite or inconsistent".into());
+        }
+        let n = self.long_run.len();
+        for (dst, src) in [(&mut self.long_run, &state.long_run), (&mut self.long_prev, &state.long_prev)] {
+            *dst = src.iter().copied().chain(std::iter::repeat(Counts::default())).take(n).collect();
+        }
+        self.observed = state.observed;
+        Ok(())
     }
 
     fn sync(&mut self, iteration: u64) {
@@ -192,6 +226,26 @@ mod tests {
         assert!((r[2] - r[1]).abs() < 0.02 && (r[3] - r[1]).abs() < 0.03, "{r:?}");
         assert!((expected_tokens(&r, 2) - (1.0 + 0.5 + 0.2)).abs() < 0.02);
         assert_eq!(expected_tokens(&r, 0), 1.0);
+    }
+
+    #[test]
+    fn long_run_counts_round_trip_and_seed_a_fresh_model() {
+        let mut m = AcceptanceModel::new(4, 16);
+        let acc: Vec<i64> = [vec![0; 10], vec![4; 30]].concat();
+        for i in 0..50 {
+            m.observe(i, 4, &acc);
+        }
+        let text = serde_json::to_string(&m.state()).unwrap();
+        let state: AcceptanceState = serde_json::from_str(&text).unwrap();
+        let mut fresh = AcceptanceModel::new(6, 16);
+        assert!(fresh.rates(0).iter().all(|&a| (a - INITIAL_RATE).abs() < 1e-12));
+        fresh.restore(&state).unwrap();
+        let r = fresh.rates(0);
+        assert!((r[0] - 0.75).abs() < 0.01, "{r:?}"); // the saved long-run rate, not 0.6
+        assert_eq!(fresh.state().long_run[..4], m.state().long_run[..]);
+        let mut bad = state.clone();
+        bad.long_run[0].accepted = -1.0;
+        assert!(fresh.restore(&bad).is_err());
     }
 
     #[test]

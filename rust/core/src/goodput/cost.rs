@@ -35,6 +35,8 @@
 
 use std::collections::BTreeMap;
 
+use serde::{Deserialize, Serialize};
+
 /// Features: 1, k, b, k b, C, k C, catch-up tokens (normalised to order 1).
 const F: usize = 7;
 const K_SCALE: f64 = 8.0;
@@ -94,7 +96,7 @@ fn plane_at(theta: &[f64; F], b: f64, k: u32, ctx: f64, catch_up: f64) -> f64 {
     x.iter().zip(theta).map(|(x, t)| x * t).sum()
 }
 
-#[derive(Debug, Clone, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 struct Cell {
     /// Decayed weight (saturates at the window).
     w: f64,
@@ -104,12 +106,31 @@ struct Cell {
     mean_catch: f64,
     /// Measurements ever taken.
     count: u64,
-    /// The model's clock at the last measurement.
+    /// The model's clock at the last measurement (not saved: a restored cell starts a new run).
+    #[serde(skip)]
     last: u64,
-    /// Measurements in a row with gaps of at most `REFERENCE_RECENT` iterations.
+    /// Measurements in a row with gaps of at most `REFERENCE_RECENT` iterations (not saved).
+    #[serde(skip)]
     streak: u64,
     /// `mean_t` minus the plane at the mean features (refreshed whenever the plane changes).
     residual: f64,
+}
+
+/// What a [`CostModel`] learned, as [`CostModel::state`] saves it and [`CostModel::restore`]
+/// reads it back: the plane's sufficient statistics and fit, the prior (scaled to the device by the
+/// first measurement) and every cell. The pace check's run state (recent ratios, the clock) is
+/// left out: it describes the machine of one run, and a restored model judges the pace afresh.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CostState {
+    /// `(bucket, steps, cell)` per measured cell.
+    cells: Vec<(u32, u32, Cell)>,
+    xtx: [[f64; F]; F],
+    xty: [f64; F],
+    prior: [f64; F],
+    theta: [f64; F],
+    observations: u64,
+    /// The machine's usual timing noise (mean absolute log ratio), kept: it is the machine's.
+    pace_spread: f64,
 }
 
 /// The cost model (see the module docs). Units: seconds, tokens, requests.
@@ -165,6 +186,51 @@ impl CostModel {
             skipped: 0,
             clock: 0,
         }
+    }
+
+    /// What the model learned (see [`CostState`]).
+    pub fn state(&self) -> CostState {
+        CostState {
+            cells: self.cells.iter().map(|(&(b, k), c)| (b, k, c.clone())).collect(),
+            xtx: self.xtx,
+            xty: self.xty,
+            prior: self.prior,
+            theta: self.theta,
+            observations: self.observations,
+            pace_spread: self.pace_spread,
+        }
+    }
+
+    /// Replaces what the model learned by `state` (from [`Self::state`] of a model of the same
+    /// device), keeping this model's windows; the pace check starts afresh. Errors (nothing
+    /// changes) on a value that is not finite, a cell weight or a prior unit that is not > 0:
+    /// a file edited by hand or written by another build.
+    pub fn restore(&mut self, state: CostState) -> Result<(), String> {
+        let finite = |xs: &[f64]| xs.iter().all(|x| x.is_finite());
+        if !(finite(&state.xty) && finite(&state.prior) && finite(&state.theta))
+            || !state.xtx.iter().all(|row| finite(row))
+            || !(state.pace_spread.is_finite() && state.pace_spread >= 0.0)
+            || !(state.prior[0] > 0.0)
+        {
+            return Err("cost model: a value is not finite, or the prior is not > 0".into());
+        }
+        for (b, k, c) in &state.cells {
+            if !(c.w > 0.0 && finite(&[c.mean_t, c.mean_b, c.mean_c, c.mean_catch, c.residual]) && c.mean_t > 0.0) {
+                return Err(format!("cost model: cell (batch-size bucket {b}, steps {k}) is not valid"));
+            }
+        }
+        self.cells = state.cells.into_iter().map(|(b, k, c)| ((b, k), Cell { last: 0, streak: 0, ..c })).collect();
+        self.xtx = state.xtx;
+        self.xty = state.xty;
+        self.prior = state.prior;
+        self.theta = state.theta;
+        self.observations = state.observations;
+        self.pace_spread = state.pace_spread;
+        self.recent_pace.clear();
+        self.log_pace = 0.0;
+        self.off_pace_run = 0;
+        self.clock = 0;
+        Ok(())
     }
 
     /// Measurements taken so far.
@@ -490,6 +556,37 @@ mod tests {
         }
         assert!((m.predict(64, 64, 1, 0.0, 0.0) / 0.010 - 1.0).abs() < 0.05);
         assert!((m.predict(64, 64, 2, 0.0, 0.0) / 0.012 - 1.0).abs() < 0.05, "{}", m.predict(64, 64, 2, 0.0, 0.0));
+    }
+
+    #[test]
+    fn state_round_trips_through_json_and_predicts_alike() {
+        let mut m = CostModel::new(64);
+        for i in 0..60u32 {
+            let k = i % 4;
+            m.observe(1, 1, k, 100.0, 0.0, 0.01 + 0.002 * f64::from(k), i % 5 != 0);
+        }
+        let text = serde_json::to_string(&m.state()).unwrap();
+        let mut fresh = CostModel::new(64);
+        fresh.restore(serde_json::from_str(&text).unwrap()).unwrap();
+        assert_eq!(fresh.state(), {
+            let mut s = m.state();
+            for (_, _, c) in &mut s.cells {
+                c.last = 0;
+                c.streak = 0;
+            }
+            s
+        });
+        for k in 0..8 {
+            assert_eq!(fresh.predict(1, 1, k, 100.0, 0.0), m.predict(1, 1, k, 100.0, 0.0), "k {k}");
+        }
+        assert_eq!(fresh.cell_count(1, 2), m.cell_count(1, 2));
+        // A corrupt state is refused and changes nothing.
+        let mut bad = m.state();
+        bad.theta[2] = f64::NAN;
+        let before = CostModel::new(64);
+        let mut target = before.clone();
+        assert!(target.restore(bad).is_err());
+        assert_eq!(target, before);
     }
 
     #[test]

@@ -42,8 +42,22 @@ pub mod acceptance;
 pub mod cost;
 
 use crate::config::GoodputConfig;
-use acceptance::{expected_tokens, AcceptanceModel};
-use cost::CostModel;
+use acceptance::{expected_tokens, AcceptanceModel, AcceptanceState};
+use cost::{CostModel, CostState};
+use serde::{Deserialize, Serialize};
+
+/// Version of the saved learned state ([`GoodputPolicy::export_state`]); a state of another
+/// version is refused. Bump it whenever [`CostState`] or [`AcceptanceState`] change meaning.
+pub const STATE_VERSION: u32 = 1;
+
+/// What the strategy saves across runs on one machine: the cost model and the long-run
+/// acceptance counts (the slots' steps, probe credit and counters start afresh).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct LearnedState {
+    version: u32,
+    cost: CostState,
+    acceptance: AcceptanceState,
+}
 
 /// Per-slot state of the strategy.
 #[derive(Debug, Clone, PartialEq)]
@@ -266,6 +280,34 @@ impl GoodputPolicy {
         }
     }
 
+    /// What the strategy learned, as JSON: `{"version": STATE_VERSION, "cost": ..., "acceptance":
+    /// ...}` (the cost model and the long-run acceptance counts; [`Self::import_state`] reads it).
+    pub fn export_state(&self) -> String {
+        let state = LearnedState { version: STATE_VERSION, cost: self.cost.state(), acceptance: self.acceptance.state() };
+        serde_json::to_string(&state).expect("the learned state is plain numbers")
+    }
+
+    /// Seeds the cost model and the acceptance prior with a state [`Self::export_state`] wrote
+    /// (on the same machine, model and drafter: the caller keys it). Errors, with nothing
+    /// changed, on text that does not parse, another `version`, or values out of range.
+    pub fn import_state(&mut self, text: &str) -> Result<(), String> {
+        let version = serde_json::from_str::<serde_json::Value>(text)
+            .map_err(|e| format!("not JSON: {e}"))?
+            .get("version")
+            .and_then(serde_json::Value::as_u64);
+        if version != Some(u64::from(STATE_VERSION)) {
+            return Err(format!("version {version:?}, expected {STATE_VERSION}"));
+        }
+        let state: LearnedState = serde_json::from_str(text).map_err(|e| format!("bad state: {e}"))?;
+        let mut cost = self.cost.clone();
+        cost.restore(state.cost)?;
+        let mut acceptance = self.acceptance.clone();
+        acceptance.restore(&state.acceptance)?;
+        self.cost = cost;
+        self.acceptance = acceptance;
+        Ok(())
+    }
+
     /// Feeds one measurement of a startup sweep to the cost model (not a decode iteration:
     /// acceptance, probe credit and slots are untouched).
     pub fn seed_cost(&mut self, bucket: u32, b: u32, steps: u32, seconds: f64, context_tokens: u64) {
@@ -312,5 +354,61 @@ impl GoodputPolicy {
             s.credit = (s.credit + self.cfg.probe_budget * spent).min(4.0 * spent);
         }
         std::mem::take(&mut s.switched).then_some(s.current)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy() -> GoodputPolicy {
+        let cfg = GoodputConfig { probe_budget: 0.0, ..GoodputConfig::default() };
+        GoodputPolicy::new(cfg, 3, vec![(0..=7).collect()])
+    }
+
+    /// A run on a device where each draft step costs 40 % of a plain decode and half the drafts
+    /// are accepted: steps 1 is best.
+    fn trained() -> GoodputPolicy {
+        let mut p = policy();
+        // 8 requests: 4 accept 0, 2 accept 1, 1 accepts 2, 1 accepts all (alpha = 0.5 per position).
+        for i in 0..400u32 {
+            let k = i % 8;
+            let acc: Vec<i64> = [0, 0, 0, 0, 1, 1, 2, 7].iter().map(|&a: &i64| a.min(i64::from(k))).collect();
+            p.observe(0, 8, 8, 8, k, &acc, Some(0.01 * (1.0 + 0.4 * f64::from(k))), 800);
+        }
+        p
+    }
+
+    #[test]
+    fn a_seeded_policy_decides_like_the_trained_one_at_once() {
+        let t = trained();
+        let mut warm = trained();
+        assert_eq!(warm.decide(0, 8, 8, 8, 800), 1);
+        let mut fresh = policy();
+        assert_ne!(fresh.decide(0, 8, 8, 8, 800), 1, "the prior alone must not already pick 1");
+        let mut seeded = policy();
+        seeded.import_state(&t.export_state()).unwrap();
+        assert_eq!(seeded.decide(0, 8, 8, 8, 800), 1);
+        for k in 0..8 {
+            assert_eq!(seeded.predict_seconds(8, 8, k, 800), t.predict_seconds(8, 8, k, 800));
+        }
+        // Exported again, the seeded policy writes what it read.
+        let again: serde_json::Value = serde_json::from_str(&seeded.export_state()).unwrap();
+        let orig: serde_json::Value = serde_json::from_str(&t.export_state()).unwrap();
+        assert_eq!(again["cost"]["theta"], orig["cost"]["theta"]);
+        assert_eq!(again["version"], STATE_VERSION);
+    }
+
+    #[test]
+    fn another_version_or_corrupt_text_is_refused_and_changes_nothing() {
+        let text = trained().export_state();
+        let mut p = policy();
+        let before = p.clone();
+        let other = text.replacen(&format!("\"version\":{STATE_VERSION}"), "\"version\":999", 1);
+        assert!(p.import_state(&other).unwrap_err().contains("version"));
+        assert!(p.import_state("{not json").is_err());
+        assert!(p.import_state(&text[..text.len() / 2]).is_err());
+        assert!(p.import_state(&format!("{{\"version\":{STATE_VERSION}}}")).is_err());
+        assert_eq!(p, before);
     }
 }
