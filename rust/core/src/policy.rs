@@ -137,10 +137,7 @@ impl AdaptiveSpeculativeParams {
     /// The `goodput` strategy's state, mutable (to seed it with a saved state; None under
     /// another strategy).
     pub fn goodput_mut(&mut self) -> Option<&mut GoodputPolicy> {
-        match &mut self.rules {
-            Rules::Goodput(g) => Some(g),
-            _ => None,
-        }
+        self.strategy.as_any_mut().downcast_mut()
     }
 
     /// The `throughput_aware` strategy's state (None under another strategy).
