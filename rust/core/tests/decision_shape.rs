@@ -66,6 +66,7 @@ fn scheduler(params: AdaptiveSpeculativeParams, num_pages: u32) -> Scheduler {
         page_size: 4,
         eos_token_ids: vec![],
         record_trace: false,
+        chunked_prefill_size: None,
     };
     Scheduler::new(config, StepsSource::Adaptive(params)).unwrap()
 }
