@@ -34,6 +34,7 @@ from specdial.cli_common import cli_error, setup_logging
 from specdial.bench.datasets import DatasetError, build_requests
 from specdial.engine.args import EngineArgs, add_dataclass_arguments, config_from_args
 from specdial.engine.config import EngineConfig
+from specdial.engine.sampling_defaults import BENCH_TEMPERATURE
 from specdial.engine.resolve import resolve_device_name
 
 __all__ = ["BenchConfig", "CompareConfig", "add_bench_subcommand", "format_result",
@@ -65,8 +66,9 @@ class _BenchCommon(EngineArgs):
                             "tokens", default=True)
     temperature: float = _opt(
         "sampling temperature of every request; 0 = greedy (the default here, as "
-        "specdial.Engine's; SGLang's Engine and the server routes default to 1.0)",
-        default=0.0)
+        "specdial.Engine's, and as SGLang's bench_serving and vllm bench serve send; "
+        "SGLang's Engine and the server routes default to 1.0)",
+        default=BENCH_TEMPERATURE)
     mix_every: int = _opt("mixed workload: switch between code and hard prompts every N "
                           "requests", default=8, metavar="N")
     arrival_seed: int = _opt(

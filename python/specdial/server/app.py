@@ -81,6 +81,7 @@ from starlette.types import Receive, Scope, Send
 
 from specdial.engine.api import LogprobOptions, QueueFullError, RequestError, StreamChunk
 from specdial.engine.ends import error_body, is_failure, shut_down
+from specdial.engine.sampling_defaults import SERVER_TEMPERATURE
 from specdial.server.chat import render_chat
 from specdial.server.config import BUILTIN_MODEL_NAME
 from specdial.server.limits import (BodyLimitMiddleware, ServerLimits, check_prompt_chars,
@@ -99,8 +100,8 @@ logger = logging.getLogger("specdial.server")
 
 #: ``max_tokens`` default of ``/v1/completions`` (OpenAI's).
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-#: ``temperature`` default (OpenAI's).
-DEFAULT_TEMPERATURE = 1.0
+#: ``temperature`` default (SGLang's and OpenAI's; see :mod:`specdial.engine.sampling_defaults`).
+DEFAULT_TEMPERATURE = SERVER_TEMPERATURE
 
 _DONE = "data: [DONE]\n\n"
 _END = object()  # a pump finished its stream

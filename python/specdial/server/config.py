@@ -15,6 +15,7 @@ from typing import Any, Mapping
 from specdial.engine.args import (BUILTIN_MODEL_NAME, EngineArgs,
                                   add_dataclass_arguments, config_from_args)
 from specdial.engine.config import _opt
+from specdial.engine.sampling_defaults import OFFLINE_TEMPERATURE
 
 __all__ = ["BUILTIN_MODEL_NAME", "EngineArgs", "GenerateConfig", "ServeConfig",
            "add_dataclass_arguments", "config_from_args"]
@@ -170,7 +171,7 @@ class GenerateConfig(EngineArgs):
     temperature: float = _opt(
         "sampling temperature; 0 = greedy. The default here is greedy, as specdial.Engine's "
         "is; SGLang's Engine and every server route (here too) default to 1.0",
-        default=0.0)
+        default=OFFLINE_TEMPERATURE)
     top_p: float = _opt("nucleus sampling mass in (0, 1]; 1 = off", default=1.0)
     top_k: int = _opt("sample among the k most likely tokens; -1 = off", default=-1)
     seed: int | None = _opt(  # type: ignore[assignment]
