@@ -3,7 +3,6 @@
 //! through the scheduler's caps (the cut at a fallback to fewer steps is
 //! `VerifyShape::steps_for`'s unit test).
 
-use std::any::Any;
 
 use specdial_core::strategies::{DecideContext, SlotView, StepStrategy, VerifyObservation};
 use specdial_core::{
@@ -36,15 +35,6 @@ impl StepStrategy for PerRequest {
     }
     fn slot_state(&self, _slot: usize) -> SlotView {
         (self.steps, 0.0, self.verifies)
-    }
-    fn clone_box(&self) -> Box<dyn StepStrategy> {
-        Box::new(self.clone())
-    }
-    fn as_any(&self) -> &dyn Any {
-        self
-    }
-    fn as_any_mut(&mut self) -> &mut dyn Any {
-        self
     }
 }
 

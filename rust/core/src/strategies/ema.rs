@@ -1,7 +1,6 @@
 //! The `ema` strategy: SGLang's per-slot EMA of accepted drafts with hysteresis
 //! ([`AdaptiveStepSlot`]), one state machine per batch-size slot.
 
-use std::any::Any;
 
 use super::{DecideContext, SlotView, StepStrategy, VerifyObservation};
 use crate::config::AdaptiveConfig;
@@ -54,17 +53,5 @@ impl StepStrategy for EmaStrategy {
     fn slot_state(&self, slot: usize) -> SlotView {
         let s = &self.slots[slot];
         (s.current_steps(), s.ema_accept_len(), s.verify_count())
-    }
-
-    fn clone_box(&self) -> Box<dyn StepStrategy> {
-        Box::new(self.clone())
-    }
-
-    fn as_any(&self) -> &dyn Any {
-        self
-    }
-
-    fn as_any_mut(&mut self) -> &mut dyn Any {
-        self
     }
 }

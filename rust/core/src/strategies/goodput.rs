@@ -1,7 +1,6 @@
 //! The `goodput` strategy's [`StepStrategy`] face: [`GoodputPolicy`] (see [`crate::goodput`])
 //! fed with the cost model's batch-size bucket.
 
-use std::any::Any;
 
 use super::{DecideContext, SlotView, StepStrategy, VerifyObservation};
 use crate::config::{AdaptiveConfig, GoodputConfig};
@@ -56,17 +55,5 @@ impl StepStrategy for GoodputPolicy {
     /// Feeds the measurement to the cost model (the optional startup sweep).
     fn set_profiled_cost(&mut self, batch_size: u32, steps: u32, seconds: f64, context_tokens: u64) {
         self.seed_cost(bucket_of(batch_size), batch_size, steps, seconds, context_tokens);
-    }
-
-    fn clone_box(&self) -> Box<dyn StepStrategy> {
-        Box::new(self.clone())
-    }
-
-    fn as_any(&self) -> &dyn Any {
-        self
-    }
-
-    fn as_any_mut(&mut self) -> &mut dyn Any {
-        self
     }
 }

@@ -62,7 +62,7 @@ pub type SlotView = (u32, f64, u64);
 
 /// A step strategy: per-slot state that decides each decode iteration's [`Decision`] and learns
 /// from the reports.
-pub trait StepStrategy: Debug + Send + Sync {
+pub trait StepStrategy: StrategyObject + Debug + Send + Sync {
     /// The config name (`"ema"`, `"goodput"`, `"throughput_aware"`).
     fn name(&self) -> &'static str;
 
@@ -86,7 +86,11 @@ pub trait StepStrategy: Debug + Send + Sync {
     /// A startup measurement of one iteration: `batch_size` requests (>= 1) at `steps`, `seconds`
     /// (finite, > 0) with `context_tokens` of context. Ignored by default.
     fn set_profiled_cost(&mut self, _batch_size: u32, _steps: u32, _seconds: f64, _context_tokens: u64) {}
+}
 
+/// What the policy needs of any boxed strategy besides its rules: implemented once, for every
+/// `Clone + 'static` strategy, so a strategy file holds its rules only.
+pub trait StrategyObject {
     /// A boxed copy (for `Clone` of the policy).
     fn clone_box(&self) -> Box<dyn StepStrategy>;
 
@@ -95,6 +99,20 @@ pub trait StepStrategy: Debug + Send + Sync {
 
     /// Mutable counterpart of [`Self::as_any`].
     fn as_any_mut(&mut self) -> &mut dyn Any;
+}
+
+impl<T: StepStrategy + Clone + 'static> StrategyObject for T {
+    fn clone_box(&self) -> Box<dyn StepStrategy> {
+        Box::new(self.clone())
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
 }
 
 impl Clone for Box<dyn StepStrategy> {

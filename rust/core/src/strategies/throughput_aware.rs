@@ -1,7 +1,6 @@
 //! The `throughput_aware` strategy's [`StepStrategy`] face: [`ThroughputAwarePolicy`] (SGLang's
 //! profiled-cost rule, [`crate::throughput`]), one engine-wide steps value for every slot.
 
-use std::any::Any;
 
 use super::{DecideContext, SlotView, StepStrategy, VerifyObservation};
 use crate::config::{AdaptiveConfig, ThroughputAwareConfig};
@@ -45,17 +44,5 @@ impl StepStrategy for ThroughputAwarePolicy {
 
     fn set_profiled_cost(&mut self, batch_size: u32, steps: u32, seconds: f64, _context_tokens: u64) {
         self.set_cost(batch_size, steps, seconds);
-    }
-
-    fn clone_box(&self) -> Box<dyn StepStrategy> {
-        Box::new(self.clone())
-    }
-
-    fn as_any(&self) -> &dyn Any {
-        self
-    }
-
-    fn as_any_mut(&mut self) -> &mut dyn Any {
-        self
     }
 }
