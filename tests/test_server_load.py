@@ -264,15 +264,10 @@ def test_a_50mb_body_and_a_slow_body_flood_while_a_stream_flows(server):
                 await asyncio.sleep(0.1)
 
     async def slow_body() -> bytes:
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: "
-                     f"Bearer {KEY}\r\nContent-Type: application/json\r\nContent-Length: "
-                     f"5000\r\n\r\n{{\"prompt\": \"".encode())
-        await writer.drain()
-        try:
-            return await asyncio.wait_for(reader.read(4096), scaled(30))
-        finally:
-            writer.close()
+        return await _send_and_read(server.port, (
+            f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: "
+            f"Bearer {KEY}\r\nContent-Type: application/json\r\nContent-Length: "
+            f"5000\r\n\r\n{{\"prompt\": \"").encode())
 
     async def main():
         done = asyncio.Event()
@@ -305,15 +300,22 @@ def test_a_50mb_body_and_a_slow_body_flood_while_a_stream_flows(server):
     print(f"\n[load] {FIGURES['body_faults']}")
 
 
+async def _send_and_read(port: int, head: bytes) -> bytes:
+    """Send ``head`` (an unfinished request) on a raw connection, then wait (scaled 30 s) for
+    what the server answers: a slow client."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head)
+    await writer.drain()
+    try:
+        return await asyncio.wait_for(reader.read(4096), scaled(30))
+    finally:
+        writer.close()
+
+
 def test_slow_headers_fill_the_connection_cap_while_health_answers(server):
     async def slow_header() -> bytes:
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthori")
-        await writer.drain()
-        try:
-            return await asyncio.wait_for(reader.read(4096), scaled(30))
-        finally:
-            writer.close()
+        return await _send_and_read(server.port,
+                                    b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthori")
 
     async def main():
         async with httpx.AsyncClient(base_url=server.url, headers=AUTH,
