@@ -51,13 +51,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from specdial.worker.sampling import SamplingParams
+from specdial.worker.runtime import ragged_positions
+from specdial.worker.sampling_params import SamplingParams
 
 __all__ = ["BatchProcessors", "StepProcessing", "TokenCounts", "apply_processors",
            "column_counts"]
@@ -301,8 +301,6 @@ class TokenCounts:
         ``prompt_seen``, later ones add to ``output_counts``. Device scatters only (host index
         arrays, no sync). Raises ``RuntimeError`` when a row's ``ends`` is below its valid
         length (a row reused without :meth:`reset`: a bug)."""
-        from specdial.worker.runtime import ragged_positions  # lazy: runtime imports sampling
-
         if not len(rows):
             return
         if self.output_counts is None:

@@ -1,9 +1,12 @@
-"""Token selection of speculative decoding: sampling parameters, logits processing, acceptance.
+"""Token selection of speculative decoding: the kernels (processing, sampling, acceptance).
 
 Pieces, in the order the worker uses them:
 
-- :class:`SamplingParams`: one request's validated sampling options (``from_dict`` for API input).
-- :class:`BatchSampling`: the same options as per-row tensors, built once per batch composition.
+- :class:`SamplingParams` (:mod:`specdial.worker.sampling_params`): one request's validated
+  sampling options (``from_dict`` for API input); the request validation lives there, apart
+  from these kernels.
+- :class:`BatchSampling` (:mod:`specdial.worker.batch_sampling`): the same options as per-row
+  tensors, built once per batch composition. Both names are re-exported here.
 - :func:`target_probs`: temperature, then top-k and min-p, then top-p, then softmax (vLLM's
   order), vectorized over the batch; greedy rows (temperature 0) become a one-hot at the argmax.
   The processors that depend on a request's own tokens (repetition / frequency / presence
@@ -46,15 +49,14 @@ flags of :class:`BatchSampling`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-from typing import Any, Mapping
 
 import torch
 
-from specdial.worker.logit_bias import normalize_logit_bias
-from specdial.worker.processors import BatchProcessors
-from specdial.worker.seeded_noise import (PURPOSE_TOKEN, draw_keys, seed_to_int64,
-                                          seeded_exponentials)
+from specdial.worker.batch_sampling import BatchSampling
+from specdial.worker.sampling_params import (MAX_REPETITION_PENALTY, MAX_TEMPERATURE,
+                                             MIN_REPETITION_PENALTY, MIN_TEMPERATURE,
+                                             SamplingParams)
+from specdial.worker.seeded_noise import PURPOSE_TOKEN, draw_keys, seeded_exponentials
 
 __all__ = [
     "MAX_REPETITION_PENALTY",
@@ -70,319 +72,9 @@ __all__ = [
     "target_probs",
 ]
 
-#: Smallest non-zero temperature accepted. Below it ``logits / T`` is numerically a one-hot
-#: anyway; send ``0`` for greedy decoding instead (rejected, never rounded to 0 silently).
-MIN_TEMPERATURE = 1e-5
-
-#: Largest temperature accepted: the largest finite float32 (temperatures are float32 tensors;
-#: above it the value would become ``inf`` and every distribution a uniform one silently).
-MAX_TEMPERATURE = float(torch.finfo(torch.float32).max)
-
-#: Range of ``repetition_penalty`` (``1`` = off). vLLM accepts any finite value > 0; the bounds
-#: keep ``logit / r`` and ``logit * r`` far from float32 overflow (an infinite logit would make
-#: the softmax NaN) while covering every useful value (1.0 to 2.0 in practice; SGLang allows
-#: [0, 2]).
-MIN_REPETITION_PENALTY = 1e-4
-MAX_REPETITION_PENALTY = 1e4
-
-#: Range of ``presence_penalty`` and ``frequency_penalty`` (OpenAI's and vLLM's).
-MAX_ABS_PENALTY = 2.0
-
-#: Largest ``top_k`` accepted before the vocabulary is known (it becomes an int64 tensor; the
-#: engine then bounds it by the vocabulary size, :func:`specdial.engine.requests.make_spec`).
-MAX_TOP_K = 2**31 - 1
-
-#: Largest seed accepted (``torch.Generator.manual_seed`` takes 64-bit unsigned values).
-_MAX_SEED = 2**64 - 1
-
 #: Below this total mass the rejection residual ``max(0, p - q)`` is treated as empty (rounding
 #: noise only) and the emitted token is drawn from ``p`` instead.
 _RESIDUAL_EPS = 1e-6
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: Any) -> bool:
-    """An int or float (not bool) that a float can hold (an int past float's range is not)."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return False
-    try:
-        float(value)
-    except OverflowError:
-        return False
-    return True
-
-
-def _bad(name: str, value: Any, allowed: str) -> ValueError:
-    return ValueError(f"SamplingParams.{name}: invalid value {value!r}; allowed: {allowed}")
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """One request's sampling options, validated at construction (``__post_init__``).
-
-    - ``max_new_tokens``: int >= 1 (default 128).
-    - ``temperature``: float, ``0.0`` = greedy (default), else in
-      ``[MIN_TEMPERATURE, MAX_TEMPERATURE]`` (float32's finite range); ints are accepted and
-      stored as float.
-    - ``top_p``: float in ``(0, 1]`` (default ``1.0`` = off); the most likely token is always
-      kept, however small ``top_p`` is (even below float32's smallest positive value).
-    - ``top_k``: int, ``-1`` or ``0`` = off (default ``-1``), else ``1..MAX_TOP_K``; a value
-      ``>= V`` keeps the whole vocabulary (the engine refuses one above ``V``).
-    - ``min_p``: float in ``[0, 1]`` (default ``0`` = off; vLLM's and HF transformers'
-      ``min_p``): drop the tokens whose probability after temperature is below ``min_p`` times
-      the most likely token's.
-    - ``repetition_penalty``: float in ``[MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY]``
-      (default ``1`` = off; vLLM's rule over prompt and generated tokens).
-    - ``presence_penalty`` / ``frequency_penalty``: floats in ``[-2, 2]`` (default ``0`` = off;
-      OpenAI's rule over the generated tokens). Rules of the three penalties:
-      :mod:`specdial.worker.processors`. They apply to greedy requests too.
-    - ``min_tokens``: int in ``0..max_new_tokens`` (default 0; vLLM's): EOS and
-      ``stop_token_ids`` cannot be sampled, and stop strings do not match, before the output
-      holds ``min_tokens`` tokens.
-    - ``stop_token_ids``: tuple of ints ``>= 0`` (a list is accepted and stored as a tuple).
-    - ``ignore_eos``: bool (default False).
-    - ``include_stop_str_in_output``: bool (default False; vLLM's): keep the matched stop
-      string, or the text of the matched stop token, at the end of the text.
-    - ``skip_special_tokens``: bool (default True; vLLM's): leave special tokens out of the
-      detokenized text (the token ids are reported either way).
-    - ``logit_bias``: token id -> bias added to its logit (OpenAI's and vLLM's
-      ``logit_bias``): a mapping (JSON object, string or int keys) or pairs, values in
-      ``[-100, 100]``, at most 300 entries; stored as sorted ``(id, bias)`` pairs
-      (:mod:`specdial.worker.logit_bias`; ids are checked against the vocabulary by the
-      engine). Applied to greedy requests too.
-    - ``seed``: ``None`` (default) or int in ``[0, 2**64 - 1]``. A seeded sampling request
-      draws every random number from :mod:`specdial.worker.seeded_noise`, keyed by (seed,
-      position of the token decided), instead of the engine's generator, and its drafts are
-      verified with coupled draws (:func:`speculative_accept`): its tokens are the ones plain
-      decoding draws with these keys, so they depend only on its prompt, seed and these
-      options, not on the other requests of the batch, the drafter or the steps. Ignored for
-      greedy requests.
-
-    ``from_dict`` also takes SGLang's names ``min_new_tokens`` (= ``min_tokens``) and
-    ``no_stop_trim`` (= ``include_stop_str_in_output``). Raises ``ValueError`` naming the
-    field, the value and the allowed range for a wrong type or an out-of-range value; ``bool``
-    is never accepted as a number and nothing is clamped. ``top_k``, ``top_p`` and ``min_p``
-    are ignored for greedy requests, which always take the argmax of the processed logits.
-    """
-
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    min_tokens: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    seed: int | None = None
-    logit_bias: Any = ()
-
-    def _real(self, name: str, low: float, high: float, allowed: str) -> None:
-        v = getattr(self, name)
-        if not _is_real(v) or not math.isfinite(v) or not low <= v <= high:
-            raise _bad(name, v, allowed)
-        object.__setattr__(self, name, float(v))
-
-    def __post_init__(self) -> None:
-        v: Any = self.max_new_tokens
-        if not _is_int(v) or v < 1:
-            raise _bad("max_new_tokens", v, "int >= 1")
-        v = self.temperature
-        if not _is_real(v) or not (v == 0 or MIN_TEMPERATURE <= v <= MAX_TEMPERATURE):
-            raise _bad("temperature", v, f"0 (greedy) or a float in [{MIN_TEMPERATURE}, "
-                       f"{MAX_TEMPERATURE:.7g}] (float32's finite range)")
-        object.__setattr__(self, "temperature", float(v))
-        v = self.top_p
-        if not _is_real(v) or not math.isfinite(v) or not 0 < v <= 1:
-            raise _bad("top_p", v, "float in (0, 1]")
-        object.__setattr__(self, "top_p", float(v))
-        v = self.top_k
-        if not _is_int(v) or not -1 <= v <= MAX_TOP_K:
-            raise _bad("top_k", v, f"int: -1 or 0 (off), or 1..{MAX_TOP_K}")
-        self._real("min_p", 0.0, 1.0, "float in [0, 1] (0: off)")
-        self._real("repetition_penalty", MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY,
-                   f"float in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1: off)")
-        for name in ("presence_penalty", "frequency_penalty"):
-            self._real(name, -MAX_ABS_PENALTY, MAX_ABS_PENALTY, "float in [-2, 2] (0: off)")
-        v = self.min_tokens
-        if not _is_int(v) or not 0 <= v <= self.max_new_tokens:
-            raise _bad("min_tokens", v, f"int in 0..max_new_tokens ({self.max_new_tokens})")
-        v = self.stop_token_ids
-        if not isinstance(v, (tuple, list)) or not all(_is_int(t) and t >= 0 for t in v):
-            raise _bad("stop_token_ids", v, "tuple (or list) of ints >= 0")
-        object.__setattr__(self, "stop_token_ids", tuple(v))
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
-            if not isinstance(getattr(self, name), bool):
-                raise _bad(name, getattr(self, name), "bool")
-        v = self.seed
-        if v is not None and (not _is_int(v) or not 0 <= v <= _MAX_SEED):
-            raise _bad("seed", v, "None or int in [0, 2**64 - 1]")
-        object.__setattr__(self, "logit_bias", normalize_logit_bias(self.logit_bias))
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None) -> SamplingParams:
-        """Build from API input; ``None`` or ``{}`` gives the defaults.
-
-        Raises ``ValueError`` for a non-mapping, for an unknown key (naming it and listing the
-        allowed keys), for an SGLang alias given together with its field, and for any invalid
-        value (see the class docstring).
-        """
-        if d is None:
-            return cls()
-        if not isinstance(d, Mapping):
-            raise ValueError(f"SamplingParams: expected a dict, got {type(d).__name__}")
-        allowed = [f.name for f in fields(cls)]
-        d = dict(d)
-        for alias, name in _ALIASES.items():
-            if alias in d:
-                if name in d:
-                    raise ValueError(f"SamplingParams.{name}: given twice, as {name!r} and as "
-                                     f"its SGLang name {alias!r}; allowed: one of them")
-                d[name] = d.pop(alias)
-        for key in d:
-            if key not in allowed:
-                raise ValueError(f"SamplingParams: unknown key {key!r}; "
-                                 f"allowed keys: {', '.join(allowed + list(_ALIASES))}")
-        return cls(**d)
-
-    @property
-    def is_greedy(self) -> bool:
-        """True when ``temperature == 0``: the request always takes the target argmax."""
-        return self.temperature == 0.0
-
-    @property
-    def has_penalty(self) -> bool:
-        """True when a repetition, presence or frequency penalty is on (the request's token
-        counts are then kept by the worker)."""
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
-
-
-#: SGLang's sampling-parameter names accepted by :meth:`SamplingParams.from_dict`.
-_ALIASES = {"min_new_tokens": "min_tokens", "no_stop_trim": "include_stop_str_in_output"}
-
-
-@dataclass
-class BatchSampling:
-    """Per-row sampling options of one batch, built once per batch composition.
-
-    - ``temperature`` ``[B]`` float32 (0 on greedy rows).
-    - ``top_p`` ``[B]`` float32 in ``(0, 1]``.
-    - ``top_k`` ``[B]`` int64, values ``<= 0`` mean off.
-    - ``greedy_mask`` ``[B]`` bool: rows with temperature 0.
-    - ``all_greedy``: every row is greedy (fast path: no probabilities, no random draws).
-    - ``any_top_k`` / ``any_top_p``: some sampling row filters (else the sort is skipped).
-    - ``seeds`` ``[B]`` int64: each row's ``seed`` as int64 bits (0 where none).
-    - ``seeded_mask`` ``[B]`` bool: sampling (non-greedy) rows with a seed.
-    - ``seeded_rows`` ``[S]`` int64: their indices, increasing (empty when none).
-    - ``any_seeded`` / ``all_seeded``: some / every row is a seeded sampling row (with
-      ``all_seeded`` the generator is not used at all).
-    - ``any_unseeded``: some row samples without a seed (rejection sampling and the generator
-      are needed); False when every row is greedy or seeded.
-    - ``min_p`` ``[B]`` float32 in ``[0, 1]`` (None: 0 everywhere) and ``any_min_p``: some
-      sampling row filters by min-p.
-    - ``processors``: the penalties and ``min_tokens`` of the rows
-      (:class:`~specdial.worker.processors.BatchProcessors`), None when no row uses one. The
-      worker applies them to the logits before :func:`target_probs`, :func:`sample` and
-      :func:`speculative_accept`, which take processed logits.
-
-    The flags are plain Python bools so the per-step functions never sync with the device.
-    The seed fields default to "no seeded row" (for callers that build one by hand), and
-    ``any_unseeded`` to True (rejection sampling for every sampling row).
-    """
-
-    temperature: torch.Tensor
-    top_p: torch.Tensor
-    top_k: torch.Tensor
-    greedy_mask: torch.Tensor
-    all_greedy: bool
-    any_top_k: bool
-    any_top_p: bool
-    seeds: torch.Tensor | None = None
-    seeded_mask: torch.Tensor | None = None
-    seeded_rows: torch.Tensor | None = None
-    any_seeded: bool = False
-    all_seeded: bool = False
-    any_unseeded: bool = True
-    min_p: torch.Tensor | None = None
-    any_min_p: bool = False
-    processors: BatchProcessors | None = None
-
-    @classmethod
-    def from_params(cls, params: list[SamplingParams], device: torch.device | str = "cpu", *,
-                    prompt_lens: list[int] | None = None,
-                    min_tokens_ids: list[tuple[int, ...]] | None = None) -> BatchSampling:
-        """Stack ``params`` (one per row, in batch order) into tensors on ``device``.
-
-        ``prompt_lens`` (tokens) and ``min_tokens_ids`` (per row, the ids masked under
-        ``min_tokens``: EOS and ``stop_token_ids``, each ``< V``) feed the
-        :attr:`processors`; ``ValueError`` when a row has a penalty or ``min_tokens`` and they
-        are missing."""
-        greedy = [p.is_greedy for p in params]
-        seeded = [p.seed is not None and not g for p, g in zip(params, greedy)]
-        min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
-        return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32,
-                                     device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-            greedy_mask=torch.tensor(greedy, dtype=torch.bool, device=device),
-            all_greedy=all(greedy),
-            any_top_k=any(p.top_k > 0 and not g for p, g in zip(params, greedy)),
-            any_top_p=any(p.top_p < 1.0 and not g for p, g in zip(params, greedy)),
-            seeds=torch.tensor([seed_to_int64(p.seed or 0) for p in params], dtype=torch.int64,
-                               device=device),
-            seeded_mask=torch.tensor(seeded, dtype=torch.bool, device=device),
-            seeded_rows=torch.tensor([i for i, s in enumerate(seeded) if s], dtype=torch.int64,
-                                     device=device),
-            any_seeded=any(seeded),
-            all_seeded=bool(seeded) and all(seeded),
-            any_unseeded=not all(g or s for g, s in zip(greedy, seeded)),
-            min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
-            any_min_p=any(m > 0 for m in min_p),
-            processors=BatchProcessors.build(params, prompt_lens, min_tokens_ids, device),
-        )
-
-    @property
-    def batch_size(self) -> int:
-        return self.temperature.shape[0]
-
-    def select(self, index: torch.Tensor) -> BatchSampling:
-        """The sub-batch of rows ``index`` (``[B']`` int64, in the new batch order).
-
-        Recomputes the flags, which reads them back from the device once: call it when the
-        batch composition changes (requests finish), not per step.
-        """
-        index = index.to(device=self.temperature.device, dtype=torch.int64)
-        temperature = self.temperature.index_select(0, index)
-        top_p = self.top_p.index_select(0, index)
-        top_k = self.top_k.index_select(0, index)
-        greedy = self.greedy_mask.index_select(0, index)
-        all_greedy, any_top_k, any_top_p = torch.stack([
-            greedy.all(), ((top_k > 0) & ~greedy).any(),
-            ((top_p < 1.0) & ~greedy).any()]).tolist()
-        out = BatchSampling(temperature, top_p, top_k, greedy, all_greedy, any_top_k, any_top_p)
-        if self.seeds is not None and self.seeded_mask is not None:
-            out.seeds = self.seeds.index_select(0, index)
-            out.seeded_mask = self.seeded_mask.index_select(0, index)
-            out.seeded_rows = out.seeded_mask.nonzero().squeeze(1)  # one more sync
-            n = out.seeded_rows.numel()
-            out.any_seeded, out.all_seeded = n > 0, 0 < n == index.numel()
-            out.any_unseeded = bool((~(out.seeded_mask | greedy)).any())
-        if self.min_p is not None:
-            out.min_p = self.min_p.index_select(0, index)
-            out.any_min_p = bool((out.min_p > 0).any())
-        if self.processors is not None:
-            out.processors = self.processors.select(index)
-        return out
-
 
 def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
     """One-hot float32 at ``logits.argmax(-1)`` (first index among ties), same shape."""
@@ -614,6 +306,40 @@ def speculative_accept(
     Raises ``ValueError`` on inconsistent shapes, a non-int64 ``draft_tokens`` or seeded rows
     without ``positions`` (shape checks only; token values are not checked on device).
     """
+    b, k, _ = _check_accept_inputs(draft_tokens, draft_probs, target_logits, sampling)
+    target_logits = target_logits.float()
+    # greedy and seeded rows accept while the drafts equal the target's argmax / seeded draw
+    choice = target_logits.argmax(-1)  # [B, k+1]
+    p = None
+    if sampling.any_seeded:
+        p = target_probs(target_logits, sampling)  # [B, k+1, V]
+        choice = _merge_seeded(choice, _coupled_draws(p, sampling, positions), sampling)
+    accepted = _accepted_prefix(draft_tokens == choice[:, :k])
+    last = choice.gather(1, accepted[:, None]).squeeze(1)
+    if not sampling.all_greedy and sampling.any_unseeded:
+        if p is None:
+            p = target_probs(target_logits, sampling)
+        rejection, drawn = _rejection_sample(draft_tokens, draft_probs, p, generator)
+        exact = _exact_rows(sampling)
+        accepted = torch.where(exact, accepted, rejection)
+        last = torch.where(exact, last, drawn)
+    return accepted, _emitted(draft_tokens, accepted, last)
+
+
+def _exact_rows(sampling: BatchSampling) -> torch.Tensor:
+    """``[B]`` bool: the rows whose emitted tokens are the target's own choices (greedy rows,
+    and seeded rows with their coupled draws)."""
+    if not sampling.any_seeded:
+        return sampling.greedy_mask
+    assert sampling.seeded_mask is not None
+    return sampling.greedy_mask | sampling.seeded_mask
+
+
+def _check_accept_inputs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                         target_logits: torch.Tensor,
+                         sampling: BatchSampling) -> tuple[int, int, int]:
+    """``(B, k, V)`` of :func:`speculative_accept`'s inputs; ``ValueError`` naming the input
+    whose shape (or ``draft_tokens``' dtype) is wrong."""
     if draft_tokens.dim() != 2 or draft_tokens.dtype != torch.int64:
         raise ValueError(f"speculative_accept: draft_tokens must be [B, k] int64, got "
                          f"{list(draft_tokens.shape)} {draft_tokens.dtype}")
@@ -628,54 +354,55 @@ def speculative_accept(
     if sampling.batch_size != b:
         raise ValueError(f"speculative_accept: sampling has {sampling.batch_size} rows, "
                          f"draft_tokens has {b}")
-    device = target_logits.device
-    target_logits = target_logits.float()
-    # the target's own choice per column on the greedy and seeded rows: the argmax, or the
-    # seeded draw; such rows accept while the drafts equal it
-    choice = target_logits.argmax(-1)  # [B, k+1]
-    p = None
-    if sampling.any_seeded:
-        p = target_probs(target_logits, sampling)  # [B, k+1, V]
-        choice = _merge_seeded(choice, _coupled_draws(p, sampling, positions), sampling)
-    accepted = _accepted_prefix(draft_tokens == choice[:, :k])
-    last = choice.gather(1, accepted[:, None]).squeeze(1)
+    return b, k, v
 
-    if not sampling.all_greedy and sampling.any_unseeded:
-        if p is None:
-            p = target_probs(target_logits, sampling)
-        u = torch.rand((b, k), generator=generator, device=device)
-        p_x = p[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
-        if draft_probs is None:
-            q_x = torch.ones_like(p_x)
-        else:
-            draft_probs = draft_probs.float()
-            q_x = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
-        rejection = _accepted_prefix(u * q_x < p_x)
-        # Distribution of the last emitted token: residual at the first rejection, p_k after
-        # all accepts (q is taken as 0 there, so the residual is p_k itself).
-        p_j = p.gather(1, rejection.view(b, 1, 1).expand(b, 1, v)).squeeze(1)  # [B, V]
-        if k == 0:
-            residual = p_j
-        else:
-            has_draft = (rejection < k)[:, None]
-            j = rejection.clamp(max=k - 1)
-            if draft_probs is None:
-                x_j = draft_tokens.gather(1, j[:, None])
-                q_j = torch.zeros_like(p_j).scatter_(1, x_j, has_draft.float())
-            else:
-                q_j = draft_probs.gather(1, j.view(b, 1, 1).expand(b, 1, v)).squeeze(1)
-                q_j = q_j * has_draft
-            residual = (p_j - q_j).clamp_min(0.0)
-            residual = torch.where(residual.sum(-1, keepdim=True) > _RESIDUAL_EPS, residual, p_j)
-        exact = sampling.greedy_mask
-        if sampling.any_seeded:
-            assert sampling.seeded_mask is not None
-            exact = exact | sampling.seeded_mask
-        accepted = torch.where(exact, accepted, rejection)
-        last = torch.where(exact, last, sample_from_probs(residual, generator))
 
-    pos = torch.arange(k + 1, device=device)
+def _rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                      p: torch.Tensor,
+                      generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rejection rule of the unseeded rows (Leviathan et al. 2023, Algorithm 1) over every
+    row: ``(accepted [B] int64, last token [B] int64)``. Draws ``[B, k]`` uniforms, then
+    ``[B, V]`` exponentials from ``generator`` (in that order: results depend on it)."""
+    b, k = draft_tokens.shape
+    u = torch.rand((b, k), generator=generator, device=p.device)
+    p_x = p[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
+    if draft_probs is None:
+        q_x = torch.ones_like(p_x)
+    else:
+        draft_probs = draft_probs.float()
+        q_x = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
+    rejection = _accepted_prefix(u * q_x < p_x)
+    residual = _residual(draft_tokens, draft_probs, p, rejection)
+    return rejection, sample_from_probs(residual, generator)
+
+
+def _residual(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, p: torch.Tensor,
+              rejection: torch.Tensor) -> torch.Tensor:
+    """Distribution ``[B, V]`` of the last emitted token: ``norm(max(0, p_j - q_j))`` at the
+    first rejection ``j`` (``p_j`` when that mass is below :data:`_RESIDUAL_EPS`), ``p_k``
+    after all accepts (``q`` is taken as 0 there, so the residual is ``p_k`` itself)."""
+    b, k = draft_tokens.shape
+    v = p.shape[2]
+    p_j = p.gather(1, rejection.view(b, 1, 1).expand(b, 1, v)).squeeze(1)  # [B, V]
+    if k == 0:
+        return p_j
+    has_draft = (rejection < k)[:, None]
+    j = rejection.clamp(max=k - 1)
+    if draft_probs is None:
+        x_j = draft_tokens.gather(1, j[:, None])
+        q_j = torch.zeros_like(p_j).scatter_(1, x_j, has_draft.float())
+    else:
+        q_j = draft_probs.gather(1, j.view(b, 1, 1).expand(b, 1, v)).squeeze(1)
+        q_j = q_j * has_draft
+    residual = (p_j - q_j).clamp_min(0.0)
+    return torch.where(residual.sum(-1, keepdim=True) > _RESIDUAL_EPS, residual, p_j)
+
+
+def _emitted(draft_tokens: torch.Tensor, accepted: torch.Tensor,
+             last: torch.Tensor) -> torch.Tensor:
+    """``[B, k + 1]``: the accepted drafts, then ``last``, then ``-1``."""
+    b, k = draft_tokens.shape
+    pos = torch.arange(k + 1, device=draft_tokens.device)
     acc = accepted[:, None]
     drafts = torch.cat([draft_tokens, draft_tokens.new_full((b, 1), -1)], dim=1)
-    out_tokens = torch.where(pos < acc, drafts, torch.where(pos == acc, last[:, None], -1))
-    return accepted, out_tokens
+    return torch.where(pos < acc, drafts, torch.where(pos == acc, last[:, None], -1))
