@@ -14,7 +14,7 @@ from specdial._core import ConfigError
 from specdial.engine import Engine
 from specdial.worker import graph_passes
 from specdial.worker.graph_tables import default_cuda_graph_bs
-from specdial.worker.step_runner import StepRunner
+from specdial.worker.graph_passes import GraphPasses
 
 KW = dict(max_running_requests=8, kv_cache_tokens=2048, page_size=8, drafter_max_steps=7,
           log_interval_s=None)
@@ -87,14 +87,14 @@ def test_adaptive_switching_graphs_equal_eager(models):
 
 def test_padded_replay_and_pruned_plan(tiny, monkeypatch):
     seen = []
-    fill = StepRunner._fill_verify
+    fill = GraphPasses._fill_verify
 
     def spy(self, g, input_ids, positions, out_loc, kv, start):
         if input_ids is not None:  # not a capture
             seen.append((len(start), g))
         return fill(self, g, input_ids, positions, out_loc, kv, start)
 
-    monkeypatch.setattr(StepRunner, "_fill_verify", spy)
+    monkeypatch.setattr(GraphPasses, "_fill_verify", spy)
     engine = Engine.from_modules(tiny.target, tiny.draft_noisy,
                                  speculative_adaptive_config=ADAPTIVE, speculative_initial_steps=3,
                                  **GRAPHS, **KW)

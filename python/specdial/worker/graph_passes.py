@@ -1,11 +1,11 @@
-"""The graph half of a :class:`~specdial.worker.step_runner.StepRunner`: capture, padded
-replay and eager fallback of passes described by a KV layout.
+"""The graph half of a step runner: capture, padded replay and eager fallback of passes
+described by a KV layout.
 
-:class:`GraphPasses` is a mixin: :class:`~specdial.worker.step_runner.StepRunner` sets its
-attributes (``steps``, ``n``, ``buffers``, ``pool``, the static attention metadata, ``stats``)
-and provides the pass bodies ``_verify_pass`` / ``_draft_pass`` / ``_extend_pass``, which this
-half captures over the buffers padded to a graph size or runs eagerly with metadata planned
-from the layout. The public passes :meth:`GraphPasses.verify`, :meth:`GraphPasses.draft` and
+:class:`GraphPasses` is built by :class:`~specdial.worker.step_runner.StepRunner` with
+explicit inputs (composition): the :class:`~specdial.worker.pass_bodies.PassBodies` of its
+steps value, which it captures over the static buffers padded to a graph size or runs eagerly
+with metadata planned from the layout, the buffers, the :class:`GraphPool` and the pad KV
+KV slot. The public passes :meth:`GraphPasses.verify`, :meth:`GraphPasses.draft` and
 :meth:`GraphPasses.draft_extend` take device tensors and a
 :class:`~specdial.worker.step_buffers.KVLayout`; ``start`` arrays are host int64 ``[B]``.
 """
@@ -19,9 +19,12 @@ import numpy as np
 import torch
 
 from specdial.attention.base import expand_kv_indices
+from specdial.attention.select import make_static_attention
 from specdial.models.batch import ForwardBatch
-from specdial.worker.sampling import BatchSampling, SamplingParams
-from specdial.worker.graph_pool import GraphPool, _Graph
+from specdial.worker.batch_sampling import BatchSampling
+from specdial.worker.graph_pool import CapturedGraph, GraphPool
+from specdial.worker.pass_bodies import PassBodies
+from specdial.worker.sampling_params import SamplingParams
 from specdial.worker.step_buffers import KVLayout, RunnerStats, StaticBuffers, VerifyOutput
 
 I64 = torch.int64
@@ -45,36 +48,51 @@ def _load_into(dst: torch.Tensor, src: torch.Tensor | None) -> None:
 
 
 class GraphPasses:
-    """Capture, padded replay and eager fallback (see the module docstring)."""
+    """Capture, padded replay and eager fallback of one steps value's passes.
 
-    # set by StepRunner.__init__ (the mixin's contract)
-    steps: int
-    n: int
-    drafter: Any
-    backend: Any
-    buffers: StaticBuffers
-    pool: GraphPool | None
-    device: torch.device
-    pad_slot: int
-    dummy_token_id: int
-    needs_hidden: bool
-    extend_uses_attention: bool
-    max_graph_bs: int
-    verify_attn: Any
-    draft_attn: list[Any]
-    extend_attn: Any
-    graphs: dict[tuple[str, int], _Graph]
-    sizes: list[int]
-    stats: RunnerStats
-    enabled: bool
-    _greedy: dict[int, BatchSampling]
-    _verify_pass: Callable[..., Any]
-    _draft_pass: Callable[..., Any]
-    _extend_pass: Callable[..., Any]
+    - ``bodies``: the :class:`PassBodies` (steps, models, backend) it captures or runs.
+    - ``buffers``: the engine's one :class:`StaticBuffers`; ``pool``: the shared
+      :class:`GraphPool`, or None (every pass eager, nothing captured).
+    - ``max_graph_bs``: largest capture size (sizes the static attention metadata);
+      ``kv_capacity``: most KV positions of one request.
+    - ``pad_kv_slot``: the KV pools' pad sentinel (padded requests write and read it);
+      ``dummy_token_id``: token of padded requests (any valid id).
+
+    :attr:`enabled` False runs every pass eagerly (``disable_cuda_graph`` comparisons).
+    """
+
+    def __init__(self, bodies: PassBodies, *, buffers: StaticBuffers, pool: GraphPool | None,
+                 max_graph_bs: int, kv_capacity: int, pad_kv_slot: int,
+                 dummy_token_id: int = 0) -> None:
+        self.bodies, self.buffers, self.pool = bodies, buffers, pool
+        self.steps, self.n = bodies.steps, bodies.steps + 1
+        self.backend, self.device = bodies.backend, buffers.device
+        self.has_drafter = bodies.has_drafter
+        self.needs_hidden = bodies.needs_hidden
+        self.extend_uses_attention = bodies.extend_uses_attention
+        self.max_graph_bs, self.pad_kv_slot = max_graph_bs, pad_kv_slot
+        self.dummy_token_id = dummy_token_id
+        self.verify_attn: Any = None
+        self.extend_attn: Any = None
+        self.draft_attn: list[Any] = []
+        if pool is not None:
+            dev, mg = self.device, max_graph_bs
+            self.verify_attn = make_static_attention(self.backend, mg, self.n, kv_capacity, dev)
+            self.draft_attn = [make_static_attention(self.backend, mg, 1, kv_capacity, dev)
+                               for _ in range(self.steps)]
+            if self.has_drafter:
+                self.extend_attn = make_static_attention(self.backend, mg, self.n, kv_capacity,
+                                                         dev)
+        self.graphs: dict[tuple[str, int], CapturedGraph] = {}
+        self.sizes: list[int] = []  # captured batch sizes, ascending
+        self.stats = RunnerStats()
+        #: False: every pass runs eagerly with dynamic metadata (``disable_cuda_graph``)
+        self.enabled = pool is not None
+        self._greedy: dict[int, BatchSampling] = {}
 
     # ------------------------------------------------------------------ sizes
     def passes(self) -> tuple[str, ...]:
-        if self.drafter is None:
+        if not self.has_drafter:
             return ("verify",)
         return (("draft",) if self.steps else ()) + ("verify", "extend")
 
@@ -141,7 +159,7 @@ class GraphPasses:
         batch = ForwardBatch(b.verify_input_ids[:m], b.verify_positions[:m], b.verify_out_loc[:m],
                              self._verify_meta)
 
-        return lambda: self._verify_pass(batch)
+        return lambda: self.bodies.verify(batch)
 
     def _draft_body(self, g: int) -> Callable[[], Any]:
         b, k = self.buffers, self.steps
@@ -150,7 +168,7 @@ class GraphPasses:
         first = b.draft_first_hidden[:g] if self.needs_hidden else None
         sampling = self._greedy_sampling(g)
 
-        return lambda: self._draft_pass(batches, first, sampling, None)[0]
+        return lambda: self.bodies.draft(batches, first, sampling, None)[0]
 
     def _extend_body(self, g: int) -> Callable[[], Any]:
         b, m = self.buffers, g * self.n
@@ -158,7 +176,7 @@ class GraphPasses:
                              self._extend_meta)
         hidden = b.extend_hidden[:m] if self.needs_hidden else None
 
-        return lambda: self._extend_pass(batch, hidden)
+        return lambda: self.bodies.extend(batch, hidden)
 
     # ------------------------------------------------------------------ input filling
     def _fill_verify(self, g, input_ids, positions, out_loc, kv: KVLayout, start) -> None:
@@ -167,14 +185,14 @@ class GraphPasses:
         m, mb = g * n, b * n
         for dst, src, pad in ((buf.verify_input_ids, input_ids, self.dummy_token_id),
                               (buf.verify_positions, positions, 0),
-                              (buf.verify_out_loc, out_loc, self.pad_slot)):
+                              (buf.verify_out_loc, out_loc, self.pad_kv_slot)):
             if mb:
                 _load_into(dst[:mb], src)
             dst[mb:m].fill_(pad)
         kv_lens = _pad(start + n, g, n)
         valid = _pad(np.minimum(kv.lens, start + n), g, 0)
         self._verify_meta = self.verify_attn.plan(
-            g, kv.indices, _pad(kv.lens, g, 0), kv_lens, valid, self.pad_slot)
+            g, kv.indices, _pad(kv.lens, g, 0), kv_lens, valid, self.pad_kv_slot)
 
     def _fill_draft(self, g, input_ids, positions, out_loc, kv: KVLayout, start,
                     first_hidden) -> None:
@@ -186,7 +204,7 @@ class GraphPasses:
             _load_into(loc[:k, :b], out_loc)
         ids[:k, b:g].fill_(self.dummy_token_id)
         pos[:k, b:g].fill_(0)
-        loc[:k, b:g].fill_(self.pad_slot)
+        loc[:k, b:g].fill_(self.pad_kv_slot)
         if self.needs_hidden:
             if b:
                 buf.draft_first_hidden[:b].copy_(first_hidden)
@@ -197,7 +215,7 @@ class GraphPasses:
             lens = start + 1 + i
             self._draft_metas.append(attn.plan(
                 g, kv.indices, flat_lens, _pad(lens, g, 1),
-                _pad(np.minimum(kv.lens, lens), g, 0), self.pad_slot))
+                _pad(np.minimum(kv.lens, lens), g, 0), self.pad_kv_slot))
 
     def _fill_extend(self, g, input_ids, positions, out_loc, hidden_states, kv: KVLayout,
                      start, counts, plan: bool) -> None:
@@ -213,7 +231,7 @@ class GraphPasses:
             dst = req * n + j
         for t, src, pad in ((buf.extend_input_ids, input_ids, self.dummy_token_id),
                             (buf.extend_positions, positions, 0),
-                            (buf.extend_out_loc, out_loc, self.pad_slot)):
+                            (buf.extend_out_loc, out_loc, self.pad_kv_slot)):
             t[:m].fill_(pad)
             if dst is not None:
                 t[dst] = src
@@ -224,17 +242,17 @@ class GraphPasses:
         if self.extend_attn is not None and plan:
             self._extend_meta = self.extend_attn.plan(
                 g, kv.indices, _pad(kv.lens, g, 0), _pad(start + n, g, n),
-                _pad(start + counts, g, 0), self.pad_slot)
+                _pad(start + counts, g, 0), self.pad_kv_slot)
 
     # ------------------------------------------------------------------ passes
     @torch.inference_mode()
     def verify(self, input_ids: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor,
                kv: KVLayout, start: np.ndarray, graph_bs: int | None = None) -> VerifyOutput:
         """Target forward over ``B * n`` tokens (``[x_L, d_1..d_k]`` per request at positions
-        ``start[b] .. start[b] + k``; ``out_loc`` their slots, the pad slot allowed).
+        ``start[b] .. start[b] + k``; ``out_loc`` their KV slots, the pad KV slot allowed).
 
         Keys of request ``b``: positions ``0 .. start[b] + k`` from ``kv`` (entries past
-        ``kv.lens[b]`` read the pad slot, for requests verifying fewer than ``k`` drafts).
+        ``kv.lens[b]`` read the pad KV slot, for requests verifying fewer than ``k`` drafts).
         Returns :class:`VerifyOutput` of ``B * n`` rows."""
         start = np.asarray(start, np.int64)
         b, n = len(start), self.n
@@ -257,14 +275,14 @@ class GraphPasses:
               graph_bs: int | None = None, sample_positions: torch.Tensor | None = None,
               processing: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``k`` draft forwards: ``input_ids`` ``[B]`` (``x_L``), ``positions`` / ``out_loc``
-        ``[k, B]`` (``L + i`` and its slot), ``start`` = ``L``; step ``i`` attends to positions
+        ``[k, B]`` (``L + i`` and its KV slot), ``start`` = ``L``; step ``i`` attends to positions
         ``0 .. L + i``. ``first_hidden`` ``[B, H]``: EAGLE's ``h_{L-1}``. Greedy batches replay
         the graph; sampling batches (``sampling.all_greedy`` false) run eagerly, with
         ``sample_positions`` (``[B]``, draft 1's sequence index, for seeded rows) passed to
         :meth:`Drafter.draft`; so do batches with penalties or ``min_tokens`` (``processing``,
         a :class:`~specdial.worker.processors.StepProcessing`: the graph drafts unprocessed).
         Returns ``(tokens [B, k] int64, probs [B, k, V] or None)``."""
-        if self.steps == 0 or self.drafter is None:
+        if self.steps == 0 or not self.has_drafter:
             raise ValueError("draft needs steps >= 1 and a drafter")
         start = np.asarray(start, np.int64)
         b, k = len(start), self.steps
@@ -297,7 +315,7 @@ class GraphPasses:
         ``start[b] ..`` (packed ragged ``[sum(counts)]`` inputs; ``hidden_states``
         ``[sum(counts), H]`` for EAGLE). The graph holds ``n`` tokens per request; a request with
         more (a catch-up) runs eagerly."""
-        if self.drafter is None:
+        if not self.has_drafter:
             raise ValueError("draft_extend needs a drafter")
         start, counts = np.asarray(start, np.int64), np.asarray(counts, np.int64)
         b, m = len(start), int(np.sum(counts))
@@ -326,7 +344,7 @@ class GraphPasses:
 
     # ------------------------------------------------------------------ eager fallbacks
     def _plan_eager(self, kv: KVLayout, qo: np.ndarray, kv_lens: np.ndarray, valid: np.ndarray):
-        idx, _, _ = expand_kv_indices(kv.indices, kv.lens, kv_lens, valid, self.pad_slot)
+        idx, _, _ = expand_kv_indices(kv.indices, kv.lens, kv_lens, valid, self.pad_kv_slot)
         return self.backend.plan(torch.from_numpy(qo), torch.from_numpy(kv_lens), idx)
 
     def _verify_eager(self, input_ids, positions, out_loc, kv, start) -> VerifyOutput:
@@ -335,7 +353,7 @@ class GraphPasses:
                                 np.minimum(kv.lens, start + n))
         batch = ForwardBatch(input_ids.reshape(-1), positions.reshape(-1), out_loc.reshape(-1),
                              meta)
-        return VerifyOutput(*self._verify_pass(batch))
+        return VerifyOutput(*self.bodies.verify(batch))
 
     def _draft_eager(self, input_ids, positions, out_loc, kv, start, first_hidden, sampling,
                      generator, sample_positions=None, processing=None):
@@ -350,7 +368,7 @@ class GraphPasses:
             batches.append(ForwardBatch(ids[i], positions[i], out_loc[i], meta))
         if sampling is None:
             sampling = BatchSampling.from_params([SamplingParams()] * b, self.device)
-        return self._draft_pass(batches, first_hidden, sampling, generator, sample_positions,
+        return self.bodies.draft(batches, first_hidden, sampling, generator, sample_positions,
                                 processing)
 
     def _extend_eager(self, input_ids, positions, out_loc, kv, start, counts, hidden_states):
@@ -362,4 +380,4 @@ class GraphPasses:
             kv = KVLayout(kv.indices[torch.from_numpy(kv_keep).to(self.device)], kv.lens[keep])
             start, counts = start[keep], counts[keep]
         meta = self._plan_eager(kv, counts, start + counts, start + counts)
-        self._extend_pass(ForwardBatch(input_ids, positions, out_loc, meta), hidden_states)
+        self.bodies.extend(ForwardBatch(input_ids, positions, out_loc, meta), hidden_states)

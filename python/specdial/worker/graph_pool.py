@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
 from specdial.worker.graph_tables import CapturePlan
 
-if TYPE_CHECKING:
-    from specdial.worker.step_runner import StepRunner
 
-
-class _Graph:
+class CapturedGraph:
     """A captured pass: ``replay()`` returns its outputs (the same tensors every replay, except
     in eager mode, where the pass simply runs and returns fresh ones)."""
 
@@ -83,14 +80,14 @@ class GraphPool:
     def use_graphs(self) -> bool:
         return self.mode != "eager"
 
-    def capture(self, body: Callable[[], Any]) -> _Graph:
+    def capture(self, body: Callable[[], Any]) -> CapturedGraph:
         """Capture ``body`` (a pass reading only static buffers) per :attr:`mode`."""
         t0 = time.perf_counter()
         if self.mode == "eager":
-            return _Graph(body, eager=True)
+            return CapturedGraph(body, eager=True)
         if self.mode == "emulate":
             out = body()
-            graph = _Graph(lambda: _copy_into(out, body()), out)
+            graph = CapturedGraph(lambda: _copy_into(out, body()), out)
         else:
             stream = self.stream
             assert stream is not None
@@ -102,11 +99,23 @@ class GraphPool:
             cuda_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(cuda_graph, pool=self.handle, stream=stream):
                 out = body()
-            graph = _Graph(cuda_graph.replay, out, cuda_graph)
+            graph = CapturedGraph(cuda_graph.replay, out, cuda_graph)
             torch.cuda.synchronize(self.device)
         self.capture_seconds += time.perf_counter() - t0
         self.num_captured += 1
         return graph
+
+
+class Capturable(Protocol):
+    """What :func:`capture_all` needs of a runner (a
+    :class:`~specdial.worker.step_runner.StepRunner`): its buffers (``check(plan)``), device,
+    pool, and ``capture_one(batch_size)``."""
+
+    buffers: Any
+    device: torch.device
+    pool: Any
+
+    def capture_one(self, g: int) -> None: ...
 
 
 @dataclass
@@ -120,7 +129,7 @@ class CaptureReport:
     plan: dict[str, Any]
 
 
-def capture_all(runners: Mapping[int, "StepRunner"], plan: CapturePlan) -> CaptureReport:
+def capture_all(runners: Mapping[int, Capturable], plan: CapturePlan) -> CaptureReport:
     """Capture ``plan`` across the runners (one per steps value), largest batch first.
 
     Raises ``KeyError`` when the plan names a steps value without a runner and ``ValueError``

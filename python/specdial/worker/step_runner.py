@@ -3,16 +3,18 @@
 A :class:`StepRunner` is everything bound to one ``steps`` value ``k`` (DESIGN.md "runtime
 state"), built once at engine start and swapped as a unit when the chosen steps change. It
 prepares a decode batch's inputs in the engine's one
-:class:`~specdial.worker.step_buffers.StaticBuffers` and runs the draft, verify and draft-extend passes. Each pass has **one body** (``_verify_pass``,
-``_draft_pass``, ``_extend_pass``) that runs eagerly over the buffers' prefix with dynamic
-attention metadata, or is captured over the prefix padded to a graph size with fixed-shape
-metadata and replayed (gpt-fast style). Inputs are written into the buffers once: the graph
+:class:`~specdial.worker.step_buffers.StaticBuffers` and runs the draft, verify and
+draft-extend passes. Each pass has **one body**
+(:class:`~specdial.worker.pass_bodies.PassBodies`) that runs eagerly over the buffers' prefix
+with dynamic attention metadata, or is captured over the prefix padded to a graph size with
+fixed-shape metadata and replayed (gpt-fast style) by the runner's graph half, a
+:class:`~specdial.worker.graph_passes.GraphPasses` it owns. Inputs are written into the buffers once: the graph
 path only pads the tail.
 
 With a :class:`~specdial.worker.graph_pool.GraphPool` (``pool``) a batch of ``b`` requests
 replays the graph of ``graph_bs`` (the Rust ``graph_key``'s padded size) or of the smallest
 captured size ``g >= b``; the ``g - b`` padded requests get a valid dummy token id, position 0,
-the pool's pad slot as KV write target and only pad slots as keys, and their outputs are
+the pool's pad KV slot as KV write target and only pad KV slots as keys, and their outputs are
 ignored. Batches above the largest captured size, uncaptured keys, sampling or processed drafts
 and long catch-up extends run the same bodies eagerly (counted in :attr:`StepRunner.stats`).
 Without a pool every pass runs eagerly, its metadata planned from the request tables.
@@ -36,21 +38,19 @@ import numpy as np
 import torch
 
 from specdial.attention.base import AttentionBackend
-from specdial.attention.select import make_static_attention
 from specdial.kv_pool import KVPool
 from specdial.models.batch import ForwardBatch
-from specdial.worker.drafters import run_target
 from specdial.worker.graph_passes import GraphPasses
-from specdial.worker.graph_pool import GraphPool, _Graph
+from specdial.worker.graph_pool import CapturedGraph, GraphPool
 from specdial.worker.graph_tables import CapturePlan
+from specdial.worker.pass_bodies import PassBodies
 from specdial.worker.runtime import DecodeBatches, RequestTables, load, ragged_positions
-from specdial.worker.sampling import BatchSampling
 from specdial.worker.step_buffers import KVLayout, RunnerStats, StaticBuffers, VerifyOutput
 
 I64 = torch.int64
 
 
-class StepRunner(GraphPasses):
+class StepRunner:
     """Buffers, metadata and passes of one ``steps`` value, eager or replayed.
 
     Arguments:
@@ -85,51 +85,45 @@ class StepRunner(GraphPasses):
         if drafter is not None and steps > drafter.max_steps:
             raise ValueError(f"steps {steps} above the drafter's max_steps {drafter.max_steps}")
         self.steps, self.n = steps, steps + 1
-        self.target, self.target_kv, self.drafter = target, target_kv, drafter
-        self.backend, self.buffers, self.tables, self.pool = backend, buffers, tables, pool
-        self.max_bs = buffers.max_bs
-        self.kv_capacity, self.logits_in_graph = kv_capacity, logits_in_graph
-        self.dummy_token_id = dummy_token_id
-        self.pad_slot = target_kv.pad_slot
-        self.device = dev = buffers.device
-        self.needs_hidden = bool(drafter is not None and drafter.needs_target_hidden)
-        # a one-layer drafter's KV-only extend never runs attention (the last layer only
-        # writes K/V), so its extend needs no attention plan
-        self.extend_uses_attention = drafter is not None and drafter.num_layers > 1
-        self.max_graph_bs = mg = max_graph_bs or buffers.max_bs
-        self.verify_attn = self.extend_attn = None
-        self.draft_attn: list[Any] = []
-        if pool is not None:
-            self.verify_attn = make_static_attention(backend, mg, self.n, kv_capacity, dev)
-            self.draft_attn = [make_static_attention(backend, mg, 1, kv_capacity, dev)
-                               for _ in range(steps)]
-            if drafter is not None:
-                self.extend_attn = make_static_attention(backend, mg, self.n, kv_capacity, dev)
-        self.graphs: dict[tuple[str, int], _Graph] = {}
-        self.sizes: list[int] = []  # captured batch sizes, ascending
-        self.stats = RunnerStats()
-        #: False: every pass runs eagerly with dynamic metadata (``disable_cuda_graph``)
-        self.enabled = pool is not None
-        self._greedy: dict[int, BatchSampling] = {}
+        self.buffers, self.tables, self.pool = buffers, tables, pool
+        self.backend, self.max_bs, self.device = backend, buffers.max_bs, buffers.device
+        self.pad_kv_slot = target_kv.pad_slot
+        #: the pass bodies, run eagerly here and captured / replayed by :attr:`graph`
+        self.bodies = PassBodies(steps, target=target, target_kv=target_kv, drafter=drafter,
+                                 backend=backend, logits_in_graph=logits_in_graph)
+        #: the graph half (composition: explicit inputs, no shared attributes)
+        self.graph = GraphPasses(self.bodies, buffers=buffers, pool=pool,
+                                 max_graph_bs=max_graph_bs or buffers.max_bs,
+                                 kv_capacity=kv_capacity, pad_kv_slot=self.pad_kv_slot,
+                                 dummy_token_id=dummy_token_id)
+        # the graph half's public face, on the runner
+        self.verify, self.draft = self.graph.verify, self.graph.draft
+        self.draft_extend, self.padded_bs = self.graph.draft_extend, self.graph.padded_bs
+        self.capture, self.capture_one = self.graph.capture, self.graph.capture_one
+        self.passes = self.graph.passes
 
-    # ------------------------------------------------------------------ the pass bodies
-    def _verify_pass(self, batch: ForwardBatch):
-        """Target forward -> ``(hidden, logits or None, drafter features or None)``."""
-        hidden, feats = run_target(self.target, self.drafter, batch, self.target_kv,
-                                   self.backend)
-        logits = self.target.compute_logits(hidden) if self.logits_in_graph else None
-        return hidden, logits, feats
+    @property
+    def enabled(self) -> bool:
+        """False: every pass runs eagerly with dynamic metadata (``disable_cuda_graph``)."""
+        return self.graph.enabled
 
-    def _draft_pass(self, batches: list[ForwardBatch], first_hidden, sampling, generator,
-                    sample_positions=None, processing=None):
-        """``k`` draft forwards -> ``(tokens [B, k], probs or None)``."""
-        return self.drafter.draft(self.steps, batches, self.backend, first_hidden=first_hidden,
-                                  sampling=sampling, generator=generator,
-                                  sample_positions=sample_positions, processing=processing)
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        self.graph.enabled = value
 
-    def _extend_pass(self, batch: ForwardBatch, hidden: torch.Tensor | None) -> None:
-        """Drafter KV-only extend."""
-        self.drafter.extend(batch, self.backend, hidden_states=hidden, kv_only=True)
+    @property
+    def stats(self) -> RunnerStats:
+        """Replays and eager fallbacks of :attr:`graph`."""
+        return self.graph.stats
+
+    @property
+    def graphs(self) -> dict[tuple[str, int], CapturedGraph]:
+        return self.graph.graphs
+
+    @property
+    def sizes(self) -> list[int]:
+        """Captured batch sizes, ascending."""
+        return self.graph.sizes
 
     # ------------------------------------------------------------------ decode preparation
     def _plan(self, rows: torch.Tensor, qo_lens: np.ndarray, kv_lens: np.ndarray):
@@ -145,7 +139,7 @@ class StepRunner(GraphPasses):
         """Write the inputs of requests ``rows`` at ``target_len`` ``L`` (``[B]`` host) into
         the buffers.
 
-        The slots of positions ``L..L+steps`` must already be in the tables. Verify input
+        The KV slots of positions ``L..L+steps`` must already be in the tables. Verify input
         column 0 gets ``x_L``; draft step 1 input gets ``x_L``; later columns are filled by the
         draft pass. With a pool no eager metadata is planned here (``attn`` None): the batches
         carry the KV layout and ``graph_bs`` (the plan's) for the passes, which replay or plan
@@ -190,7 +184,7 @@ class StepRunner(GraphPasses):
                        hidden_rows: int | None = None
                        ) -> tuple[ForwardBatch, torch.Tensor | None]:
         """Forward batch over positions ``[starts[b], ends[b])`` of ``rows[b]`` (all
-        ``ends > starts``), token ids and slots read from the tables; used for prefill and
+        ``ends > starts``), token ids and KV slots read from the tables; used for prefill and
         eager draft extends. With ``hidden_rows`` (the zero row of the target-hidden buffer)
         also returns, per token at position ``p``, the hidden-buffer row of position ``p - 1``
         (``hidden_rows`` for ``p = 0``): EAGLE's input feature index."""
@@ -224,7 +218,7 @@ class StepRunner(GraphPasses):
             v = batches.verify
             return self.verify(v.input_ids, v.positions, v.out_loc, batches.layout,
                                batches.target_len, graph_bs=batches.graph_bs)
-        return VerifyOutput(*self._verify_pass(batches.verify))
+        return VerifyOutput(*self.bodies.verify(batches.verify))
 
     def run_draft(self, batches: DecodeBatches, **kwargs):
         """All ``steps`` draft forwards of a prepared batch -> ``(tokens [B, k], probs
@@ -236,7 +230,7 @@ class StepRunner(GraphPasses):
             return self.draft(buf.draft_input_ids[0, :b], buf.draft_positions[:k, :b],
                               buf.draft_out_loc[:k, :b], batches.layout, batches.target_len,
                               graph_bs=batches.graph_bs, **kwargs)
-        return self._draft_pass(batches.draft, **kwargs)
+        return self.bodies.draft(batches.draft, **kwargs)
 
     def run_extend(self, batches: DecodeBatches, rows: np.ndarray, starts: np.ndarray,
                    ends: np.ndarray, hidden: torch.Tensor | None,
