@@ -198,6 +198,7 @@ class WorkerDriver:
             adaptive_config=adaptive_config)
         self.cap, self.device = cap, self.worker.device
         self.last = np.zeros(max_requests, np.int64)  # x_L of every row
+        self.lens = np.zeros(max_requests, np.int64)  # L of every row (the driver's plans)
         self.outputs: list[list[int]] = []
         self._greedy: dict[int, BatchSampling] = {}
 
@@ -209,7 +210,7 @@ class WorkerDriver:
 
     def decode_input(self, rows: np.ndarray, steps: int, graph_bs: int | None) -> DecodeInput:
         """The plan a scheduler would give ``rows`` at their current lengths."""
-        L, n = self.worker.target_len[rows], steps + 1
+        L, n = self.lens[rows], steps + 1
         if int(L.max()) + n > self.cap:
             raise ValueError("request outgrew its slot range; raise cap")
         loc = (rows * self.cap + L)[:, None] + np.arange(n)[None, :]
@@ -227,6 +228,7 @@ class WorkerDriver:
         out = self.worker.prefill(inp, self.sampling(len(rows)), None)
         self.outputs = [[int(t)] for t in out.tokens]
         self.last[rows] = out.tokens
+        self.lens[rows] = lens
 
     def step(self, rows: np.ndarray, steps: int, graph_bs: int | None = None) -> np.ndarray:
         """One decode iteration of ``rows``; returns the accepted drafts ``[B]``."""
@@ -236,6 +238,7 @@ class WorkerDriver:
             toks = out.tokens_of(b)
             self.outputs[r].extend(toks.tolist())
             self.last[r] = toks[-1]
+        self.lens[rows] += out.accepted + 1
         return out.accepted
 
     def generate(self, prompts, new_tokens, schedule) -> tuple[list[list[int]], dict]:
@@ -502,7 +505,7 @@ def section_timing(sh: Shapes, args, log, deadline) -> dict:
         rows = np.arange(max_bs, dtype=np.int64)
         rng = np.random.default_rng(0)
         w.tables.write(rows, np.zeros(max_bs, np.int64), np.full(max_bs, cap, np.int64),
-                       slots=(rows[:, None] * cap + np.arange(cap)[None, :]).reshape(-1),
+                       kv_slots=(rows[:, None] * cap + np.arange(cap)[None, :]).reshape(-1),
                        ids=rng.integers(0, sh.model.vocab_size, size=max_bs * cap))
         d.last[:] = rng.integers(0, sh.model.vocab_size, size=max_bs)
         return d
@@ -527,12 +530,12 @@ def section_timing(sh: Shapes, args, log, deadline) -> dict:
                 d = drivers[(models, graphs)]
                 w = d.worker
                 w.skip_zero_step_draft_extend = skip
-                w.target_len[rows] = w.draft_len[rows] = sh.context
+                d.lens[rows] = w.draft_len[rows] = sh.context
                 inp = d.decode_input(rows, steps, None)
                 sampling = d.sampling(bs)
 
                 def it(w=w, inp=inp, sampling=sampling):
-                    w.target_len[rows] = w.draft_len[rows] = sh.context
+                    w.draft_len[rows] = sh.context
                     w.decode(inp, sampling, None)
                 iters = args.iters if graphs else max(3, args.iters // 2)
                 cell[mode] = timer(it, iters, warmup=3)

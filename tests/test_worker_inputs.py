@@ -44,7 +44,7 @@ def hand_run(worker: SpecWorker, prompts: list[list[int]]) -> list[list[int]]:
         # KV convention: the last token has no KV yet; it is this iteration's input
         positions = i64([len(prompts[r]) + len(outputs[r]) - 1 for r in live])
         steps_r = i64([min(steps, N - len(outputs[r]) - 1) for r in live])
-        out_loc = i64([r * W + positions[i] + j if j <= steps_r[i] else worker.pad_slot
+        out_loc = i64([r * W + positions[i] + j if j <= steps_r[i] else worker.pad_kv_slot
                        for i, r in enumerate(live) for j in range(steps + 1)])
         dec = worker.decode(DecodeInput(steps, None, i64(live), i64([outputs[r][-1] for r in live]),
                                         positions, out_loc, steps_r),

@@ -143,7 +143,7 @@ class TensorParallelRuntime:
 
         mirrored = Mirrored(worker, self.leader, METHODS, CHECKS, wire=_wire)
         self.mirrored = mirrored
-        pad = worker.pad_slot
+        pad = worker.pad_kv_slot
 
         class _Rank0Worker:
             """The worker as the loop sees it: plans become plain inputs before mirroring."""

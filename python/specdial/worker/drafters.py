@@ -10,7 +10,7 @@ Three implementations behind one :class:`Drafter` interface (chain drafting, top
   residual stream of a few target layers, drafting over its own reduced vocabulary whose ids
   it maps to the target's (``d2t``).
 
-All pools are indexed by the *same* slot indices as the target's: one
+All pools are indexed by the *same* KV slot indices as the target's: one
 :class:`specdial._core.KvPagePool` allocation serves target and drafter.
 
 Target features (EAGLE heads, ``needs_target_hidden``): every target forward goes through
@@ -18,14 +18,14 @@ Target features (EAGLE heads, ``needs_target_hidden``): every target forward goe
 *features*, the ``h`` its first draft step reads: the final hidden state itself for EAGLE-1,
 ``fc(cat(aux states))`` for EAGLE-3 (the target runs with
 :meth:`~specdial.models.LlamaForCausalLM.forward_with_aux`). The worker stores features per KV
-slot (``[num_slots + 2, feature_size]``); below, "hidden" of the target means these features.
+KV slot (``[num_slots + 2, feature_size]``); below, "hidden" of the target means these features.
 
 Position / validity convention (used by :mod:`specdial.worker.worker`):
 
 - Target: per request ``target_len`` ``L`` = positions whose target KV is written. The last
   emitted token ``x_L`` is *not* yet in the target KV. Verify feeds ``[x_L, d_1..d_k]`` at
   positions ``L..L+k``; after accepting ``a`` drafts the target keeps KV for ``L..L+a``, the
-  rejected slots are truncated back to the allocator, and the bonus token becomes ``x_{L+a+1}``
+  rejected KV slots are truncated back to the allocator, and the bonus token becomes ``x_{L+a+1}``
   (so ``L`` becomes ``L + a + 1``).
 - Drafter: per request ``draft_len`` = positions whose drafter KV is valid (was computed from
   the true sequence). EAGLE's input at position ``p`` is ``(embed(x_p), h_{p-1})`` where
@@ -44,7 +44,7 @@ Position / validity convention (used by :mod:`specdial.worker.worker`):
   the extend is skipped too and the next positive-steps iteration catches up over every missed
   position in one extend; without it the extend runs every iteration (SGLang PR #23994).
 
-Shapes: ``B`` requests, ``k`` steps, ``V`` vocabulary, ``H`` hidden size; tokens/positions/slots
+Shapes: ``B`` requests, ``k`` steps, ``V`` vocabulary, ``H`` hidden size; tokens/positions/KV slots
 int64, logits and probabilities float32, hidden states in the model dtype.
 """
 
@@ -74,11 +74,11 @@ DEFAULT_MAX_STEPS: int = EngineConfig.drafter_max_steps
 
 
 class Drafter(abc.ABC):
-    """A chain drafter with its own KV pool over the target's slot indices.
+    """A chain drafter with its own KV pool over the target's KV slot indices.
 
     Attributes: ``max_steps`` (largest ``k`` it supports), ``algorithm`` (``"DRAFT"``,
     ``"EAGLE"``, ``"EAGLE3"``), ``needs_target_hidden`` (EAGLE heads: the worker keeps the
-    target features of :func:`run_target` per slot, ``feature_size`` wide), ``kv`` (its
+    target features of :func:`run_target` per KV slot, ``feature_size`` wide), ``kv`` (its
     :class:`~specdial.kv_pool.KVPool`, set by :meth:`init_kv`), ``vocab_size`` (the target's:
     drafted tokens are target ids), ``num_layers`` (decoder layers; a one-layer drafter's
     KV-only extend runs no attention).
@@ -102,7 +102,7 @@ class Drafter(abc.ABC):
 
     @property
     def feature_size(self) -> int | None:
-        """Width of the per-slot target features (None: the drafter reads none)."""
+        """Width of the per-KV-slot target features (None: the drafter reads none)."""
         return None
 
     def run_target(self, target: LlamaForCausalLM, batch: ForwardBatch, kv: KVPool,
@@ -123,7 +123,7 @@ class Drafter(abc.ABC):
 
     @abc.abstractmethod
     def init_kv(self, num_slots: int) -> KVPool:
-        """Allocate (and keep as ``self.kv``) a pool of ``num_slots`` slots, same slot indices
+        """Allocate (and keep as ``self.kv``) a pool of ``num_slots`` KV slots, same KV slot indices
         as the target's; dtype/device follow the drafter's weights."""
 
     @abc.abstractmethod
@@ -146,7 +146,7 @@ class Drafter(abc.ABC):
                kv_only: bool = True) -> torch.Tensor | None:
         """Draft extend: process true tokens the drafter has not seen (``[draft_len, L)``).
 
-        ``batch``: ragged, ``T`` tokens at their true positions and slots. ``hidden_states``
+        ``batch``: ragged, ``T`` tokens at their true positions and KV slots. ``hidden_states``
         ``[T, H]``: for EAGLE, the target's hidden state at the position *before* each token
         (zeros at position 0); ignored by the draft model. Returns None with ``kv_only``
         (the default: no logits are ever needed from extend), else the drafter's hidden
@@ -168,7 +168,7 @@ class Drafter(abc.ABC):
         """Propose ``k >= 1`` tokens per request with ``k`` one-token forwards.
 
         ``steps[i]`` (``i < k``): the forward batch of draft step ``i + 1`` (``B`` tokens at
-        positions ``L + i``, the slots of those positions). ``steps[0].input_ids`` holds
+        positions ``L + i``, the KV slots of those positions). ``steps[0].input_ids`` holds
         ``x_L``; ``steps[i].input_ids`` for ``i >= 1`` are buffers this method fills with the
         previous step's tokens (fixed buffers: CUDA-graph friendly). ``first_hidden``
         ``[B, H]``: EAGLE's ``h_{L-1}`` (None for the draft model).

@@ -4,7 +4,7 @@
 :class:`specdial._core.SchedulePlan` in one place; :meth:`SpecWorker.prefill` /
 :meth:`SpecWorker.decode <specdial.worker.worker.SpecWorker.decode>` take either the plan or the
 input. Tests (and tools) can build the inputs by hand and drive the worker without a scheduler;
-the worker needs only that slots are distinct per position and rows unique per batch.
+the worker needs only that KV slots are distinct per position and rows unique per batch.
 
 Layout (``B`` requests, numpy ``int64`` arrays, request after request):
 
@@ -14,8 +14,8 @@ Layout (``B`` requests, numpy ``int64`` arrays, request after request):
   ``sample_first[b]`` = 1 where the request samples its first token, from the logits at
   ``logits_indices`` (indices into ``input_ids``, one per such request).
 - :class:`DecodeInput`: request ``b`` has ``positions[b]`` = ``L`` KV positions and feeds
-  ``input_ids[b]`` at ``L``; ``out_loc`` ``[B * (steps + 1)]`` holds the slots of positions
-  ``L ..= L + steps`` (the pad slot beyond ``steps_per_request[b]``); ``graph_bs`` is the
+  ``input_ids[b]`` at ``L``; ``out_loc`` ``[B * (steps + 1)]`` holds the KV slots of positions
+  ``L ..= L + steps`` (the pad KV slot beyond ``steps_per_request[b]``); ``graph_bs`` is the
   padded CUDA-graph batch size (None: eager).
 """
 
@@ -81,7 +81,7 @@ class DecodeInput:
 
 def worker_input(plan: Any, pad_slot: int) -> PrefillInput | DecodeInput:
     """The worker's input of a :class:`specdial._core.SchedulePlan` (``pad_slot``: the KV
-    pools' sentinel slot, written by a decode request's positions beyond its own steps)."""
+    pools' sentinel KV slot, written by a decode request's positions beyond its own steps)."""
     if plan.is_prefill:
         return PrefillInput(_i64(plan.rows), _i64(plan.input_ids), _i64(plan.out_loc),
                             _i64(plan.qo_lens), _i64(plan.kv_lens), _i64(plan.sample_first),

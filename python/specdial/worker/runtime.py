@@ -36,7 +36,7 @@ def load(buf: torch.Tensor, arr: np.ndarray) -> torch.Tensor:
 
 
 class RequestTables:
-    """Slot and token id of every position of every row.
+    """KV slot and token id of every position of every row.
 
     ``req_to_token`` / ``req_to_ids``: ``[max_bs, width]`` int64 on ``device``; ``width`` must
     cover the longest request plus a decode iteration's overshoot (``steps + 2``). Entries past
@@ -49,18 +49,19 @@ class RequestTables:
         self.req_to_ids = torch.zeros(max_bs, width, dtype=I64, device=device)
 
     def write(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray,
-              slots: np.ndarray | None = None, ids: np.ndarray | None = None) -> None:
+              kv_slots: np.ndarray | None = None, ids: np.ndarray | None = None) -> None:
         """Set positions ``starts[b] .. starts[b] + counts[b] - 1`` of ``rows[b]`` to the flat
-        ``slots`` / ``ids`` (``[sum(counts)]``, request after request)."""
+        ``kv_slots`` / ``ids`` (``[sum(counts)]``, request after request, from the plan): the
+        tables mirror the plans incrementally, only the positions a plan names are written."""
         row_rep, pos = ragged_positions(rows, starts, starts + counts)
         r, p = torch.from_numpy(row_rep).to(self.device), torch.from_numpy(pos).to(self.device)
-        if slots is not None:
-            self.req_to_token[r, p] = torch.from_numpy(slots).to(self.device)
+        if kv_slots is not None:
+            self.req_to_token[r, p] = torch.from_numpy(kv_slots).to(self.device)
         if ids is not None:
             self.req_to_ids[r, p] = torch.from_numpy(ids).to(self.device)
 
     def kv_indices(self, rows: torch.Tensor, kv_lens: torch.Tensor, total: int) -> torch.Tensor:
-        """Slots of positions ``0..kv_lens[b]-1`` of ``rows[b]``, concatenated: ``[total]``.
+        """KV slots of positions ``0..kv_lens[b]-1`` of ``rows[b]``, concatenated: ``[total]``.
 
         ``rows``/``kv_lens`` ``[B]`` on the device; ``total = sum(kv_lens)`` from the host so
         nothing syncs."""

@@ -6,7 +6,7 @@
   sized from the initial steps (128 rows) crashed when 32 requests x 8 draft tokens = 256 rows
   were replayed. The decode preparation writes a batch's inputs into these buffers once; an
   eager pass reads their prefix, a replayed graph the prefix padded to its size.
-- :class:`KVLayout`: one flat list of slots per request covering positions
+- :class:`KVLayout`: one flat list of KV slots per request covering positions
   ``0 .. lens[b] - 1`` (a ``RequestTables.kv_indices`` gather, or a ``SchedulePlan``'s
   ``kv_indices``/``kv_lens``); each pass attends to a prefix of it.
 - :class:`VerifyOutput`, :class:`RunnerStats`: a verify pass's results, replay / fallback
@@ -45,7 +45,7 @@ def static_buffer_shapes(*, max_bs: int, max_steps: int, hidden_size: int, vocab
     - ``extend_input_ids`` / ``extend_positions`` / ``extend_out_loc`` ``[rows]``,
       ``extend_hidden`` ``[rows, feature_size]`` (model dtype; EAGLE features);
     - per attention call site ``kv_capacity`` KV positions per request (the static attention
-      metadata: ``[max_bs, kv_capacity]`` slots).
+      metadata: ``[max_bs, kv_capacity]`` KV slots).
 
     Graph outputs (allocated in the graph pool at capture, listed for sizing):
     ``verify_hidden_out`` ``[rows, hidden]``, ``verify_features_out`` ``[rows, feature_size]``
@@ -134,7 +134,7 @@ class StaticBuffers:
 # --------------------------------------------------------------------------- attention
 @dataclass
 class KVLayout:
-    """Slots of positions ``0 .. lens[b] - 1`` of each request, request after request.
+    """KV slots of positions ``0 .. lens[b] - 1`` of each request, request after request.
 
     ``indices`` ``[sum(lens)]`` int64 on the device; ``lens`` ``[B]`` host int64.
     """
