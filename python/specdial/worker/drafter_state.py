@@ -11,11 +11,13 @@ plan gives every iteration and the worker never stores):
   ``[draft_len, L)`` and sets ``draft_len = L``: after a prefill chunk (the drafter prefill),
   before drafting (only non-empty after skipped zero-step extends or deferred drafter
   prefills) and as the draft extend after a verify.
-- After drafting ``k >= 1`` at ``L`` and a verify accepting ``a``:
-  ``draft_len = Drafter.draft_len_after_verify(L, k, a)`` (a draft model wrote true entries up
-  to ``min(L + k, L + a + 1)``, an EAGLE head only up to ``L + 1``), before the extend.
-- At ``steps = 0`` with ``skip_zero_step_draft_extend`` nothing runs and ``draft_len`` lags;
-  the next catch-up covers the gap, in forwards of at most ``max_extend_tokens`` tokens.
+- After drafting ``k >= 1`` at ``L`` and a verify accepting ``a``, before the extend:
+  ``draft_len = Drafter.draft_len_after_verify(L, k, a)``, each drafter's own rule (what its
+  draft forwards wrote from true inputs; :mod:`specdial.worker.drafters`).
+- At ``steps = 0`` with ``skip_zero_step_draft_extend`` (the engine's default) nothing runs
+  and ``draft_len`` lags; the next drafting iteration's catch-up covers the gap, in forwards
+  of at most ``max_extend_tokens`` tokens; without it the extend runs every iteration (SGLang
+  PR #23994).
 
 Target features (EAGLE's input): ``features[kv_slot]`` is the target's feature of the token at
 that KV slot, written by the prefill and verify forwards; row ``num_kv_slots`` is the pad

@@ -22,7 +22,8 @@ KV slot (``[num_slots + 2, feature_size]``); below, "hidden" of the target means
 
 Position / validity convention (used by :mod:`specdial.worker.worker`):
 
-- Target: per request ``target_len`` ``L`` = positions whose target KV is written. The last
+- Target: per request ``target_len`` ``L`` = positions whose target KV is written (the plan's
+  ``positions``: the scheduler owns it, the worker keeps no copy). The last
   emitted token ``x_L`` is *not* yet in the target KV. Verify feeds ``[x_L, d_1..d_k]`` at
   positions ``L..L+k``; after accepting ``a`` drafts the target keeps KV for ``L..L+a``, the
   rejected KV slots are truncated back to the allocator, and the bonus token becomes ``x_{L+a+1}``
@@ -37,12 +38,11 @@ Position / validity convention (used by :mod:`specdial.worker.worker`):
   so the draft extend recomputes ``L+1..L+a`` with true hiddens. The draft model wrote true
   entries for ``x_L, d_1..d_{k-1}`` at ``L..L+k-1``, so its ``draft_len`` is
   ``min(L + k, L + a + 1)`` and its extend only covers ``d_k`` when every draft was accepted.
-- Uniform rule: before drafting, and as the draft-extend pass after each verify, the drafter
-  processes ``[draft_len, target_len)`` of every request in one batched forward (ragged).
-  Extend never needs logits, so it always runs ``kv_only`` (the last drafter layer only writes
-  K/V: no attention output, MLP or LM head). ``steps = 0`` skips drafting; with ``skip_zero_step_draft_extend`` (the engine's default)
-  the extend is skipped too and the next positive-steps iteration catches up over every missed
-  position in one extend; without it the extend runs every iteration (SGLang PR #23994).
+- When ``draft_len`` moves (a row's restart, the catch-up over ``[draft_len, L)`` before
+  drafting and as the draft extend after each verify, :meth:`Drafter.draft_len_after_verify`,
+  skipped zero-step extends) is stated once, in :mod:`specdial.worker.drafter_state`. Extend
+  never needs logits, so it always runs ``kv_only`` (the last drafter layer only writes K/V:
+  no attention output, MLP or LM head).
 
 Shapes: ``B`` requests, ``k`` steps, ``V`` vocabulary, ``H`` hidden size; tokens/positions/KV slots
 int64, logits and probabilities float32, hidden states in the model dtype.
