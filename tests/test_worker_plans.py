@@ -80,4 +80,5 @@ def test_plans_alone_give_the_target_greedy_tokens(request, name, skip_zero):
                         skip_zero_step_draft_extend=skip_zero, max_extend_tokens=8)
     got, preemptions = run_plans(worker, sched, skip_zero)
     assert list(got.values()) == want
+    assert not hasattr(worker, "target_len")  # the plans are the only source of lengths
     assert preemptions > 0  # the re-prefill path ran
