@@ -120,7 +120,8 @@ class EngineStats:
     ``kv_pages_total`` (KV cache pages), ``steps_per_slot`` (slot lower batch-size bound ->
     current ``speculative_num_steps``). Cumulative counters since the engine started:
     ``num_drafts`` (request-verifies that had drafts), ``draft_tokens_proposed`` (draft tokens
-    proposed; vLLM's ``spec_decode_num_draft_tokens`` counter, the Prometheus name kept), ``num_accepted_tokens`` (draft tokens accepted, bonus tokens excluded),
+    proposed; vLLM's ``spec_decode_num_draft_tokens`` counter, the Prometheus name kept),
+    ``num_accepted_tokens`` (draft tokens accepted, bonus tokens excluded),
     ``accepted_per_pos`` (accepted tokens per draft position, index 0 = the first draft),
     ``step_switches``, ``preemptions``, ``requests_finished``, ``prompt_tokens`` and
     ``generation_tokens``.
