@@ -155,7 +155,7 @@ class _Live:
 
     def accept_length(self) -> float:
         """Acceptance length: tokens emitted per verify that carried drafts (accepted drafts + 1,
-        the bonus token included: docs/design.md, vLLM's mean acceptance length); trivial
+        the bonus token included; DESIGN.md's definition, vLLM's mean acceptance length); trivial
         verifies at steps 0 are plain decodes and are left out. Without any drafting verify:
         ``(completion_tokens - 1) / spec_verify_ct`` (1.0 for plain decoding), 0.0 without
         verifies."""
