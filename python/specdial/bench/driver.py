@@ -278,8 +278,9 @@ class _Gate:
     async def enter(self, i: int) -> None:
         async with self.cond:
             ordered = isinstance(self.caps, Sequence)
+            cap = self._cap(i)
             await self.cond.wait_for(lambda: (not ordered or self.next == i) and (
-                self._cap(i) is None or self.in_flight < self._cap(i)))
+                cap is None or self.in_flight < cap))
             self.in_flight += 1
             self.next = max(self.next, i + 1)
             self.cond.notify_all()
