@@ -2,7 +2,7 @@
 
 It restates the rules of the foundation issue (SGLang adaptive speculative decoding, PRs #21599
 and #24055) line by line, with no attention to speed. It is the oracle the tests compare the
-compiled ``specdial._core`` policy against on random traces (DESIGN.md invariant 5), and the
+compiled ``specdial._core`` policy against on random traces (docs/design.md invariant 5), and the
 baseline the Python benchmark times it against. It takes configs already validated by
 :class:`specdial.AdaptiveConfig` (``json.loads(config.to_json())``); it does no validation itself.
 """

@@ -55,7 +55,7 @@ class FakeStreamEngine:
     def __init__(self, steps: int = 3, accept: int = 2, delay: float = 0.002) -> None:
         self.steps, self.accept, self.delay = steps, max(1, min(accept, steps + 1)), delay
         self.running = 0
-        self.counts: dict[str, Any] = dict(num_drafts=0, num_draft_tokens=0,
+        self.counts: dict[str, Any] = dict(num_drafts=0, draft_tokens_proposed=0,
                                            num_accepted_tokens=0, generation_tokens=0,
                                            requests_finished=0)
         self.shut = False
@@ -78,7 +78,7 @@ class FakeStreamEngine:
                 out, verifies = out + k, verifies + 1
                 if self.steps:
                     self.counts["num_drafts"] += 1
-                    self.counts["num_draft_tokens"] += self.steps
+                    self.counts["draft_tokens_proposed"] += self.steps
                     self.counts["num_accepted_tokens"] += k - 1
                 self.counts["generation_tokens"] += k
                 done = out >= n
@@ -129,9 +129,9 @@ def test_request_timings_and_summary_on_hand_built_records():
     assert a.ttft == pytest.approx(0.1) and b.ttft == pytest.approx(0.3)
     assert a.tpot == pytest.approx(0.3 / 5) and b.tpot == pytest.approx(0.1)
     assert a.itls == pytest.approx([0.2, 0.1]) and b.itls == pytest.approx([0.1])
-    timeline = [snapshot(EngineStats(num_drafts=10, num_draft_tokens=30,
+    timeline = [snapshot(EngineStats(num_drafts=10, draft_tokens_proposed=30,
                                      num_accepted_tokens=5, steps_per_slot={1: 3}), 0.0),
-                snapshot({"running": 2, "num_drafts": 14, "num_draft_tokens": 42,
+                snapshot({"running": 2, "num_drafts": 14, "draft_tokens_proposed": 42,
                           "num_accepted_tokens": 11, "steps_per_slot": {1: 3},
                           "generation_tokens": 8}, 0.8)]
     s = summarize([RunData([a, b, failed], 0.8, timeline)])
@@ -230,7 +230,32 @@ def test_prometheus_snapshot():
     assert snap["num_drafts"] == 12 and snap["num_accepted_tokens"] == 20
     assert snap["steps_per_slot"] == {1: 5, 8: 0} and snap["running"] == 3
     assert snap["generation_tokens"] == 9
-    assert snapshot(snap, 1.0)["num_draft_tokens"] == 36
+    assert snapshot(snap, 1.0)["draft_tokens_proposed"] == 36
+
+
+def test_draft_tokens_proposed_one_meaning():
+    """Issue 27: the stats counter of proposed drafts is ``draft_tokens_proposed``;
+    ``num_draft_tokens`` (tokens verified per request, steps + 1) is no stats field, only a
+    read-only alias of the counter for old readers; the Prometheus name stays vLLM's."""
+    import dataclasses
+
+    from specdial.server.metrics import EngineCollector
+
+    names = {f.name for f in dataclasses.fields(EngineStats)}
+    assert "draft_tokens_proposed" in names and "num_draft_tokens" not in names
+    stats = EngineStats(num_drafts=2, draft_tokens_proposed=6)
+    assert stats.num_draft_tokens == 6
+    with pytest.raises(TypeError):
+        EngineStats(num_draft_tokens=6)
+    assert snapshot(stats, 0.0)["draft_tokens_proposed"] == 6
+
+    class _Engine:
+        def stats(self):
+            return stats
+
+    exported = {m.name: m.samples[0].value for m in EngineCollector(_Engine()).collect()
+                if m.samples}
+    assert exported["specdial:spec_decode_num_draft_tokens"] == 6
 
 
 # ---------------------------------------------------------------------------- run loop

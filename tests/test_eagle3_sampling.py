@@ -1,4 +1,4 @@
-"""Lossless sampling with an EAGLE-3 drafter (DESIGN.md invariant 2), end to end.
+"""Lossless sampling with an EAGLE-3 drafter (docs/design.md invariant 2), end to end.
 
 The head drafts over 6 of the 8 target tokens (a shuffled draft vocabulary: ``d2t`` is not the
 identity), so its ``q`` is zero on two target tokens and those can only come from the rejection

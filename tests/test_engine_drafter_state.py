@@ -1,4 +1,4 @@
-"""Drafter state (DESIGN.md invariant 3): after draft extend, and after skipped zero-step extends
+"""Drafter state (docs/design.md invariant 3): after draft extend, and after skipped zero-step extends
 plus the catch-up, the drafter's KV of a request equals a fresh drafter prefill of the same
 tokens (and an EAGLE drafter's per-slot target features equal the true sequence's); acceptance
 after a zero-step interval equals acceptance without skipping. Drafters: a draft model, an

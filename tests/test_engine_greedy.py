@@ -1,4 +1,4 @@
-"""Engine.generate: lossless greedy decoding (DESIGN.md invariant 1), accounting, no KV leak,
+"""Engine.generate: lossless greedy decoding (docs/design.md invariant 1), accounting, no KV leak,
 bfloat16 within a logits tolerance, and the construction errors of issue 3's Engine API."""
 
 from __future__ import annotations

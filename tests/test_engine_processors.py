@@ -1,6 +1,6 @@
 """Issue 14 end to end: every sampling control stays lossless under speculation.
 
-1. Chi-square (DESIGN.md invariant 2) through :class:`specdial.Engine` on an 8-token
+1. Chi-square (docs/design.md invariant 2) through :class:`specdial.Engine` on an 8-token
    vocabulary with a draft model that disagrees with the target: per processor
    (``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``min_p``, ``top_k``,
    ``min_tokens`` with an EOS token) and for a combination of all of them, at fixed steps 1 and

@@ -1,4 +1,4 @@
-"""Lossless sampling through Engine.generate (DESIGN.md invariant 2), end to end.
+"""Lossless sampling through Engine.generate (docs/design.md invariant 2), end to end.
 
 The accept rule itself is tested in tests/test_sampling.py (with a wrong rule shown to fail).
 Here the whole engine runs, so the wiring is checked too: the draft distribution q the drafter

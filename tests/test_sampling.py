@@ -1,6 +1,6 @@
 """Token selection: SamplingParams validation, logits processing, greedy and lossless acceptance.
 
-The lossless tests (DESIGN.md invariant 2) are chi-square goodness-of-fit tests at
+The lossless tests (docs/design.md invariant 2) are chi-square goodness-of-fit tests at
 alpha = 1e-3 on a 6-token vocabulary, with fixed seeds (so deterministic). Critical values of the
 chi-square distribution are hard-coded from the table and cross-checked against the regularized
 upper incomplete gamma function (torch.special.gammaincc); p-values use the same function.
@@ -295,7 +295,7 @@ def test_sample_from_probs_unnormalized_weights():
 
 
 # ---------------------------------------------------------------------------------------------
-# greedy acceptance (DESIGN.md invariant 1)
+# greedy acceptance (docs/design.md invariant 1)
 
 
 def logits_with_argmax(argmax: list[int], vocab: int = V, seed: int = 0) -> torch.Tensor:
@@ -406,7 +406,7 @@ def test_empty_residual_falls_back_to_p():
 
 
 # ---------------------------------------------------------------------------------------------
-# lossless sampling (DESIGN.md invariant 2)
+# lossless sampling (docs/design.md invariant 2)
 
 P = torch.tensor([[0.30, 0.25, 0.20, 0.12, 0.08, 0.05],
                   [0.05, 0.40, 0.05, 0.30, 0.10, 0.10],

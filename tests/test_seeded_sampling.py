@@ -9,7 +9,7 @@
    among other seeded and unseeded ones and with another engine generator seed (fixed steps with
    a draft model, through the CUDA-graph runner path, with an EAGLE head; and without
    speculation); another seed gives another completion.
-4. Lossless sampling (DESIGN.md invariant 2) with the seeded noise: many rows, one seed each
+4. Lossless sampling (docs/design.md invariant 2) with the seeded noise: many rows, one seed each
    (and mixed with unseeded rows), chi-square at alpha = 1e-3 as in tests/test_sampling.py, and
    the end-to-end check of tests/test_engine_sampling.py with one seed per request.
 """
@@ -331,7 +331,7 @@ def test_seeded_tokens_are_the_plain_decoding_tokens_whatever_the_steps(request,
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. lossless sampling with seeded rows (DESIGN.md invariant 2)
+# 4. lossless sampling with seeded rows (docs/design.md invariant 2)
 
 N = 40_000
 

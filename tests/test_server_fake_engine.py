@@ -73,7 +73,7 @@ class FakeEngine:
         self._waiting: set[int] = set()
         self._running: set[int] = set()
         self._closed = False
-        self._counts = dict(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0,
+        self._counts = dict(num_drafts=0, draft_tokens_proposed=0, num_accepted_tokens=0,
                             requests_finished=0, prompt_tokens=0, generation_tokens=0)
         self._per_pos = [0, 0, 0]
 
@@ -156,7 +156,7 @@ class FakeEngine:
             verifies += 1
             self._counts["generation_tokens"] += len(new)
             self._counts["num_drafts"] += 1
-            self._counts["num_draft_tokens"] += 3
+            self._counts["draft_tokens_proposed"] += 3
             self._counts["num_accepted_tokens"] += len(new) - 1
             for pos in range(len(new) - 1):
                 self._per_pos[pos] += 1

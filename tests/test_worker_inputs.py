@@ -1,6 +1,6 @@
 """The worker runs without a scheduler: prefill / decode inputs built by hand (the worker's own
 slot layout, steps changing between iterations, capped requests) give the target's greedy
-tokens (DESIGN.md invariant 1); the inputs reject arrays of the wrong length, naming the field;
+tokens (docs/design.md invariant 1); the inputs reject arrays of the wrong length, naming the field;
 a plan and the input built from it by ``worker_input`` are the same work."""
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 The Rust core (``specdial._core``) decides `speculative_num_steps` every decode iteration: by
 default the ``goodput`` strategy (expected tokens per second from per-position acceptance and an
 online cost model of the measured iteration times), or SGLang's ``ema`` and ``throughput_aware``
-rules; Python runs the torch passes. See DESIGN.md in the shared docs
-and README.md for the terms.
+rules; Python runs the torch passes. See docs/design.md in the repository
+for the terms and invariants.
 """
 
 from typing import TYPE_CHECKING

@@ -43,7 +43,7 @@ __all__ = ["RequestRecord", "RunData", "active_steps", "latency_summary", "perce
            "snapshot", "summarize", "timeline_series"]
 
 #: Cumulative counters of :class:`specdial.engine.api.EngineStats` kept in snapshots.
-COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "step_switches",
+COUNTERS = ("num_drafts", "draft_tokens_proposed", "num_accepted_tokens", "step_switches",
             "preemptions", "requests_finished", "prompt_tokens", "generation_tokens")
 
 
@@ -262,7 +262,7 @@ def summarize(runs: Sequence[RunData]) -> dict[str, Any]:
     tokens_per_verify = (sum(rec.completion_tokens - 1 for rec in verifies)
                          / sum(rec.verify_ct or 0 for rec in verifies)) if verifies else None
     drafts, accepted = _delta(runs, "num_drafts"), _delta(runs, "num_accepted_tokens")
-    draft_tokens = _delta(runs, "num_draft_tokens")
+    draft_tokens = _delta(runs, "draft_tokens_proposed")
     engine_iters: dict[int, int] | None = None
     for r in runs:
         if len(r.timeline) >= 2 and "iterations_per_steps" in r.timeline[-1]:

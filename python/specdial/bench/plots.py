@@ -35,13 +35,29 @@ def plot_comparison(result: Mapping[str, Any], out_dir: Path) -> dict[str, str]:
     """Write the plots of ``result`` (:func:`specdial.bench.compare.run_comparison`) into
     ``out_dir``; returns ``{name: path}``."""
     plt = _pyplot()
-    files: dict[str, str] = {}
     meta = result["meta"]
     workloads = meta["workloads"]
     concs = [k for k in meta["concurrencies"] if isinstance(k, int)]  # ramps have no x position
     configs = result["configs"]
     by = {(e["workload"], e["concurrency"], e["config"]): e for e in result["results"]}
+    files = {"throughput": _plot_throughput(plt, by, workloads, concs, configs, out_dir)}
+    for c in configs:
+        if c["kind"] != "adaptive":
+            continue
+        for w in workloads:
+            entries = [by.get((w, k, c["name"])) for k in concs]
+            cols = [(k, e) for k, e in zip(concs, entries) if e and e.get("timeline")]
+            if cols:
+                name = f"timeline_{_slug(c['name'])}_{_slug(w)}"
+                path = out_dir / f"{name}.png"
+                _plot_timeline(plt, cols, f"{c['name']} on {w}", path)
+                files[name] = str(path)
+    return files
 
+
+def _plot_throughput(plt: Any, by: Mapping[tuple[str, Any, str], Any], workloads: list[str],
+                     concs: list[int], configs: list[Mapping[str, Any]], out_dir: Path) -> str:
+    """``throughput.png``: output tokens/s against concurrency, one panel per workload."""
     fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4), squeeze=False)
     for ax, w in zip(axes[0], workloads):
         for c in configs:
@@ -64,54 +80,51 @@ def plot_comparison(result: Mapping[str, Any], out_dir: Path) -> dict[str, str]:
     path = out_dir / "throughput.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    files["throughput"] = str(path)
+    return str(path)
 
-    for c in configs:
-        if c["kind"] != "adaptive":
-            continue
-        for w in workloads:
-            entries = [by.get((w, k, c["name"])) for k in concs]
-            cols = [(k, e) for k, e in zip(concs, entries) if e and e.get("timeline")]
-            if not cols:
-                continue
-            mixed = any(any(x for x in (e["timeline"].get("other_workload_share") or [])
-                            if x) for _, e in cols)
-            rows = 3 if mixed else 2
-            fig, axes = plt.subplots(rows, len(cols), figsize=(4 * len(cols), 2.4 * rows),
-                                     squeeze=False, sharex="col")
-            for j, (k, e) in enumerate(cols):
-                tl = e["timeline"]
-                t = tl["t"]
-                steps = [(x, s) for x, s in zip(t, tl["steps"]) if s is not None]
-                if steps:
-                    axes[0][j].step([x for x, _ in steps], [s for _, s in steps], where="post")
-                top = max([7] + [s for _, s in steps])
-                axes[0][j].set_ylim(-0.5, top + 0.5)
-                axes[0][j].set_yticks(range(0, top + 1))
-                axes[0][j].set_title(f"c={k}")
-                axes[0][j].set_ylabel("steps" if j == 0 else "")
-                acc = [(x, a) for x, a in zip(t, tl["accept_length"]) if a is not None]
-                if acc:
-                    axes[1][j].plot([x for x, _ in acc], [a for _, a in acc], marker=".",
-                                    color="tab:orange")
-                axes[1][j].set_ylabel("accept length" if j == 0 else "")
-                if mixed:
-                    share = [(x, s) for x, s in zip(tl.get("share_t", t),
-                                                     tl["other_workload_share"])
-                             if s is not None]
-                    if share:
-                        axes[2][j].fill_between([x for x, _ in share], [s for _, s in share],
-                                                step="post", alpha=0.4, color="tab:red")
-                    axes[2][j].set_ylim(0, 1)
-                    axes[2][j].set_ylabel("hard share" if j == 0 else "")
-                axes[rows - 1][j].set_xlabel("time (s)")
-                for i in range(rows):
-                    axes[i][j].grid(True, alpha=0.3)
-            fig.suptitle(f"{c['name']} on {w}: steps and acceptance length over time")
-            fig.tight_layout()
-            name = f"timeline_{_slug(c['name'])}_{_slug(w)}"
-            path = out_dir / f"{name}.png"
-            fig.savefig(path, dpi=100)
-            plt.close(fig)
-            files[name] = str(path)
-    return files
+
+def _plot_timeline(plt: Any, cols: list[tuple[int, Mapping[str, Any]]], title: str,
+                   path: Path) -> None:
+    """One timeline figure (steps, acceptance length, and for a mixed workload the share of
+    the second prompt set) with one column per concurrency in ``cols``, written to ``path``."""
+    mixed = any(any(x for x in (e["timeline"].get("other_workload_share") or []) if x)
+                for _, e in cols)
+    rows = 3 if mixed else 2
+    fig, axes = plt.subplots(rows, len(cols), figsize=(4 * len(cols), 2.4 * rows),
+                             squeeze=False, sharex="col")
+    for j, (k, e) in enumerate(cols):
+        _timeline_column([axes[i][j] for i in range(rows)], e["timeline"], k, j == 0, mixed)
+    fig.suptitle(f"{title}: steps and acceptance length over time")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _timeline_column(axes: list[Any], tl: Mapping[str, Any], conc: int, first: bool,
+                     mixed: bool) -> None:
+    """The panels of one concurrency: ``axes`` top to bottom (steps, acceptance length, and
+    the hard share when ``mixed``); y labels only on the ``first`` column."""
+    t = tl["t"]
+    steps = [(x, s) for x, s in zip(t, tl["steps"]) if s is not None]
+    if steps:
+        axes[0].step([x for x, _ in steps], [s for _, s in steps], where="post")
+    top = max([7] + [s for _, s in steps])
+    axes[0].set_ylim(-0.5, top + 0.5)
+    axes[0].set_yticks(range(0, top + 1))
+    axes[0].set_title(f"c={conc}")
+    axes[0].set_ylabel("steps" if first else "")
+    acc = [(x, a) for x, a in zip(t, tl["accept_length"]) if a is not None]
+    if acc:
+        axes[1].plot([x for x, _ in acc], [a for _, a in acc], marker=".", color="tab:orange")
+    axes[1].set_ylabel("accept length" if first else "")
+    if mixed:
+        share = [(x, s) for x, s in zip(tl.get("share_t", t), tl["other_workload_share"])
+                 if s is not None]
+        if share:
+            axes[2].fill_between([x for x, _ in share], [s for _, s in share], step="post",
+                                 alpha=0.4, color="tab:red")
+        axes[2].set_ylim(0, 1)
+        axes[2].set_ylabel("hard share" if first else "")
+    axes[-1].set_xlabel("time (s)")
+    for ax in axes:
+        ax.grid(True, alpha=0.3)

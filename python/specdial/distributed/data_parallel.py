@@ -29,7 +29,7 @@ from specdial.engine.api import EngineStats, LogprobOptions, StreamChunk
 __all__ = ["DataParallelEngine", "aggregate_stats"]
 
 _SUMMED = ("running", "queued", "kv_pages_used", "kv_pages_total", "num_drafts",
-           "num_draft_tokens", "num_accepted_tokens", "step_switches", "preemptions",
+           "draft_tokens_proposed", "num_accepted_tokens", "step_switches", "preemptions",
            "requests_finished", "prompt_tokens", "generation_tokens")
 
 

@@ -119,8 +119,9 @@ class EngineStats:
     Gauges (current values): ``running`` and ``queued`` requests, ``kv_pages_used`` /
     ``kv_pages_total`` (KV cache pages), ``steps_per_slot`` (slot lower batch-size bound ->
     current ``speculative_num_steps``). Cumulative counters since the engine started:
-    ``num_drafts`` (request-verifies that had drafts), ``num_draft_tokens`` (draft tokens
-    proposed), ``num_accepted_tokens`` (draft tokens accepted, bonus tokens excluded),
+    ``num_drafts`` (request-verifies that had drafts), ``draft_tokens_proposed`` (draft tokens
+    proposed; vLLM's ``spec_decode_num_draft_tokens`` counter, the Prometheus name kept),
+    ``num_accepted_tokens`` (draft tokens accepted, bonus tokens excluded),
     ``accepted_per_pos`` (accepted tokens per draft position, index 0 = the first draft),
     ``step_switches``, ``preemptions``, ``requests_finished``, ``prompt_tokens`` and
     ``generation_tokens``.
@@ -147,7 +148,7 @@ class EngineStats:
     kv_pages_total: int = 0
     steps_per_slot: dict[int, int] = field(default_factory=dict)
     num_drafts: int = 0
-    num_draft_tokens: int = 0
+    draft_tokens_proposed: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
     step_switches: int = 0
@@ -161,6 +162,13 @@ class EngineStats:
     policy: str | None = None
     goodput: dict[str, Any] | None = None
     policy_cache: str | None = None
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Deprecated read-only alias of :attr:`draft_tokens_proposed` (the field's name until
+        issue 27). ``num_draft_tokens`` now means only tokens verified per request, ``steps + 1``
+        (SGLang's ``--speculative-num-draft-tokens``; docs/design.md)."""
+        return self.draft_tokens_proposed
 
 
 #: Seconds between refreshes of :attr:`EngineStats.goodput` (a few dicts built from Rust).

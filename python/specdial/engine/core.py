@@ -94,7 +94,7 @@ class Engine:
       (``ConfigError``) even when it is not used (adaptive off, or no drafter).
     - ``skip_zero_step_draft_extend`` (default True): skip the drafter extend at ``steps = 0``;
       it catches up in one batched extend when steps turn positive, so the drafter resumes with
-      the KV a fresh prefill would give (DESIGN.md invariant 3) and steps 0 costs what plain
+      the KV a fresh prefill would give (docs/design.md invariant 3) and steps 0 costs what plain
       decoding costs (vLLM's lazy draft-KV catch-up asks #53416, #53426). False runs the extend
       every iteration (SGLang #23994's warm draft KV).
     - ``device`` ``"auto"`` (default: CUDA when present, else the CPU), ``"cpu"``/``"cuda"``/

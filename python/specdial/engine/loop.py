@@ -664,7 +664,7 @@ class EngineLoop:
         self._stats = EngineStats(
             running=s.running + s.prefilling, queued=s.queued, kv_pages_used=s.kv_pages_used,
             kv_pages_total=s.kv_pages_total, steps_per_slot=slots, num_drafts=s.spec_num_drafts,
-            num_draft_tokens=s.spec_num_draft_tokens,
+            draft_tokens_proposed=s.spec_num_draft_tokens,
             num_accepted_tokens=s.spec_num_accepted_tokens,
             accepted_per_pos=list(s.spec_accepted_per_pos), step_switches=s.step_switches,
             preemptions=s.preemptions, requests_finished=s.requests_finished,

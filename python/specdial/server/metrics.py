@@ -123,7 +123,8 @@ class EngineCollector:
         yield steps
         for name, doc, value in (
                 ("spec_decode_num_drafts", "Request-verifies that carried drafts.", s.num_drafts),
-                ("spec_decode_num_draft_tokens", "Draft tokens proposed.", s.num_draft_tokens),
+                ("spec_decode_num_draft_tokens", "Draft tokens proposed.",
+                 s.draft_tokens_proposed),
                 ("spec_decode_num_accepted_tokens", "Draft tokens accepted (bonus tokens "
                  "excluded).", s.num_accepted_tokens),
                 ("spec_decode_step_switches", "Changes of speculative_num_steps decided by the "

@@ -29,7 +29,7 @@ Pieces, in the order the worker uses them:
   ``E_t`` (key (seed, ``t``)), the target's draw there is ``argmax(p_t / E_t)``, and a draft is
   accepted exactly when it equals that draw; so the emitted tokens are the target's own seeded
   draws, the tokens plain decoding emits, whatever the drafts, the drafter or the steps. Both
-  rules leave the emitted tokens distributed exactly as ``p`` (DESIGN.md invariant 2; greedy
+  rules leave the emitted tokens distributed exactly as ``p`` (docs/design.md invariant 2; greedy
   rows give invariant 1).
 
 Conventions: ``B`` requests, ``k`` drafts per request (``0`` = plain decoding), ``V`` vocabulary
@@ -278,7 +278,7 @@ def speculative_accept(
     later entries are ``-1``. Every row emits at least one token.
 
     Rules:
-      - Greedy rows (DESIGN.md invariant 1): accept the longest prefix of drafts equal to the
+      - Greedy rows (docs/design.md invariant 1): accept the longest prefix of drafts equal to the
         target argmax, then emit the target argmax at the first mismatch (or at position ``k``).
         The output equals target-only greedy decoding.
       - Seeded rows (coupled draws; the Gumbel-max trick, e.g. Gumbel 1954, and its use as a
@@ -300,7 +300,7 @@ def speculative_accept(
         ``norm(max(0, p_j - q_j))``, or from ``p_j`` when that residual's mass is below 1e-6
         (only rounding noise: rejection then had near-zero probability); after ``k`` accepts emit
         the bonus from ``p_k``. Emitted tokens are then distributed exactly as ``p``
-        (DESIGN.md invariant 2).
+        (docs/design.md invariant 2).
 
     Vectorized over the batch (seeded rows: ``[S, k + 1, V]`` hashed noise); no ``.item()``.
     Raises ``ValueError`` on inconsistent shapes, a non-int64 ``draft_tokens`` or seeded rows

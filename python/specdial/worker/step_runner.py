@@ -1,6 +1,6 @@
 """One runner per steps value: one buffer set, one body per pass, eager or captured.
 
-A :class:`StepRunner` is everything bound to one ``steps`` value ``k`` (DESIGN.md "runtime
+A :class:`StepRunner` is everything bound to one ``steps`` value ``k`` (docs/design.md "runtime
 state"), built once at engine start and swapped as a unit when the chosen steps change. It
 prepares a decode batch's inputs in the engine's one
 :class:`~specdial.worker.step_buffers.StaticBuffers` and runs the draft, verify and

@@ -1,4 +1,4 @@
-//! DESIGN.md invariant 6: the `goodput` strategy's tokens per second stay close to the clairvoyant
+//! docs/design.md invariant 6: the `goodput` strategy's tokens per second stay close to the clairvoyant
 //! oracle's in the policy simulator, over cost curves of very different hardware, and it beats
 //! SGLang's EMA rules where load, content or context move. One run of the standard simulation
 //! (every regime x every named curve, 16k segments each) feeds every assertion.

@@ -1,5 +1,5 @@
 //! The `goodput` and `throughput_aware` strategies through the public API: the decide / report
-//! contract, and DESIGN.md invariant 5 for them: every key a strategy accepts changes its
+//! contract, and docs/design.md invariant 5 for them: every key a strategy accepts changes its
 //! behaviour.
 
 use specdial_core::config::{AdaptiveConfig, ConfigValue};

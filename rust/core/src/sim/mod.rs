@@ -1,7 +1,7 @@
 //! `specdial policy simulate`: the strategies against each other and against a clairvoyant oracle,
 //! over named regimes ([`workload::Regime`]) and cost curves ([`curve::CostCurve`]), with noisy
 //! measured seconds. Seconds to run; the tests of the `goodput` strategy's quality run here
-//! (DESIGN.md, invariant 6).
+//! (docs/design.md, invariant 6).
 //!
 //! Contenders per (regime, curve): every fixed steps value `0..=max_steps`, the adaptive configs
 //! given (by default `goodput` with specdial's default config, `ema` with SGLang's default config
