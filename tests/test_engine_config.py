@@ -51,7 +51,7 @@ def test_the_engine_uses_the_config_defaults(tiny, monkeypatch):
 
 def test_lower_layers_read_their_defaults_from_the_config():
     from specdial.distributed.group import DEFAULT_TIMEOUT_S
-    from specdial.distributed.options import ParallelOptions
+    from specdial.config.parallel import ParallelOptions
     from specdial.worker.drafters import DEFAULT_MAX_STEPS
 
     d = EngineConfig()
