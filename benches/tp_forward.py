@@ -2,7 +2,7 @@
 spent in collectives (issue 17).
 
 Every configuration runs in fresh rank processes started the way the engine starts them
-(:func:`specdial.distributed.launch_ranks`, gloo on the CPU), including tp 1 (a group of one:
+(:func:`specdial.launch.launch_ranks`, gloo on the CPU), including tp 1 (a group of one:
 no collectives), so the ratios compare like with like. For each model and batch shape it
 prints ms per forward (median) for tp 1 with 1 and 2 torch threads and tp 2 with 1 thread per
 rank, the ratio tp2 / tp1, and tp 2's time inside all-reduce / all-gather per forward.

@@ -19,7 +19,7 @@ from specdial import AdaptiveConfig, ConfigError, Engine
 from specdial.builtin import builtin_model_path
 from specdial.cli import build_parser
 from specdial.cli_serve import _defaults
-from specdial.engine.config import EngineConfig
+from specdial.config import EngineConfig
 from specdial.engine.loading import resolve_placement
 from specdial.engine.policy_setup import cap_candidates
 from specdial.server.config import GenerateConfig, ServeConfig, config_from_args

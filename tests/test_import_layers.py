@@ -102,3 +102,17 @@ def test_ruff_flags_a_private_name_of_a_dependency(tmp_path):
         f.write("from torch.nn.modules.module import _addindent\n")
     out = _run("ruff", copy, "check")
     assert out.returncode == 1 and "`_addindent`" in out.stdout, out.stdout + out.stderr
+
+
+def test_the_old_config_path_is_the_same_config():
+    """``specdial.engine.config`` only re-exports the bottom layer's objects (for code written
+    before the move): the same class and functions, not copies."""
+    import specdial.config as config
+    import specdial.engine.config as old
+
+    for name in old.__all__:
+        assert getattr(old, name) is getattr(config, name), name
+    from specdial.worker import graph_tables
+
+    assert graph_tables.normalize_graph_bs is config.normalize_graph_bs
+    assert graph_tables.default_cuda_graph_bs is config.default_cuda_graph_bs
