@@ -88,16 +88,20 @@ class PrivateNamesContract(Contract):
 
         - ignore_imports: ``importer -> imported`` pairs whose private-name imports are allowed
           (temporarily, with a comment naming who removes them). (Optional.)
+        - unmatched_ignore_imports_alerting: ``none``, ``warn`` or ``error`` (default) when an
+          ``ignore_imports`` pair is not an import of the graph, as in the built-in contracts.
     """
 
     type_name = "private_names"
 
     ignore_imports = fields.SetField(subfield=fields.ImportExpressionField(), required=False)
+    unmatched_ignore_imports_alerting = fields.EnumField(
+        contract_utils.AlertLevel, default=contract_utils.AlertLevel.ERROR)
 
     def check(self, graph: grimp.ImportGraph, verbose: bool) -> ContractCheck:
         removal = contract_utils.remove_ignored_imports_and_report(
             graph=graph, ignore_imports=self.ignore_imports,  # type: ignore[arg-type]
-            unmatched_alerting=contract_utils.AlertLevel.ERROR)
+            unmatched_alerting=self.unmatched_ignore_imports_alerting)  # type: ignore[arg-type]
         roots = {m.split(".")[0] for m in graph.modules}
         violations = []
         for root in sorted(roots):
