@@ -52,7 +52,7 @@ from typing import Any, Callable, Mapping, Sequence
 from specdial.bench.datasets import BenchRequest, build_requests
 from specdial.bench.driver import EngineDriver, ramp_concurrency, run_benchmark
 from specdial.bench.metrics import RunData, summarize, timeline_series
-from specdial.config import AUTO
+from specdial.engine.config import AUTO
 
 __all__ = ["Configuration", "EngineFactory", "compute_ratios", "default_config_names",
            "format_markdown", "parse_configurations", "run_comparison", "write_outputs"]
