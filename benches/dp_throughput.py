@@ -1,5 +1,5 @@
 """Data parallelism on this machine: output tokens/s of one engine against two replicas behind
-:class:`specdial.distributed.data_parallel.DataParallelEngine` (issue 17), same workload, same
+:class:`specdial.launch.data_parallel.DataParallelEngine` (issue 17), same workload, same
 script, built-in models (7M target + EAGLE head, adaptive steps), greedy.
 
 Configurations: dp 1 with 1 torch thread, dp 1 with 2 threads, dp 2 with 1 thread (the
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 import specdial
-from specdial.distributed.data_parallel import DataParallelEngine
+from specdial.launch.data_parallel import DataParallelEngine
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport", "class Stack:\n    def", "for i in range(",
            "def add(a, b):\n    return", "# parse the arguments\n", "with open(path) as f:",

@@ -2,7 +2,7 @@
 spent in collectives (issue 17).
 
 Every configuration runs in fresh rank processes started the way the engine starts them
-(:func:`specdial.distributed.launch_ranks`, gloo on the CPU), including tp 1 (a group of one:
+(:func:`specdial.launch.launch_ranks`, gloo on the CPU), including tp 1 (a group of one:
 no collectives), so the ratios compare like with like. For each model and batch shape it
 prints ms per forward (median) for tp 1 with 1 and 2 torch threads and tp 2 with 1 thread per
 rank, the ratio tp2 / tp1, and tp 2's time inside all-reduce / all-gather per forward.
@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from specdial.distributed import DistConfig, launch_ranks
+from specdial.config import DistConfig
+from specdial.launch import launch_ranks
 from specdial.distributed.group import free_port
 
 BUILTIN = Path(__file__).resolve().parents[1] / "python/specdial/builtin/target"
@@ -42,7 +43,7 @@ def run(model: Path, tp: int, threads: int, b: int, q: int, context: int, iters:
     with tempfile.TemporaryDirectory() as out:
         config = DistConfig(tp_size=tp, rank=0, init_addr=f"127.0.0.1:{free_port()}",
                             timeout_s=120, threads=threads)
-        with launch_ranks(config, range(tp), "specdial.distributed.probe:forward_probe",
+        with launch_ranks(config, range(tp), "specdial.launch.probe:forward_probe",
                           {"model_path": str(model), "out_dir": out, "batch_size": b,
                            "tokens_per_request": q, "context": context,
                            "iters": iters}) as procs:

@@ -11,7 +11,7 @@ import asyncio
 import openai
 import pytest
 
-from specdial.distributed.data_parallel import DataParallelEngine, aggregate_stats
+from specdial.launch.data_parallel import DataParallelEngine, aggregate_stats
 from specdial.engine import Engine
 from specdial.engine.api import EngineStats
 from specdial.server.config import ServeConfig

@@ -14,7 +14,7 @@ import specdial
 from specdial.engine import Engine, EngineConfig
 from specdial.engine import core
 from specdial.engine.args import EngineArgs, add_dataclass_arguments
-from specdial.engine.config import config_of_call
+from specdial.config import config_of_call
 
 
 def test_the_engine_uses_the_config_defaults(tiny, monkeypatch):
@@ -50,8 +50,8 @@ def test_the_engine_uses_the_config_defaults(tiny, monkeypatch):
 
 
 def test_lower_layers_read_their_defaults_from_the_config():
-    from specdial.distributed.group import DEFAULT_TIMEOUT_S
-    from specdial.distributed.options import ParallelOptions
+    from specdial.config import DEFAULT_TIMEOUT_S
+    from specdial.config.parallel import ParallelOptions
     from specdial.worker.drafters import DEFAULT_MAX_STEPS
 
     d = EngineConfig()

@@ -19,7 +19,7 @@ from specdial import AdaptiveConfig, ConfigError, Engine
 from specdial.builtin import builtin_model_path
 from specdial.cli import build_parser
 from specdial.cli_serve import _defaults
-from specdial.engine.config import EngineConfig
+from specdial.config import EngineConfig
 from specdial.engine.loading import resolve_placement
 from specdial.engine.policy_setup import cap_candidates
 from specdial.server.config import GenerateConfig, ServeConfig, config_from_args
@@ -270,7 +270,7 @@ def test_compare_noskip_suffix_and_simulate_default():
 
 
 def test_distributed_check_ends_with_a_verdict():
-    from specdial.distributed.check import verdict
+    from specdial.launch.check import verdict
 
     line, code = verdict({"target_prefill": (1e-7, 2e-7), "hidden": (1e-6, 5e-6)}, 1e-4, 2)
     assert code == 0 and line.startswith("PASS:") and "hidden" in line
@@ -299,7 +299,7 @@ def test_foreseeable_failures_are_one_line_errors(argv, needle, capsys):
 
 @needs_no_cuda
 def test_a_rank_without_its_gpu_says_so_in_one_line():
-    from specdial.distributed.rank import device_problem
+    from specdial.launch.rank import device_problem
 
     assert device_problem("cpu", 3) is None
     assert "CUDA is not available" in device_problem("cuda", 0)

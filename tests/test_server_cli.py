@@ -147,7 +147,7 @@ def test_help_documents_every_option(command, cls):
 
 
 def test_engine_kwargs_are_the_engine_config():
-    from specdial.engine.config import EngineConfig
+    from specdial.config import EngineConfig
 
     # the command line's defaults are EngineConfig's: nothing defaulted twice
     assert EngineArgs().engine_kwargs() == EngineConfig().to_dict()

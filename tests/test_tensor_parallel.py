@@ -1,8 +1,8 @@
 """Tensor parallelism on the CPU with gloo: sharded forwards equal the unsharded ones.
 
-Every rank runs as a fresh interpreter (``python -m specdial.distributed.rank``), started by
+Every rank runs as a fresh interpreter (``python -m specdial.launch.rank``), started by
 :func:`specdial.distributed.launch_ranks`; rank 0 saves its outputs and the test compares them
-with :func:`specdial.distributed.check.forward_outputs` at tp 1 in this process. One group
+with :func:`specdial.launch.check.forward_outputs` at tp 1 in this process. One group
 runs all cases, so the ranks start once.
 """
 
@@ -13,8 +13,9 @@ import torch
 import transformers
 
 from eagle_heads import build_eagle3
-from specdial.distributed import DistConfig, launch_ranks
-from specdial.distributed.check import compare, forward_outputs
+from specdial.config import DistConfig
+from specdial.launch import launch_ranks
+from specdial.launch.check import compare, forward_outputs
 from specdial.distributed.group import TensorParallel, free_port
 from specdial.models import EagleHead, load_model, save_eagle_head
 from specdial.models.tensor_parallel import (_vocab_range, kv_head_range, read_shard,
@@ -86,7 +87,7 @@ def test_tp2_outputs_equal_tp1(cases, tmp_path):
     names = list(cases)
     config = DistConfig(tp_size=2, rank=0, init_addr=f"127.0.0.1:{free_port()}", timeout_s=scaled(60))
     out = tmp_path / "tp2.pt"
-    procs = launch_ranks(config, range(2), "specdial.distributed.check:run_rank",
+    procs = launch_ranks(config, range(2), "specdial.launch.check:run_rank",
                          {"cases": [cases[n] for n in names], "out": str(out)})
     for rank, p in procs.procs.items():
         assert p.wait(scaled(240)) == 0, f"rank {rank} failed"

@@ -1,6 +1,6 @@
 """Tensor-parallel faults: a rank that dies or hangs is a clear error within ``dist_timeout``,
 and worker ranks exit when rank 0 is gone. Ranks are fresh interpreters running
-:func:`specdial.distributed.probe.collective_probe` in a loop."""
+:func:`specdial.launch.probe.collective_probe` in a loop."""
 
 import json
 import os
@@ -11,11 +11,12 @@ import time
 
 import pytest
 
-from specdial.distributed import DistConfig, launch_ranks
+from specdial.config import DistConfig
+from specdial.launch import launch_ranks
 from specdial.distributed.group import free_port
 from timeouts import scaled
 
-PROBE = "specdial.distributed.probe:collective_probe"
+PROBE = "specdial.launch.probe:collective_probe"
 
 
 def _wait_for(predicate, seconds, what):
@@ -72,10 +73,11 @@ def test_worker_ranks_exit_when_rank0_dies(tmp_path):
     closed), with status 3, long before its 60 s timeout."""
     script = (
         "import sys, time\n"
-        "from specdial.distributed import DistConfig, launch_ranks\n"
+        "from specdial.config import DistConfig\n"
+        "from specdial.launch import launch_ranks\n"
         "from specdial.distributed.group import free_port\n"
         "cfg = DistConfig(tp_size=2, rank=0, init_addr=f'127.0.0.1:{free_port()}', timeout_s=60)\n"
-        "p = launch_ranks(cfg, [1], 'specdial.distributed.probe:idle', {})\n"
+        "p = launch_ranks(cfg, [1], 'specdial.launch.probe:idle', {})\n"
         "print(p.procs[1].pid, flush=True)\n"
         "time.sleep(120)\n")
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
@@ -107,7 +109,7 @@ def test_rendezvous_fails_fast_when_a_worker_dies_at_startup(tmp_path):
     from specdial.distributed import RankFailure, init_group
     from specdial.distributed.group import destroy_group
     config = DistConfig(tp_size=2, rank=0, init_addr=f"127.0.0.1:{free_port()}", timeout_s=scaled(60))
-    with launch_ranks(config, [1], "specdial.distributed.probe:no_such_entry", {},
+    with launch_ranks(config, [1], "specdial.launch.probe:no_such_entry", {},
                       stderr=subprocess.DEVNULL) as procs:
         t0 = time.monotonic()
         with pytest.raises(RankFailure, match="worker rank 1 .* exited with exit status 1"):
@@ -121,7 +123,7 @@ def test_leader_channel_and_divergence_check(tmp_path, diverge_at):
     """Rank 0 leads iterations over the channel; a rank that computes a different value is
     caught by ``check_same`` on every rank (RankDivergence naming the step)."""
     config = DistConfig(tp_size=2, rank=0, init_addr=f"127.0.0.1:{free_port()}", timeout_s=scaled(30))
-    with launch_ranks(config, range(2), "specdial.distributed.probe:channel_probe",
+    with launch_ranks(config, range(2), "specdial.launch.probe:channel_probe",
                       {"out_dir": str(tmp_path), "steps": 5, "diverge_at": diverge_at}) as procs:
         assert [p.wait(scaled(120)) for p in procs.procs.values()] == [0, 0]
     report = json.loads((tmp_path / "report.json").read_text())
@@ -138,7 +140,7 @@ def test_mirrored_calls_replay_on_worker_ranks(tmp_path, skew_at):
     replayed); a worker whose result differs is caught at that call, after which calls fail
     at once (no collective) except the local-only bookkeeping."""
     config = DistConfig(tp_size=2, rank=0, init_addr=f"127.0.0.1:{free_port()}", timeout_s=scaled(30))
-    with launch_ranks(config, range(2), "specdial.distributed.probe:mirror_probe",
+    with launch_ranks(config, range(2), "specdial.launch.probe:mirror_probe",
                       {"out_dir": str(tmp_path), "values": [1, 2, 3, 4],
                        "skew_at": skew_at}) as procs:
         assert [p.wait(scaled(120)) for p in procs.procs.values()] == [0, 0]

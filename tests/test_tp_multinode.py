@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from specdial.distributed.group import free_port
-from specdial.distributed.options import ParallelOptions
+from specdial.config.parallel import ParallelOptions
 from test_tensor_parallel import _save
 from timeouts import scaled
 
@@ -18,7 +18,7 @@ def test_two_nodes_on_loopback_match_tp1(tmp_path):
     starts rank 1 and waits for it; logits equal tp 1 (the check's exit status)."""
     model = _save(tmp_path / "m", "llama_gqa")
     addr = f"127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", "specdial.distributed.check", str(model), "--tp-size", "2",
+    cmd = [sys.executable, "-m", "specdial.launch.check", str(model), "--tp-size", "2",
            "--nnodes", "2", "--dist-init-addr", addr, "--dist-timeout", "120", "--rtol", "1e-5"]
     node1 = subprocess.Popen(cmd + ["--node-rank", "1"])
     node0 = subprocess.run(cmd + ["--node-rank", "0"], capture_output=True, text=True,

@@ -13,7 +13,7 @@ import json
 import sys
 
 from specdial.cli_common import cli_error
-from specdial.engine.args import _ExtendInts, _int_list
+from specdial.engine.args import ExtendInts, int_list
 from specdial._core import AdaptiveConfig, ConfigError, CostTable
 from specdial.bench.cli import add_bench_subcommand, run_bench_command
 from specdial.cli_serve import SUBCOMMANDS, add_subcommands, run_subcommand
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--config", help="adaptive config JSON file (SGLang format); default: the built-in config")
     rp.add_argument("--trace", required=True, help="trace file, one JSON object per verify")
     rp.add_argument("--initial-steps", type=int, default=None, help="starting steps (default: middle of the candidates)")
-    rp.add_argument("--cuda-graph-bs", type=_int_list, nargs="+", action=_ExtendInts, default=None,
+    rp.add_argument("--cuda-graph-bs", type=int_list, nargs="+", action=ExtendInts, default=None,
                     metavar="N", help="graph batch sizes (space- or comma-separated, as in serve): "
                     "1 2 4 8 or 1,2,4,8")
     rp.add_argument("--cost-table", metavar="FILE",

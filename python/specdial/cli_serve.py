@@ -137,8 +137,8 @@ def run_serve(cfg: ServeConfig) -> int:
         return cli_error(e)
     log = logging.getLogger("specdial.server")
     if parallel.node_rank > 0:  # SGLang's layout: only node 0 serves
-        from specdial.distributed.rank import device_problem
-        from specdial.distributed.tp_engine import start_worker_node
+        from specdial.launch.rank import device_problem
+        from specdial.launch.tp_engine import start_worker_node
         from specdial.engine.resolve import resolve_device_name
 
         device = str(resolve_device_name(cfg.device)).split(":")[0]

@@ -19,7 +19,9 @@ import torch
 from specdial.kv_pool import KVPool
 
 
-def _indptr(lens: torch.Tensor) -> torch.Tensor:
+def indptr(lens: torch.Tensor) -> torch.Tensor:
+    """CSR row starts of ``lens`` (int64 ``[B]``): int64 ``[B + 1]`` ``[0, cumsum(lens)]`` on
+    ``lens``'s device (flashinfer's ``qo_indptr`` / ``kv_indptr``)."""
     zero = torch.zeros(1, dtype=torch.int64, device=lens.device)
     return torch.cat([zero, torch.cumsum(lens, 0)])
 
@@ -70,7 +72,7 @@ class AttentionMetadata:
         qo_lens, kv_lens, kv_indices = (t.to(torch.int64).contiguous()
                                         for t in (qo_lens, kv_lens, kv_indices))
         cls.check_lens(qo_lens, kv_lens, kv_indices)
-        return AttentionMetadata(qo_lens, kv_lens, kv_indices, _indptr(qo_lens), _indptr(kv_lens))
+        return AttentionMetadata(qo_lens, kv_lens, kv_indices, indptr(qo_lens), indptr(kv_lens))
 
 
 class AttentionBackend(abc.ABC):

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from specdial.attention.base import (AttentionBackend, AttentionMetadata, _indptr,
+from specdial.attention.base import (AttentionBackend, AttentionMetadata, indptr,
                                      check_static_plan,
                                      expand_kv_indices)  # noqa: F401 (re-exported)
 from specdial.kv_pool import KVPool
@@ -132,7 +132,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         kv = kv_lens.to("cpu", torch.int64)
         kv_indices = kv_indices.to(self.device, torch.int64).contiguous()
         AttentionMetadata.check_lens(qo, kv, kv_indices)
-        qo_indptr, kv_indptr = _indptr(qo), _indptr(kv)
+        qo_indptr, kv_indptr = indptr(qo), indptr(kv)
         return FlashInferMetadata(
             qo_lens=qo, kv_lens=kv, kv_indices=kv_indices, qo_indptr=qo_indptr,
             kv_indptr=kv_indptr, decode=bool(qo.numel()) and bool((qo == 1).all()),
@@ -265,7 +265,7 @@ class FlashInferStaticAttention:
         idx, _, _ = expand_kv_indices(flat, flat_lens, kv_lens, valid_lens, pad_slot)
         qo = torch.full((g,), self.n, dtype=torch.int64)
         kv = torch.from_numpy(np.asarray(kv_lens, np.int64))
-        qo_indptr, kv_indptr = _indptr(qo), _indptr(kv)
+        qo_indptr, kv_indptr = indptr(qo), indptr(kv)
         meta = self.metas.get(g)
         fields_: dict[str, Any] = dict(qo_lens=qo, kv_lens=kv, kv_indices=idx,
                                        qo_indptr=qo_indptr,

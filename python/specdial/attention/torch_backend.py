@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specdial.attention.base import (AttentionBackend, AttentionMetadata, _indptr,
+from specdial.attention.base import (AttentionBackend, AttentionMetadata, indptr,
                                      check_static_plan, expand_kv_indices)
 from specdial.kv_pool import KVPool
 
@@ -54,7 +54,7 @@ class TorchAttentionBackend(AttentionBackend):
         b = qo.numel()
         max_q = int(qo.max()) if b else 0
         max_kv = int(kv.max()) if b else 0
-        qo_indptr, kv_indptr = _indptr(qo), _indptr(kv)
+        qo_indptr, kv_indptr = indptr(qo), indptr(kv)
 
         # packed token t of request r, i-th query -> padded row r * max_q + i
         req = torch.repeat_interleave(torch.arange(b), qo)

@@ -33,7 +33,7 @@ from typing import Any
 from specdial.cli_common import cli_error, setup_logging
 from specdial.bench.datasets import DatasetError, build_requests
 from specdial.engine.args import EngineArgs, add_dataclass_arguments, config_from_args
-from specdial.engine.config import EngineConfig
+from specdial.config import EngineConfig
 from specdial.engine.sampling_defaults import BENCH_TEMPERATURE
 from specdial.engine.resolve import resolve_device_name
 

@@ -1,16 +1,21 @@
-"""Running past one device: tensor-parallel process groups, worker-rank processes, and data
-parallel replicas behind one front end.
+"""The tensor-parallel group and what travels over it: the collectives the sharded models call,
+and rank 0's one control message per iteration. A low layer (docs/ARCHITECTURE.md, "Layers"):
+it imports only :mod:`specdial.config`, as SGLang's and vLLM's ``distributed`` packages hold
+their process groups and collectives.
 
-- :mod:`specdial.distributed.group`: :class:`DistConfig`, :func:`init_group`,
-  :class:`TensorParallel` (collectives with a deadline), :class:`RankFailure`;
-- :mod:`specdial.distributed.launcher`: :func:`launch_ranks` (worker ranks as
-  ``python -m specdial.distributed.rank`` subprocesses that exit when rank 0 does);
-- :mod:`specdial.models.tensor_parallel`: how the models are sharded.
+- :mod:`specdial.distributed.group`: :func:`init_group`, :class:`TensorParallel` (collectives
+  with a deadline), :class:`RankFailure`, :class:`RankDivergence`; the group's settings,
+  :class:`DistConfig`, live in :mod:`specdial.config.parallel`;
+- :mod:`specdial.distributed.channel`: rank 0's control messages (:class:`Leader`);
+- :mod:`specdial.distributed.mirror`: rank 0's worker calls, replayed on the other ranks;
+- :mod:`specdial.distributed.liveness`: start-up barriers and heartbeats.
+
+Starting rank processes, the tensor-parallel engine and the data-parallel replicas are above the
+engine, in :mod:`specdial.launch`; how the models are sharded is
+:mod:`specdial.models.tensor_parallel`.
 """
 
 from specdial.distributed.group import (DEFAULT_TIMEOUT_S, DistConfig, RankFailure,
                                         TensorParallel, init_group)
-from specdial.distributed.launcher import RankProcesses, launch_ranks
 
-__all__ = ["DEFAULT_TIMEOUT_S", "DistConfig", "RankFailure", "TensorParallel", "init_group",
-           "RankProcesses", "launch_ranks"]
+__all__ = ["DEFAULT_TIMEOUT_S", "DistConfig", "RankFailure", "TensorParallel", "init_group"]

@@ -1,6 +1,7 @@
-"""The tensor-parallel process group: typed settings, rendezvous, collectives with a deadline.
+"""The tensor-parallel process group: rendezvous, collectives with a deadline.
 
-One :class:`DistConfig` describes a rank's place in the group: ``tp_size`` ranks in all, spread
+One :class:`DistConfig` (a typed setting of the bottom layer, :mod:`specdial.config.parallel`,
+re-exported here for the group's callers) describes a rank's place in the group: ``tp_size`` ranks in all, spread
 over ``nnodes`` nodes (``tp_size // nnodes`` ranks per node, rank ``r`` on node
 ``r // (tp_size // nnodes)``), meeting at ``init_addr`` (``host:port``, the TCP store rank 0
 serves). :func:`init_group` joins the group with torch.distributed (gloo for CPU tensors, NCCL
@@ -17,7 +18,6 @@ documented variable just before the group is created (see :func:`init_group`).
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -28,20 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from specdial.engine.config import EngineConfig
+from specdial.config.parallel import DEFAULT_TIMEOUT_S, DistConfig, free_port, parse_addr
 
 __all__ = ["DistConfig", "TensorParallel", "RankFailure", "RankDivergence", "CollectiveTimer", "init_group",
            "free_port", "parse_addr", "DEFAULT_TIMEOUT_S"]
-
-#: Seconds a collective may wait for a peer before the rank gives up (SGLang's
-#: ``--dist-timeout`` has no default and falls back to torch's 30 minutes; a serving engine that
-#: must report a dead rank wants far less).
-DEFAULT_TIMEOUT_S = 60.0
-
-#: Seconds the start-up may take: the rendezvous (ranks still starting their interpreters) and
-#: each rank loading its models (:mod:`specdial.distributed.liveness`). ``dist_timeout``
-#: applies to every collective; a rank slower to start is not taken for a dead one.
-DEFAULT_STARTUP_TIMEOUT_S = 600.0
 
 
 class RankFailure(RuntimeError):
@@ -54,112 +44,6 @@ class RankFailure(RuntimeError):
 class RankDivergence(RuntimeError):
     """Ranks computed different values where they must agree (e.g. the accepted tokens of an
     iteration); the engine cannot continue consistently."""
-
-
-def parse_addr(addr: str) -> tuple[str, int]:
-    """``"host:port"`` -> ``(host, port)``; ``ValueError`` naming ``dist_init_addr`` otherwise.
-
-    IPv6 hosts go in brackets (``[::1]:5000``), as in SGLang's ``--dist-init-addr``.
-    """
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"dist_init_addr must be 'host:port' with a port in 1..65535, "
-                         f"got {addr!r}")
-    return host.strip("[]"), int(port)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now (the OS picks it; a race is possible but
-    the rendezvous then fails loudly rather than joining a stranger)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass(frozen=True)
-class DistConfig:
-    """Where one rank stands in a tensor-parallel group.
-
-    - ``tp_size``: ranks in the group (>= 1); ``rank``: this rank, ``0 <= rank < tp_size``;
-      rank 0 owns the scheduler and serves the TCP store.
-    - ``init_addr``: ``host:port`` of rank 0's TCP store (SGLang's ``--dist-init-addr``).
-    - ``nnodes`` / ``node_rank``: nodes in all and this node's index; ``tp_size`` must be a
-      multiple of ``nnodes`` and ranks ``node_rank * per_node ..`` live on this node.
-    - ``timeout_s``: seconds a rendezvous or collective waits for a peer (``--dist-timeout``).
-    - ``device``: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL; rank ``r`` uses GPU ``r % per_node``).
-    - ``threads``: torch intra-op threads for this rank on the CPU (None: leave torch's).
-    - ``startup_timeout_s``: seconds the rendezvous and each start-up barrier wait for the
-      slowest rank (at least ``timeout_s`` is used; default
-      :data:`DEFAULT_STARTUP_TIMEOUT_S`).
-
-    Raises ``ValueError`` naming the field for any value outside these ranges.
-    """
-
-    tp_size: int
-    rank: int
-    init_addr: str
-    nnodes: int = 1
-    node_rank: int = 0
-    timeout_s: float = DEFAULT_TIMEOUT_S
-    device: str = "cpu"
-    threads: int | None = 1
-    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
-
-    def __post_init__(self) -> None:
-        for name in ("tp_size", "nnodes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.tp_size % self.nnodes:
-            raise ValueError(f"tp_size ({self.tp_size}) must be a multiple of nnodes "
-                             f"({self.nnodes}): each node runs the same number of ranks")
-        if not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"node_rank must be in 0..{self.nnodes - 1}, got {self.node_rank}")
-        if not 0 <= self.rank < self.tp_size:
-            raise ValueError(f"rank must be in 0..{self.tp_size - 1}, got {self.rank}")
-        if self.rank // self.ranks_per_node != self.node_rank:
-            raise ValueError(f"rank {self.rank} does not live on node {self.node_rank} "
-                             f"({self.ranks_per_node} ranks per node)")
-        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
-            raise ValueError(f"dist_timeout must be a positive number of seconds, "
-                             f"got {self.timeout_s!r}")
-        if not (isinstance(self.startup_timeout_s, (int, float))
-                and self.startup_timeout_s > 0):
-            raise ValueError(f"startup_timeout_s must be a positive number of seconds, "
-                             f"got {self.startup_timeout_s!r}")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda' for tensor parallelism, "
-                             f"got {self.device!r}")
-        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
-            raise ValueError(f"threads must be a positive integer or None, got {self.threads!r}")
-        parse_addr(self.init_addr)
-
-    @property
-    def startup_s(self) -> float:
-        """Seconds a start-up wait may take: ``max(startup_timeout_s, timeout_s)``."""
-        return float(max(self.startup_timeout_s, self.timeout_s))
-
-    @property
-    def ranks_per_node(self) -> int:
-        return self.tp_size // self.nnodes
-
-    @property
-    def local_ranks(self) -> range:
-        """The ranks that run on this node."""
-        first = self.node_rank * self.ranks_per_node
-        return range(first, first + self.ranks_per_node)
-
-    @property
-    def backend(self) -> str:
-        """``"nccl"`` on CUDA, ``"gloo"`` on the CPU."""
-        return "nccl" if self.device == "cuda" else "gloo"
-
-    @property
-    def torch_device(self) -> torch.device:
-        """This rank's device (CUDA: ``cuda:<rank % ranks_per_node>``)."""
-        if self.device == "cuda":
-            return torch.device("cuda", self.rank % self.ranks_per_node)
-        return torch.device("cpu")
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The engine package: :class:`~specdial.engine.core.Engine` and what it is made of.
 
-- :mod:`specdial.engine.config`: :class:`EngineConfig`, the engine's options, their defaults
-  and their validation (the only place they live);
+- :class:`EngineConfig`, the engine's options, their defaults and their validation, lives in
+  the bottom layer, :mod:`specdial.config` (re-exported here and by ``specdial.engine.config``);
 - :mod:`specdial.engine.args`: :class:`EngineArgs`, the command-line view of the config
   (``serve``, ``generate``, ``bench``) and the argparse glue;
 - :mod:`specdial.engine.core`: :class:`Engine` (models, scheduler, worker; the public API);
@@ -10,13 +10,13 @@
 - :mod:`specdial.engine.api`: the serving contract (:class:`StreamChunk`, :class:`EngineStats`);
 - :mod:`specdial.engine.output`: SGLang-shaped output dicts.
 
-``Engine`` is imported lazily (it needs torch), so the light modules (``config``, ``args``,
-``api``) load without it.
+``Engine`` is imported lazily (it needs torch), so the light modules (``args``, ``api``) load
+without it.
 """
 
 from typing import TYPE_CHECKING
 
-from specdial.engine.config import EngineConfig
+from specdial.config import EngineConfig
 
 __all__ = ["Engine", "EngineConfig"]
 

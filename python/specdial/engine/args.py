@@ -23,7 +23,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from specdial.engine.config import EngineConfig, _opt
+from specdial.config import EngineConfig, option as _opt
 
 __all__ = ["BUILTIN_MODEL_NAME", "NO_SPECULATION", "EngineArgs", "add_dataclass_arguments",
            "config_from_args"]
@@ -174,7 +174,7 @@ class EngineArgs(EngineConfig):
 _C = TypeVar("_C")
 
 
-def _int_list(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
     """One command-line word of a list of ints: ``"8"`` or ``"1,2,4"``."""
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -182,7 +182,7 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected integers, got {text!r}") from None
 
 
-class _ExtendInts(argparse.Action):
+class ExtendInts(argparse.Action):
     """``--x 1 2 4`` or ``--x 1,2,4`` -> ``[1, 2, 4]``."""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
@@ -230,7 +230,7 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             continue
         extra: dict[str, Any] = {}
         if typing.get_origin(kind) is list:
-            extra.update(type=_int_list, nargs="+", action=_ExtendInts)
+            extra.update(type=int_list, nargs="+", action=ExtendInts)
         if "choices" in meta:
             extra["choices"] = meta["choices"]
         if "metavar" in meta:

@@ -36,11 +36,11 @@ from typing import Any, AsyncIterator, Iterator
 import torch
 
 from specdial._core import AdaptiveConfig, ConfigError, Scheduler, SchedulerConfig
-from specdial.distributed.data_parallel import DataParallelEngine
-from specdial.distributed.tp_engine import TensorParallelRuntime, rank_options
+from specdial.launch.data_parallel import DataParallelEngine
+from specdial.launch.tp_engine import TensorParallelRuntime, rank_options
 from specdial.engine.api import EngineStats, LogprobOptions, RequestError, StreamChunk
 from specdial.engine.loop import Abort, Cancel, EngineLoop, Message, RequestSpec, Shutdown
-from specdial.engine.config import AUTO, EngineConfig, config_of_call
+from specdial.config import AUTO, EngineConfig, config_of_call
 from specdial.engine.loading import builtin_dirs, resolve_placement
 from specdial.engine.policy_setup import policy_options
 from specdial.engine.resolve import resolve_model_dir
@@ -50,7 +50,7 @@ from specdial.engine.requests import (async_collect, async_stream, collect, logp
                                       make_spec, sync_stream)
 from specdial.models import LlamaForCausalLM, load_engine_modules, resolve_draft_algorithm
 from specdial.profiling import ProfilePoint, default_seq_len, profile_decode
-from specdial.worker.graph_tables import default_cuda_graph_bs, normalize_graph_bs
+from specdial.config import default_cuda_graph_bs, normalize_graph_bs
 from specdial.worker.drafters import Drafter, make_drafter
 from specdial.worker.worker import SpecWorker
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from specdial.engine.config import AUTO
+from specdial.config import AUTO
 from specdial.engine import resolve as _resolve
 from specdial.engine.resolve import canonical_dtype, resolve_device_name
 

@@ -17,7 +17,7 @@ import json
 from typing import Any
 
 from specdial._core import AdaptiveConfig, ConfigError, validate_initial_steps
-from specdial.engine.config import FIXED_DEFAULT_STEPS
+from specdial.config import FIXED_DEFAULT_STEPS
 
 __all__ = ["cap_candidates", "policy_options"]
 

@@ -46,13 +46,13 @@ from safetensors.torch import save_file
 from torch import nn
 
 from specdial.distributed.group import TensorParallel
+from specdial.models.checkpoint import (assign_weights, build_on_meta, checkpoint_index,
+                                        read_config, read_tensor, tensor_shapes)
 from specdial.models.config import ModelConfig
 from specdial.models.eagle import EAGLE_ARCHITECTURE, EagleHead
 from specdial.models.eagle3 import TOP_LEVEL_IDS, Eagle3Head, Eagle3Spec, resolve_aux_layers
 from specdial.models.llama import LlamaForCausalLM
-from specdial.models.loader import (SUPPORTED_ARCHITECTURES, _assign, _build, _checkpoint_index,
-                                    _read_config, _read_tensor, _tensor_shapes, load_model,
-                                    load_tokenizer)
+from specdial.models.loader import SUPPORTED_ARCHITECTURES, load_model, load_tokenizer
 from specdial.models.tensor_parallel import param_shard, shard_modules_, slice_shard
 
 #: EAGLE-1 architectures: specdial's own, SGLang's, vLLM's.
@@ -81,7 +81,7 @@ def infer_draft_algorithm(path: str | Path) -> str:
     the module docstring). Raises ``FileNotFoundError`` without config.json or weights and
     ``ValueError`` for an unsupported architecture or speculators type."""
     path = Path(path)
-    raw = _read_config(path)
+    raw = read_config(path)
     arch = _architecture(raw, path)
     spec_type = raw.get("speculators_model_type")
     if spec_type is not None and spec_type != "eagle3":
@@ -91,13 +91,13 @@ def infer_draft_algorithm(path: str | Path) -> str:
         return "EAGLE"
     if arch in EAGLE3_ARCHITECTURES:
         return "EAGLE3"
-    files = _checkpoint_index(path)
+    files = checkpoint_index(path)
     fc = next((c for c in ("fc.weight", "model.fc.weight") if c in files), None)
     if fc is None:
         return "DRAFT"
     two_h = 2 * int(raw.get("hidden_size") or 0)
     eagle3 = any(c.removeprefix("model.").startswith("midlayer.") or c == "d2t" for c in files)
-    width = _tensor_shapes({fc: files[fc]})[fc][1]
+    width = tensor_shapes({fc: files[fc]})[fc][1]
     return "EAGLE3" if eagle3 or width != two_h else "EAGLE"
 
 
@@ -113,7 +113,7 @@ def resolve_draft_algorithm(path: str | Path, requested: str | None = None) -> s
     if requested not in DRAFT_ALGORITHMS:
         raise ValueError(f"speculative_algorithm must be one of {DRAFT_ALGORITHMS}, got "
                          f"{requested!r}")
-    arch = _architecture(_read_config(Path(path)), Path(path))
+    arch = _architecture(read_config(Path(path)), Path(path))
     heads = ("EAGLE", "EAGLE3")
     if arch in SUPPORTED_ARCHITECTURES and inferred in heads and requested in heads:
         return requested
@@ -158,7 +158,7 @@ def load_engine_modules(model_dir: str | Path, draft_dir: str | Path | None,
 def _head_config(path: Path, kind: str, archs: tuple[str, ...]) -> tuple[dict[str, Any], str]:
     """The config dict and architecture of a head directory; ``ValueError`` unless the
     architecture is one of ``archs`` or a plain Llama/Qwen2 label."""
-    raw = _read_config(path)
+    raw = read_config(path)
     arch = _architecture(raw, path)
     if arch not in archs + SUPPORTED_ARCHITECTURES:
         raise ValueError(f"{path}: architecture {arch} is not an {kind} head; supported: "
@@ -184,18 +184,18 @@ def load_eagle_head(path: str | Path, target: LlamaForCausalLM,
     raw, arch = _head_config(path, "EAGLE-1", EAGLE_ARCHITECTURES)
     own = arch == EAGLE_ARCHITECTURE
     config = ModelConfig.from_dict(raw)
-    files = _checkpoint_index(path)
+    files = checkpoint_index(path)
     names: dict[str, str | None] = {}
     for c in files:
         n = c if own else _strip_model(c)
         if c.endswith("rotary_emb.inv_freq") or (not own and n in _SHARED):
             continue  # the target's embedding and LM head are used, as in SGLang and vLLM
         names[c] = n
-    head = _build(EagleHead, config, target.embed_tokens, target.lm_head, input_norm=own,
+    head = build_on_meta(EagleHead, config, target.embed_tokens, target.lm_head, input_norm=own,
                   fc_bias=own or "fc.bias" in names.values())
     if tp is not None:
         shard_modules_(head, tp)
-    _assign(head, files, names, dtype, device)
+    assign_weights(head, files, names, dtype, device)
     head.rotary.to(device)
     return head.eval()
 
@@ -268,7 +268,7 @@ def load_eagle3_head(path: str | Path, target: LlamaForCausalLM,
     path = Path(path)
     raw, arch = _head_config(path, "EAGLE-3", EAGLE3_ARCHITECTURES)
     config, fields = _eagle3_config(raw, arch, target.config)
-    files = _checkpoint_index(path)
+    files = checkpoint_index(path)
     names: dict[str, str | None] = {}
     special: dict[str, str] = {}
     for c in files:
@@ -282,11 +282,11 @@ def load_eagle3_head(path: str | Path, target: LlamaForCausalLM,
     spec = Eagle3Spec(fc_bias="fc.bias" in names.values(), **fields)
     fc = next((c for c, n in names.items() if n == "fc.weight"), None)
     width = len(spec.aux_layers) * spec.target_hidden_size
-    if fc is not None and _tensor_shapes({fc: files[fc]})[fc][1] != width:
+    if fc is not None and tensor_shapes({fc: files[fc]})[fc][1] != width:
         source = ("eagle_config.eagle_aux_hidden_state_layer_ids"
                   if "eagle_aux_hidden_state_layer_ids" in (raw.get("eagle_config") or {})
                   else TOP_LEVEL_IDS if TOP_LEVEL_IDS in raw else "the default aux layers")
-        raise ValueError(f"{fc} takes {_tensor_shapes({fc: files[fc]})[fc][1]} inputs but "
+        raise ValueError(f"{fc} takes {tensor_shapes({fc: files[fc]})[fc][1]} inputs but "
                          f"{source} selects {len(spec.aux_layers)} residual-stream states "
                          f"{list(spec.aux_layers)} of width {spec.target_hidden_size} "
                          f"({width}); set {TOP_LEVEL_IDS} or eagle_config.{TOP_LEVEL_IDS}")
@@ -299,19 +299,19 @@ def load_eagle3_head(path: str | Path, target: LlamaForCausalLM,
     own_embedding = False
     if "embed_tokens.weight" in special:
         c = special["embed_tokens.weight"]
-        emb, ref = _read_tensor(files, c).to(device=device, dtype=dtype), target.embed_tokens.weight
+        emb, ref = read_tensor(files, c).to(device=device, dtype=dtype), target.embed_tokens.weight
         shard = param_shard(target, "embed_tokens.weight")
         if shard is not None and tuple(emb.shape) == shard.full:
             emb = slice_shard(emb, shard)  # compare with this rank's rows of the target's
         own_embedding = emb.shape != ref.shape or not torch.equal(emb, ref)
         if own_embedding:
             names[c] = "embed_tokens.weight"
-    head = _build(Eagle3Head, config, spec, target.embed_tokens,
+    head = build_on_meta(Eagle3Head, config, spec, target.embed_tokens,
                   None if own_lm_head else target.lm_head, own_embedding=own_embedding)
     if tp is not None:
         shard_modules_(head, tp)
-    _assign(head, files, names, dtype, device)
-    d2t, t2d = (_read_tensor(files, special[k]) if k in special else None
+    assign_weights(head, files, names, dtype, device)
+    d2t, t2d = (read_tensor(files, special[k]) if k in special else None
                 for k in ("d2t", "t2d"))
     head.set_vocab_map(d2t, t2d, device=device)
     head.rotary.to(device)

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from specdial.engine.args import (BUILTIN_MODEL_NAME, EngineArgs,
                                   add_dataclass_arguments, config_from_args)
-from specdial.engine.config import _opt
+from specdial.config import option as _opt
 from specdial.engine.sampling_defaults import OFFLINE_TEMPERATURE
 
 __all__ = ["BUILTIN_MODEL_NAME", "EngineArgs", "GenerateConfig", "ServeConfig",

@@ -181,7 +181,7 @@ def resolve_compat(args: argparse.Namespace, parser: argparse.ArgumentParser | N
     if max_bs is not None:
         if getattr(args, "cuda_graph_bs", None) is not None:
             raise ValueError("--cuda-graph-max-bs and --cuda-graph-bs: give one of them")
-        from specdial.worker.graph_tables import default_cuda_graph_bs  # torch: only when used
+        from specdial.config import default_cuda_graph_bs
 
         try:
             args.cuda_graph_bs = default_cuda_graph_bs(max_bs)

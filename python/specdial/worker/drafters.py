@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 from specdial.attention.base import AttentionBackend
-from specdial.engine.config import EngineConfig
+from specdial.config import EngineConfig
 from specdial.kv_pool import KVPool
 from specdial.models.batch import ForwardBatch
 from specdial.models.eagle import EagleHead

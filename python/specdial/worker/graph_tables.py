@@ -7,7 +7,8 @@ that no batch-size slot can reach are not captured (:class:`CapturePlan`, pruned
 ``AdaptiveSpeculativeParams.cuda_graph_bs_for_step``).
 
 - :func:`default_cuda_graph_bs`: SGLang's default capture sizes, capped at
-  ``max_running_requests``; :func:`normalize_graph_bs` validates a user's list.
+  ``max_running_requests``; :func:`normalize_graph_bs` validates a user's list (both defined
+  with the options, :mod:`specdial.config.cuda_graph`).
 - :class:`CapturePlan`: per candidate steps value, the batch sizes to capture (largest first)
   and the passes per size: ``draft`` (``steps >= 1``), ``verify``, ``extend`` (draft extend,
   KV only; only with a drafter).
@@ -21,44 +22,12 @@ import bisect
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-import numpy as np
-
 from specdial._core import AdaptiveConfig, AdaptiveSpeculativeParams
+# the option's defaults and check live with the options; re-exported for the worker's callers
+from specdial.config.cuda_graph import default_cuda_graph_bs, normalize_graph_bs
 
 #: the passes of one graph key, in replay order
 PASSES = ("draft", "verify", "extend")
-
-
-def default_cuda_graph_bs(max_running_requests: int) -> list[int]:
-    """SGLang's default CUDA-graph batch sizes, capped at ``max_running_requests``.
-
-    Rule (SGLang ``ServerArgs._generate_cuda_graph_batch_sizes``, non-speculative branch):
-    ``[1, 2, 4, 8, 12] + range(16, 257, 8) + range(272, 512, 16) + range(512, max + 1, 32)``,
-    keeping sizes ``<= max_running_requests``. One deviation: ``max_running_requests`` itself is
-    appended when the grid misses it, so a full batch still replays a graph (SGLang leaves the
-    last sizes above its largest grid point to eager mode). Raises ``ValueError`` below 1.
-    """
-    if isinstance(max_running_requests, bool) or not isinstance(max_running_requests, int) \
-            or max_running_requests < 1:
-        raise ValueError(f"max_running_requests must be an int >= 1, got {max_running_requests!r}")
-    grid = ([1, 2, 4, 8, 12] + list(range(16, 257, 8)) + list(range(272, 512, 16))
-            + list(range(512, max_running_requests + 1, 32)))
-    sizes = [s for s in grid if s <= max_running_requests]
-    if sizes[-1] != max_running_requests:
-        sizes.append(max_running_requests)
-    return sizes
-
-
-def normalize_graph_bs(sizes: Iterable[int]) -> tuple[int, ...]:
-    """Sorted, deduplicated batch sizes; ``ValueError`` for an empty list or a size < 1."""
-    out = []
-    for s in sizes:
-        if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 1:
-            raise ValueError(f"cuda_graph_bs: batch sizes must be ints >= 1, got {s!r}")
-        out.append(int(s))
-    if not out:
-        raise ValueError("cuda_graph_bs is empty")
-    return tuple(sorted(set(out)))
 
 
 def _graph_sizes_of(policy: AdaptiveSpeculativeParams | AdaptiveConfig | Mapping | None,

@@ -1,6 +1,6 @@
-"""Entry point of a worker rank: ``python -m specdial.distributed.rank``.
+"""Entry point of a worker rank: ``python -m specdial.launch.rank``.
 
-Arguments (written by :func:`specdial.distributed.launcher.rank_command`): ``--config`` (the
+Arguments (written by :func:`specdial.launch.launcher.rank_command`): ``--config`` (the
 :class:`~specdial.distributed.group.DistConfig` as JSON), ``--entry module:function``,
 ``--args`` (JSON object of keyword arguments) and optionally ``--parent-fd N`` (the read end
 of rank 0's watch pipe). The rank joins the group, calls ``function(tp, config, **args)`` and
@@ -76,7 +76,7 @@ def device_problem(device: str, local_index: int) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one worker rank; returns the process exit status."""
-    p = argparse.ArgumentParser(prog="python -m specdial.distributed.rank")
+    p = argparse.ArgumentParser(prog="python -m specdial.launch.rank")
     p.add_argument("--config", required=True)
     p.add_argument("--entry", required=True)
     p.add_argument("--args", default="{}")

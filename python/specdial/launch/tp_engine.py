@@ -1,7 +1,7 @@
 """An :class:`specdial.Engine` whose models are sharded over ``tp_size`` ranks.
 
 Rank 0 is the process that constructs ``Engine(tp_size=N)``: it starts its node's other ranks
-(:func:`~specdial.distributed.node.start_rank0`, entry :func:`worker_rank`), loads its shard
+(:func:`~specdial.launch.node.start_rank0`, entry :func:`worker_rank`), loads its shard
 of the target and drafter, and owns the Rust scheduler and the engine loop. Its worker is
 wrapped (:class:`~specdial.distributed.mirror.Mirrored`): each ``prefill`` / ``decode`` call
 is turned into the worker's plain input once (:func:`specdial.worker.inputs.worker_input`,
@@ -39,17 +39,17 @@ import torch
 
 from specdial.distributed.channel import Leader
 from specdial.distributed.group import DistConfig, RankFailure, TensorParallel, destroy_group
-from specdial.distributed.launcher import RankProcesses
+from specdial.launch.launcher import RankProcesses
 from specdial.distributed.liveness import Heartbeat, startup_barrier
 from specdial.distributed.mirror import Mirrored, replay
-from specdial.distributed.node import start_rank0
-from specdial.distributed.options import ParallelOptions
+from specdial.launch.node import start_rank0
+from specdial.config.parallel import ParallelOptions
 
 __all__ = ["TensorParallelRuntime", "worker_rank", "rank_options", "start_worker_node"]
 
 METHODS = ("prefill", "decode")
 GENERATOR = "<this rank's generator>"
-ENTRY = "specdial.distributed.tp_engine:worker_rank"
+ENTRY = "specdial.launch.tp_engine:worker_rank"
 
 
 def _tokens(out: Any) -> torch.Tensor:
@@ -76,7 +76,7 @@ _RANK0_ONLY = frozenset({"model_path", "draft_model_path", "speculative_algorith
 
 
 def rank_options(config: Any) -> dict[str, Any]:
-    """The options of an :class:`~specdial.engine.config.EngineConfig` as the worker ranks
+    """The options of an :class:`~specdial.config.EngineConfig` as the worker ranks
     need them (JSON-serialisable keyword arguments of ``Engine.from_modules``): what shapes
     the worker is kept (a callable steps schedule becomes ``[0]``: the worker then builds the
     same runtime states, one per steps value). Raises ``ValueError`` naming an option that
@@ -213,7 +213,7 @@ class TensorParallelRuntime:
 def start_worker_node(options: ParallelOptions, device: str = "cpu") -> int:
     """A node other than 0 (``serve --node-rank K``): run its ranks of the engine that node
     0's ``Engine`` leads until it shuts down; returns the exit status (0: clean)."""
-    from specdial.distributed.node import run_worker_node
+    from specdial.launch.node import run_worker_node
 
     return run_worker_node(options, ENTRY, {}, device=device)
 
@@ -222,7 +222,7 @@ def worker_rank(tp: TensorParallel, config: DistConfig) -> None:
     """Entry of ranks ``1..tp_size-1``: receive the engine's options from rank 0, build the
     same engine on this rank's shard, and replay rank 0's worker calls until it shuts down.
     Exits the process (status 2) when rank 0 stops its heartbeat or its store is gone."""
-    from specdial.distributed.rank import exit_rank_failure
+    from specdial.launch.rank import exit_rank_failure
 
     liveness = Heartbeat(tp, on_failure=exit_rank_failure).start()
     try:

@@ -1,7 +1,7 @@
 """Start worker ranks as fresh interpreters and watch them.
 
 Rank 0 (the process that owns the scheduler, or a test) calls :func:`launch_ranks` to start the
-other ranks of its node as ``python -m specdial.distributed.rank`` subprocesses: fresh
+other ranks of its node as ``python -m specdial.launch.rank`` subprocesses: fresh
 interpreters, so nothing is re-imported from the caller's ``__main__`` (multiprocessing's
 spawn does that, which breaks plain scripts) and nothing is forked after torch has started its
 threads. Each child gets the read end of a pipe whose write end only rank 0 holds; when rank 0
@@ -24,12 +24,12 @@ from specdial.distributed.group import DistConfig
 
 __all__ = ["RankProcesses", "launch_ranks", "rank_command"]
 
-ENTRY_MODULE = "specdial.distributed.rank"
+ENTRY_MODULE = "specdial.launch.rank"
 
 
 def rank_command(config: DistConfig, entry: str, args: dict[str, Any],
                  parent_fd: int | None = None, python: str | None = None) -> list[str]:
-    """The argv that runs rank ``config.rank``: ``python -m specdial.distributed.rank ...``.
+    """The argv that runs rank ``config.rank``: ``python -m specdial.launch.rank ...``.
 
     ``entry``: ``"module:function"`` called on the rank as ``function(tp, config, **args)``
     (``args`` must be JSON-serialisable). ``parent_fd``: the pipe fd to watch (None: none, e.g.

@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from specdial.distributed.group import TensorParallel, init_group
-from specdial.distributed.launcher import RankProcesses, launch_ranks
-from specdial.distributed.options import ParallelOptions
+from specdial.launch.launcher import RankProcesses, launch_ranks
+from specdial.config.parallel import ParallelOptions
 
 __all__ = ["start_rank0", "run_worker_node"]
 

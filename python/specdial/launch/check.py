@@ -1,11 +1,11 @@
 """Tensor-parallel consistency check: the same forwards at ``tp_size`` 1 and N, compared.
 
-``python -m specdial.distributed.check MODEL_DIR [--draft-model-path DIR] --tp-size N`` loads
+``python -m specdial.launch.check MODEL_DIR [--draft-model-path DIR] --tp-size N`` loads
 the target (and drafter) unsharded, runs :func:`forward_outputs`, then joins an N-rank group as
-rank 0 (starting its node's other ranks, :func:`~specdial.distributed.node.start_rank0`), runs
+rank 0 (starting its node's other ranks, :func:`~specdial.launch.node.start_rank0`), runs
 the same forwards sharded and prints the largest absolute and relative logit differences.
 Multi-node: the same command with ``--nnodes``, ``--node-rank`` and ``--dist-init-addr`` on
-every node (:func:`~specdial.distributed.node.run_worker_node` on nodes other than 0). The
+every node (:func:`~specdial.launch.node.run_worker_node` on nodes other than 0). The
 tests drive :func:`run_rank` on every rank and compare with :func:`forward_outputs` at tp 1.
 """
 
@@ -21,8 +21,8 @@ import torch
 from specdial.attention.torch_backend import TorchAttentionBackend
 from specdial.distributed.group import (DEFAULT_TIMEOUT_S, SINGLE, DistConfig, TensorParallel,
                                        destroy_group)
-from specdial.distributed.node import run_worker_node, start_rank0
-from specdial.distributed.options import ParallelOptions
+from specdial.launch.node import run_worker_node, start_rank0
+from specdial.config.parallel import ParallelOptions
 from specdial.models.batch import ForwardBatch
 from specdial.models.drafter_loader import load_drafter
 from specdial.models.loader import load_model
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     line (:func:`verdict`); exit status 0 when every relative difference is below
     ``--rtol``, 1 otherwise. With ``--nnodes N --node-rank K --dist-init-addr HOST:PORT`` the
     same command on each node forms one group; nodes other than 0 only run their ranks."""
-    p = argparse.ArgumentParser(prog="python -m specdial.distributed.check")
+    p = argparse.ArgumentParser(prog="python -m specdial.launch.check")
     p.add_argument("model_path")
     p.add_argument("--draft-model-path", default=None)
     p.add_argument("--speculative-algorithm", default=None)
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     case = {"model_path": str(Path(ns.model_path).resolve()), "algorithm": ns.speculative_algorithm,
             "draft_path": (str(Path(ns.draft_model_path).resolve()) if ns.draft_model_path
                            else None)}
-    entry, args = "specdial.distributed.check:run_rank", {"cases": [case]}
+    entry, args = "specdial.launch.check:run_rank", {"cases": [case]}
     if options.node_rank > 0:
         return run_worker_node(options, entry, args)
     torch.set_num_threads(1)

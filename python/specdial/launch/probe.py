@@ -1,6 +1,6 @@
 """Collective probes: what one all-reduce costs on this transport, and how a rank failure shows.
 
-:func:`collective_probe` is a worker-rank entry (see :mod:`specdial.distributed.rank`) that
+:func:`collective_probe` is a worker-rank entry (see :mod:`specdial.launch.rank`) that
 all-reduces a ``[numel]`` float32 tensor ``iters`` times and, on rank 0, writes a JSON report:
 ``{"ok": true, "seconds_per_call": s, "calls": n}`` or, when a peer died or hung,
 ``{"ok": false, "error": message, "elapsed_s": s}`` (then the rank exits with status 2). It
