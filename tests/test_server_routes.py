@@ -135,3 +135,27 @@ def test_no_private_name_is_imported_from_another_server_module():
                     "specdial.server"):
                 private = [a.name for a in node.names if a.name.startswith("_")]
                 assert not private, f"{path.name} imports {private} from {node.module}"
+
+
+def test_the_state_checks_shared_by_the_routers_without_a_tokenizer():
+    """ServerState's tokenizer checks as each router uses them (formerly closures of
+    create_app): SGLang's and the tokenizer endpoints answer ``no_tokenizer``; an OpenAI
+    field that needs token texts is ``unsupported_parameter`` naming it."""
+    engine = FakeEngine()
+    engine.tokenizer = None
+    with LiveServer(engine, shutdown_timeout=scaled(2)) as live, \
+            httpx.Client(base_url=live.url, timeout=scaled(10)) as c:
+        r = c.post("/generate", json={"input_ids": [97, 98], "return_logprob": True,
+                                      "return_text_in_logprobs": True})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "no_tokenizer", r.text
+        for method, path in (("POST", "/tokenize"), ("POST", "/v1/detokenize"),
+                             ("GET", "/tokenizer_info")):
+            body = {"prompt": "a"} if path == "/tokenize" else {"tokens": [97]}
+            r = c.request(method, path, json=body if method == "POST" else None)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "no_tokenizer", path
+        r = c.post("/v1/completions", json={"prompt": [97], "logprobs": 1})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "unsupported_parameter", r.text
+        assert err["param"] == "logprobs"
+        r = c.get("/v1/models/other")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"

@@ -186,7 +186,7 @@ def prepare_generate(state: ServerState,
     lp = None
     if req.return_logprob:
         if req.return_text_in_logprobs:
-            tokenizer()
+            state.require_tokenizer()
         lp = LogprobOptions(req.top_logprobs_num, None if req.logprob_start_len == -1
                             else req.logprob_start_len)
     elif req.top_logprobs_num or req.logprob_start_len != -1:
