@@ -159,3 +159,29 @@ def test_the_state_checks_shared_by_the_routers_without_a_tokenizer():
         assert err["param"] == "logprobs"
         r = c.get("/v1/models/other")
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_server_modules_import_one_way():
+    """No import cycle among the server's modules, function-local imports included (app <->
+    sglang_api and config <-> limits / connections were ones)."""
+    graph: dict[str, set[str]] = {}
+    for path in SERVER.glob("*.py"):
+        deps = graph.setdefault(path.stem, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "specdial.server":
+                deps |= {a.name for a in node.names if (SERVER / f"{a.name}.py").exists()}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                    "specdial.server."):
+                deps.add(node.module.split(".")[2])  # type: ignore[union-attr]
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        assert module not in path, " -> ".join(path + [module])
+        if module in done:
+            return
+        for dep in sorted(graph.get(module, ())):
+            visit(dep, path + [module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
