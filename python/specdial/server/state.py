@@ -128,8 +128,10 @@ class ServerState:
         return self.engine.tokenizer
 
 
-def get_state(request: Request) -> ServerState:
-    """The FastAPI dependency behind :data:`StateDep`: the app's ``app.state.specdial``."""
+async def get_state(request: Request) -> ServerState:
+    """The FastAPI dependency behind :data:`StateDep`: the app's ``app.state.specdial``.
+    ``async`` so that FastAPI calls it on the event loop (a plain ``def`` dependency would cost
+    every request a hop through Starlette's thread pool)."""
     state: ServerState = request.app.state.specdial
     return state
 
