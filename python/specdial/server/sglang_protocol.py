@@ -170,18 +170,7 @@ def prepare_generate(state: ServerState,
     request, whether it was a single prompt, the jobs and the ``rid`` per prompt (per output
     with ``n`` > 1). Raises :class:`APIError` 400 naming the field."""
     req: GenerateRequest = parse_body(GenerateRequest, raw)
-    if (req.text is None) == (req.input_ids is None):
-        raise bad_request("give exactly one of 'text' and 'input_ids'", "text",
-                          "invalid_value")
-    if req.text is not None:
-        single = isinstance(req.text, str)
-        prompts: list[Any] = [req.text] if single else list(req.text)
-    else:
-        ids = req.input_ids or []
-        single = not ids or isinstance(ids[0], int)
-        prompts = [list(ids)] if single else [list(p) for p in ids]
-    if not prompts:
-        raise bad_request("the prompt list is empty", "text", "invalid_value")
+    single, prompts = _prompts(req)
     check_prompt_count(prompts, state.limits)
     lp = None
     if req.return_logprob:
@@ -199,31 +188,54 @@ def prepare_generate(state: ServerState,
         raise bad_request(f"{len(prompts)} prompts x 'n' = {n} make {n * len(prompts)} "
                           f"sequences; at most {state.limits.max_prompts} are allowed per "
                           "request (--max-prompts)", "sampling_params.n", "too_many_prompts")
-    jobs: list[Job] = []
-    for i, (prompt, sp) in enumerate(zip(prompts, params)):
-        label = "sampling_params" if single else f"sampling_params[{i}]"
-        sp = {k: v for k, v in (sp or {}).items() if k != "n"}
-        sampling, stop = sampling_from_sglang(sp, label)
-        check_stop(stop, state.limits)
-        max_new = sampling.pop("max_new_tokens")
-        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
-            raise bad_request(f"Invalid value for '{label}.max_new_tokens': "
-                              f"{str(max_new)[:40]}; allowed: an int >= 1",
-                              f"{label}.max_new_tokens", "invalid_value")
-        job = make_job(state, i, prompt, templated=False, max_tokens=max_new,
-                        max_tokens_param=f"{label}.max_new_tokens",
-                        prompt_param="text" if req.text is not None else "input_ids",
-                        label="text" if single else f"text[{i}]", chat=False,
-                        sampling=sampling, stop=stop)
-        if lp is not None and lp.prompt_start is not None and job.input_ids is not None \
-                and lp.prompt_start >= len(job.input_ids):
-            raise bad_request(f"'logprob_start_len' ({lp.prompt_start}) must be below the "
-                              f"prompt's {len(job.input_ids)} tokens", "logprob_start_len",
-                              "invalid_value")
-        job.logprobs = lp
-        jobs.append(job)
+    jobs = [_job(state, i, prompt, sp, text=req.text is not None, single=single, lp=lp)
+            for i, (prompt, sp) in enumerate(zip(prompts, params))]
     if n > 1:  # SGLang's parallel sampling: a list of n outputs per prompt, prompt-major
         jobs = choices(jobs, n)
         rids = [None if r is None else f"{r}-{j}" for r in rids for j in range(n)]
         single = False
     return req, single, jobs, rids
+
+
+def _prompts(req: GenerateRequest) -> tuple[bool, list[Any]]:
+    """Whether ``req`` gives a single prompt, and its prompts (texts or token id lists)."""
+    if (req.text is None) == (req.input_ids is None):
+        raise bad_request("give exactly one of 'text' and 'input_ids'", "text",
+                          "invalid_value")
+    if req.text is not None:
+        single = isinstance(req.text, str)
+        prompts: list[Any] = [req.text] if single else list(req.text)
+    else:
+        ids = req.input_ids or []
+        single = not ids or isinstance(ids[0], int)
+        prompts = [list(ids)] if single else [list(p) for p in ids]
+    if not prompts:
+        raise bad_request("the prompt list is empty", "text", "invalid_value")
+    return single, prompts
+
+
+def _job(state: ServerState, i: int, prompt: Any, sp: dict[str, Any] | None, *, text: bool,
+         single: bool, lp: LogprobOptions | None) -> Job:
+    """The job of prompt ``i`` with its SGLang ``sampling_params`` ``sp`` (``n`` left out);
+    ``text``: the prompts were given as ``text`` (else ``input_ids``)."""
+    label = "sampling_params" if single else f"sampling_params[{i}]"
+    sp = {k: v for k, v in (sp or {}).items() if k != "n"}
+    sampling, stop = sampling_from_sglang(sp, label)
+    check_stop(stop, state.limits)
+    max_new = sampling.pop("max_new_tokens")
+    if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
+        raise bad_request(f"Invalid value for '{label}.max_new_tokens': "
+                          f"{str(max_new)[:40]}; allowed: an int >= 1",
+                          f"{label}.max_new_tokens", "invalid_value")
+    job = make_job(state, i, prompt, templated=False, max_tokens=max_new,
+                   max_tokens_param=f"{label}.max_new_tokens",
+                   prompt_param="text" if text else "input_ids",
+                   label="text" if single else f"text[{i}]", chat=False,
+                   sampling=sampling, stop=stop)
+    if lp is not None and lp.prompt_start is not None and job.input_ids is not None \
+            and lp.prompt_start >= len(job.input_ids):
+        raise bad_request(f"'logprob_start_len' ({lp.prompt_start}) must be below the "
+                          f"prompt's {len(job.input_ids)} tokens", "logprob_start_len",
+                          "invalid_value")
+    job.logprobs = lp
+    return job
