@@ -432,11 +432,11 @@ def test_unexpected_errors_are_json_500_and_the_connection_stays_usable():
 
 def test_queue_full_message_says_retry_later_once():
     from specdial._core import QueueFullError
-    from specdial.server.app import _engine_error
+    from specdial.server.errors import engine_error
 
     for core in ("queue full: 3 requests (max_queued_requests = 2); retry later",
                  "2 requests already queued"):
-        err = _engine_error(QueueFullError(core), {})
+        err = engine_error(QueueFullError(core), {})
         assert err.status == 503 and err.code == "queue_full"
         assert err.message.count("retry later") == 1, err.message
         assert err.message.startswith("The server is overloaded (") and err.message.endswith(

@@ -2,7 +2,9 @@
 
 - :mod:`specdial.server.config`: :class:`EngineArgs`, :class:`ServeConfig`,
   :class:`GenerateConfig` (every option of ``specdial serve`` / ``specdial generate``);
-- :mod:`specdial.server.app`: :func:`create_app` (the endpoints);
+- :mod:`specdial.server.app`: :func:`create_app` (wiring: middleware and the routers of
+  :mod:`~specdial.server.openai_api`, :mod:`~specdial.server.sglang_api` and
+  :mod:`~specdial.server.ops_api`, sharing :class:`~specdial.server.state.ServerState`);
 - :mod:`specdial.server.protocol`: request validation and the OpenAI error JSON;
 - :mod:`specdial.server.chat`: chat templates;
 - :mod:`specdial.server.metrics`: ``/metrics``;

@@ -16,6 +16,11 @@ from specdial.engine.args import (BUILTIN_MODEL_NAME, EngineArgs,
                                   add_dataclass_arguments, config_from_args)
 from specdial.config import option as _opt
 from specdial.engine.sampling_defaults import OFFLINE_TEMPERATURE
+from specdial.server.defaults import (DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_HEADER_READ_TIMEOUT_S,
+                                      DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS,
+                                      DEFAULT_MAX_DETOKENIZE_TOKENS, DEFAULT_MAX_JSON_DEPTH,
+                                      DEFAULT_MAX_PROMPTS, DEFAULT_MAX_STOP_CHARS,
+                                      DEFAULT_MAX_STOP_STRINGS)
 
 __all__ = ["BUILTIN_MODEL_NAME", "EngineArgs", "GenerateConfig", "ServeConfig",
            "add_dataclass_arguments", "config_from_args"]
@@ -24,16 +29,6 @@ __all__ = ["BUILTIN_MODEL_NAME", "EngineArgs", "GenerateConfig", "ServeConfig",
 #: (as vLLM reads ``VLLM_API_KEY``).
 API_KEY_ENV = "SPECDIAL_API_KEY"
 
-# Defaults of the server's limits (specdial.server.limits.ServerLimits).
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-DEFAULT_BODY_READ_TIMEOUT_S = 30.0
-DEFAULT_MAX_JSON_DEPTH = 32
-DEFAULT_MAX_PROMPTS = 128
-DEFAULT_MAX_STOP_STRINGS = 16
-DEFAULT_MAX_STOP_CHARS = 256
-DEFAULT_MAX_DETOKENIZE_TOKENS = 131072
-DEFAULT_HEADER_READ_TIMEOUT_S = 30.0
-DEFAULT_MAX_CONNECTIONS = 1000
 
 
 @dataclass

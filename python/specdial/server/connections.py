@@ -39,7 +39,7 @@ import h11
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from specdial.server.config import DEFAULT_HEADER_READ_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
+from specdial.server.defaults import DEFAULT_HEADER_READ_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
 from specdial.server.protocol import APIError, send_api_error
 
 __all__ = ["DEFAULT_HEADER_READ_TIMEOUT_S", "DEFAULT_MAX_CONNECTIONS", "EXEMPT_PATHS",

@@ -41,10 +41,10 @@ from typing import Any, Sequence
 import numpy as np
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from specdial.server.config import (DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES,
-                                    DEFAULT_MAX_DETOKENIZE_TOKENS, DEFAULT_MAX_JSON_DEPTH,
-                                    DEFAULT_MAX_PROMPTS,
-                                    DEFAULT_MAX_STOP_CHARS, DEFAULT_MAX_STOP_STRINGS)
+from specdial.server.defaults import (DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES,
+                                      DEFAULT_MAX_DETOKENIZE_TOKENS, DEFAULT_MAX_JSON_DEPTH,
+                                      DEFAULT_MAX_PROMPTS,
+                                      DEFAULT_MAX_STOP_CHARS, DEFAULT_MAX_STOP_STRINGS)
 from specdial.server.protocol import APIError, bad_request, send_api_error
 
 __all__ = ["BodyLimitMiddleware", "ServerLimits", "check_prompt_chars", "check_prompt_count",

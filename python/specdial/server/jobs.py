@@ -1,0 +1,124 @@
+"""Requests -> engine jobs: tokenizing, the context-length checks, ``n`` choices and the
+OpenAI fields -> the engine's sampling parameters.
+
+Mapping to the engine: ``max_tokens`` / ``max_completion_tokens`` -> ``max_new_tokens``
+(default: 16 for completions, as OpenAI's; the rest of the context for chat), ``temperature``
+(default 1.0, as OpenAI's; 0 = greedy), ``top_p``, ``seed``, ``ignore_eos`` (the vLLM/SGLang
+extension: generate ``max_tokens`` past EOS), ``stop`` (strings, matched by the
+engine on the detokenized text and not included in the output unless
+``include_stop_str_in_output``), and under the same names ``presence_penalty``,
+``frequency_penalty`` and vLLM's extras ``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``
+(:data:`~specdial.server.protocol.SAMPLING_EXTRAS`; rules in
+:class:`~specdial.worker.sampling.SamplingParams`). With a tokenizer the server
+encodes the prompt itself (to check it against ``engine.context_length`` and to fill in the
+default ``max_tokens``) and submits token ids; text from a tokenizer's chat template is encoded
+without adding special tokens again. SGLang's ``/generate`` reuses :func:`make_job` and
+:func:`choices` (:mod:`specdial.server.sglang_protocol`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from specdial.engine.sampling_defaults import SERVER_TEMPERATURE
+from specdial.server.limits import check_prompt_chars
+from specdial.server.protocol import (SAMPLING_EXTRAS, ChatCompletionRequest, CompletionRequest,
+                                      bad_request, choice_seed)
+from specdial.server.runs import Job
+from specdial.server.state import ServerState
+
+__all__ = ["DEFAULT_COMPLETION_MAX_TOKENS", "DEFAULT_TEMPERATURE", "choices", "encode",
+           "make_job", "openai_sampling", "openai_stop"]
+
+#: ``max_tokens`` default of ``/v1/completions`` (OpenAI's).
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+#: ``temperature`` default (SGLang's and OpenAI's; see :mod:`specdial.engine.sampling_defaults`).
+DEFAULT_TEMPERATURE = SERVER_TEMPERATURE
+
+
+def encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    """``text`` -> token ids (Python ints) with a Hugging Face tokenizer, a ``tokenizers``
+    one (``.ids``) or one whose ``encode`` takes no ``add_special_tokens``."""
+    try:
+        enc = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    except TypeError:
+        enc = tokenizer.encode(text)
+    return [int(t) for t in getattr(enc, "ids", enc)]
+
+
+def make_job(state: ServerState, index: int, prompt: str | list[int], *, templated: bool,
+             max_tokens: int | None, max_tokens_param: str, prompt_param: str, label: str,
+             chat: bool, sampling: dict[str, Any], stop: list[str] | None) -> Job:
+    """One engine request for ``prompt`` (text, or token ids); ``label`` names it in error
+    messages. Raises :class:`APIError` 400 for an empty prompt or one that does not fit the
+    context."""
+    engine = state.engine
+    ctx = int(engine.context_length)
+    tokenizer = engine.tokenizer
+    if isinstance(prompt, list):
+        ids = prompt
+    elif tokenizer is None:  # the engine reports what it cannot do (RequestError)
+        n = DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
+        return Job(index, prompt, None, {**sampling, "max_new_tokens": n}, stop)
+    else:
+        check_prompt_chars(prompt, state.prompt_chars, label=label, param=prompt_param,
+                           context_length=ctx)
+        ids = encode(tokenizer, prompt, add_special_tokens=not templated)
+    if not ids:
+        raise bad_request(f"'{label}' is empty (0 tokens)", prompt_param, "invalid_value")
+    if len(ids) >= ctx:
+        raise bad_request(
+            f"This model's maximum context length is {ctx} tokens; the prompt ({label}) has "
+            f"{len(ids)} tokens, leaving no room for a completion", prompt_param,
+            "context_length_exceeded")
+    if max_tokens is not None and len(ids) + max_tokens > ctx:
+        raise bad_request(
+            f"This model's maximum context length is {ctx} tokens; you requested "
+            f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
+            f"completion). Reduce '{max_tokens_param}' or the prompt", max_tokens_param,
+            "context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = ctx - len(ids) if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, ctx - len(ids))
+    return Job(index, None, ids, {**sampling, "max_new_tokens": max_tokens}, stop)
+
+
+def choices(jobs: list[Job], n: int) -> list[Job]:
+    """``n`` choices per job (choice ``i`` of prompt ``p``: index ``p * n + i``), seeded
+    choices with :func:`choice_seed`."""
+    if n == 1:
+        return jobs
+    out = []
+    for job in jobs:
+        for i in range(n):
+            params = dict(job.sampling_params)
+            if "seed" in params:
+                params["seed"] = choice_seed(int(params["seed"]), i)
+            out.append(dataclasses.replace(job, index=job.index * n + i, sampling_params=params,
+                                           counts_prompt=i == 0))
+    return out
+
+
+def openai_sampling(req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
+    """The engine's sampling parameters of an OpenAI request (without ``max_new_tokens``,
+    which :func:`make_job` adds); a null extra is left out (the engine's default)."""
+    params: dict[str, Any] = {
+        "temperature": DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p}
+    if req.seed is not None:
+        params["seed"] = req.seed
+    if req.ignore_eos:
+        params["ignore_eos"] = True
+    for name in SAMPLING_EXTRAS:  # same names as the engine's; null: the engine's default
+        value = getattr(req, name)
+        if value is not None:
+            params[name] = value
+    return params
+
+
+def openai_stop(req: CompletionRequest | ChatCompletionRequest) -> list[str] | None:
+    """The request's ``stop`` as a list of strings (None: none)."""
+    if req.stop is None:
+        return None
+    return [req.stop] if isinstance(req.stop, str) else list(req.stop)

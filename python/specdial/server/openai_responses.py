@@ -1,0 +1,172 @@
+"""OpenAI's response bodies: the JSON of a finished run and the server-sent events of a
+streaming one (``text_completion`` / ``chat.completion`` objects and their chunks, ``usage``,
+``logprobs`` aligned to the text sent: :mod:`specdial.server.token_align`,
+:mod:`specdial.server.logprob_format`). A failed choice (finish reason ``error``,
+:mod:`specdial.engine.ends`) ends a stream with an error event, then ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from specdial.engine.ends import error_body, is_failure
+from specdial.server.errors import engine_error
+from specdial.server.logprob_format import chat_logprobs, completion_logprobs
+from specdial.server.runs import DONE, Choice, ClientGone, Job, Run
+from specdial.server.state import ServerState
+from specdial.server.token_align import TokenAligner
+
+__all__ = ["LogprobTrack", "choice_logprobs", "full_response", "new_track", "response_id",
+           "sse_events"]
+
+
+@dataclass
+class LogprobTrack:
+    """Per choice: what its logprobs reported so far (``tokens`` pushed to ``aligner``, text
+    characters sent, the completions text offset)."""
+
+    aligner: TokenAligner
+    tokens: int = 0
+    text_chars: int = 0
+    offset: int = 0
+    prompt_done: bool = False
+    reported: bool = False
+
+
+def response_id(run: Run, chat: bool) -> str:
+    """OpenAI-style response id carrying the request id of the log lines."""
+    return f"{'chatcmpl' if chat else 'cmpl'}-{run.rid}"
+
+
+def choice_logprobs(state: ServerState, c: Choice, job: Job, chat: bool, track: LogprobTrack,
+                    text_chars: int, final: bool) -> dict[str, Any] | None:
+    """The ``logprobs`` of ``c``'s tokens not reported yet (the echoed prompt's first) whose
+    text is within the first ``text_chars`` characters sent (the echo included); ``final``:
+    the text is complete (:mod:`specdial.server.token_align`). None without logprobs, or
+    when no entry is due (before the end)."""
+    if job.logprobs is None:
+        return None
+    al = track.aligner
+    if not track.prompt_done and c.token_ids:
+        track.prompt_done = True
+        if not chat and job.echo is not None and c.prompt_logprobs is not None:
+            assert job.input_ids is not None and c.prompt_top_logprobs is not None
+            al.push(job.input_ids, c.prompt_logprobs, c.prompt_top_logprobs)
+    sent = track.tokens
+    al.push(c.token_ids[sent:], c.logprobs[sent:], c.top_logprobs[sent:])  # type: ignore[arg-type]
+    track.tokens = len(c.token_ids)
+    entries = al.take(text_chars, final)
+    if not entries and not (final and track.offset == 0 and not track.reported):
+        return None
+    track.reported = True
+    if chat:
+        return chat_logprobs(entries, state.decode,
+                             lambda t: state.token_bytes(t, skip_special=False))
+    lp, track.offset = completion_logprobs(entries, state.decode, track.offset)
+    return lp
+
+
+def new_track(state: ServerState, job: Job) -> LogprobTrack:
+    """A fresh :class:`LogprobTrack` for ``job`` (special tokens' text skipped unless the job's
+    ``skip_special_tokens`` is False, as the engine's detokenizer does)."""
+    skip = job.sampling_params.get("skip_special_tokens") is not False
+    return LogprobTrack(TokenAligner(state.token_bytes, skip))
+
+
+def full_response(state: ServerState, run: Run, chat: bool) -> dict[str, Any]:
+    """The non-streaming body of a finished ``run``: OpenAI's ``text_completion`` or
+    ``chat.completion`` object with every choice and the ``usage``."""
+    choices: list[dict[str, Any]] = []
+    for c, job in zip(run.choices, run.jobs):
+        text = "".join(c.parts)
+        logprobs = choice_logprobs(state, c, job, chat, new_track(state, job),
+                                   len((job.echo or "") + text), True)
+        if chat:
+            choices.append({"index": c.index, "logprobs": logprobs,
+                            "finish_reason": c.reason,
+                            "message": {"role": "assistant", "content": text}})
+        else:
+            choices.append({"index": c.index, "text": (job.echo or "") + text,
+                            "logprobs": logprobs, "finish_reason": c.reason})
+    return {"id": response_id(run, chat),
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": state.model_name, "choices": choices,
+            "usage": run.usage()}
+
+
+async def sse_events(state: ServerState, run: Run, chat: bool,
+                     include_usage: bool) -> AsyncIterator[str]:
+    """The server-sent events of a started ``run`` in OpenAI's chunk format (chat: a first
+    ``role`` delta per choice; a failed choice: an ``error`` event), ending with ``[DONE]``;
+    ``include_usage``: a last chunk with empty ``choices`` and the ``usage``, the others with
+    ``"usage": null``."""
+    rid, created = response_id(run, chat), int(time.time())
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def event(choices: list[dict[str, Any]], **extra: Any) -> str:
+        body = {"id": rid, "object": kind, "created": created, "model": state.model_name,
+                "choices": choices, **extra}
+        if include_usage and "usage" not in body:
+            body["usage"] = None
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    jobs = {c.index: j for c, j in zip(run.choices, run.jobs)}
+    tracks = {c.index: new_track(state, j) for c, j in zip(run.choices, run.jobs)}
+
+    def logprobs(c: Choice, text: str, final: bool) -> dict[str, Any] | None:
+        track = tracks[c.index]
+        track.text_chars += len(text)
+        return choice_logprobs(state, c, jobs[c.index], chat, track, track.text_chars, final)
+
+    def choice(c: Choice, text: str | None, reason: str | None,
+               role: bool = False, lp: dict[str, Any] | None = None) -> dict[str, Any]:
+        return _chunk_choice(chat, c.index, text, reason, role, lp)
+
+    try:
+        if chat:
+            for c in run.choices:
+                yield event([choice(c, None, None, role=True)])
+        started: set[int] = set()
+        async for c, chunk in run.events():
+            text = chunk.text
+            echo = jobs[c.index].echo
+            if echo is not None and c.index not in started and (text or chunk.token_ids
+                                                                 or chunk.finished):
+                text = echo + text
+            started.add(c.index)
+            lp = logprobs(c, text, chunk.finished)
+            if chunk.finished and is_failure(chunk.finish_reason):
+                if text or lp:
+                    yield event([choice(c, text, None, lp=lp)])
+                yield f"data: {json.dumps(error_body(chunk.finish_reason)[1])}\n\n"
+                break  # the other choices are aborted when the response closes its run
+            if chunk.finished:
+                if chat and (text or lp):
+                    yield event([choice(c, text, None, lp=lp)])
+                    yield event([choice(c, None, c.reason)])
+                else:
+                    yield event([choice(c, text if not chat else None, c.reason, lp=lp)])
+            elif text or lp:
+                yield event([choice(c, text, None, lp=lp)])
+        if include_usage:
+            yield event([], usage=run.usage())
+    except ClientGone:
+        return
+    except Exception as e:  # noqa: BLE001 - reported in-band once streaming started
+        yield f"data: {json.dumps(engine_error(e, {}).body())}\n\n"
+    yield DONE
+
+
+
+def _chunk_choice(chat: bool, index: int, text: str | None, reason: str | None, role: bool,
+                  lp: dict[str, Any] | None) -> dict[str, Any]:
+    """One entry of a chunk's ``choices``: completions' ``text``, or chat's ``delta`` (the
+    ``role`` of the first, ``content`` when there is text)."""
+    if not chat:
+        return {"index": index, "text": text or "", "logprobs": lp, "finish_reason": reason}
+    delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else (
+        {} if text is None else {"content": text})
+    return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}

@@ -1,0 +1,32 @@
+"""Operational endpoints (``APIRouter`` :data:`router`): ``GET /health`` (200, or 503 while
+shutting down or once the engine reports a fatal failure: ``ServerState.check_admitting``) and
+``GET /metrics`` (Prometheus text, :mod:`specdial.server.metrics`)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+
+from specdial.server.metrics import CONTENT_TYPE
+from specdial.server.state import StateDep
+
+__all__ = ["router"]
+
+#: The operational routes.
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(state: StateDep) -> JSONResponse:
+    """``{"status": "ok"}``, or the 503 of :meth:`ServerState.check_admitting`."""
+    state.check_admitting()
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/metrics")
+async def metrics(state: StateDep) -> Response:
+    """The Prometheus exposition (rendered off the event loop)."""
+    body = await asyncio.to_thread(state.metrics.render)
+    return Response(body, media_type=CONTENT_TYPE)
