@@ -22,7 +22,7 @@ fn iteration(p: &mut AdaptiveSpeculativeParams, bs: usize, pattern: &[i64], acce
     for (a, q) in accepted.iter_mut().zip(pattern) {
         *a = q % (i64::from(d.steps) + 1);
     }
-    let obs = Observation { seconds, context_tokens: ctx, steps: None };
+    let obs = Observation { seconds, context_tokens: ctx, steps: None, catch_up_tokens: None };
     black_box(p.on_verify_complete_with(accepted.iter().copied(), bs as i64, obs).unwrap());
 }
 

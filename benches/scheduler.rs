@@ -30,6 +30,7 @@ fn running_state(steps: u32, kv_layout: bool) -> Scheduler {
         eos_token_ids: vec![2],
         record_trace: false,
         chunked_prefill_size: None,
+        skip_zero_step_draft_extend: true,
     };
     let mut s = Scheduler::new(cfg, StepsSource::Fixed(steps)).unwrap();
     s.set_plan_kv_layout(kv_layout);

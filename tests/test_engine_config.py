@@ -12,20 +12,20 @@ import pytest
 
 import specdial
 from specdial.engine import Engine, EngineConfig
-from specdial.engine import core
+from specdial.engine import build
 from specdial.engine.args import EngineArgs, add_dataclass_arguments
 from specdial.config import config_of_call
 
 
 def test_the_engine_uses_the_config_defaults(tiny, monkeypatch):
     seen: dict = {}
-    real = core.SchedulerConfig
+    real = build.SchedulerConfig
 
     def recording(**kwargs):
         seen.update(kwargs)
         return real(**kwargs)
 
-    monkeypatch.setattr(core, "SchedulerConfig", recording)
+    monkeypatch.setattr(build, "SchedulerConfig", recording)
     engine = Engine.from_modules(tiny.target, tiny.draft_noisy, log_interval_s=None)
     try:
         d = EngineConfig()
@@ -40,6 +40,7 @@ def test_the_engine_uses_the_config_defaults(tiny, monkeypatch):
         kv_tokens = min(d.max_running_requests * ctx, 65536)  # kv_cache_tokens None
         assert seen["num_pages"] == -(-kv_tokens // d.page_size)
         assert seen["record_trace"] is False and engine.record_trace is None
+        assert seen["skip_zero_step_draft_extend"] is d.skip_zero_step_draft_extend is True
         assert engine.max_running_requests == d.max_running_requests
         assert engine.drafter.max_steps == d.drafter_max_steps
         assert engine.adaptive_config is not None  # speculative_adaptive=True

@@ -1,7 +1,7 @@
 """The worker follows the plans alone (one owner per fact): a real Rust scheduler's plans --
 chunked prefills, decodes at changing steps, requests capped near their end, preemptions and
 their re-prefills -- run through ``SpecWorker.prefill`` / ``decode`` and reported back give
-the target's greedy tokens (DESIGN.md invariant 1). The test keeps no length, position or KV
+the target's greedy tokens (docs/design.md invariant 1). The test keeps no length, position or KV
 slot of its own: what it knows of a request is what ``report`` returned."""
 
 from __future__ import annotations

@@ -4,8 +4,10 @@
   the bottom layer, :mod:`specdial.config` (re-exported here and by ``specdial.engine.config``);
 - :mod:`specdial.engine.args`: :class:`EngineArgs`, the command-line view of the config
   (``serve``, ``generate``, ``bench``) and the argparse glue;
-- :mod:`specdial.engine.core`: :class:`Engine` (models, scheduler, worker; the public API);
-- :mod:`specdial.engine.loop`: the loop thread (plan -> passes -> report) and its messages;
+- :mod:`specdial.engine.core`: :class:`Engine` (models, its parts; the public API);
+- :mod:`specdial.engine.build`: the wiring (scheduler, worker, policy, loop from a config);
+- :mod:`specdial.engine.loop`: the loop thread (plan -> passes -> report); its messages in
+  :mod:`specdial.engine.messages`, stop strings in :mod:`specdial.engine.stops`;
 - :mod:`specdial.engine.requests`: request validation and the stream drivers;
 - :mod:`specdial.engine.api`: the serving contract (:class:`StreamChunk`, :class:`EngineStats`);
 - :mod:`specdial.engine.output`: SGLang-shaped output dicts.

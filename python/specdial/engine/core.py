@@ -8,53 +8,46 @@ batch: :meth:`Engine.generate` (blocking, from any number of threads), :meth:`En
 (a synchronous iterator of :class:`~specdial.engine.api.StreamChunk`) and
 :meth:`Engine.async_stream` (asyncio); the contract is :mod:`specdial.engine.api`.
 
-Output dicts of ``generate`` follow SGLang's offline ``Engine.generate``: ``text``,
-``output_ids`` and ``meta_info`` with ``prompt_tokens``, ``completion_tokens``,
-``finish_reason`` (``{"type": "length", "length": n}``, ``{"type": "stop", "matched":
-token_id_or_str}``, ``{"type": "abort", "message": str, "cause": "client" | "shutdown"}`` or,
-for a request the engine failed, ``{"type": "error", "message": cause, "status_code": 500}``:
-:mod:`specdial.engine.ends`), ``spec_verify_ct`` (decode
-iterations the request took part in, trivial verifies at ``steps = 0`` included),
-``spec_accept_length`` (the acceptance length: tokens emitted per verify that carried
-drafts, accepted drafts + 1; trivial verifies left out; ``(completion_tokens - 1) /
-spec_verify_ct`` when no verify carried drafts, 0.0 without verifies) and ``spec_steps_histogram`` (``{steps: iterations}``).
+Output dicts of ``generate`` follow SGLang's offline ``Engine.generate``
+(:mod:`specdial.engine.output` says each key; finish reasons: :mod:`specdial.engine.ends`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import operator
-import os
 import threading
-import time
 import weakref
-from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
 import torch
 
-from specdial._core import AdaptiveConfig, ConfigError, Scheduler, SchedulerConfig
-from specdial.launch.data_parallel import DataParallelEngine
-from specdial.launch.tp_engine import TensorParallelRuntime, rank_options
-from specdial.engine.api import EngineStats, LogprobOptions, RequestError, StreamChunk
-from specdial.engine.loop import Abort, Cancel, EngineLoop, Message, RequestSpec, Shutdown
-from specdial.config import AUTO, EngineConfig, config_of_call
-from specdial.engine.loading import builtin_dirs, resolve_placement
-from specdial.engine.policy_setup import policy_options
-from specdial.engine.resolve import resolve_model_dir
-from specdial.engine.output import OutputAccumulator
+from specdial.config import EngineConfig, config_of_call
+from specdial.engine.api import EngineStats, LogprobOptions, StreamChunk
+from specdial.engine.build import (adaptive_config_of, build_parts, modules_config,
+                                   start_tensor_parallel)
+from specdial.engine.front import LocalFront
+from specdial.engine.loading import resolve_models
+from specdial.engine.loop import EngineLoop
+from specdial.engine.messages import Abort, Cancel, Message, RequestSpec, Shutdown
+from specdial.engine.parts import EngineParts
 from specdial.engine.policy_cache import PolicyCache, engine_key
-from specdial.engine.requests import (async_collect, async_stream, collect, logprob_options,
-                                      make_spec, sync_stream)
-from specdial.models import LlamaForCausalLM, load_engine_modules, resolve_draft_algorithm
-from specdial.profiling import ProfilePoint, default_seq_len, profile_decode
-from specdial.config import default_cuda_graph_bs, normalize_graph_bs
-from specdial.worker.drafters import Drafter, make_drafter
-from specdial.worker.worker import SpecWorker
+from specdial.engine.requests import make_spec
+from specdial.engine.startup_profile import profile_costs
+from specdial.launch.data_parallel import DataParallelEngine
+from specdial.launch.tp_engine import TensorParallelRuntime
+from specdial.models import LlamaForCausalLM, load_engine_modules
+from specdial.profiling import ProfilePoint
+from specdial.worker.drafters import Drafter
 
 logger = logging.getLogger("specdial.engine")
+
+
+def _part(name: str, doc: str, settable: bool = False) -> property:
+    """An Engine attribute read from (``settable``: also written to) its :class:`EngineParts`."""
+    fset = (lambda self, value: setattr(self._parts, name, value)) if settable else None
+    return property(lambda self: getattr(self._parts, name), fset, doc=doc)
 
 
 def _release_loop(loop: EngineLoop) -> None:
@@ -150,9 +143,9 @@ class Engine:
       for several nodes ``nnodes``, ``node_rank`` (an Engine is node 0) and
       ``dist_init_addr`` (``host:port`` of node 0's rendezvous; default 127.0.0.1 and a free
       port), ``dist_timeout`` (seconds a rank waits for a peer, default 60). The Engine starts
-      its node's other ranks itself (``python -m specdial.distributed.rank`` subprocesses,
+      its node's other ranks itself (``python -m specdial.launch.rank`` subprocesses,
       one torch thread each on the CPU, this process included), owns the scheduler and sends
-      each iteration's worker input to them once (:mod:`specdial.distributed.tp_engine`); it
+      each iteration's worker input to them once (:mod:`specdial.launch.tp_engine`); it
       takes requests once every rank has loaded and built its engine (start-up barriers under
       a long start-up timeout, :mod:`specdial.distributed.liveness`). A rank that dies or
       hangs fails the running requests (finish reason ``error`` naming the cause) within
@@ -160,7 +153,7 @@ class Engine:
       (heads, key/value heads, MLP width over ``tp_size``) or bad parallel options.
     - Data parallelism (keyword-only): ``dp_size`` replicas of this engine in this process
       (default 1), each with its own scheduler, KV cache and adaptive policy, behind one front
-      end (:class:`~specdial.distributed.data_parallel.DataParallelEngine`, also
+      end (:class:`~specdial.launch.data_parallel.DataParallelEngine`, also
       :attr:`data_parallel`): every request goes to the replica with the fewest in flight;
       :meth:`generate` with a list spreads it over them; :meth:`stats` sums them;
       :meth:`abort` takes the front end's ids. ``tokenizer``, ``context_length`` and the models
@@ -169,8 +162,7 @@ class Engine:
     """
 
     _tp: TensorParallelRuntime | None = None
-    _loop: EngineLoop
-    worker: Any  # SpecWorker, or rank 0's tensor-parallel wrapper of it
+    _parts: EngineParts
     #: With ``dp_size > 1``: the replicas behind this Engine (each an Engine with its own
     #: scheduler and policy); every public call goes through it. None otherwise.
     _dp: DataParallelEngine | None = None
@@ -181,44 +173,21 @@ class Engine:
         if parallel.node_rank != 0:
             raise ValueError(f"node_rank={parallel.node_rank}: an Engine runs on node 0; "
                              "other nodes only run worker ranks (specdial serve --node-rank N, "
-                             "specdial.distributed.node.run_worker_node)")
+                             "specdial.launch.node.run_worker_node)")
         if cfg.dp_size > 1:
             self._start_replicas(cfg)
             return
         if cfg.cpu_threads is not None:
             torch.set_num_threads(cfg.cpu_threads)  # process-wide; the loop thread inherits it
-        draft_dir = (None if cfg.draft_model_path is None
-                     else resolve_model_dir(cfg.draft_model_path, "draft_model_path"))
-        algo = cfg.speculative_algorithm
         # validated before any model loads
         adaptive_config = (None if cfg.speculative_adaptive_config is None
-                           else self._adaptive_config(cfg.speculative_adaptive_config))
-        if cfg.model_path is None:
-            model_dir, draft_dir, algo = builtin_dirs(draft_dir, algo)
-        else:
-            model_dir = resolve_model_dir(cfg.model_path, "model_path")
-        dev, dtype = resolve_placement(cfg.device, cfg.dtype, model_dir)
-        if algo == AUTO:
-            algo = None if draft_dir is None else resolve_draft_algorithm(draft_dir)
-        elif algo is not None and draft_dir is not None:
-            algo = resolve_draft_algorithm(draft_dir, algo)
-        if algo is not None and draft_dir is None:
-            raise ValueError(f"speculative_algorithm={algo!r} needs draft_model_path (a draft "
-                             "model or EAGLE head directory)")
-        if algo is None and draft_dir is not None:
-            raise ValueError("draft_model_path is given but speculative_algorithm is None")
+                           else adaptive_config_of(cfg.speculative_adaptive_config))
+        model_dir, draft_dir, algo, dev, dtype = resolve_models(cfg)
         tp = None
         if parallel.distributed:
-            adaptive = (None if adaptive_config is None
-                        else json.loads(adaptive_config.to_json()))
-            options = rank_options(cfg.replace(speculative_adaptive_config=adaptive))
-            self._tp = TensorParallelRuntime.start(parallel, {
-                "model_path": str(model_dir.resolve()), "algorithm": algo,
-                "draft_model_path": None if draft_dir is None else str(draft_dir.resolve()),
-                "dtype": str(dtype).removeprefix("torch."), "options": options},
-                dev.type)
+            self._tp, dev = start_tensor_parallel(cfg, adaptive_config, model_dir, draft_dir,
+                                                  algo, dtype, dev)
             tp = self._tp.tp
-            dev = torch.device(dev.type, 0) if dev.type == "cuda" else dev
         try:
             target, drafter_module, tokenizer = load_engine_modules(
                 model_dir, draft_dir, algo, dtype=dtype, device=dev, tp=tp)
@@ -237,7 +206,7 @@ class Engine:
 
     def _start_replicas(self, cfg: EngineConfig) -> None:
         """``dp_size`` replicas of this engine (each ``dp_size=1``) behind one
-        :class:`~specdial.distributed.data_parallel.DataParallelEngine`, which routes every
+        :class:`~specdial.launch.data_parallel.DataParallelEngine`, which routes every
         request to the least-loaded replica and aggregates their stats. The models, tokenizer
         and limits read from this Engine are replica 0's."""
         replicas: list[Engine] = []
@@ -249,19 +218,66 @@ class Engine:
                 r.shutdown(drain=False)
             raise
         self._dp = DataParallelEngine(replicas)
-        first = replicas[0]
-        for name in ("target", "tokenizer", "drafter", "speculative_algorithm",
-                     "adaptive_config", "steps_schedule", "cuda_graph_bs", "scheduler",
-                     "worker", "device", "generator", "eos_token_ids", "max_running_requests",
-                     "profile_points", "record_trace"):
-            setattr(self, name, getattr(first, name))
-        self.context_length = self._dp.context_length
+        self._parts = replicas[0]._parts  # what this Engine's attributes read: replica 0's
         self._closed = False
+
+    def _setup(self, target: LlamaForCausalLM, drafter: Any, tokenizer: Any,
+               algorithm: str | None, cfg: EngineConfig, loaded_config: Any) -> None:
+        """The parts over built modules (:func:`~specdial.engine.build.build_parts`) and the
+        serving state (not started; a finalizer joins the loop of an Engine never shut down)."""
+        self._parts = build_parts(target, drafter, tokenizer, algorithm, cfg, loaded_config)
+        self._lock = threading.Lock()
+        self._started = self._closed = False
+        self.policy_cache = PolicyCache.disabled("n/a: an engine built from modules")
+        self._local = LocalFront(self._post, self._cancel, self._spec, self.tokenizer,
+                                 lambda: self._closed)
+        weakref.finalize(self, _release_loop, self._loop)
+
+    @property
+    def _front(self) -> Any:
+        """Where the serving calls go: the data-parallel front, or this replica's."""
+        return self._local if self._dp is None else self._dp
+
+    target = _part("target", "The target model (a LlamaForCausalLM).")
+    drafter = _part("drafter", "The Drafter, or None without speculation.")
+    tokenizer = _part("tokenizer", "The tokenizer, or None (token ids only).")
+    speculative_algorithm = _part("speculative_algorithm", "EAGLE, EAGLE3, DRAFT or None.")
+    adaptive_config = _part("adaptive_config", "The adaptive policy's config, or None.")
+    steps_schedule = _part("steps_schedule", "The ``steps_schedule`` test hook, or None.")
+    cuda_graph_bs = _part("cuda_graph_bs", "Captured batch sizes, or None without graphs.")
+    scheduler = _part("scheduler", "The Rust Scheduler (call it only from the loop thread).")
+    device = _part("device", "The torch device the passes run on.")
+    generator = _part("generator", "The sampling generator of requests without a seed.")
+    eos_token_ids = _part("eos_token_ids", "EOS ids new requests stop at.", settable=True)
+    max_running_requests = _part("max_running_requests", "Requests admitted at once.")
+    profile_points = _part("profile_points", "The start-up profiling run's points.")
+    record_trace = _part("record_trace", "The per-verify trace file's path, or None.")
+
+    @property
+    def _loop(self) -> EngineLoop:
+        loop = self._parts.loop
+        assert loop is not None
+        return loop
+
+    @property
+    def worker(self) -> Any:
+        """The SpecWorker, or rank 0's tensor-parallel wrapper of it; None after shutdown."""
+        return self._parts.worker
+
+    @worker.setter
+    def worker(self, worker: Any) -> None:
+        self._parts.worker = worker
+
+    @property
+    def context_length(self) -> int:
+        """Tokens a request may hold in all (prompt and output); the smallest replica's with
+        ``dp_size > 1``."""
+        return self._parts.context_length if self._dp is None else self._dp.context_length
 
     @property
     def data_parallel(self) -> DataParallelEngine | None:
         """The front end over the replicas when ``dp_size > 1`` (routing counts,
-        :meth:`~specdial.distributed.data_parallel.DataParallelEngine.replica_stats`), else
+        :meth:`~specdial.launch.data_parallel.DataParallelEngine.replica_stats`), else
         None."""
         return self._dp
 
@@ -294,145 +310,13 @@ class Engine:
         options of :class:`Engine` (fields of :class:`EngineConfig`) other than the model
         paths, ``device``, ``dtype`` and the parallel options (``ValueError`` for a parallel
         size above 1: the modules are already built)."""
-        cfg = config_of_call((), kwargs)
-        if cfg.tp_size > 1 or cfg.dp_size > 1:
-            raise ValueError("from_modules builds one unsharded engine: tp_size and dp_size "
-                             "must be 1")
-        given = [k for k in ("model_path", "draft_model_path", "device", "dtype") if k in kwargs]
-        if given:
-            raise ValueError(f"from_modules takes built modules: {', '.join(given)} cannot "
-                             "apply (load and place the modules before passing them)")
-        if cfg.cpu_threads is not None:
-            torch.set_num_threads(cfg.cpu_threads)
-        wrapped = make_drafter(drafter, target, max_steps=cfg.drafter_max_steps)
-        inferred = None if wrapped is None else wrapped.algorithm
-        if cfg.speculative_algorithm not in (AUTO, inferred):
-            raise ValueError(f"speculative_algorithm={cfg.speculative_algorithm!r} does not "
-                             f"match the drafter given ({type(drafter).__name__})")
+        cfg, wrapped, inferred = modules_config(target, drafter, kwargs)
         self = cls.__new__(cls)
         self.config = cfg
         self._setup(target, wrapped, tokenizer, inferred, cfg,
                     None if cfg.speculative_adaptive_config is None
-                    else self._adaptive_config(cfg.speculative_adaptive_config))
+                    else adaptive_config_of(cfg.speculative_adaptive_config))
         return self
-
-    def _setup(self, target: LlamaForCausalLM, drafter: Any, tokenizer: Any,
-               algorithm: str | None, cfg: EngineConfig,
-               loaded_config: AdaptiveConfig | None) -> None:
-        """Scheduler, worker and loop over built modules. ``loaded_config``: the given
-        adaptive config, loaded (validated whenever given, even when it is not used: adaptive
-        off, no drafter)."""
-        self.target, self.tokenizer = target.eval(), tokenizer
-        self.speculative_algorithm = algorithm
-        self.drafter = make_drafter(drafter, target, max_steps=cfg.drafter_max_steps)
-        if self.drafter is not None:
-            self.drafter.module.eval()
-        steps_schedule = self.steps_schedule = cfg.steps_schedule
-        policy, step_values, self.adaptive_config = policy_options(
-            cfg.speculative_num_steps, cfg.speculative_adaptive, loaded_config,
-            None if self.drafter is None else self.drafter.max_steps, steps_schedule,
-            cfg.speculative_initial_steps)
-        max_running, page_size = cfg.max_running_requests, cfg.page_size
-        ctx = (target.config.max_position_embeddings if cfg.context_length is None
-               else cfg.context_length)
-        kv_cache_tokens = (min(max_running * ctx, 65536) if cfg.kv_cache_tokens is None
-                           else cfg.kv_cache_tokens)
-        num_pages = -(-kv_cache_tokens // page_size)
-        if cfg.context_length is None and num_pages * page_size < ctx:
-            logger.warning("kv_cache_tokens=%d (%d page(s) of %d tokens) is below the model's "
-                           "context length %d: the context length is cut to %d tokens",
-                           kv_cache_tokens, num_pages, page_size, ctx, num_pages * page_size)
-            ctx = num_pages * page_size
-        self.context_length = ctx
-        graph_mode = self._graph_mode(cfg, target.embed_tokens.weight.device)
-        self.cuda_graph_bs = None if graph_mode is None else (
-            list(normalize_graph_bs(cfg.cuda_graph_bs or default_cuda_graph_bs(max_running))))
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_running_requests=max_running, max_queued_requests=cfg.max_queued_requests,
-            max_prefill_tokens=cfg.max_prefill_tokens,
-            chunked_prefill_size=cfg.chunked_prefill_size, context_length=ctx, num_pages=num_pages,
-            page_size=page_size, eos_token_ids=[], record_trace=cfg.record_trace is not None),
-            cuda_graph_bs=self.cuda_graph_bs, **policy)
-        self.worker = SpecWorker(target, self.drafter, self.scheduler.num_slots,
-                                 max_running_requests=max_running, context_length=ctx,
-                                 step_values=step_values or self.scheduler.candidate_steps,
-                                 skip_zero_step_draft_extend=cfg.skip_zero_step_draft_extend,
-                                 cuda_graph_bs=self.cuda_graph_bs, cuda_graph_mode=graph_mode,
-                                 adaptive_config=(self.adaptive_config
-                                                  if steps_schedule is None else None),
-                                 max_extend_tokens=cfg.max_prefill_tokens)
-        self.device = self.worker.device
-        self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
-        eos = set(target.config.eos_token_ids)
-        if getattr(tokenizer, "eos_token_id", None) is not None:
-            eos.add(int(tokenizer.eos_token_id))
-        self.eos_token_ids = frozenset(eos)
-        self.max_running_requests = max_running
-        self.profile_points: list[ProfilePoint] = []
-        if self.adaptive_config is not None and self.adaptive_config.profile is not None:
-            self.profile_points = self._startup_profile(self.adaptive_config)
-        record_trace = cfg.record_trace
-        self.record_trace = None if record_trace is None else Path(record_trace)
-        trace_file = None if record_trace is None else open(record_trace, "a", encoding="utf-8")
-        self._loop = EngineLoop(self.scheduler, self.worker, tokenizer=tokenizer,
-                                generator=self.generator, steps_schedule=steps_schedule,
-                                trace_file=trace_file, log_interval_s=cfg.log_interval_s)
-        self._lock = threading.Lock()
-        self._started = self._closed = False
-        self.policy_cache = PolicyCache.disabled("n/a: an engine built from modules")
-        # an Engine dropped without shutdown(): its loop thread exits and frees the buffers
-        weakref.finalize(self, _release_loop, self._loop)
-
-    @staticmethod
-    def _graph_mode(cfg: EngineConfig, device: torch.device) -> str | None:
-        """The GraphPool mode of ``cfg`` on ``device``, or None for eager passes without
-        runners. ``ConfigError`` for ``cuda_graph_mode='cuda'`` off CUDA."""
-        if cfg.disable_cuda_graph:
-            return None
-        mode = cfg.cuda_graph_mode
-        if mode is None:
-            if device.type != "cuda":
-                return None
-            mode = "cuda"
-        if mode == "cuda" and device.type != "cuda":
-            raise ConfigError(f"cuda_graph_mode='cuda' needs a CUDA device, got {device}")
-        return mode
-
-    def _startup_profile(self, config: AdaptiveConfig) -> list[ProfilePoint]:
-        """The config's startup profiling run (SGLang's ``profile_run_*`` keys): times every
-        (steps, batch size) its slots can reach and feeds the policy (the ``throughput_aware``
-        cost table, or the ``goodput`` cost model's seed). Batch sizes: ``profile_run_batch_sizes``,
-        else the CUDA-graph sizes, else (no graphs, where SGLang would profile nothing) the
-        default capture sizes of ``max_running_requests``; at most
-        ``max_profile_run_batch_size``."""
-        p = config.profile
-        assert p is not None
-        sizes = p["profile_run_batch_sizes"] or self.cuda_graph_bs or default_cuda_graph_bs(
-            self.max_running_requests)
-        if p["max_profile_run_batch_size"] is not None:
-            sizes = [b for b in sizes if b <= p["max_profile_run_batch_size"]]
-        steps = [k for k in config.candidate_steps
-                 if k > 0 or config.strategy != "throughput_aware"]
-        slots = json.loads(config.to_json())
-        bounds = config.slot_lower_bounds
-
-        def reachable(k: int, bs: int) -> bool:
-            padded = next((g for g in self.cuda_graph_bs or [] if g >= bs), bs)
-            bound = max([b for b in bounds if b <= padded], default=bounds[0])
-            return k in slots[str(bound)]["candidate_steps"]
-
-        n = p["profile_run_n_warmup"] + p["profile_run_n_measure"]
-        seq = p["profile_run_seq_len"] or default_seq_len(self.context_length, n, max(steps))
-        started = time.perf_counter()
-        points = self.profile_costs(sizes, steps, n_warmup=p["profile_run_n_warmup"],
-                                    n_measure=p["profile_run_n_measure"], seq_len=seq,
-                                    reachable=reachable)
-        for pt in points:
-            self.scheduler.set_profiled_cost(pt.batch_size, pt.steps, pt.seconds,
-                                             int(pt.context_per_request * pt.batch_size))
-        logger.info("startup profiling (%s): %d points in %.1f s", config.strategy, len(points),
-                    time.perf_counter() - started)
-        return points
 
     def profile_costs(self, batch_sizes: list[int], steps: list[int], *, n_warmup: int = 5,
                       n_measure: int = 10, seq_len: int = 128,
@@ -447,10 +331,8 @@ class Engine:
                                       "each of engine.replicas")
         if getattr(self, "_started", False) or getattr(self, "_closed", False):
             raise RuntimeError("profile_costs runs only before the engine serves its first request")
-        return profile_decode(self.scheduler, self.worker, batch_sizes=batch_sizes,
-                              steps_values=steps, n_warmup=n_warmup, n_measure=n_measure,
-                              seq_len=seq_len, vocab_size=self.target.config.vocab_size,
-                              generator=self.generator, reachable=reachable)
+        return profile_costs(self._parts, batch_sizes, steps, n_warmup=n_warmup,
+                             n_measure=n_measure, seq_len=seq_len, reachable=reachable)
 
     def graph_stats(self) -> dict[str, Any]:
         """CUDA-graph counters: ``replays`` per pass, ``eager`` fallbacks per reason,
@@ -462,19 +344,6 @@ class Engine:
         if worker is None:
             return {"replays": {}, "eager": {}, "captured": 0}
         return worker.graph_stats()
-
-    @staticmethod
-    def _adaptive_config(cfg: Any) -> AdaptiveConfig:
-        if cfg is None:
-            return AdaptiveConfig.default()
-        if isinstance(cfg, AdaptiveConfig):
-            return cfg
-        if isinstance(cfg, dict):
-            return AdaptiveConfig.from_dict(cfg)
-        if isinstance(cfg, (str, os.PathLike)):
-            return AdaptiveConfig.from_file(cfg)
-        raise ConfigError("speculative_adaptive_config must be an AdaptiveConfig, a dict, a file "
-                          f"path or None; got {type(cfg).__name__}")
 
     # ----------------------------------------------------------------- requests
     def _spec(self, prompt: Any, input_ids: Any, sampling_params: Any, stop: Any,
@@ -494,47 +363,6 @@ class Engine:
                 self._loop.start()
                 self._started = True
             self._loop.post(message)
-
-    def _decode_token(self, token: int) -> str:
-        return str(self.tokenizer.decode([token]))
-
-    def _batch(self, prompt: Any, sampling_params: Any, input_ids: Any,
-               return_logprob: Any, logprob_start_len: Any, top_logprobs_num: Any,
-               return_text_in_logprobs: Any
-               ) -> tuple[bool, list[RequestSpec], list[OutputAccumulator]]:
-        """Validate a ``generate`` / ``async_generate`` call: ``(single, specs, outputs)``."""
-        if self._closed:
-            raise RuntimeError("Engine is shut down")
-        if (prompt is None) == (input_ids is None):
-            raise RequestError("pass exactly one of prompt or input_ids", "prompt")
-        if prompt is not None and not isinstance(prompt, (str, list, tuple)):
-            raise RequestError("prompt must be a string or a list of strings, got "
-                               f"{type(prompt).__name__}", "prompt")
-        single = isinstance(prompt, str) or (prompt is None and (
-            not input_ids or not isinstance(input_ids[0], (list, tuple))))
-        items: list[Any] = [prompt if prompt is not None else input_ids] if single else list(
-            prompt if prompt is not None else input_ids)  # type: ignore[arg-type]
-        if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != len(items):
-                raise RequestError(f"{len(sampling_params)} sampling_params for {len(items)} "
-                                   "prompts", "sampling_params")
-            sps = list(sampling_params)
-        else:
-            sps = [sampling_params] * len(items)
-        lp = logprob_options(return_logprob, logprob_start_len, top_logprobs_num)
-        if not isinstance(return_text_in_logprobs, bool):
-            raise RequestError(f"return_text_in_logprobs must be a bool, got "
-                               f"{return_text_in_logprobs!r}", "return_text_in_logprobs")
-        if return_text_in_logprobs and self.tokenizer is None:
-            raise RequestError("return_text_in_logprobs needs a tokenizer", "return_text_in_logprobs")
-        specs = [self._spec(x if prompt is not None else None,
-                            x if prompt is None else None, sp, None,
-                            "" if single else f"prompt {i}: ", lp)
-                 for i, (x, sp) in enumerate(zip(items, sps))]
-        decode = self._decode_token if return_text_in_logprobs else None
-        outs = [OutputAccumulator(s.prompt_ids, return_logprob=lp is not None, decode=decode)
-                for s in specs]
-        return single, specs, outs
 
     # ----------------------------------------------------------------- public API
     def generate(self, prompt: str | list[str] | None = None, sampling_params: Any = None,
@@ -562,38 +390,12 @@ class Engine:
 
         Raises :class:`RequestError` (a ``ValueError``) for an invalid request (nothing runs).
         """
-        if self._dp is not None:
-            return self._dp.generate(prompt, sampling_params, input_ids,
-                                     return_logprob=return_logprob,
-                                     logprob_start_len=logprob_start_len,
-                                     top_logprobs_num=top_logprobs_num,
-                                     return_text_in_logprobs=return_text_in_logprobs,
-                                     stream=stream)
-        single, specs, outs = self._batch(prompt, sampling_params, input_ids, return_logprob,
-                                          logprob_start_len, top_logprobs_num,
-                                          return_text_in_logprobs)
-        if stream:
-            if not single:
-                raise RequestError("generate(stream=True) streams one prompt; call it once per "
-                                   "prompt, or use async_stream", "prompt")
-            return self._stream_dicts(specs[0], outs[0])
-        out = collect(self._post, self._cancel, specs, outs)
-        return out[0] if single else out
-
-    def _stream_dicts(self, spec: RequestSpec, out: OutputAccumulator) -> Iterator[dict[str, Any]]:
-        for chunk in sync_stream(self._post, self._cancel, spec):
-            out.add(chunk)
-            yield out.result()
-
-    async def _astream_dicts(self, spec: RequestSpec,
-                             out: OutputAccumulator) -> AsyncIterator[dict[str, Any]]:
-        chunks = async_stream(self._post, self._cancel, spec)
-        try:
-            async for chunk in chunks:
-                out.add(chunk)
-                yield out.result()
-        finally:
-            await chunks.aclose()
+        return self._front.generate(prompt, sampling_params, input_ids,
+                                    return_logprob=return_logprob,
+                                    logprob_start_len=logprob_start_len,
+                                    top_logprobs_num=top_logprobs_num,
+                                    return_text_in_logprobs=return_text_in_logprobs,
+                                    stream=stream)
 
     async def async_generate(self, prompt: str | list[str] | None = None,
                              sampling_params: Any = None,
@@ -605,21 +407,10 @@ class Engine:
         (or list of dicts); with ``stream=True`` (one prompt) returns an async iterator of
         cumulative dicts (``async for out in await engine.async_generate(..., stream=True)``).
         Raises :class:`RequestError` for an invalid request."""
-        if self._dp is not None:
-            return await self._dp.async_generate(
-                prompt, sampling_params, input_ids, return_logprob=return_logprob,
-                logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-                return_text_in_logprobs=return_text_in_logprobs, stream=stream)
-        single, specs, outs = self._batch(prompt, sampling_params, input_ids, return_logprob,
-                                          logprob_start_len, top_logprobs_num,
-                                          return_text_in_logprobs)
-        if stream:
-            if not single:
-                raise RequestError("async_generate(stream=True) streams one prompt; call it "
-                                   "once per prompt", "prompt")
-            return self._astream_dicts(specs[0], outs[0])
-        out = await async_collect(self._post, self._cancel, specs, outs)
-        return out[0] if single else out
+        return await self._front.async_generate(
+            prompt, sampling_params, input_ids, return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+            return_text_in_logprobs=return_text_in_logprobs, stream=stream)
 
     def stream(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
                sampling_params: dict[str, Any] | None = None,
@@ -628,14 +419,9 @@ class Engine:
         """Stream one request (synchronous). Submitted on the first ``next()``, which raises
         :class:`RequestError` / :class:`QueueFullError`; closing the iterator early aborts
         the request. ``logprobs``: fills the chunks' logprob fields."""
-        if self._dp is not None:
-            yield from self._dp.stream(prompt, input_ids=input_ids,
-                                       sampling_params=sampling_params, stop=stop,
-                                       logprobs=logprobs)
-            return
-        yield from sync_stream(self._post, self._cancel,
-                               self._spec(prompt, input_ids, sampling_params, stop,
-                                          logprobs=logprobs))
+        yield from self._front.stream(prompt, input_ids=input_ids,
+                                      sampling_params=sampling_params, stop=stop,
+                                      logprobs=logprobs)
 
     async def async_stream(self, prompt: str | None = None, *,
                            input_ids: list[int] | None = None,
@@ -646,15 +432,9 @@ class Engine:
         :class:`RequestError` / :class:`QueueFullError` before any chunk; ``aclose()`` or
         cancelling the task awaiting a chunk aborts the request. ``logprobs``: fills the
         chunks' logprob fields."""
-        chunks: Any
-        if self._dp is not None:
-            chunks = self._dp.async_stream(prompt, input_ids=input_ids,
-                                           sampling_params=sampling_params, stop=stop,
-                                           logprobs=logprobs)
-        else:
-            chunks = async_stream(self._post, self._cancel,
-                                  self._spec(prompt, input_ids, sampling_params, stop,
-                                             logprobs=logprobs))
+        chunks = self._front.async_stream(prompt, input_ids=input_ids,
+                                          sampling_params=sampling_params, stop=stop,
+                                          logprobs=logprobs)
         try:
             async for chunk in chunks:
                 yield chunk
@@ -684,7 +464,7 @@ class Engine:
     def stats(self) -> EngineStats:
         """A snapshot of the gauges and counters (thread-safe; see :class:`EngineStats`); with
         ``dp_size > 1`` the replicas' aggregated
-        (:func:`~specdial.distributed.data_parallel.aggregate_stats`)."""
+        (:func:`~specdial.launch.data_parallel.aggregate_stats`)."""
         if self._dp is not None:
             return dataclasses.replace(self._dp.stats(),
                                        policy_cache=self.replicas[0].policy_cache.status)

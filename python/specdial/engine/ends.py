@@ -21,12 +21,27 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-__all__ = ["FAILED", "aborted", "end_kind", "error_body", "failed", "is_failure", "shut_down"]
+__all__ = ["FAILED", "aborted", "end_kind", "error_body", "failed", "finished", "is_failure",
+           "shut_down"]
 
 #: ``finish_reason["type"]`` of a failed request.
 FAILED = "error"
 
 EndKind = Literal["finished", "aborted", "shutdown", "failed"]
+
+
+def finished(matched: str | None, fin: Any) -> dict[str, Any]:
+    """The finish reason of a request the scheduler's report finished (``fin``: its
+    ``FinishedRequest``: reason ``stop`` with the stop token or None for a stop string,
+    ``length`` with the output length): ``matched`` is the stop string its text matched, if any
+    (it names the match even when a stop token ended the same iteration)."""
+    if matched is not None:
+        return {"type": "stop", "matched": matched}
+    if fin.reason == "length":
+        return {"type": "length", "length": int(fin.output_len)}
+    if fin.reason == "stop":
+        return {"type": "stop", "matched": fin.stop_token_id}
+    return {"type": "abort", "message": "aborted"}
 
 
 def aborted(message: str) -> dict[str, Any]:

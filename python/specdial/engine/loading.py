@@ -105,3 +105,31 @@ def builtin_dirs(draft_dir: Path | None, algo: Any) -> tuple[Path, Path | None, 
                                   f"available: {e}; or pass model_path=<local HF checkpoint "
                                   "directory>") from e
     return target, draft_dir, algo
+
+
+def resolve_models(cfg: Any) -> tuple[Path, Path | None, str | None, torch.device, torch.dtype]:
+    """``(model_dir, draft_dir, algorithm, device, dtype)`` of an :class:`EngineConfig`: model
+    ids through the local cache, the built-in models when ``model_path`` is None, the drafter's
+    algorithm inferred from its directory when ``speculative_algorithm`` is ``"auto"``.
+    ``ValueError`` naming the option when an algorithm has no drafter or a drafter no
+    algorithm."""
+    from specdial.models import resolve_draft_algorithm  # needs torch modules: loaded late
+
+    draft_dir = (None if cfg.draft_model_path is None
+                 else _resolve.resolve_model_dir(cfg.draft_model_path, "draft_model_path"))
+    algo = cfg.speculative_algorithm
+    if cfg.model_path is None:
+        model_dir, draft_dir, algo = builtin_dirs(draft_dir, algo)
+    else:
+        model_dir = _resolve.resolve_model_dir(cfg.model_path, "model_path")
+    dev, dtype = resolve_placement(cfg.device, cfg.dtype, model_dir)
+    if algo == AUTO:
+        algo = None if draft_dir is None else resolve_draft_algorithm(draft_dir)
+    elif algo is not None and draft_dir is not None:
+        algo = resolve_draft_algorithm(draft_dir, algo)
+    if algo is not None and draft_dir is None:
+        raise ValueError(f"speculative_algorithm={algo!r} needs draft_model_path (a draft "
+                         "model or EAGLE head directory)")
+    if algo is None and draft_dir is not None:
+        raise ValueError("draft_model_path is given but speculative_algorithm is None")
+    return model_dir, draft_dir, algo, dev, dtype

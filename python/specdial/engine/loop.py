@@ -10,16 +10,18 @@ through :meth:`EngineLoop.post` (a FIFO inbox of typed messages: :class:`Submit`
    :class:`~specdial.engine.api.RequestError` / :class:`~specdial.engine.api.QueueFullError`),
    aborts, cancellations of streams, shutdown; it blocks there while nothing is live;
 2. runs one iteration (:meth:`EngineLoop.step`): ``plan = schedule()`` ->
-   ``worker.prefill/decode(plan)`` -> ``report(...)`` (the plan carries each request's worker
-   row, which the scheduler assigns at admission and frees at finish / abort / preemption); a
-   decode iteration is timed from just before ``schedule()`` to just after the passes return (the worker's one host sync)
-   and reported as ``seconds``, which the adaptive policy's cost model learns from;
-3. post-processes the report: appends tokens, detokenizes, matches stop strings (finishing the
-   request through ``finish_request``), appends the per-verify trace (``record_trace``),
-   refreshes the :class:`EngineStats` snapshot (from the stats the report returned, unless a
-   stop string finished a request since), logs every
-   ``log_interval_s`` while decoding, and only then hands the chunks to the sinks (so a caller
-   that saw its last chunk sees the freed pages in ``stats()``).
+   ``worker.prefill/decode(plan)`` -> the stop strings checked on the emitted tokens
+   (:mod:`specdial.engine.stops`) -> ``report(..., stop_strings=...)``, which decides every
+   finish (the plan carries each request's worker row, which the scheduler assigns at
+   admission and frees at finish / abort / preemption, and whether the drafter's prefill runs
+   now); a decode iteration is timed from just before ``schedule()`` to just after the passes
+   return (the worker's one host sync) and reported as ``seconds``, which the adaptive
+   policy's cost model learns from;
+3. post-processes the report: appends tokens, detokenizes (reusing the stop-string check's
+   text), appends the per-verify trace (``record_trace``), refreshes the :class:`EngineStats`
+   snapshot from the stats the report returned, logs every ``log_interval_s`` while decoding,
+   and only then hands the chunks to the sinks (so a caller that saw its last chunk sees the
+   freed pages in ``stats()``).
 
 A steady decode iteration makes two scheduler calls: ``schedule()`` and ``report()``.
 
@@ -27,8 +29,8 @@ An exception while running a plan fails the plan's requests (``abandon_plan()`` 
 finish reason ``error`` with the message, :mod:`specdial.engine.ends`), is logged with its
 traceback, and the loop keeps serving. A request whose sampling options cannot be built into
 its batch fails alone (:mod:`specdial.engine.isolation`); nothing a request carries stops the
-loop. Aborts and stop-string finishes happen between iterations, never while a plan is in
-flight (except a request failed alone while its batch is built).
+loop. Aborts happen between iterations, never while a plan is in flight (except a request
+failed alone while its batch is built); stop-string finishes happen in the report.
 """
 
 from __future__ import annotations
@@ -38,164 +40,29 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from specdial._core import InvalidRequestError, QueueFullError
 from specdial.detokenize import IncrementalText
-from specdial.engine.api import (POLICY_REFRESH_S, EngineStats, LogprobOptions, RequestError,
-                                 StreamChunk)
-from specdial.engine.ends import aborted, failed, shut_down
+from specdial.engine.api import POLICY_REFRESH_S, EngineStats, RequestError
+from specdial.engine.ends import aborted, failed, finished, shut_down
 from specdial.engine.isolation import sampling_isolated
-from specdial.worker.logprobs import HostLogprobs, LogprobRows, PromptLogprobPlan
+from specdial.engine.loop_stats import engine_stats, log_progress
+from specdial.engine.live import LiveRequest, prompt_plan, store_prompt_logprobs
+from specdial.engine.stops import StopCheck, check_stop_strings
+from specdial.engine.messages import (Abort, Cancel, Crash, Message, RequestSpec, Shutdown,
+                                      StepsSchedule, Submit, Submitted)
+from specdial.worker.logprobs import HostLogprobs, LogprobRows
 from specdial.worker.sampling import BatchSampling, SamplingParams
 from specdial.worker.worker import SpecWorker, StepOutput
 
 logger = logging.getLogger("specdial.engine")
 
-StepsSchedule = Callable[[int, int], int] | Sequence[int]
-
-
-@dataclass(frozen=True)
-class Submitted:
-    """First sink item of an accepted request: its engine id."""
-
-    request_id: int
-
-
-@dataclass(eq=False)
-class RequestSpec:
-    """A validated request on its way to the loop. ``stop_token_ids`` includes the EOS ids
-    unless ``ignore_eos``. ``rid`` is set by the loop when the scheduler accepts it.
-    ``logprobs``: the log-probabilities it wants (None: none). ``min_tokens_ids``: the token
-    ids masked while the output is shorter than ``params.min_tokens`` (EOS and stop token ids
-    inside the vocabulary; empty without ``min_tokens``)."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    stop_token_ids: tuple[int, ...]
-    stop: tuple[str, ...]
-    sink: Callable[[Any], None]
-    rid: int | None = None
-    logprobs: LogprobOptions | None = None
-    min_tokens_ids: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True, eq=False)
-class Submit:
-    """Loop message: add these requests (each spec's sink gets ``Submitted`` or an error)."""
-
-    specs: list[RequestSpec]
-
-
-@dataclass(frozen=True, eq=False)
-class Cancel:
-    """Loop message: the consumer of this request's stream went away; abort it if live."""
-
-    spec: RequestSpec
-
-
-@dataclass(frozen=True)
-class Abort:
-    """Loop message: abort the request with this engine id if live."""
-
-    request_id: int
-
-
-@dataclass(frozen=True)
-class Shutdown:
-    """Loop message: stop; ``drain`` finishes the live requests first, else aborts them."""
-
-    drain: bool
-
-
-@dataclass(frozen=True)
-class Crash:
-    """Loop message (a test hook): stop the loop as if it had failed with ``message``; every
-    live request fails, later submissions are refused and the engine reports the failure."""
-
-    message: str
-
-
-#: What :meth:`EngineLoop.post` takes.
-Message = Submit | Cancel | Abort | Shutdown | Crash
-
-
-@dataclass(eq=False)
-class _Live:
-    spec: RequestSpec
-    rid: int
-    text: IncrementalText
-    output: list[int] = field(default_factory=list)
-    verify_ct: int = 0
-    # verifies that carried drafts (steps > 0) and the tokens they emitted: the acceptance length
-    draft_verify_ct: int = 0
-    draft_verify_tokens: int = 0
-    hist: dict[int, int] = field(default_factory=dict)
-    submitted: float = field(default_factory=time.perf_counter)
-    queue_time: float | None = None
-    # prompt logprobs (LogprobOptions.prompt_start): per prompt position, filled by prefill
-    prompt_lp: np.ndarray | None = None
-    prompt_top: tuple[np.ndarray, np.ndarray] | None = None
-    prompt_done: bool = False
-    prompt_sent: bool = False
-
-    def meta(self) -> dict[str, Any]:
-        n = len(self.output)
-        meta = {"prompt_tokens": len(self.spec.prompt_ids), "completion_tokens": n,
-                "spec_verify_ct": self.verify_ct,
-                "spec_accept_length": self.accept_length(),
-                "spec_steps_histogram": dict(sorted(self.hist.items()))}
-        if self.queue_time is not None:
-            meta["queue_time_s"] = self.queue_time
-        return meta
-
-    def accept_length(self) -> float:
-        """Acceptance length: tokens emitted per verify that carried drafts (accepted drafts + 1,
-        the bonus token included; DESIGN.md's definition, vLLM's mean acceptance length); trivial
-        verifies at steps 0 are plain decodes and are left out. Without any drafting verify:
-        ``(completion_tokens - 1) / spec_verify_ct`` (1.0 for plain decoding), 0.0 without
-        verifies."""
-        if self.draft_verify_ct:
-            return self.draft_verify_tokens / self.draft_verify_ct
-        return (len(self.output) - 1) / self.verify_ct if self.verify_ct else 0.0
-
-    def top_n(self) -> int | None:
-        """The logprob rows entry of this request (None: no logprobs)."""
-        return None if self.spec.logprobs is None else self.spec.logprobs.top_n
-
-    def wants_prompt(self) -> bool:
-        lp = self.spec.logprobs
-        return lp is not None and lp.prompt_start is not None and not self.prompt_done
-
-    def prompt_chunk(self) -> tuple[list[float | None], list[Any]] | None:
-        """Prompt logprobs (and top alternatives) to send with the first chunk, once."""
-        lp = self.spec.logprobs
-        if lp is None or lp.prompt_start is None or self.prompt_sent or self.prompt_lp is None:
-            return None
-        self.prompt_sent = True
-        start = lp.prompt_start
-        values: list[float | None] = self.prompt_lp[start:].tolist()
-        assert self.prompt_top is not None
-        ids, top = self.prompt_top[0][start:].tolist(), self.prompt_top[1][start:].tolist()
-        tops: list[Any] = [list(zip(i, t)) for i, t in zip(ids, top)]
-        if start == 0:  # the first prompt token has no context: no logprob
-            values[0], tops[0] = None, None
-        return values, tops
-
-
-def _goodput_summary(g: dict[str, Any] | None) -> str:
-    """The goodput strategy's part of the log line ("" without it)."""
-    if not g or not g.get("last_decision"):
-        return ""
-    d = g["last_decision"]
-    ms = ", ".join(f"{k}: {1e3 * t:.1f}" for k, t in sorted(d["predicted_seconds"].items()))
-    acc = ", ".join(f"{a:.2f}" for a in g["acceptance"][:8])
-    return (f"; goodput at batch {d['batch_size']}: predicted ms per steps {{{ms}}}, "
-            f"acceptance per position [{acc}], {g['probes']} probes")
+__all__ = ["Abort", "Cancel", "Crash", "EngineLoop", "Message", "RequestSpec", "Shutdown",
+           "StepsSchedule", "Submit", "Submitted"]
 
 
 def _param_of(message: str) -> str | None:
@@ -228,7 +95,7 @@ class EngineLoop:
         # would run with the default and be many times slower than the caller configured
         self._num_threads = torch.get_num_threads()
         self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
-        self.live: dict[int, _Live] = {}
+        self.live: dict[int, LiveRequest] = {}
         self.dead: BaseException | None = None
         self._stopping = self._drain = False
         self._outbox: list[tuple[Callable[[Any], None], Any]] = []
@@ -361,7 +228,7 @@ class EngineLoop:
             return
         spec.rid = rid
         p = spec.params
-        self.live[rid] = _Live(spec, rid, IncrementalText(
+        self.live[rid] = LiveRequest(spec, rid, IncrementalText(
             self.tokenizer, spec.stop, skip_special_tokens=p.skip_special_tokens,
             include_stop=p.include_stop_str_in_output, min_tokens=p.min_tokens))
         self._prompt_tokens += len(spec.prompt_ids)
@@ -380,15 +247,15 @@ class EngineLoop:
         rids = plan.request_ids.tolist()
         try:
             if plan.is_prefill:
-                out, res = self._run_prefill(plan, rids)
+                out, res, stops = self._run_prefill(plan, rids)
             else:
-                out, res = self._run_decode(plan, rids, started)
+                out, res, stops = self._run_decode(plan, rids, started)
         except Exception as e:  # noqa: BLE001 - fail these requests, keep serving
             logger.exception("a %s iteration failed; aborting its %d requests", plan.kind,
                              len(rids))
             self._fail_plan(plan, rids, e)
             return
-        self._after_report(plan, rids, res, out.logprobs)
+        self._after_report(plan, rids, res, out.logprobs, stops)
 
     def _apply_steps_schedule(self) -> None:
         """The test hook: fix the next decode iteration's steps from ``steps_schedule``."""
@@ -398,9 +265,11 @@ class EngineLoop:
             self.sched.set_fixed_steps(int(k))
             self._fixed_steps = int(k)
 
-    def _run_prefill(self, plan: Any, rids: list[int]) -> tuple[StepOutput, Any]:
+    def _run_prefill(self, plan: Any, rids: list[int]) -> tuple[StepOutput, Any, StopCheck]:
         """The prefill passes and their report: first tokens sampled for ``sample_first``
-        requests, prompt logprobs stored where asked."""
+        requests (stop strings checked in them), prompt logprobs stored where asked. The
+        drafter's prefill is deferred when the plan says so (``draft_prefill``: decoding runs
+        steps 0 with the zero-step extend skipped; the core decides and counts the catch-up)."""
         now = time.perf_counter()
         for rid in rids:
             lv = self.live[rid]
@@ -409,35 +278,35 @@ class EngineLoop:
         first_live = [self.live[r] for r, f in zip(rids, plan.sample_first.tolist()) if f]
         sampling = self._batch_sampling(first_live) if first_live else None
         lp_rows = LogprobRows.build([lv.top_n() for lv in first_live], self.device)
-        prompt_plan, owners = self._prompt_plan(plan, rids)
-        # while decoding runs steps 0 with the zero-step extend skipped, the drafter's prefill
-        # waits for the catch-up too (nothing reads the drafter's KV before drafting resumes)
-        lazy = (self.worker.skip_zero_step_draft_extend and self._last_decode is not None
-                and self._last_decode[0] == 0)
-        out = self.worker.prefill(plan, sampling, self.generator, lp_rows, prompt_plan,
-                                  draft_prefill=not lazy)
-        res = self.sched.report(out.tokens, out.offsets)
-        self._store_prompt_logprobs(out.prompt_logprobs, owners)
-        return out, res
+        prompts, owners = prompt_plan(plan, rids, self.live)
+        out = self.worker.prefill(plan, sampling, self.generator, lp_rows, prompts,
+                                  draft_prefill=plan.draft_prefill)
+        stops = check_stop_strings(self.live, rids, out.tokens, out.offsets)
+        res = self.sched.report(out.tokens, out.offsets, stop_strings=stops.stopped)
+        store_prompt_logprobs(out.prompt_logprobs, owners)
+        return out, res, stops
 
     def _run_decode(self, plan: Any, rids: list[int], started: float
-                    ) -> tuple[StepOutput, Any]:
+                    ) -> tuple[StepOutput, Any, StopCheck]:
         """The decode passes and their report, timed from ``started`` (before ``schedule()``)
-        to the passes' end: the ``seconds`` the adaptive policy's cost model learns from."""
+        to the passes' end: the ``seconds`` the adaptive policy's cost model learns from. The
+        stop strings are checked before the report, which finishes those that matched."""
         sampling = self._sampling_for(rids)
         out = self.worker.decode(plan, sampling, self.generator, self._lp_rows)
         seconds = time.perf_counter() - started
-        res = self.sched.report(out.tokens, out.offsets, out.accepted, seconds=seconds)
+        stops = check_stop_strings(self.live, rids, out.tokens, out.offsets)
+        res = self.sched.report(out.tokens, out.offsets, out.accepted, seconds=seconds,
+                                stop_strings=stops.stopped)
         self._decode_iters += 1
         self._last_decode = (int(plan.steps), int(plan.graph_bs or plan.batch_size))
-        return out, res
+        return out, res, stops
 
     def _build_sampling(self, params: list[SamplingParams], prompt_lens: list[int],
                         min_tokens_ids: list[tuple[int, ...]]) -> BatchSampling:
         return BatchSampling.from_params(params, self.device, prompt_lens=prompt_lens,
                                          min_tokens_ids=min_tokens_ids)
 
-    def _batch_sampling(self, live: list[_Live]) -> BatchSampling:
+    def _batch_sampling(self, live: list[LiveRequest]) -> BatchSampling:
         """The options of ``live`` requests in batch order, with what their penalties and
         ``min_tokens`` need (prompt lengths, masked ids). A request whose options cannot be
         built fails alone (aborted in the scheduler, final ``error`` chunk); the batch runs
@@ -461,55 +330,6 @@ class EngineLoop:
             self._sampling_key = key
         return self._sampling
 
-    def _prompt_plan(self, plan: Any, rids: list[int]
-                     ) -> tuple[PromptLogprobPlan | None, list[tuple[_Live, int, int, int]]]:
-        """Positions of this prefill chunk whose next prompt token's logprob is wanted:
-        position ``p`` (of a chunk ``[s, e)``) predicts prompt token ``p + 1``; wanted for
-        ``p + 1`` in ``max(prompt_start, 1)..P-1``. ``owners``: ``(live, first position,
-        count, chunk end)`` per request, in the plan's order."""
-        owners: list[tuple[_Live, int, int, int]] = []
-        index, targets = [], []
-        top = 0
-        qo, ends = plan.qo_lens.tolist(), plan.kv_lens.tolist()
-        base = 0
-        for b, rid in enumerate(rids):
-            lv = self.live.get(rid)
-            s, e = ends[b] - qo[b], ends[b]
-            if lv is not None and lv.wants_prompt():
-                assert lv.spec.logprobs is not None and lv.spec.logprobs.prompt_start is not None
-                prompt = lv.spec.prompt_ids
-                lo = max(s, max(lv.spec.logprobs.prompt_start, 1) - 1)
-                hi = min(e, len(prompt) - 1)
-                if hi > lo:
-                    index.append(np.arange(base + lo - s, base + hi - s))
-                    targets.append(np.asarray(prompt[lo + 1:hi + 1], np.int64))
-                    top = max(top, lv.spec.logprobs.top_n)
-                owners.append((lv, lo, max(hi - lo, 0), e))
-            base += qo[b]
-        if not index:
-            return None, owners
-        return PromptLogprobPlan(np.concatenate(index), np.concatenate(targets), top), owners
-
-    def _store_prompt_logprobs(self, host: HostLogprobs | None,
-                               owners: list[tuple[_Live, int, int, int]]) -> None:
-        off = 0
-        for lv, lo, count, end in owners:
-            prompt_len = len(lv.spec.prompt_ids)
-            if lv.prompt_lp is None:
-                assert lv.spec.logprobs is not None
-                k = lv.spec.logprobs.top_n
-                lv.prompt_lp = np.full(prompt_len, np.nan, np.float32)
-                lv.prompt_top = (np.zeros((prompt_len, k), np.int64),
-                                 np.zeros((prompt_len, k), np.float32))
-            if count and host is not None:
-                assert lv.prompt_top is not None
-                k = lv.prompt_top[0].shape[1]
-                lv.prompt_lp[lo + 1:lo + 1 + count] = host.logprob[0, off:off + count]
-                lv.prompt_top[0][lo + 1:lo + 1 + count] = host.top_ids[0, off:off + count, :k]
-                lv.prompt_top[1][lo + 1:lo + 1 + count] = host.top_logprob[0, off:off + count, :k]
-                off += count
-            lv.prompt_done = lv.prompt_done or end >= prompt_len
-
     def _fail_plan(self, plan: Any, rids: list[int], error: Exception) -> None:
         """The plan's passes raised: abandon it (the scheduler aborts its live requests) and
         send each of them its final chunk with the error."""
@@ -526,7 +346,10 @@ class EngineLoop:
         self._flush()
 
     def _after_report(self, plan: Any, rids: list[int], res: Any,
-                      logprobs: HostLogprobs | None = None) -> None:
+                      logprobs: HostLogprobs | None = None,
+                      stops: StopCheck | None = None) -> None:
+        """Post-process a report: per request its counters, text and chunk (final when the
+        report finished it), then the trace, the stats snapshot, the log line and the sinks."""
         decode = not plan.is_prefill
         steps = int(plan.steps)
         finished = {f.request_id: f for f in res.finished}
@@ -559,7 +382,8 @@ class EngineLoop:
                 logprobs.logprob[i, :len(new)], logprobs.top_ids[i, :len(new)],
                 logprobs.top_logprob[i, :len(new)])
             try:
-                self._emit(lv, new, fin, token_lp)
+                self._emit(lv, new, fin, token_lp,
+                           None if stops is None else stops.text_for(rid, fin))
             except Exception as e:  # noqa: BLE001 - fail this request only
                 logger.exception("post-processing request %d failed", rid)
                 if rid in self.live:
@@ -571,48 +395,25 @@ class EngineLoop:
             self._maybe_log()
         self._flush()
 
-    def _chunk(self, lv: _Live, text: str, new: list[int], finished: bool,
-               reason: dict[str, Any] | None, token_lp: Any) -> StreamChunk:
-        chunk = StreamChunk(lv.rid, text, new, finished, reason, lv.meta())
-        if lv.spec.logprobs is None:
-            return chunk
-        if token_lp is not None:
-            values, ids, top = token_lp
-            chunk.logprobs = values.tolist()
-            chunk.top_logprobs = [list(zip(i, t)) for i, t in zip(ids.tolist(), top.tolist())]
-        elif not new:
-            chunk.logprobs, chunk.top_logprobs = [], []
-        if new:
-            prompt = lv.prompt_chunk()
-            if prompt is not None:
-                chunk.prompt_logprobs, chunk.prompt_top_logprobs = prompt
-        return chunk
-
-    def _emit(self, lv: _Live, new: list[int], fin: Any, token_lp: Any = None) -> None:
+    def _emit(self, lv: LiveRequest, new: list[int], fin: Any, token_lp: Any = None,
+              checked: tuple[IncrementalText, str] | None = None) -> None:
+        """Append ``new`` to ``lv``'s output and queue its chunk; ``fin``: the report's finish
+        record of it, or None. ``checked``: the text state and delta the stop-string check
+        computed on these tokens, when they hold (:meth:`StopCheck.text_for`)."""
         lv.output.extend(new)
-        shown = lv.output
-        if (fin is not None and fin.reason == "stop" and fin.stop_token_id is not None
-                and not lv.spec.params.include_stop_str_in_output):
-            shown = lv.output[:-1]  # the matched stop token's text is left out (vLLM, SGLang)
-        text = lv.text.update(shown, final=fin is not None)
-        if lv.text.matched is not None and fin is None:
-            fin = self.sched.finish_request(lv.rid, "stop")
-            if fin is None:
-                raise RuntimeError(f"request {lv.rid} is not live in the scheduler")
-            self._stats_stale = True
+        if checked is not None:
+            lv.text, text = checked
+        else:
+            shown = lv.output
+            if (fin is not None and fin.reason == "stop" and fin.stop_token_id is not None
+                    and not lv.spec.params.include_stop_str_in_output):
+                shown = lv.output[:-1]  # the matched stop token's text is left out (vLLM, SGLang)
+            text = lv.text.update(shown, final=fin is not None)
         if fin is None:
-            self._out(lv.spec.sink, self._chunk(lv, text, new, False, None, token_lp))
+            self._out(lv.spec.sink, lv.chunk(text, new, False, None, token_lp))
             return
         del self.live[lv.rid]
-        if lv.text.matched is not None:
-            reason: dict[str, Any] = {"type": "stop", "matched": lv.text.matched}
-        elif fin.reason == "length":
-            reason = {"type": "length", "length": int(fin.output_len)}
-        elif fin.reason == "stop":
-            reason = {"type": "stop", "matched": fin.stop_token_id}
-        else:
-            reason = {"type": "abort", "message": "aborted"}
-        self._out(lv.spec.sink, self._chunk(lv, text, new, True, reason, token_lp))
+        self._out(lv.spec.sink, lv.chunk(text, new, True, finished(lv.text.matched, fin), token_lp))
 
     def _finish_now(self, rid: int, reason: dict[str, Any]) -> None:
         """End a live request now (between iterations): free everything, final chunk with
@@ -626,7 +427,7 @@ class EngineLoop:
         lv = self.live.pop(rid)
         self._stats_stale = True
         self._sampling_key = None
-        self._out(lv.spec.sink, self._chunk(lv, "", [], True, reason, None))
+        self._out(lv.spec.sink, lv.chunk("", [], True, reason, None))
 
     # ------------------------------------------------------------------ outputs
     def _out(self, sink: Callable[[Any], None], item: Any) -> None:
@@ -661,18 +462,10 @@ class EngineLoop:
         slots = {int(st["lower_bound"]): int(st["steps"]) for st in states}
         if not slots and self._fixed_steps is not None:
             slots = {1: int(self._fixed_steps)}
-        self._stats = EngineStats(
-            running=s.running + s.prefilling, queued=s.queued, kv_pages_used=s.kv_pages_used,
-            kv_pages_total=s.kv_pages_total, steps_per_slot=slots, num_drafts=s.spec_num_drafts,
-            draft_tokens_proposed=s.spec_num_draft_tokens,
-            num_accepted_tokens=s.spec_num_accepted_tokens,
-            accepted_per_pos=list(s.spec_accepted_per_pos), step_switches=s.step_switches,
-            preemptions=s.preemptions, requests_finished=s.requests_finished,
-            prompt_tokens=self._prompt_tokens, generation_tokens=s.tokens_generated,
-            slot_states=states,
-            last_decode_steps=None if self._last_decode is None else self._last_decode[0],
-            last_decode_batch_size=None if self._last_decode is None else self._last_decode[1],
-            policy=self._policy, goodput=self._goodput_state())
+        self._stats = engine_stats(s, slot_states, fixed_steps=self._fixed_steps,
+                                   prompt_tokens=self._prompt_tokens,
+                                   last_decode=self._last_decode, policy=self._policy,
+                                   goodput=self._goodput_state())
 
     def _goodput_state(self) -> dict[str, Any] | None:
         """The goodput strategy's state, rebuilt at most every POLICY_REFRESH_S seconds while
@@ -692,12 +485,6 @@ class EngineLoop:
         now = time.monotonic()
         if not interval or interval <= 0 or now - t0 < interval:
             return
-        s = self._stats
-        reqs = self._verify_reqs - req0
-        logger.info("running %d, queued %d, KV cache %.1f%% (%d/%d pages), %.1f tokens/s, "
-                    "accept length %.2f, steps per slot %s%s", s.running, s.queued,
-                    100.0 * s.kv_pages_used / max(s.kv_pages_total, 1), s.kv_pages_used,
-                    s.kv_pages_total, (s.generation_tokens - tok0) / (now - t0),
-                    (self._verify_tokens - vt0) / reqs if reqs else 0.0, s.steps_per_slot,
-                    _goodput_summary(s.goodput))
+        log_progress(self._stats, now - t0, self._stats.generation_tokens - tok0,
+                     self._verify_reqs - req0, self._verify_tokens - vt0)
         self._log_mark = self._mark()

@@ -14,6 +14,15 @@ into what SGLang's ``Engine.generate`` / ``async_generate`` return: ``text`` and
 
 ``text`` is None unless ``return_text_in_logprobs`` (as in SGLang). Log-probabilities are the
 target's before sampling processors (:mod:`specdial.worker.logprobs`).
+
+The ``meta_info`` values: ``finish_reason`` is ``{"type": "length", "length": n}``, ``{"type":
+"stop", "matched": token_id_or_str}``, ``{"type": "abort", "message": str, "cause": "client" |
+"shutdown"}`` or, for a request the engine failed, ``{"type": "error", "message": cause,
+"status_code": 500}`` (:mod:`specdial.engine.ends`); ``spec_verify_ct``: decode iterations the
+request took part in, trivial verifies at ``steps = 0`` included; ``spec_accept_length``: the
+acceptance length, tokens emitted per verify that carried drafts (accepted drafts + 1; trivial
+verifies left out; ``(completion_tokens - 1) / spec_verify_ct`` when no verify carried drafts,
+0.0 without verifies); ``spec_steps_histogram``: ``{steps: iterations}``.
 """
 
 from __future__ import annotations

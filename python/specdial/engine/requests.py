@@ -23,7 +23,7 @@ from typing import Any, AsyncGenerator, Callable, Iterator
 from specdial._core import QueueFullError
 from specdial.engine.api import LogprobOptions, RequestError, StreamChunk
 from specdial.engine.bounds import check_vocab_bounds
-from specdial.engine.loop import Message, RequestSpec, Submit, Submitted
+from specdial.engine.messages import Message, RequestSpec, Submit, Submitted
 from specdial.engine.output import OutputAccumulator
 from specdial.worker.logit_bias import check_logit_bias_vocab
 from specdial.worker.logprobs import MAX_TOP_LOGPROBS
@@ -179,6 +179,45 @@ def _min_tokens_ids(params: SamplingParams, eos_token_ids: frozenset[int], vocab
                            f"a stop, but every token id of the vocabulary is an EOS or stop "
                            "token id; nothing could be sampled", "min_tokens")
     return ids
+
+
+def batch_specs(prompt: Any, sampling_params: Any, input_ids: Any, return_logprob: Any,
+                logprob_start_len: Any, top_logprobs_num: Any, return_text_in_logprobs: Any, *,
+                spec: Callable[..., RequestSpec], tokenizer: Any
+                ) -> tuple[bool, list[RequestSpec], list[OutputAccumulator]]:
+    """Validate a ``generate`` / ``async_generate`` call (SGLang's ``Engine.generate``
+    arguments): ``(single, specs, outputs)``. ``spec(prompt, input_ids, sampling_params, stop,
+    label, logprobs)`` validates one prompt. Raises :class:`RequestError` naming the field."""
+    if (prompt is None) == (input_ids is None):
+        raise RequestError("pass exactly one of prompt or input_ids", "prompt")
+    if prompt is not None and not isinstance(prompt, (str, list, tuple)):
+        raise RequestError("prompt must be a string or a list of strings, got "
+                           f"{type(prompt).__name__}", "prompt")
+    single = isinstance(prompt, str) or (prompt is None and (
+        not input_ids or not isinstance(input_ids[0], (list, tuple))))
+    items: list[Any] = [prompt if prompt is not None else input_ids] if single else list(
+        prompt if prompt is not None else input_ids)  # type: ignore[arg-type]
+    if isinstance(sampling_params, (list, tuple)):
+        if len(sampling_params) != len(items):
+            raise RequestError(f"{len(sampling_params)} sampling_params for {len(items)} "
+                               "prompts", "sampling_params")
+        sps = list(sampling_params)
+    else:
+        sps = [sampling_params] * len(items)
+    lp = logprob_options(return_logprob, logprob_start_len, top_logprobs_num)
+    if not isinstance(return_text_in_logprobs, bool):
+        raise RequestError(f"return_text_in_logprobs must be a bool, got "
+                           f"{return_text_in_logprobs!r}", "return_text_in_logprobs")
+    if return_text_in_logprobs and tokenizer is None:
+        raise RequestError("return_text_in_logprobs needs a tokenizer", "return_text_in_logprobs")
+    specs = [spec(x if prompt is not None else None,
+                  x if prompt is None else None, sp, None,
+                  "" if single else f"prompt {i}: ", lp)
+             for i, (x, sp) in enumerate(zip(items, sps))]
+    decode = (lambda t: str(tokenizer.decode([t]))) if return_text_in_logprobs else None
+    outs = [OutputAccumulator(s.prompt_ids, return_logprob=lp is not None, decode=decode)
+            for s in specs]
+    return single, specs, outs
 
 
 def collect(post: Post, cancel: Cancel, specs: list[RequestSpec],

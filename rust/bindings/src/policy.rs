@@ -353,7 +353,7 @@ pub(crate) fn observation(
         Some(k) if (0..=i64::from(specdial_core::config::MAX_CANDIDATE_STEPS)).contains(&k) => Some(k as u32),
         Some(k) => return Err(PyValueError::new_err(format!("steps must be an int in 0..=32, got {k}"))),
     };
-    Ok(Observation { seconds, context_tokens: non_negative("context_tokens", context_tokens)?, steps })
+    Ok(Observation { seconds, context_tokens: non_negative("context_tokens", context_tokens)?, steps, catch_up_tokens: None })
 }
 
 /// The `goodput_state` dict (see `AdaptiveSpeculativeParams.goodput_state`).

@@ -12,7 +12,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use specdial_core::scheduler::{
-    FinishReason, Finished, Plan, PlanKind, ReportOutcome, Scheduler, SchedulerConfig,
+    FinishReason, Finished, Plan, PlanKind, ReportExtras, ReportOutcome, Scheduler, SchedulerConfig,
     SchedulerError as CoreError, SchedulerStats, StepsSource,
 };
 use specdial_core::AdaptiveSpeculativeParams;
@@ -145,7 +145,7 @@ impl PySchedulerConfig {
     #[new]
     #[pyo3(signature = (*, max_running_requests=64, max_queued_requests=1024, max_prefill_tokens=2048,
                         context_length=2048, num_pages=1024, page_size=16, eos_token_ids=Vec::new(),
-                        record_trace=false, chunked_prefill_size=None))]
+                        record_trace=false, chunked_prefill_size=None, skip_zero_step_draft_extend=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         max_running_requests: i64,
@@ -157,6 +157,7 @@ impl PySchedulerConfig {
         eos_token_ids: Vec<i64>,
         record_trace: bool,
         chunked_prefill_size: Option<i64>,
+        skip_zero_step_draft_extend: bool,
     ) -> PyResult<Self> {
         guard(|| {
             let inner = SchedulerConfig {
@@ -171,6 +172,7 @@ impl PySchedulerConfig {
                 chunked_prefill_size: chunked_prefill_size
                     .map(|n| u32_field("chunked_prefill_size", n))
                     .transpose()?,
+                skip_zero_step_draft_extend,
             };
             inner.validate().map_err(core_err)?;
             Ok(Self { inner })
@@ -226,6 +228,14 @@ impl PySchedulerConfig {
     #[getter]
     fn chunked_prefill_size(&self) -> Option<u32> {
         self.inner.chunked_prefill_size
+    }
+    /// Whether the worker skips the drafter extend at steps 0 (the engine's
+    /// ``skip_zero_step_draft_extend``; False without a drafter): prefills are then deferred for
+    /// the drafter while decoding runs steps 0 (``SchedulePlan.draft_prefill``) and the policy is
+    /// told the catch-up tokens each drafting iteration runs.
+    #[getter]
+    fn skip_zero_step_draft_extend(&self) -> bool {
+        self.inner.skip_zero_step_draft_extend
     }
 
     fn __repr__(&self) -> String {
@@ -295,6 +305,7 @@ pub struct PySchedulePlan {
     sample_first: Py<Int64Array>,
     logits_indices: Py<Int64Array>,
     preempted: Py<Int64Array>,
+    draft_prefill: bool,
 }
 
 impl PySchedulePlan {
@@ -319,12 +330,21 @@ impl PySchedulePlan {
             sample_first: arr(py, p.sample_first)?,
             logits_indices: arr(py, p.logits_indices)?,
             preempted: arr(py, p.preempted)?,
+            draft_prefill: p.draft_prefill,
         })
     }
 }
 
 #[pymethods]
 impl PySchedulePlan {
+    /// Prefill: whether the drafter runs over these chunks now (False: the worker leaves them to
+    /// the next drafting iteration's catch-up, because decoding runs steps 0 with the zero-step
+    /// extend skipped). Decode: True.
+    #[getter]
+    fn draft_prefill(&self) -> bool {
+        self.draft_prefill
+    }
+
     /// ``"prefill"`` or ``"decode"``.
     #[getter]
     fn kind(&self) -> &'static str {
@@ -810,11 +830,15 @@ impl PyScheduler {
     /// drafts per request, checked against ``offsets``. Arrays: 1-D integer buffers (numpy) or
     /// lists. ``seconds`` (decode plans only, optional): the iteration's wall time, a float > 0,
     /// from just before ``schedule()`` to just after the passes returned; the adaptive policy
-    /// learns its cost model from it (``goodput``). Results for requests aborted meanwhile are
+    /// learns its cost model from it (``goodput``). ``stop_strings``: ids of the plan's requests
+    /// whose stop string matched in the text of the tokens they emitted now (the caller
+    /// detokenizes): each finishes here with reason "stop" and no stop token, its tokens kept,
+    /// unless EOS, a stop token or the length finishes it first; so every finish is decided in
+    /// the report and nothing is called back after it. Results for requests aborted meanwhile are
     /// ignored. Raises SchedulerError with no plan in flight, ValueError naming tokens / offsets
-    /// / accepted / seconds when they do not match the plan (which then stays in flight,
-    /// unchanged).
-    #[pyo3(signature = (tokens, offsets, accepted=None, *, seconds=None))]
+    /// / accepted / seconds / stop_strings when they do not match the plan (which then stays in
+    /// flight, unchanged).
+    #[pyo3(signature = (tokens, offsets, accepted=None, *, seconds=None, stop_strings=Vec::new()))]
     fn report(
         &mut self,
         py: Python<'_>,
@@ -822,6 +846,7 @@ impl PyScheduler {
         offsets: &Bound<'_, PyAny>,
         accepted: Option<&Bound<'_, PyAny>>,
         seconds: Option<&Bound<'_, PyAny>>,
+        stop_strings: Vec<u64>,
     ) -> PyResult<PyReportResult> {
         guard(|| {
             let seconds = crate::policy::observation(seconds, None, None)?.seconds;
@@ -831,9 +856,10 @@ impl PyScheduler {
                 Some(a) if !a.is_none() => Some(int_array(a, "accepted")?),
                 _ => None,
             };
+            let extras = ReportExtras { seconds, stop_strings: &stop_strings };
             let out = self
                 .inner
-                .report_timed(&tokens, &offsets, accepted.as_deref(), seconds)
+                .report_with(&tokens, &offsets, accepted.as_deref(), extras)
                 .map_err(core_err)?;
             PyReportResult::new(py, out)
         })
@@ -991,6 +1017,20 @@ impl PyScheduler {
                 .map(|&k| (k, g.predict_seconds(bucket, b_cost, k, context_tokens)))
                 .collect())
         })
+    }
+
+    /// The steps the adaptive policy can choose for a decode iteration of ``batch_size``
+    /// requests: the candidates of the slot the batch routes to after padding to the CUDA-graph
+    /// size that replays (``AdaptiveSpeculativeParams.reachable_steps``; start-up profiling
+    /// measures exactly these). [] without an adaptive policy. ValueError for a batch size < 1.
+    fn reachable_steps(&self, batch_size: i64) -> PyResult<Vec<u32>> {
+        match self.inner.policy() {
+            None => Ok(Vec::new()),
+            Some(p) => p
+                .reachable_steps(batch_size)
+                .map(<[u32]>::to_vec)
+                .map_err(|e| PyValueError::new_err(format!("batch_size: {e}"))),
+        }
     }
 
     /// Feeds one startup-profiling measurement to the policy (``AdaptiveSpeculativeParams.

@@ -33,7 +33,7 @@ fn main() {
         let k = d.steps;
         let t = iteration_seconds(&curve, &w, i, k, 0.0, false);
         let acc: Vec<i64> = w.batch(i).iter().map(|&r| { let al = &w.requests[r as usize].alpha; let mut c = 0; for j in 0..k as usize { if rng.random::<f64>() < al[j] { c += 1 } else { break } } c }).collect();
-        p.on_verify_complete_with(acc, b as i64, Observation { seconds: Some(t * (opts.noise.sigma * specdial_core::sim::workload::normal(&mut rng)).exp() * if rng.random::<f64>() < 0.01 { 2.0 } else { 1.0 }), context_tokens: Some(ctx as u64), steps: Some(k) }).unwrap();
+        p.on_verify_complete_with(acc, b as i64, Observation { seconds: Some(t * (opts.noise.sigma * specdial_core::sim::workload::normal(&mut rng)).exp() * if rng.random::<f64>() < 0.01 { 2.0 } else { 1.0 }), context_tokens: Some(ctx as u64), steps: Some(k), catch_up_tokens: None }).unwrap();
         tg += w.expected_tokens(i, k); sg += t;
         let ko = oracle[i]; to += w.expected_tokens(i, ko); so += iteration_seconds(&curve, &w, i, ko, 0.0, false);
         ks.push((k, ko));

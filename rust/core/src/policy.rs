@@ -56,6 +56,11 @@ pub struct Observation {
     pub context_tokens: Option<u64>,
     /// The steps the iteration actually ran (overrides the pending decision).
     pub steps: Option<u32>,
+    /// Tokens the drafter caught up on in this iteration before drafting (a deferred drafter
+    /// prefill, tokens of steps-0 iterations whose extend was skipped); 0 when nothing was
+    /// skipped or the iteration did not draft. `None`: unknown (the `goodput` strategy then
+    /// assumes every request emitted at steps 0 since it last drafted is caught up).
+    pub catch_up_tokens: Option<u64>,
 }
 
 /// One slot's state as every strategy reports it.
@@ -122,6 +127,12 @@ impl AdaptiveSpeculativeParams {
     /// The strategy deciding the steps.
     pub fn strategy(&self) -> &dyn StepStrategy {
         self.strategy.as_ref()
+    }
+
+    /// The strategy deciding the steps, mutable (an outside strategy's own settings; reach its
+    /// type through `as_any_mut`).
+    pub fn strategy_mut(&mut self) -> &mut dyn StepStrategy {
+        self.strategy.as_mut()
     }
 
     /// The `ema` slots (None under another strategy).
@@ -218,6 +229,14 @@ impl AdaptiveSpeculativeParams {
         Ok((self.slot_for_padded(graph.unwrap_or(bs)), graph))
     }
 
+    /// The steps a decode iteration of `batch_size` requests can run: the candidates of the slot
+    /// it routes to, after padding to the graph size that replays (what start-up profiling
+    /// measures, so no caller re-implements this routing). Errors for a batch size < 1.
+    pub fn reachable_steps(&self, batch_size: i64) -> Result<&[u32], PolicyError> {
+        let (slot, _) = self.route(batch_size)?;
+        Ok(&self.config.slots[slot].1.candidate_steps)
+    }
+
     /// Steps the slot for this batch size runs now (a pure read).
     pub fn get_steps_for_batch(&self, batch_size: i64) -> Result<u32, PolicyError> {
         let (slot, _) = self.route(batch_size)?;
@@ -235,12 +254,25 @@ impl AdaptiveSpeculativeParams {
     /// Panics if the strategy breaks its contract: a per-request verify list whose length is not
     /// the batch size, or an entry above the decision's steps.
     pub fn decide(&mut self, batch_size: i64, context_tokens: Option<u64>) -> Result<StepDecision, PolicyError> {
+        self.decide_with(batch_size, context_tokens, None)
+    }
+
+    /// [`Self::decide`] also told the drafter catch-up tokens pending in the batch,
+    /// `catch_up_tokens` (what a drafting iteration would run first; `None`: unknown), which the
+    /// `goodput` strategy charges a switch from steps 0 with.
+    pub fn decide_with(
+        &mut self,
+        batch_size: i64,
+        context_tokens: Option<u64>,
+        catch_up_tokens: Option<u64>,
+    ) -> Result<StepDecision, PolicyError> {
         let (slot, graph_bs) = self.route(batch_size)?;
         let ctx = DecideContext {
             slot,
             batch_size: batch_size as u32,
             graph_bs,
             context_tokens,
+            catch_up_tokens,
             candidates: &self.config.slots[slot].1.candidate_steps,
         };
         let d = self.strategy.decide(&ctx);
@@ -305,6 +337,7 @@ impl AdaptiveSpeculativeParams {
             accepted: &values,
             seconds: obs.seconds,
             context_tokens: obs.context_tokens,
+            catch_up_tokens: obs.catch_up_tokens,
         });
         self.scratch = values;
         out
@@ -382,6 +415,21 @@ mod tests {
         assert_eq!(p.cuda_graph_bs_for_step(0).unwrap(), vec![8, 16, 32, 48, 64, 128]);
         assert_eq!(p.cuda_graph_bs_for_step(2).unwrap(), Vec::<u32>::new());
         assert!(params().cuda_graph_bs_for_step(3).is_none());
+    }
+
+    #[test]
+    fn reachable_steps_follow_the_routing_with_graph_padding() {
+        let mut p = params();
+        assert_eq!(p.reachable_steps(7).unwrap(), &[1, 3, 5, 7]);
+        assert_eq!(p.reachable_steps(8).unwrap(), &[0, 1, 3]);
+        assert_eq!(p.reachable_steps(100).unwrap(), &[0]);
+        // 7 requests replay the graph of 16: slot 8's candidates
+        p.set_cuda_graph_bs(Some(&[1, 2, 4, 16])).unwrap();
+        assert_eq!(p.reachable_steps(7).unwrap(), &[0, 1, 3]);
+        assert_eq!(p.reachable_steps(4).unwrap(), &[1, 3, 5, 7]);
+        // above the largest graph: eager, the batch size itself routes
+        assert_eq!(p.reachable_steps(40).unwrap(), &[0, 1]);
+        assert!(p.reachable_steps(0).is_err());
     }
 
     #[test]

@@ -63,6 +63,12 @@
 //!   ran, the batch's context tokens and, through [`Scheduler::report_timed`], the iteration's
 //!   measured seconds. Requests capped near their end are left out of the accepted drafts: their
 //!   count is bounded by the cap, not by the drafter. Not fed in fixed-steps mode.
+//! - **Drafter catch-up.** With `skip_zero_step_draft_extend`, a steps-0 iteration leaves the
+//!   drafter behind by the tokens it emitted, and a prefill planned while the last decode ran
+//!   steps 0 leaves the drafter's prefill to the catch-up (`Plan::draft_prefill` false). Each
+//!   request counts what its drafter has not run over (`draft_lag`, 0 at admission); a drafting
+//!   iteration catches the whole batch up, and the policy is told those tokens
+//!   ([`crate::Observation::catch_up_tokens`]) and, when it decides, the batch's pending ones.
 //!
 mod config;
 mod invariants;
@@ -79,6 +85,7 @@ use std::collections::VecDeque;
 pub use config::{SchedulerConfig, SchedulerError};
 pub use plan::{Plan, PlanKind, ReportOutcome, TraceRecord};
 pub use request::{FinishReason, Finished, RequestState};
+pub use report::ReportExtras;
 pub use stats::SchedulerStats;
 
 use crate::id_hash::IdMap;
@@ -116,6 +123,9 @@ struct InFlight {
     done: Vec<bool>,
     /// Prefill: the request samples its first token.
     sample: Vec<bool>,
+    /// Decode: the drafter catch-up tokens of the batch (the sum of their `draft_lag`) when the
+    /// iteration drafts, else 0.
+    catch_up: u64,
 }
 
 /// The continuous-batching scheduler. See the [module docs](self) for the rules.
@@ -139,6 +149,8 @@ pub struct Scheduler {
     partial: Option<u64>,
     /// The last prefill plan left `partial` unfinished: decode goes next.
     decode_turn: bool,
+    /// The steps of the last decode iteration reported (`None` before the first).
+    last_decode_steps: Option<u32>,
     next_id: u64,
     in_flight: Option<InFlight>,
     /// Preempted since the last plan was handed out (reported in the next plan).
@@ -184,6 +196,7 @@ impl Scheduler {
             num_running: 0,
             partial: None,
             decode_turn: false,
+            last_decode_steps: None,
             next_id: 0,
             in_flight: None,
             pending_preempted: Vec::new(),
@@ -348,6 +361,7 @@ impl Scheduler {
                 admitted_before: false,
                 num_preemptions: 0,
                 row: None,
+                draft_lag: 0,
             },
         );
         self.waiting.push_back(id);

@@ -57,6 +57,7 @@ fn scheduler(params: AdaptiveSpeculativeParams, num_pages: u32) -> Scheduler {
         eos_token_ids: vec![],
         record_trace: false,
         chunked_prefill_size: None,
+        skip_zero_step_draft_extend: true,
     };
     Scheduler::new(config, StepsSource::Adaptive(params)).unwrap()
 }

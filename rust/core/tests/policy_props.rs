@@ -118,7 +118,7 @@ proptest! {
             let d = p.decide(bs, ctx).unwrap();
             prop_assert!(cfg.slots[d.slot].1.candidate_steps.contains(&d.steps), "{} not a candidate", d.steps);
             let accepted: Vec<i64> = raw.iter().map(|a| a % (d.steps as i64 + 1)).collect();
-            let obs = Observation { seconds, context_tokens: ctx, steps: None };
+            let obs = Observation { seconds, context_tokens: ctx, steps: None, catch_up_tokens: None };
             p.on_verify_complete_with(accepted.iter().copied(), bs, obs).unwrap();
             let now = p.get_steps_for_batch(bs).unwrap();
             prop_assert!(cfg.slots[p.route(bs).unwrap().0].1.candidate_steps.contains(&now) || which == 1);

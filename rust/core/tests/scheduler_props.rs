@@ -133,6 +133,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                     record_trace: true,
                     // a third of the cases also cap one request's chunk below the budget
                     chunked_prefill_size: (prefill % 3 == 0).then_some(1 + prefill / 3),
+                    skip_zero_step_draft_extend: !eos,
                 };
                 let initial_steps = match &adaptive {
                     Some(c) => c.candidate_union()[steps as usize % c.candidate_union().len()],
@@ -547,6 +548,7 @@ fn tiny_pool_heavy_preemption() {
         eos_token_ids: vec![],
         record_trace: true,
         chunked_prefill_size: None,
+        skip_zero_step_draft_extend: true,
     };
     let mut ops = vec![];
     for i in 0..12 {

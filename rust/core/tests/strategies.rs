@@ -121,7 +121,7 @@ fn goodput_learns_a_device_where_drafting_is_expensive_and_turns_it_off() {
         let d = p.decide(8, Some(8000)).unwrap();
         let accepted: Vec<i64> = (0..8).map(|r| i64::from((i * 7 + r * 3) % 10 < 3 && d.steps > 0)).collect();
         let seconds = 0.010 * (1.0 + f64::from(d.steps));
-        p.on_verify_complete_with(accepted, 8, Observation { seconds: Some(seconds), context_tokens: Some(8000), steps: None }).unwrap();
+        p.on_verify_complete_with(accepted, 8, Observation { seconds: Some(seconds), context_tokens: Some(8000), steps: None, catch_up_tokens: None }).unwrap();
         steps.push(d.steps);
     }
     let late = &steps[300..];
@@ -164,7 +164,7 @@ fn goodput_finds_the_best_steps_soon_after_the_batch_jumps() {
             .map(|_| (0..d.steps).take_while(|_| uniform() < 0.78).count() as i64)
             .collect();
         let noise = 1.0 + 0.2 * (uniform() - 0.5);
-        let obs = Observation { seconds: Some(t(b, d.steps) * noise), context_tokens: Some(u64::from(b) * 300), steps: None };
+        let obs = Observation { seconds: Some(t(b, d.steps) * noise), context_tokens: Some(u64::from(b) * 300), steps: None, catch_up_tokens: None };
         p.on_verify_complete_with(accepted, i64::from(b), obs).unwrap();
         if i >= 27 {
             after.push(d.steps);

@@ -30,9 +30,13 @@
 //!   `probe_budget` of the decode time; their tokens count like any others. While the cost model
 //!   finds the machine off its usual pace ([`cost`], layer 3) no probe runs and no credit accrues.
 //! - **Catch-up.** After a stretch at steps 0 with the drafter's extend skipped, the first drafting
-//!   iteration also runs the drafter over the missed tokens. The cost model learns that cost per
-//!   catch-up token; a switch away from 0 is charged for it, spread over `max(min_dwell, 8)`
-//!   iterations.
+//!   iteration also runs the drafter over the missed tokens (and over prompts whose drafter
+//!   prefill was deferred meanwhile). The cost model learns that cost per catch-up token; a
+//!   switch away from 0 is charged for it, spread over `max(min_dwell, 8)` iterations. The
+//!   scheduler counts those tokens per request and passes them in ([`GoodputPolicy::observe_with`],
+//!   [`GoodputPolicy::decide_with`]), 0 when the engine does not skip the zero-step extend;
+//!   without them (the simulator, a bare policy) every request emitted at steps 0 since the last
+//!   drafting iteration is assumed to be caught up.
 //!
 //! Without measured seconds the cost model keeps its prior shape (each draft step adds 10 % to an
 //! iteration), so the choice then follows acceptance alone against that shape; probes are then
@@ -192,11 +196,26 @@ impl GoodputPolicy {
     }
 
     /// The decision for slot `slot` with `b` requests (`b_cost` after graph padding, bucketed as
-    /// `bucket`) and `context_tokens` tokens of context.
+    /// `bucket`) and `context_tokens` tokens of context, the catch-up estimated.
     pub fn decide(&mut self, slot: usize, bucket: u32, b: u32, b_cost: u32, context_tokens: u64) -> u32 {
+        self.decide_with(slot, bucket, b, b_cost, context_tokens, None)
+    }
+
+    /// [`Self::decide`] told the drafter catch-up tokens pending in the batch (`catch_up`; the
+    /// scheduler counts them per request). `None`: the estimate, the requests emitted at steps 0
+    /// since the last drafting iteration.
+    pub fn decide_with(
+        &mut self,
+        slot: usize,
+        bucket: u32,
+        b: u32,
+        b_cost: u32,
+        context_tokens: u64,
+        catch_up: Option<u64>,
+    ) -> u32 {
         let alpha = self.acceptance.rates(self.iteration);
         let ctx = context_tokens as f64;
-        let catch = self.catch_up as f64;
+        let catch = catch_up.unwrap_or(self.catch_up) as f64;
         let horizon = f64::from(self.cfg.min_dwell.max(8));
         let cost = &self.cost;
         let s = &self.slots[slot];
@@ -329,11 +348,32 @@ impl GoodputPolicy {
         seconds: Option<f64>,
         context_tokens: u64,
     ) -> Option<u32> {
+        self.observe_with(slot, bucket, b, b_cost, steps, accepted, seconds, context_tokens, None)
+    }
+
+    /// [`Self::observe`] told the drafter catch-up tokens the iteration ran (`caught_up`: 0 when
+    /// the drafter was not behind, e.g. with the zero-step extend not skipped; deferred drafter
+    /// prefills included). The cost model learns the iteration's seconds with exactly that
+    /// catch-up. `None`: the estimate ([`Self::decide_with`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn observe_with(
+        &mut self,
+        slot: usize,
+        bucket: u32,
+        b: u32,
+        b_cost: u32,
+        steps: u32,
+        accepted: &[i64],
+        seconds: Option<f64>,
+        context_tokens: u64,
+        caught_up: Option<u64>,
+    ) -> Option<u32> {
         self.iteration += 1;
         if steps > 0 {
             self.acceptance.observe(self.iteration, steps, accepted);
         }
-        let catch = if steps > 0 { std::mem::take(&mut self.catch_up) } else { 0 };
+        let estimated = if steps > 0 { std::mem::take(&mut self.catch_up) } else { 0 };
+        let catch = caught_up.unwrap_or(estimated);
         let settled = steps == self.slots[slot].current;
         let spent = match seconds {
             Some(t) => {
@@ -397,6 +437,62 @@ mod tests {
         let orig: serde_json::Value = serde_json::from_str(&t.export_state()).unwrap();
         assert_eq!(again["cost"]["theta"], orig["cost"]["theta"]);
         assert_eq!(again["version"], STATE_VERSION);
+    }
+
+    /// Seconds of an iteration at steps `k` that caught the drafter up over `catch` tokens: a
+    /// draft step costs 40 % of a plain decode, a catch-up token 1e-5 s.
+    fn secs(k: u32, catch: u64) -> f64 {
+        0.01 * (1.0 + 0.4 * f64::from(k)) + 1e-5 * catch as f64
+    }
+
+    /// `policy()` started at `initial`, trained on the acceptance of `trained()` with the
+    /// catch-up tokens each drafting iteration ran told (`told`) or left to the estimate.
+    fn trained_with_catch_up(initial: u32, told: bool) -> GoodputPolicy {
+        let cfg = GoodputConfig { probe_budget: 0.0, ..GoodputConfig::default() };
+        let mut p = GoodputPolicy::new(cfg, initial, vec![(0..=7).collect()]);
+        for i in 0..400u32 {
+            let k = i % 8;
+            let acc: Vec<i64> = [0, 0, 0, 0, 1, 1, 2, 7].iter().map(|&a: &i64| a.min(i64::from(k))).collect();
+            // deferred prompts and skipped zero-step extends: a catch-up of 0..2000 tokens
+            let catch = if k > 0 { u64::from(i * 397 % 2000) } else { 0 };
+            let caught_up = told.then_some(catch);
+            p.observe_with(0, 8, 8, 8, k, &acc, Some(secs(k, catch)), 800, caught_up);
+        }
+        p
+    }
+
+    #[test]
+    fn the_cost_model_learns_the_catch_up_the_report_tells() {
+        let told = trained_with_catch_up(3, true);
+        let extra = |p: &GoodputPolicy| p.cost.predict(8, 8, 2, 800.0, 4000.0) - p.cost.predict(8, 8, 2, 800.0, 0.0);
+        // told: 4000 catch-up tokens cost about 4000 * 1e-5 s
+        let learned = extra(&told);
+        assert!((learned - 0.04).abs() < 0.01, "learned catch-up cost {learned}, expected ~0.04");
+        // without being told, the estimate (tokens emitted at steps 0 since the last drafting
+        // iteration: 8 per iteration of this cycle) cannot explain the seconds
+        let guessed = extra(&trained_with_catch_up(3, false));
+        assert!((guessed - 0.04).abs() > 0.01, "estimated catch-up cost {guessed}");
+    }
+
+    #[test]
+    fn a_switch_from_zero_is_charged_the_catch_up_the_scheduler_counts() {
+        // at steps 0, the best drafting steps (1) pays off unless the catch-up it must run
+        // first is large; with the zero-step extend not skipped there is none (Some(0))
+        let mut none_pending = trained_with_catch_up(0, true);
+        assert_eq!(none_pending.current_steps(0), 0);
+        assert_eq!(none_pending.decide_with(0, 8, 8, 8, 800, Some(0)), 1);
+        let mut long_pending = trained_with_catch_up(0, true);
+        assert_eq!(long_pending.decide_with(0, 8, 8, 8, 800, Some(1_000_000)), 0);
+        // the catch-up tokens are those told, not the estimate: after 50 iterations at steps 0
+        // the estimate is 400 tokens, but the scheduler says none are pending
+        let mut p = trained_with_catch_up(0, true);
+        for _ in 0..50 {
+            p.observe_with(0, 8, 8, 8, 0, &[0; 8], Some(secs(0, 0)), 800, Some(0));
+        }
+        assert_eq!(p.catch_up, 400);
+        let mut estimated = p.clone();
+        assert_eq!(p.decide_with(0, 8, 8, 8, 800, Some(0)), 1);
+        assert_eq!(estimated.decide_with(0, 8, 8, 8, 800, None), 0, "the estimate charges 400 tokens");
     }
 
     #[test]

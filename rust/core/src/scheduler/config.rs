@@ -36,11 +36,19 @@ pub struct SchedulerConfig {
     /// Keep a per-verify trace record in memory (drained with
     /// [`Scheduler::drain_trace`](super::Scheduler::drain_trace)), for `--record-trace`.
     pub record_trace: bool,
+    /// The worker skips the drafter's extend at `steps = 0` (the engine's
+    /// `skip_zero_step_draft_extend`; false without a drafter). The scheduler then defers the
+    /// drafter's prefill while decoding runs steps 0 ([`Plan::draft_prefill`]) and counts, per
+    /// request, the tokens the drafter has not run over, so the policy is told the catch-up each
+    /// drafting iteration really runs ([`crate::Observation::catch_up_tokens`]).
+    ///
+    /// [`Plan::draft_prefill`]: super::Plan::draft_prefill
+    pub skip_zero_step_draft_extend: bool,
 }
 
 impl Default for SchedulerConfig {
     /// 64 running, 1024 queued, 2048 prefill tokens per iteration, context 2048, 1024 pages of 16
-    /// tokens, no EOS, no trace.
+    /// tokens, no EOS, no trace, zero-step draft extends skipped (the engine's default).
     fn default() -> Self {
         SchedulerConfig {
             max_running_requests: 64,
@@ -52,6 +60,7 @@ impl Default for SchedulerConfig {
             page_size: 16,
             eos_token_ids: Vec::new(),
             record_trace: false,
+            skip_zero_step_draft_extend: true,
         }
     }
 }

@@ -87,6 +87,11 @@ pub struct Plan {
     /// Requests preempted while building this plan: the caller drops their state (KV is already
     /// freed); they come back in a later prefill plan from position 0. In preemption order.
     pub preempted: Vec<i64>,
+    /// Prefill: whether the drafter runs over these chunks now (false: the worker leaves them to
+    /// the catch-up of the next drafting iteration, because decoding runs steps 0 with the
+    /// zero-step extend skipped; see `SchedulerConfig::skip_zero_step_draft_extend`). Decode:
+    /// true.
+    pub draft_prefill: bool,
 }
 
 impl Plan {

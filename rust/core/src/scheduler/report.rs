@@ -3,9 +3,21 @@
 use crate::policy::Observation;
 
 use super::{
-    Finished, InFlight, PlanKind, ReportOutcome, RequestState, Scheduler, SchedulerError,
-    TraceRecord,
+    FinishReason, Finished, InFlight, PlanKind, ReportOutcome, RequestState, Scheduler,
+    SchedulerError, TraceRecord,
 };
+
+/// What a report carries besides the tokens ([`Scheduler::report_with`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ReportExtras<'a> {
+    /// The decode iteration's measured wall time, seconds (finite, > 0; decode plans only).
+    pub seconds: Option<f64>,
+    /// Requests of the plan whose stop string the caller found in the text of the tokens they
+    /// emitted now (the caller detokenizes; the core has no text). Each finishes with reason
+    /// `stop` and no stop token, unless the core's own rules (EOS, stop token, length) finish it
+    /// first; its tokens are kept as emitted.
+    pub stop_strings: &'a [u64],
+}
 
 fn bad(field: &'static str, message: String) -> SchedulerError {
     SchedulerError::InvalidReport { field, message }
@@ -17,6 +29,7 @@ fn validate(
     tokens: &[i64],
     offsets: &[i64],
     accepted: Option<&[i64]>,
+    stop_strings: &[u64],
 ) -> Result<(), SchedulerError> {
     let b = fl.ids.len();
     if offsets.len() != b + 1 {
@@ -73,6 +86,17 @@ fn validate(
                     "request {id} (index {i}) has {n} tokens in offsets[{i}..{}]; {rule}",
                     i + 2
                 ),
+            ));
+        }
+    }
+    for &id in stop_strings {
+        let Some(i) = fl.ids.iter().position(|&x| x == id) else {
+            return Err(bad("stop_strings", format!("request {id} is not in the plan in flight")));
+        };
+        if offsets[i + 1] == offsets[i] {
+            return Err(bad(
+                "stop_strings",
+                format!("request {id} emitted no token in this plan, so no stop string can match"),
             ));
         }
     }
@@ -154,11 +178,28 @@ impl Scheduler {
         accepted: Option<&[i64]>,
         seconds: Option<f64>,
     ) -> Result<ReportOutcome, SchedulerError> {
+        self.report_with(tokens, offsets, accepted, ReportExtras { seconds, stop_strings: &[] })
+    }
+
+    /// [`Scheduler::report`] with everything the caller knows of the iteration
+    /// ([`ReportExtras`]): its seconds, and the requests a stop string finished, so every finish
+    /// is decided here, in one place, and the caller never calls back after the report.
+    ///
+    /// Errors: those of `report_timed`, and [`SchedulerError::InvalidReport`] naming
+    /// `stop_strings` for an id not in the plan or one that emitted no token.
+    pub fn report_with(
+        &mut self,
+        tokens: &[i64],
+        offsets: &[i64],
+        accepted: Option<&[i64]>,
+        extras: ReportExtras<'_>,
+    ) -> Result<ReportOutcome, SchedulerError> {
+        let ReportExtras { seconds, stop_strings } = extras;
         let fl = self
             .in_flight
             .as_ref()
             .ok_or(SchedulerError::NoPlanInFlight)?;
-        validate(fl, tokens, offsets, accepted)?;
+        validate(fl, tokens, offsets, accepted, stop_strings)?;
         if let Some(t) = seconds {
             if fl.kind == PlanKind::Prefill {
                 return Err(bad("seconds", "is reported for decode plans only".into()));
@@ -201,6 +242,13 @@ impl Scheduler {
                         }
                     }
                     PlanKind::Decode => {
+                        // A drafting iteration catches the drafter up; a skipped zero-step
+                        // extend leaves it behind by what was emitted.
+                        if fl.steps > 0 {
+                            r.draft_lag = 0;
+                        } else if self.config.skip_zero_step_draft_extend {
+                            r.draft_lag += emitted.len() as u64;
+                        }
                         // Positions L ..= L + steps_r were reserved; keep L ..= L + accepted.
                         let base = r.kv_len - (u64::from(fl.steps_r[i]) + 1);
                         let (n, f) = r.append(emitted, &self.config.eos_token_ids, ctx);
@@ -214,6 +262,9 @@ impl Scheduler {
                             r.kv_len = keep;
                         }
                     }
+                }
+                if finish.is_none() && stop_strings.contains(&id) {
+                    finish = Some(FinishReason::Stop(None));
                 }
                 if let Some(reason) = finish {
                     let r = self.requests.remove(&id).expect("present");
@@ -240,6 +291,7 @@ impl Scheduler {
         }
         if fl.kind == PlanKind::Decode {
             self.counters.decode_iterations += 1;
+            self.last_decode_steps = Some(fl.steps);
         }
         out.stats = self.stats();
         out.slot_states = self.slot_states();
@@ -254,7 +306,12 @@ impl Scheduler {
         if fl.from_policy {
             if let Some(p) = &mut self.policy {
                 let fed = (0..b).filter(|&i| fl.steps_r[i] == steps).map(accepted);
-                let obs = Observation { seconds, context_tokens: Some(fl.context), steps: Some(steps) };
+                let obs = Observation {
+                    seconds,
+                    context_tokens: Some(fl.context),
+                    steps: Some(steps),
+                    catch_up_tokens: Some(fl.catch_up),
+                };
                 let changed = p
                     .on_verify_complete_with(fed, b as i64, obs)
                     .expect("accepted counts and seconds were validated");

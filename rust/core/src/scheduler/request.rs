@@ -90,6 +90,10 @@ pub(crate) struct Request {
     pub num_preemptions: u32,
     /// The worker row it holds while admitted (prefilling or running), `None` while waiting.
     pub row: Option<u32>,
+    /// KV positions the drafter has not run over yet (a deferred drafter prefill, tokens of
+    /// steps-0 iterations whose extend was skipped): the catch-up its next drafting iteration
+    /// runs. 0 at every admission.
+    pub draft_lag: u64,
 }
 
 impl Request {
@@ -172,6 +176,7 @@ mod tests {
             admitted_before: false,
             num_preemptions: 0,
             row: None,
+            draft_lag: 0,
         }
     }
 

@@ -77,9 +77,10 @@ impl Scheduler {
 
     /// `(steps, per-request verify lengths, padded graph batch size, lower steps to fall back to
     /// when pages run short)` for a decode batch of `b >= 1` requests with `context` tokens of
-    /// context. Asks the policy's `decide` (which records the steps as its pending decision)
-    /// unless fixed steps are in force (then every request runs them).
-    fn decide(&mut self, b: usize, context: u64) -> (u32, VerifyShape, Option<u32>, Vec<u32>) {
+    /// context and `catch_up` drafter catch-up tokens pending. Asks the policy's `decide` (which
+    /// records the steps as its pending decision) unless fixed steps are in force (then every
+    /// request runs them).
+    fn decide(&mut self, b: usize, context: u64, catch_up: u64) -> (u32, VerifyShape, Option<u32>, Vec<u32>) {
         let graph = self
             .graph_bs
             .as_ref()
@@ -87,7 +88,9 @@ impl Scheduler {
         match (self.fixed_steps, &mut self.policy) {
             (Some(k), _) => (k, VerifyShape::Uniform, graph, Vec::new()),
             (None, Some(p)) => {
-                let d = p.decide(b as i64, Some(context)).expect("decode batch size is >= 1");
+                let d = p
+                    .decide_with(b as i64, Some(context), Some(catch_up))
+                    .expect("decode batch size is >= 1");
                 let lower = p.config().slots[d.slot]
                     .1
                     .candidate_steps
@@ -233,6 +236,7 @@ impl Scheduler {
         }
 
         let b = chunks.len();
+        let draft_prefill = !(self.config.skip_zero_step_draft_extend && self.last_decode_steps == Some(0));
         let n_tokens: u64 = chunks.iter().map(|c| c.2 - c.1).sum();
         let n_kv: u64 = chunks.iter().map(|c| c.2).sum();
         let n_kv = self.plan_kv_layout.then_some(n_kv as usize);
@@ -246,6 +250,12 @@ impl Scheduler {
                 .reserve_into(id, end - start, &mut a.out_loc)
                 .expect("pages were counted");
             r.kv_len = end;
+            if start == 0 {
+                r.draft_lag = 0; // a (re)start: the drafter's rows start afresh too
+            }
+            if !draft_prefill {
+                r.draft_lag += end - start;
+            }
             a.request_ids.push(id as i64);
             a.rows
                 .push(i64::from(r.row.expect("an admitted request holds a row")));
@@ -282,6 +292,7 @@ impl Scheduler {
             steps_r: Vec::new(),
             done: done_v.iter().map(|&d| d == 1).collect(),
             sample: sample_v.iter().map(|&s| s == 1).collect(),
+            catch_up: 0,
         });
         Some(Plan {
             kind: PlanKind::Prefill,
@@ -302,6 +313,7 @@ impl Scheduler {
             sample_first: sample_v,
             logits_indices,
             preempted: std::mem::take(&mut self.pending_preempted),
+            draft_prefill,
         })
     }
 
@@ -311,22 +323,21 @@ impl Scheduler {
         let mut batch: Vec<(u64, u32)> = Vec::with_capacity(self.num_running);
         // Capacity first: the decided steps, else fewer (the slot's lower candidates), else
         // preempt the most recently admitted request and decide again for the smaller batch.
-        let (steps, graph_bs, n_kv, context) = 'fit: loop {
+        let (steps, graph_bs, n_kv, context, lag) = 'fit: loop {
             if self.num_running == 0 {
                 return None;
             }
-            let context: u64 = self
+            let (context, lag) = self
                 .admitted
                 .iter()
                 .map(|id| &self.requests[id])
                 .filter(|r| r.state == RequestState::Running)
-                .map(|r| r.kv_len)
-                .sum();
-            let (decided, verify, graph_bs, lower) = self.decide(self.num_running, context);
+                .fold((0u64, 0u64), |(c, l), r| (c + r.kv_len, l + r.draft_lag));
+            let (decided, verify, graph_bs, lower) = self.decide(self.num_running, context, lag);
             for steps in std::iter::once(decided).chain(lower) {
                 let (need, n_kv) = self.decode_batch(steps, &verify, &mut batch);
                 if need <= u64::from(self.pool.num_free_pages()) {
-                    break 'fit (steps, graph_bs, n_kv, context);
+                    break 'fit (steps, graph_bs, n_kv, context, lag);
                 }
             }
             self.preempt_last();
@@ -378,6 +389,7 @@ impl Scheduler {
             steps_r: batch.iter().map(|&(_, s)| s).collect(),
             done: Vec::new(),
             sample: Vec::new(),
+            catch_up: if steps > 0 { lag } else { 0 },
         });
         Some(Plan {
             kind: PlanKind::Decode,
@@ -398,6 +410,7 @@ impl Scheduler {
             sample_first: Vec::new(),
             logits_indices: Vec::new(),
             preempted: std::mem::take(&mut self.pending_preempted),
+            draft_prefill: true,
         })
     }
 

@@ -14,6 +14,7 @@ fn config(num_pages: u32, page_size: u32) -> SchedulerConfig {
         eos_token_ids: vec![],
         record_trace: false,
         chunked_prefill_size: None,
+        skip_zero_step_draft_extend: true,
     }
 }
 

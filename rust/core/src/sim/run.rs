@@ -281,7 +281,7 @@ pub fn run_adaptive(w: &Workload, curve: &CostCurve, name: &str, config: &Adapti
                     (0..k as usize).take_while(|&j| u[j] < alpha[j]).count() as i64
                 })
                 .collect();
-            let obs = Observation { seconds: Some(t * r.factor), context_tokens: Some(w.context(i) as u64), steps: Some(k) };
+            let obs = Observation { seconds: Some(t * r.factor), context_tokens: Some(w.context(i) as u64), steps: Some(k), catch_up_tokens: None };
             params.borrow_mut().on_verify_complete_with(accepted, batch.len() as i64, obs).expect("valid report");
         },
     );

@@ -33,14 +33,16 @@ impl StepStrategy for GoodputPolicy {
 
     fn decide(&mut self, ctx: &DecideContext<'_>) -> Decision {
         let (bucket, b_cost) = cost_batch(ctx.batch_size, ctx.graph_bs);
-        let steps = GoodputPolicy::decide(self, ctx.slot, bucket, ctx.batch_size, b_cost, ctx.context_tokens.unwrap_or(0));
+        let context = ctx.context_tokens.unwrap_or(0);
+        let steps = GoodputPolicy::decide_with(self, ctx.slot, bucket, ctx.batch_size, b_cost, context, ctx.catch_up_tokens);
         Decision::uniform(steps)
     }
 
     fn on_verify_complete(&mut self, obs: &VerifyObservation<'_>) -> Result<Option<u32>, PolicyError> {
         let (bucket, b_cost) = cost_batch(obs.batch_size, obs.graph_bs);
         let context = obs.context_tokens.unwrap_or(0);
-        Ok(self.observe(obs.slot, bucket, obs.batch_size, b_cost, obs.steps, obs.accepted, obs.seconds, context))
+        let (b, steps) = (obs.batch_size, obs.steps);
+        Ok(self.observe_with(obs.slot, bucket, b, b_cost, steps, obs.accepted, obs.seconds, context, obs.catch_up_tokens))
     }
 
     fn slot_state(&self, slot: usize) -> SlotView {

@@ -32,6 +32,9 @@ pub struct DecideContext<'a> {
     pub graph_bs: Option<u32>,
     /// Sum of the batch's KV lengths before the iteration, tokens (`None`: unknown).
     pub context_tokens: Option<u64>,
+    /// Drafter catch-up tokens pending in the batch: what a drafting iteration would run over
+    /// before its drafts (`None`: unknown).
+    pub catch_up_tokens: Option<u64>,
     /// The routed slot's candidate steps, ascending.
     pub candidates: &'a [u32],
 }
@@ -54,6 +57,9 @@ pub struct VerifyObservation<'a> {
     pub seconds: Option<f64>,
     /// Sum of the batch's KV lengths before the iteration, tokens.
     pub context_tokens: Option<u64>,
+    /// Drafter catch-up tokens the iteration ran (`None`: unknown; see
+    /// [`crate::Observation::catch_up_tokens`]).
+    pub catch_up_tokens: Option<u64>,
 }
 
 /// One slot's state as a strategy reports it: `(current steps, accepted drafts estimate at them,

@@ -1,0 +1,61 @@
+"""What the engine loop shows: the :class:`~specdial.engine.api.EngineStats` snapshot built from
+a report's (or the scheduler's) stats and slot states, and the periodic progress log line."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from specdial.engine.api import EngineStats
+
+logger = logging.getLogger("specdial.engine")
+
+
+def engine_stats(s: Any, slot_states: Any, *, fixed_steps: int | None, prompt_tokens: int,
+                 last_decode: tuple[int, int] | None, policy: str | None,
+                 goodput: dict[str, Any] | None) -> EngineStats:
+    """The snapshot of scheduler stats ``s`` (``specdial._core.SchedulerStats``) and
+    ``slot_states`` (``(lower bound, steps, accepted estimate, verifies)`` per slot).
+    ``fixed_steps``: shown as the one slot ``{1: steps}`` when the policy has no slots;
+    ``last_decode``: ``(steps, padded batch size)`` of the latest decode iteration."""
+    states = [{"lower_bound": int(lb), "steps": int(k), "ema_accept_len": float(ema),
+               "verify_count": int(n)} for lb, k, ema, n in slot_states]
+    slots = {int(st["lower_bound"]): int(st["steps"]) for st in states}
+    if not slots and fixed_steps is not None:
+        slots = {1: int(fixed_steps)}
+    return EngineStats(
+        running=s.running + s.prefilling, queued=s.queued, kv_pages_used=s.kv_pages_used,
+        kv_pages_total=s.kv_pages_total, steps_per_slot=slots, num_drafts=s.spec_num_drafts,
+        draft_tokens_proposed=s.spec_num_draft_tokens,
+        num_accepted_tokens=s.spec_num_accepted_tokens,
+        accepted_per_pos=list(s.spec_accepted_per_pos), step_switches=s.step_switches,
+        preemptions=s.preemptions, requests_finished=s.requests_finished,
+        prompt_tokens=prompt_tokens, generation_tokens=s.tokens_generated,
+        slot_states=states,
+        last_decode_steps=None if last_decode is None else last_decode[0],
+        last_decode_batch_size=None if last_decode is None else last_decode[1],
+        policy=policy, goodput=goodput)
+
+
+def log_progress(s: EngineStats, seconds: float, tokens: int, verifies: int,
+                 verify_tokens: int) -> None:
+    """One INFO line: the gauges of ``s``, and over the last ``seconds``: ``tokens`` generated
+    per second and the acceptance length (``verify_tokens`` emitted over ``verifies``
+    request-verifies)."""
+    logger.info("running %d, queued %d, KV cache %.1f%% (%d/%d pages), %.1f tokens/s, "
+                "accept length %.2f, steps per slot %s%s", s.running, s.queued,
+                100.0 * s.kv_pages_used / max(s.kv_pages_total, 1), s.kv_pages_used,
+                s.kv_pages_total, tokens / seconds,
+                verify_tokens / verifies if verifies else 0.0, s.steps_per_slot,
+                goodput_summary(s.goodput))
+
+
+def goodput_summary(g: dict[str, Any] | None) -> str:
+    """The goodput strategy's part of the log line ("" without it)."""
+    if not g or not g.get("last_decision"):
+        return ""
+    d = g["last_decision"]
+    ms = ", ".join(f"{k}: {1e3 * t:.1f}" for k, t in sorted(d["predicted_seconds"].items()))
+    acc = ", ".join(f"{a:.2f}" for a in g["acceptance"][:8])
+    return (f"; goodput at batch {d['batch_size']}: predicted ms per steps {{{ms}}}, "
+            f"acceptance per position [{acc}], {g['probes']} probes")

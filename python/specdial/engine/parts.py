@@ -1,0 +1,58 @@
+"""What one engine is made of: :class:`EngineParts`, built by
+:func:`specdial.engine.build.build_parts` and read by the start-up profile and the Engine
+(its own module so that both can import it without importing each other)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdial._core import AdaptiveConfig, Scheduler
+from specdial.config import EngineConfig
+from specdial.engine.loop import EngineLoop
+from specdial.models import LlamaForCausalLM
+from specdial.profiling import ProfilePoint
+
+__all__ = ["EngineParts"]
+
+
+@dataclass(eq=False)
+class EngineParts:
+    """What one engine is made of (one replica; :func:`build_parts` makes it).
+
+    ``target`` / ``drafter`` (a :class:`~specdial.worker.drafters.Drafter` or None) /
+    ``tokenizer``; ``speculative_algorithm`` (``"EAGLE"``, ``"EAGLE3"``, ``"DRAFT"`` or None);
+    ``adaptive_config``: the policy's config (None: fixed steps or the test schedule);
+    ``cuda_graph_bs``: the captured batch sizes (None: no graph runners); ``context_length``
+    (tokens); ``scheduler``, ``worker`` (rank 0's tensor-parallel wrapper once attached; None
+    after shutdown), ``device`` (the worker's), ``loop``; ``generator``: the sampling generator
+    of unseeded requests; ``eos_token_ids``; ``profile_points``: the start-up profiling run's
+    measurements (empty without one); ``record_trace``: the trace file's path or None.
+    """
+
+    config: EngineConfig
+    target: LlamaForCausalLM
+    drafter: Any
+    tokenizer: Any
+    speculative_algorithm: str | None
+    adaptive_config: AdaptiveConfig | None
+    cuda_graph_bs: list[int] | None
+    context_length: int
+    scheduler: Scheduler
+    worker: Any
+    device: torch.device
+    generator: torch.Generator
+    eos_token_ids: frozenset[int]
+    loop: EngineLoop | None = None
+    profile_points: list[ProfilePoint] = field(default_factory=list)
+    record_trace: Path | None = None
+
+    @property
+    def max_running_requests(self) -> int:
+        return self.config.max_running_requests
+
+    @property
+    def steps_schedule(self) -> Any:
+        return self.config.steps_schedule
