@@ -99,7 +99,7 @@ def test_serve_tp2_openai_and_killed_worker_rank():
         assert waited < timeout + scaled(10), waited
         r = httpx.get(server.url + "/health")
         assert r.status_code == 503 and "worker rank 1" in r.text, r.text
-        out = engine.generate(PROMPTS[1], {"max_new_tokens": 4})  # fails at once, typed
+        out = engine.generate(PROMPTS[1], {"temperature": 0.0, "max_new_tokens": 4})  # fails at once, typed
         assert out["meta_info"]["finish_reason"]["type"] == "error"
 
 

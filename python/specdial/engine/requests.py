@@ -25,6 +25,7 @@ from specdial.engine.api import LogprobOptions, RequestError, StreamChunk
 from specdial.engine.bounds import check_vocab_bounds
 from specdial.engine.messages import Message, RequestSpec, Submit, Submitted
 from specdial.engine.output import OutputAccumulator
+from specdial.engine.sampling_defaults import with_offline_defaults
 from specdial.worker.logit_bias import check_logit_bias_vocab
 from specdial.worker.logprobs import MAX_TOP_LOGPROBS
 from specdial.worker.sampling import SamplingParams
@@ -133,7 +134,7 @@ def make_spec(prompt: Any, input_ids: Any, sampling_params: Any, stop: Any, *, t
     if not ids or min(ids) < 0 or max(ids) >= vocab_size:
         raise RequestError(f"{label}{field}: needs 1+ token ids in [0, {vocab_size})", field)
     try:
-        params = SamplingParams.from_dict(sampling_params)
+        params = SamplingParams.from_dict(with_offline_defaults(sampling_params))
     except ValueError as e:
         m = re.match(r"SamplingParams(?:\.(\w+)|: unknown key '([^']*)')", str(e))
         raise RequestError(f"{label}{e}", (m.group(1) or m.group(2)) if m else None) from e

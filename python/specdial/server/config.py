@@ -164,8 +164,9 @@ class GenerateConfig(EngineArgs):
     prompt: str = _opt("the prompt text", default="", positional=True)
     max_new_tokens: int = _opt("most tokens to generate", default=128, metavar="N")
     temperature: float = _opt(
-        "sampling temperature; 0 = greedy. The default here is greedy, as specdial.Engine's "
-        "is; SGLang's Engine and every server route (here too) default to 1.0",
+        "sampling temperature; 0 = greedy (the output equals target-only greedy decoding). "
+        "The default, 1.0, is SGLang's Engine's and every server route's (specdial.Engine's "
+        "too); specdial bench alone is greedy by default",
         default=OFFLINE_TEMPERATURE)
     top_p: float = _opt("nucleus sampling mass in (0, 1]; 1 = off", default=1.0)
     top_k: int = _opt("sample among the k most likely tokens; -1 = off", default=-1)
