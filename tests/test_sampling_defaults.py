@@ -2,6 +2,10 @@
 point applies when a request leaves ``temperature`` unset."""
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from specdial.bench.cli import BenchConfig, CompareConfig
 from specdial.engine import sampling_defaults as sd
 from specdial.server import app
@@ -26,13 +30,55 @@ def test_offline_entry_points_default_to_sglangs_temperature():
     assert SamplingParams().temperature == 0.0
 
 
-def test_with_offline_defaults_adds_only_a_missing_temperature():
+def test_with_defaults_adds_only_what_the_request_leaves_unset():
+    defaults = sd.request_defaults()
+    assert defaults == {"temperature": 1.0}
     mine = {"max_new_tokens": 3}
-    assert sd.with_offline_defaults(mine) == {"max_new_tokens": 3, "temperature": 1.0}
+    assert sd.with_defaults(mine, defaults) == {"max_new_tokens": 3, "temperature": 1.0}
     assert mine == {"max_new_tokens": 3}  # the caller's dict is not changed
-    assert sd.with_offline_defaults(None) == {"temperature": 1.0}
-    assert sd.with_offline_defaults({"temperature": 0}) == {"temperature": 0}
-    assert sd.with_offline_defaults([1]) == [1]  # refused later, by SamplingParams.from_dict
+    assert sd.with_defaults(None, defaults) == {"temperature": 1.0}
+    assert sd.with_defaults({"temperature": 0}, defaults) == {"temperature": 0}
+    assert sd.with_defaults([1], defaults) == [1]  # refused later, by SamplingParams.from_dict
+    model = sd.request_defaults({"temperature": 0.6, "top_k": 20})
+    assert sd.with_defaults({"top_k": 5}, model) == {"temperature": 0.6, "top_k": 5}
+
+
+def _generation_config(tmp_path, **fields):
+    (tmp_path / "generation_config.json").write_text(json.dumps(fields))
+    return tmp_path
+
+
+def test_model_defaults_come_from_generation_config_json(tmp_path):
+    assert sd.model_sampling_defaults(None) == {}
+    assert sd.model_sampling_defaults(tmp_path) == {}  # no file
+    d = _generation_config(tmp_path, do_sample=True, temperature=0.6, top_p=0.9, top_k=None,
+                           max_length=4096, bos_token_id=1)
+    assert sd.model_sampling_defaults(d) == {"temperature": 0.6, "top_p": 0.9}
+    assert sd.model_sampling_defaults(d, "openai") == {}
+    # do_sample false is greedy (Hugging Face generate, SGLang), whatever temperature says
+    d = _generation_config(tmp_path, do_sample=False, temperature=0.7, repetition_penalty=1.1)
+    assert sd.model_sampling_defaults(d) == {"temperature": 0.0, "repetition_penalty": 1.1}
+    # no do_sample: the sampling fields stand (SGLang keeps them too)
+    d = _generation_config(tmp_path, top_k=20, min_p=0.05)
+    assert sd.model_sampling_defaults(d) == {"top_k": 20, "min_p": 0.05}
+
+
+@pytest.mark.parametrize("content, words", [
+    ("[1, 2]", "expected a JSON object"),
+    ("{not json", "not readable as JSON"),
+    ('{"temperature": -1}', "temperature"),
+    ('{"top_p": 0}', "top_p"),
+])
+def test_a_bad_generation_config_is_refused_naming_the_file(tmp_path, content, words):
+    (tmp_path / "generation_config.json").write_text(content)
+    with pytest.raises(ValueError, match=words) as e:
+        sd.model_sampling_defaults(tmp_path)
+    assert "generation_config.json" in str(e.value)
+
+
+def test_sampling_defaults_mode_is_checked():
+    with pytest.raises(ValueError, match="sampling_defaults.*allowed: model, openai"):
+        sd.model_sampling_defaults(None, "vllm")
 
 
 def test_offline_engine_samples_when_temperature_is_unset(tiny):
