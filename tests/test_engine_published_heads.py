@@ -217,7 +217,7 @@ def cli_dirs(tmp_path_factory):
 def test_generate_with_a_published_eagle3_head(cli_dirs, capsys):
     target, head = cli_dirs
     common = ["generate", "def add(a, b):", "--model-path", str(target), "--max-new-tokens",
-              "12", "--json", "--max-running-requests", "2"]
+              "12", "--json", "--max-running-requests", "2", "--temperature", "0"]
     assert main(common) == 0
     plain = json.loads(capsys.readouterr().out)
     for flag in ("--draft-model-path", "--speculative-draft-model-path"):
