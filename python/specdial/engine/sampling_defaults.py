@@ -29,7 +29,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from specdial.worker.sampling import SamplingParams
+from specdial.config.engine import SAMPLING_DEFAULTS_CHOICES
+from specdial.worker.sampling_params import SamplingParams
 
 __all__ = ["SGLANG_DEFAULTS", "SERVER_TEMPERATURE", "BENCH_TEMPERATURE", "OFFLINE_TEMPERATURE",
            "SAMPLING_DEFAULTS_CHOICES", "model_sampling_defaults", "request_defaults",
@@ -48,9 +49,6 @@ BENCH_TEMPERATURE: float = 0.0
 OFFLINE_TEMPERATURE: float = float(SGLANG_DEFAULTS["temperature"])
 
 
-#: ``--sampling-defaults`` values (SGLang's flag): ``model`` puts the target's
-#: ``generation_config.json`` over SGLang's defaults, ``openai`` uses SGLang's (OpenAI's) only.
-SAMPLING_DEFAULTS_CHOICES = ("model", "openai")
 #: The ``generation_config.json`` fields taken as request defaults (SGLang's list).
 MODEL_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
