@@ -11,6 +11,7 @@ from specdial.engine import sampling_defaults as sd
 from specdial.server import app
 from specdial.server.config import GenerateConfig
 from specdial.worker.sampling import SamplingParams
+from test_server_api import live, post  # noqa: F401 - the fake-engine server fixture
 
 
 def test_server_routes_use_sglangs_temperature():
@@ -96,3 +97,51 @@ def test_offline_engine_samples_when_temperature_is_unset(tiny):
         unset, sampled, greedy = ids(seed=11), ids(seed=11, temperature=1.0), ids(temperature=0)
     assert unset == sampled
     assert unset != greedy
+
+
+def _tiny_engine(model_dir, **kw):
+    from specdial.engine import Engine
+
+    return Engine(model_path=str(model_dir), max_running_requests=2, kv_cache_tokens=256,
+                  page_size=8, seed=0, log_interval_s=None, policy_cache=False, **kw)
+
+
+def test_the_targets_generation_config_gives_the_engines_defaults(tiny, tmp_path):
+    """``do_sample: false`` in the target's generation_config.json makes an unset temperature
+    greedy (SGLang's ``--sampling-defaults model``); ``openai`` ignores the file."""
+    import shutil
+
+    model = shutil.copytree(tiny.path, tmp_path / "target")
+    (model / "generation_config.json").write_text(json.dumps({"do_sample": False,
+                                                              "temperature": 0.6}))
+    prompt = [5, 17, 3, 99, 42]
+
+    def ids(engine, **sp):
+        return engine.generate(input_ids=prompt, sampling_params={
+            "max_new_tokens": 24, "ignore_eos": True, **sp})["output_ids"]
+
+    with _tiny_engine(model) as engine:
+        assert engine.sampling_defaults == {"temperature": 0.0}
+        unset, greedy = ids(engine, seed=11), ids(engine, temperature=0)
+        sampled = ids(engine, seed=11, temperature=1.0)
+    assert unset == greedy != sampled
+    with _tiny_engine(model, sampling_defaults="openai") as engine:
+        assert engine.sampling_defaults == {"temperature": 1.0}
+        assert ids(engine, seed=11) == sampled
+    with pytest.raises(ValueError, match="sampling_defaults"):
+        _tiny_engine(model, sampling_defaults="vllm")
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}),
+    ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2}}),
+])
+def test_server_routes_leave_unset_fields_to_the_engines_defaults(live, path, body):
+    r = post(live, path, body)
+    assert r.status_code == 200, r.text
+    params = live.engine.submitted[max(live.engine.submitted)]["received"]
+    assert not {"temperature", "top_p"} & set(params), params
+    r = post(live, path, {**body, "temperature": 0.5} if path != "/generate" else
+             {**body, "sampling_params": {"max_new_tokens": 2, "temperature": 0.5}})
+    assert live.engine.submitted[max(live.engine.submitted)]["received"]["temperature"] == 0.5

@@ -5,7 +5,8 @@ One rule, written down here so every entry point states it the same way:
 - Server routes (``/generate``, ``/v1/completions``, ``/v1/chat/completions``): SGLang's
   ``SamplingParams`` defaults, which are also OpenAI's: ``temperature`` 1.0, ``top_p`` 1.0,
   ``top_k`` -1 (off), ``min_p`` 0.0 (:data:`SGLANG_DEFAULTS`; source: SGLang
-  ``docs/sampling_params.md``, ``class SamplingParams``).
+  ``docs/sampling_params.md``, ``class SamplingParams``). The routes send only the fields a
+  request sets; the engine fills the rest (:func:`with_defaults`), as for offline requests.
 - Benchmarks (``specdial bench``): greedy (:data:`BENCH_TEMPERATURE` = 0.0), as SGLang's
   ``bench_serving`` and ``vllm bench serve`` send ``temperature`` 0 unless told otherwise.
 - Offline ``specdial.Engine`` and ``specdial generate``: SGLang's offline ``sgl.Engine``
