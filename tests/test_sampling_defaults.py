@@ -26,7 +26,8 @@ def test_bench_is_greedy_like_bench_serving():
 
 def test_offline_entry_points_default_to_sglangs_temperature():
     assert sd.OFFLINE_TEMPERATURE == sd.SGLANG_DEFAULTS["temperature"] == 1.0
-    assert GenerateConfig().temperature == sd.OFFLINE_TEMPERATURE
+    assert GenerateConfig().temperature is None  # unset: the engine's defaults apply
+    assert GenerateConfig().sampling_params() == {"max_new_tokens": 128}
     # The internal request type stays greedy when built bare (warm-up, graph capture).
     assert SamplingParams().temperature == 0.0
 
