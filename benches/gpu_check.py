@@ -393,7 +393,8 @@ def section_engine_parity(sh: Shapes, log) -> dict:
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, sh.model.vocab_size, size=int(rng.integers(8, 40))).tolist()
                for _ in range(sh.parity_prompts)]
-    sp = [{"max_new_tokens": n} for n in sh.parity_new_tokens[:sh.parity_prompts]]
+    sp = [{"temperature": 0.0, "max_new_tokens": n}
+          for n in sh.parity_new_tokens[:sh.parity_prompts]]
     kw: dict[str, Any] = dict(max_running_requests=max(sh.parity_graph_bs), kv_cache_tokens=4096,
               page_size=16,
               drafter_max_steps=7, cuda_graph_bs=list(sh.parity_graph_bs))

@@ -45,7 +45,8 @@ def models(request):
 def run(engine: Engine, prompts=PROMPTS5, new=NEW, **sp):
     try:
         out = engine.generate(input_ids=prompts,
-                              sampling_params=[{"max_new_tokens": n, **sp} for n in new])
+                              sampling_params=[{"temperature": 0.0, "max_new_tokens": n, **sp}
+                                               for n in new])
         stats = engine.graph_stats()
         assert engine.stats().kv_pages_used == 0 and engine.scheduler.rows_in_use == 0
     finally:

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from greedy import greedy
 from specdial import AdaptiveConfig
 import torch
 
@@ -22,7 +23,8 @@ KW = dict(max_running_requests=4, kv_cache_tokens=1024, page_size=8)
 
 def run(engine: Engine, prompts=PROMPTS, max_new_tokens=N, **sp):
     out = engine.generate(input_ids=prompts,
-                          sampling_params={"max_new_tokens": max_new_tokens, **sp})
+                          sampling_params={"temperature": 0.0,
+                                           "max_new_tokens": max_new_tokens, **sp})
     assert_no_leak(engine)
     return out
 
@@ -90,7 +92,7 @@ def test_fixed_steps_lossless(request, name, steps):
     # every request finishing at a different time exercises the shrinking batch
     lens = (N, 20, 27)
     out = engine.generate(input_ids=PROMPTS,
-                          sampling_params=[{"max_new_tokens": n} for n in lens])
+                          sampling_params=[greedy(n) for n in lens])
     assert_no_leak(engine)
     for o, ref, n in zip(out, reference, lens):
         assert o["output_ids"] == ref[:n]
@@ -281,7 +283,7 @@ def test_errors(tiny, tmp_path):
     with pytest.raises(ValueError, match="no tokenizer"):
         engine.generate("hello")
     with pytest.raises(ValueError, match="context_length"):
-        engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 1000})
+        engine.generate(input_ids=[1, 2, 3], sampling_params=greedy(1000))
     with pytest.raises(ValueError, match=r"\[0, 192\)"):
         engine.generate(input_ids=[1, 192])
     assert_no_leak(engine)
@@ -298,5 +300,5 @@ def test_small_kv_cache_preempts_with_unchanged_outputs(tiny, reference):
     assert [o["output_ids"] for o in run(engine)] == reference
     assert engine.stats().preemptions > 0
     with pytest.raises(ValueError, match="context_length 64"):
-        engine.generate(input_ids=PROMPTS[2], sampling_params={"max_new_tokens": 48})
+        engine.generate(input_ids=PROMPTS[2], sampling_params=greedy(48))
     assert len(run(engine, prompts=PROMPTS[0], max_new_tokens=8)["output_ids"]) == 8

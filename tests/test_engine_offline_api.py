@@ -10,6 +10,7 @@ import time
 import pytest
 
 from conftest import PROMPTS
+from greedy import greedy
 from specdial.engine import Engine
 from specdial.engine.api import RequestError
 
@@ -26,7 +27,7 @@ def builtin():
 def test_async_generate_equals_generate(tiny):
     engine = Engine.from_modules(tiny.target, tiny.draft_noisy, steps_schedule=[2, 0, 3], **KW)
     try:
-        sp = {"max_new_tokens": 10}
+        sp = greedy(10)
         want = engine.generate(input_ids=PROMPTS, sampling_params=sp)
 
         async def run():

@@ -37,6 +37,7 @@ import pytest
 import torch
 
 from conftest import PROMPTS
+from greedy import greedy
 from processor_reference import ref_logits, ref_probs
 from specdial.engine import Engine
 from specdial.worker.processors import StepProcessing, apply_processors, column_counts
@@ -430,7 +431,7 @@ def test_seeded_request_with_processors_is_plain_decoding(tiny, name):
                "repetition_penalty": 1.1} if i % 3 == 0
               else {"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 30,
                     "presence_penalty": 1.0} if i % 3 == 1
-              else {"max_new_tokens": 20} for i in range(15)]
+              else greedy(20) for i in range(15)]
     prompts = [PROMPTS[i % 3] for i in range(15)]
     kw = dict(max_running_requests=16, kv_cache_tokens=4096, page_size=8, log_interval_s=None)
     with Engine.from_modules(tiny.target, seed=0, **kw) as engine:

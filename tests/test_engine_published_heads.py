@@ -16,6 +16,7 @@ import shutil
 
 import pytest
 
+from greedy import greedy
 from specdial.server.flags import resolve_compat
 import torch
 import transformers
@@ -38,7 +39,7 @@ SWITCHING = {"1": {"candidate_steps": [0, 1, 3, 7], "ema_alpha": 1.0, "update_in
 def generate(engine: Engine, max_new_tokens=N, prompts=PROMPTS):
     with engine:
         out = engine.generate(input_ids=prompts,
-                              sampling_params={"max_new_tokens": max_new_tokens})
+                              sampling_params=greedy(max_new_tokens))
         stats = engine.stats()
         assert stats.kv_pages_used == 0 and engine.scheduler.rows_in_use == 0
         graphs = engine.graph_stats()
@@ -216,7 +217,7 @@ def cli_dirs(tmp_path_factory):
 def test_generate_with_a_published_eagle3_head(cli_dirs, capsys):
     target, head = cli_dirs
     common = ["generate", "def add(a, b):", "--model-path", str(target), "--max-new-tokens",
-              "12", "--json", "--max-running-requests", "2"]
+              "12", "--json", "--max-running-requests", "2", "--temperature", "0"]
     assert main(common) == 0
     plain = json.loads(capsys.readouterr().out)
     for flag in ("--draft-model-path", "--speculative-draft-model-path"):

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import PROMPTS, VOCAB
+from greedy import greedy
 from specdial.builtin import BUILTIN_DIR
 from specdial.cli import main as cli_main
 from specdial.detokenize import IncrementalText, decode
@@ -46,7 +47,7 @@ def wait_idle(engine: Engine, timeout: float = 30.0) -> None:
 def ref(tiny):
     """Greedy target-only outputs of MORE (40 tokens each)."""
     with Engine.from_modules(tiny.target, **KW) as engine:
-        out = engine.generate(input_ids=MORE, sampling_params={"max_new_tokens": 40})
+        out = engine.generate(input_ids=MORE, sampling_params=greedy(40))
     return [o["output_ids"] for o in out]
 
 
@@ -78,9 +79,9 @@ def test_requests_join_the_running_batch_from_many_threads(tiny, ref):
     def one(i: int) -> None:
         n = 40 if i == 0 else 12
         results[i] = engine.generate(input_ids=MORE[i],
-                                     sampling_params={"max_new_tokens": n})["output_ids"]
+                                     sampling_params=greedy(n))["output_ids"]
 
-    long = engine.stream(input_ids=MORE[0], sampling_params={"max_new_tokens": 40})
+    long = engine.stream(input_ids=MORE[0], sampling_params=greedy(40))
     first = next(long)  # MORE[0] is decoding now
     threads = [threading.Thread(target=one, args=(i,)) for i in range(1, len(MORE))]
     for t in threads:
@@ -99,7 +100,7 @@ def test_stream_text_deltas_concatenate_to_generate_text(text_models):
     target, draft, tok = text_models
     engine = Engine.from_modules(target, draft, tok, speculative_adaptive=False,
                                  speculative_num_steps=3, **KW)
-    sp = {"max_new_tokens": 60, "ignore_eos": True}
+    sp = {"temperature": 0.0, "max_new_tokens": 60, "ignore_eos": True}
     for prompt in ("def add(a, b):\n    return", "naïve café € 😀"):
         whole = engine.generate(prompt, sp)
         assert whole["text"] == decode(tok, whole["output_ids"])
@@ -145,7 +146,7 @@ def test_async_stream_cancel_and_aclose_abort(tiny, ref):
 
         async def consume():
             async for chunk in engine.async_stream(input_ids=MORE[1],
-                                                   sampling_params={"max_new_tokens": 200}):
+                                                   sampling_params=greedy(200)):
                 got.append(chunk)
 
         task = asyncio.create_task(consume())
@@ -154,12 +155,12 @@ def test_async_stream_cancel_and_aclose_abort(tiny, ref):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        stream = engine.async_stream(input_ids=MORE[2], sampling_params={"max_new_tokens": 200})
+        stream = engine.async_stream(input_ids=MORE[2], sampling_params=greedy(200))
         first = await stream.__anext__()
         await stream.aclose()
         # a complete one meanwhile, and the submission errors before any chunk
         done = [c async for c in engine.async_stream(input_ids=MORE[0],
-                                                     sampling_params={"max_new_tokens": 40})]
+                                                     sampling_params=greedy(40))]
         with pytest.raises(RequestError) as e:
             await engine.async_stream(input_ids=[1, 2], sampling_params={
                 "temperature": -1}).__anext__()
@@ -179,7 +180,7 @@ def test_async_stream_cancel_and_aclose_abort(tiny, ref):
 def test_abort_queued_and_running_and_queue_limit(tiny, ref):
     engine = Engine.from_modules(tiny.target, tiny.draft_noisy, max_running_requests=1,
                                  max_queued_requests=1, kv_cache_tokens=1024, page_size=8)
-    running = engine.stream(input_ids=MORE[0], sampling_params={"max_new_tokens": 200})
+    running = engine.stream(input_ids=MORE[0], sampling_params=greedy(200))
     first = next(running)
     assert first.request_id == 0
     queued: list = []
@@ -202,7 +203,7 @@ def test_abort_queued_and_running_and_queue_limit(tiny, ref):
     wait_idle(engine)
     engine.abort(0)  # finished: ignored
     # generate waits for room instead of failing when its prompts exceed the queue bound
-    out = engine.generate(input_ids=MORE[:4], sampling_params={"max_new_tokens": 12})
+    out = engine.generate(input_ids=MORE[:4], sampling_params=greedy(12))
     assert [o["output_ids"] for o in out] == [r[:12] for r in ref[:4]]
     wait_idle(engine)
     engine.shutdown()
@@ -218,7 +219,7 @@ def test_preemption_keeps_greedy_outputs(tiny, ref, drafter):
                                  speculative_adaptive=False, speculative_num_steps=3)
     out: dict[int, list[int]] = {}
     threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, engine.generate(
-        input_ids=MORE[i], sampling_params={"max_new_tokens": 40})["output_ids"]))
+        input_ids=MORE[i], sampling_params=greedy(40))["output_ids"]))
         for i in range(len(MORE))]
     for t in threads:
         t.start()
@@ -232,7 +233,7 @@ def test_preemption_keeps_greedy_outputs(tiny, ref, drafter):
 
 def test_dropped_engine_stops_its_loop_thread(tiny):
     engine = Engine.from_modules(tiny.target, **KW)
-    engine.generate(input_ids=PROMPTS[0], sampling_params={"max_new_tokens": 2})
+    engine.generate(input_ids=PROMPTS[0], sampling_params=greedy(2))
     thread = engine._loop.thread
     del engine
     import gc
@@ -271,7 +272,7 @@ def test_interpreter_exit_without_shutdown_is_clean():
 @pytest.mark.parametrize("drain", [True, False])
 def test_shutdown_drains_or_aborts(tiny, ref, drain):
     engine = Engine.from_modules(tiny.target, tiny.draft_noisy, **KW)
-    streams = [engine.stream(input_ids=MORE[i], sampling_params={"max_new_tokens": 40})
+    streams = [engine.stream(input_ids=MORE[i], sampling_params=greedy(40))
                for i in range(3)]
     firsts = [next(s) for s in streams]
     engine.shutdown(drain=drain)
@@ -296,7 +297,7 @@ def test_record_trace_replays_and_log_line(tiny, tmp_path, caplog, capsys):
     engine = Engine.from_modules(tiny.target, tiny.draft_noisy, record_trace=str(trace),
                                  log_interval_s=1e-9, **KW)
     with caplog.at_level(logging.INFO, logger="specdial.engine"):
-        engine.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": 20})
+        engine.generate(input_ids=PROMPTS, sampling_params=greedy(20))
         engine.shutdown()
     lines = trace.read_text().splitlines()
     assert lines and all({"accepted", "batch_size"} <= set(json.loads(x)) for x in lines)
@@ -321,14 +322,14 @@ def test_a_failing_iteration_aborts_its_requests_and_serving_goes_on(tiny, ref, 
 
     engine.worker.decode = flaky  # type: ignore[method-assign]
     with caplog.at_level(logging.ERROR, logger="specdial.engine"):
-        out = engine.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": 20})
+        out = engine.generate(input_ids=PROMPTS, sampling_params=greedy(20))
     # a typed failure (not a client abort), naming the cause
     assert all(o["meta_info"]["finish_reason"]["type"] == "error" for o in out)
     assert all(end_kind(o["meta_info"]["finish_reason"]) == "failed" for o in out)
     assert "injected failure" in out[0]["meta_info"]["finish_reason"]["message"]
     assert any("injected failure" in r.getMessage() or r.exc_info for r in caplog.records)
     wait_idle(engine)
-    again = engine.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": 20})
+    again = engine.generate(input_ids=PROMPTS, sampling_params=greedy(20))
     assert [o["output_ids"] for o in again] == [r[:20] for r in ref[:3]]
     wait_idle(engine)
     engine.shutdown()
@@ -350,7 +351,7 @@ def test_adaptive_policy_acts_inside_serving(tiny, drafter, steps):
     n = 120 if steps else 30
     prompts = [MORE[i % len(MORE)] + [i] for i in range(12)]
     threads = [threading.Thread(target=engine.generate, kwargs=dict(
-        input_ids=p, sampling_params={"max_new_tokens": n})) for p in prompts]
+        input_ids=p, sampling_params=greedy(n))) for p in prompts]
     for t in threads:
         t.start()
     for t in threads:
@@ -365,8 +366,8 @@ def test_adaptive_policy_acts_inside_serving(tiny, drafter, steps):
 def test_request_errors_name_the_field(tiny):
     engine = Engine.from_modules(tiny.target, tiny.draft_noisy, **KW)
     cases = [(dict(input_ids=[]), "input_ids"), (dict(input_ids=[1, VOCAB]), "input_ids"),
-             (dict(input_ids=[1], sampling_params={"max_new_tokens": 0}), "max_new_tokens"),
-             (dict(input_ids=[1], sampling_params={"max_new_tokens": 500}), "max_new_tokens"),
+             (dict(input_ids=[1], sampling_params=greedy(0)), "max_new_tokens"),
+             (dict(input_ids=[1], sampling_params=greedy(500)), "max_new_tokens"),
              (dict(input_ids=[1] * 256), "input_ids"),
              (dict(input_ids=[1], sampling_params={"top_p": 2.0}), "top_p"),
              (dict(input_ids=[1], sampling_params={"bogus": 1}), "bogus"),
@@ -377,7 +378,7 @@ def test_request_errors_name_the_field(tiny):
         assert e.value.param == param, (kwargs, e.value)
         assert param in str(e.value)
     with pytest.raises(RequestError, match="prompt 1: .*max_new_tokens"):
-        engine.generate(input_ids=[[1], [2]], sampling_params=[{}, {"max_new_tokens": -1}])
+        engine.generate(input_ids=[[1], [2]], sampling_params=[{}, greedy(-1)])
     assert engine.stats().running == 0
     engine.shutdown()
 
@@ -393,7 +394,7 @@ def test_model_path_none_uses_builtin_target_and_eagle(tiny, tmp_path, monkeypat
     monkeypatch.setattr(builtin, "builtin_model_path", lambda name: dirs[name])
     with Engine(**KW) as engine:
         assert engine.speculative_algorithm == "EAGLE" and engine.adaptive_config is not None
-        out = engine.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": 40})
+        out = engine.generate(input_ids=PROMPTS, sampling_params=greedy(40))
         assert [o["output_ids"] for o in out] == ref[:3]
     monkeypatch.setattr(builtin, "builtin_model_path", lambda name: (_ for _ in ()).throw(
         FileNotFoundError(f"built-in model {name!r} is missing")))
@@ -410,7 +411,7 @@ def test_offline_api_rejects_bad_prompts_and_request_ids(text_models):
                               ("ab\udfffc", "^prompt is not valid Unicode"),
                               (["ok", "\udfff"], "^prompt 1: prompt is not valid Unicode")):
             with pytest.raises(RequestError, match=match) as e:
-                engine.generate(prompt, {"max_new_tokens": 2})
+                engine.generate(prompt, greedy(2))
             assert e.value.param == "prompt"
         with pytest.raises(RequestError, match="not valid Unicode"):
             next(engine.stream("\ud800abc"))
@@ -418,7 +419,7 @@ def test_offline_api_rejects_bad_prompts_and_request_ids(text_models):
             with pytest.raises(TypeError, match="request_id must be an int"):
                 engine.abort(bad)
         engine.abort(12345)  # an unknown id is ignored
-        assert engine.generate("ok", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+        assert engine.generate("ok", greedy(2))["meta_info"]["completion_tokens"] == 2
 
 
 def test_engine_options_are_validated(tiny, tmp_path, caplog, monkeypatch):

@@ -10,6 +10,7 @@ import json
 import pytest
 
 from conftest import PROMPTS
+from greedy import greedy
 from test_engine_greedy import assert_no_leak
 from specdial import AdaptiveConfig, CostTable
 from specdial.cli import main
@@ -25,7 +26,7 @@ TA = {"strategy": "throughput_aware", "profile_run_batch_sizes": [1, 2], "profil
 
 def test_throughput_aware_profiles_at_start_and_then_serves_losslessly(tiny):
     ref = Engine.from_modules(tiny.target, None, **KW)
-    want = [o["output_ids"] for o in ref.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": 24})]
+    want = [o["output_ids"] for o in ref.generate(input_ids=PROMPTS, sampling_params=greedy(24))]
     ref.shutdown()
     engine = Engine.from_modules(tiny.target, tiny.draft_noisy, speculative_adaptive_config=TA, **KW)
     points = {(p.batch_size, p.steps) for p in engine.profile_points}
@@ -33,7 +34,7 @@ def test_throughput_aware_profiles_at_start_and_then_serves_losslessly(tiny):
     assert all(p.seconds > 0 and p.context_per_request >= 8 for p in engine.profile_points)
     assert_no_leak(engine)  # the synthetic requests gave every page back
     assert engine.scheduler.policy_strategy == "throughput_aware"
-    out = engine.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": 24})
+    out = engine.generate(input_ids=PROMPTS, sampling_params=greedy(24))
     assert [o["output_ids"] for o in out] == want
     assert_no_leak(engine)
     engine.shutdown()
@@ -50,7 +51,7 @@ def test_goodput_sweep_only_when_asked(tiny):
     # The sweep seeded the cost model: it predicts from measurements before any request.
     pred = swept.scheduler.predicted_seconds(2)
     assert set(pred) == {0, 2} and all(t > 0 for t in pred.values())
-    swept.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 2})
+    swept.generate(input_ids=[1, 2], sampling_params=greedy(2))
     with pytest.raises(RuntimeError, match="before the engine serves"):
         swept.profile_costs([1], [0])
     swept.shutdown()
@@ -58,7 +59,7 @@ def test_goodput_sweep_only_when_asked(tiny):
 
 def test_goodput_state_and_metrics_after_serving(tiny):
     engine = Engine.from_modules(tiny.target, tiny.draft_noisy, log_interval_s=None, **KW)
-    engine.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": 40})
+    engine.generate(input_ids=PROMPTS, sampling_params=greedy(40))
     state = engine.scheduler.goodput_state()
     assert state is not None and len(state["acceptance"]) == 7  # positions 1..7
     last = state["last_decision"]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import PROMPTS
+from greedy import greedy
 from specdial.engine import Engine
 from specdial.engine.api import LogprobOptions, RequestError
 
@@ -59,7 +60,7 @@ def test_logprobs_match_transformers(tiny, schedule, drafter):
     engine = Engine.from_modules(tiny.target, getattr(tiny, drafter), steps_schedule=schedule,
                                  **KW)
     try:
-        outs = engine.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": N},
+        outs = engine.generate(input_ids=PROMPTS, sampling_params=greedy(N),
                                return_logprob=True, top_logprobs_num=3, logprob_start_len=0)
         for prompt, out in zip(PROMPTS, outs):
             check(tiny.hf, prompt, out, 3, 0)
@@ -92,7 +93,7 @@ def test_mixed_batch_and_stream_chunks(tiny):
         async def run():
             async def one(prompt, lp):
                 chunks = [c async for c in engine.async_stream(
-                    input_ids=prompt, sampling_params={"max_new_tokens": N}, logprobs=lp)]
+                    input_ids=prompt, sampling_params=greedy(N), logprobs=lp)]
                 return chunks
             return await asyncio.gather(one(PROMPTS[0], None),
                                         one(PROMPTS[1], LogprobOptions(top_n=1)),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import PROMPTS, VOCAB
+from greedy import greedy
 from specdial.engine import Engine
 from specdial.engine.api import RequestError
 from specdial.engine.bounds import MAX_STOP_TOKEN_IDS
@@ -98,10 +99,10 @@ def test_a_request_failing_in_its_batch_fails_alone(tiny, monkeypatch):
 
     with Engine.from_modules(tiny.target, **KW) as ref_engine:
         want = [o["output_ids"] for o in ref_engine.generate(
-            input_ids=PROMPTS, sampling_params={"max_new_tokens": 12})]
+            input_ids=PROMPTS, sampling_params=greedy(12))]
     monkeypatch.setattr(BatchSampling, "from_params", staticmethod(fragile))
     with Engine.from_modules(tiny.target, tiny.draft_noisy, **KW) as engine:
-        params = [{"max_new_tokens": 12}] * len(PROMPTS) + [
+        params = [greedy(12)] * len(PROMPTS) + [
             {"max_new_tokens": 12, "top_k": 77, "temperature": 0.7}]
         out = engine.generate(input_ids=PROMPTS + [PROMPTS[0]], sampling_params=params)
         assert [o["output_ids"] for o in out[:-1]] == want
@@ -128,16 +129,15 @@ def test_a_scheduler_error_at_submission_does_not_stop_the_loop(tiny, monkeypatc
 
         engine._loop.sched = Sched()
         with pytest.raises(RequestError, match="injected"):
-            engine.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 2})
-        out = engine.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 2})
+            engine.generate(input_ids=[1, 2], sampling_params=greedy(2))
+        out = engine.generate(input_ids=[1, 2], sampling_params=greedy(2))
         assert out["meta_info"]["completion_tokens"] == 2 and engine.failure is None
 
 
 def test_a_loop_made_to_die_fails_its_requests_and_reports_the_failure(tiny):
     engine = Engine.from_modules(tiny.target, **KW)
     try:
-        stream = engine.stream(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 200,
-                                                                     "ignore_eos": True})
+        stream = engine.stream(input_ids=[1, 2, 3], sampling_params=greedy(200, ignore_eos=True))
         first = next(stream)
         assert engine.failure is None
         engine._loop.post(Crash("injected loop death"))
@@ -148,6 +148,6 @@ def test_a_loop_made_to_die_fails_its_requests_and_reports_the_failure(tiny):
         assert "injected loop death" in last.finish_reason["message"]
         assert "injected loop death" in (engine.failure or "")
         with pytest.raises(RuntimeError, match="injected loop death"):
-            engine.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 2})
+            engine.generate(input_ids=[1, 2], sampling_params=greedy(2))
     finally:
         engine.shutdown(drain=False)

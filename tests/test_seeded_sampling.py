@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from conftest import PROMPTS
+from greedy import greedy
 from specdial.engine import Engine
 from specdial.worker.sampling import (PURPOSE_TOKEN, BatchSampling, SamplingParams, sample,
                                       sample_from_probs, speculative_accept, target_probs)
@@ -271,7 +272,7 @@ def test_seeded_request_alone_equals_in_a_batch(tiny, speculate):
         others = [{"temperature": 1.0, "seed": 5, "max_new_tokens": 20},
                   {"temperature": 0.7, "top_k": 20, "max_new_tokens": 40},  # unseeded
                   {"temperature": 1.0, "seed": 1235, "max_new_tokens": 30},
-                  {"max_new_tokens": 12},  # greedy
+                  greedy(12),  # greedy
                   {"temperature": 1.0, "max_new_tokens": 25}]  # unseeded
         prompts = [PROMPTS[0], prompt, prompt, PROMPTS[2], prompt, prompt]
         batch = [o["output_ids"] for o in
@@ -309,7 +310,7 @@ def test_seeded_tokens_are_the_plain_decoding_tokens_whatever_the_steps(request,
     me = {"temperature": 1.0, "seed": 7, "max_new_tokens": 40}
     others = [{"temperature": 1.0, "seed": 100 + i, "max_new_tokens": 10 + i % 25} if i % 3 == 0
               else {"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 30} if i % 3 == 1
-              else {"max_new_tokens": 20} for i in range(31)]
+              else greedy(20) for i in range(31)]
     prompts = [PROMPTS[i % 3] for i in range(31)]
     kw = dict(max_running_requests=32, kv_cache_tokens=4096, page_size=8)
     with Engine.from_modules(models.target, seed=0, **kw) as engine:

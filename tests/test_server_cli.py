@@ -80,7 +80,7 @@ def test_generate_explains_policy_cache_and_compares_without_speculation(tiny_di
                                                                           tmp_path):
     target, draft = tiny_dirs
     common = ["generate", PROMPT, "--model-path", str(target), "--draft-model-path", str(draft),
-              "--max-new-tokens", "12", "--max-running-requests", "2",
+              "--max-new-tokens", "12", "--max-running-requests", "2", "--temperature", "0",
               "--policy-cache-dir", str(tmp_path)]
     assert main(common) == 0
     first = capsys.readouterr().out
@@ -103,7 +103,7 @@ def test_generate_explains_policy_cache_and_compares_without_speculation(tiny_di
 def test_generate_json_with_a_draft_model_is_lossless(tiny_dirs, capsys):
     target, draft = tiny_dirs
     common = [PROMPT, "--model-path", str(target), "--max-new-tokens", "12", "--json",
-              "--max-running-requests", "2"]
+              "--max-running-requests", "2", "--temperature", "0"]
     assert main(["generate", *common]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert main(["generate", *common, "--draft-model-path", str(draft),

@@ -8,7 +8,8 @@ implements what the server uses of the contract: ``async_stream`` (submission on
 iteration, :class:`RequestError` / :class:`QueueFullError` before the first chunk, abort when the
 consumer stops iterating), ``stream``, ``generate``, ``abort``, ``stats``, ``tokenizer``,
 ``context_length`` and ``shutdown(drain)``. It records what happened for assertions:
-``submitted`` (request id -> prompt ids and sampling params), ``aborted`` (ids aborted because
+``submitted`` (request id -> prompt ids, sampling params with the fake's defaults filled in,
+and ``received``: the params as the server sent them), ``aborted`` (ids aborted because
 the consumer went away or ``abort`` was called) and ``shutdown_calls``.
 
 ``LiveServer`` runs an app under uvicorn on 127.0.0.1 (a free port) in a background thread.
@@ -104,7 +105,8 @@ class FakeEngine:
         if len(self._waiting) + len(self._running) >= self.max_running + self.max_queued:
             raise QueueFullError(f"{self.max_queued} requests already queued")
         rid = next(self._ids)
-        self.submitted[rid] = {"input_ids": ids, "sampling_params": p}
+        self.submitted[rid] = {"input_ids": ids, "sampling_params": p,
+                               "received": dict(sampling_params or {})}
         self._counts["prompt_tokens"] += len(ids)
         return rid, ids, p
 

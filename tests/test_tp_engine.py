@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 
+from greedy import greedy
 import specdial
 from specdial.distributed.group import free_port
 from specdial.server.config import ServeConfig
@@ -99,7 +100,7 @@ def test_serve_tp2_openai_and_killed_worker_rank():
         assert waited < timeout + scaled(10), waited
         r = httpx.get(server.url + "/health")
         assert r.status_code == 503 and "worker rank 1" in r.text, r.text
-        out = engine.generate(PROMPTS[1], {"max_new_tokens": 4})  # fails at once, typed
+        out = engine.generate(PROMPTS[1], greedy(4))  # fails at once, typed
         assert out["meta_info"]["finish_reason"]["type"] == "error"
 
 

@@ -33,12 +33,12 @@ __all__ = ["format_generation", "policy_description", "run_generation"]
 NOISE_NOTE = ("why runs differ: wall times on a shared machine vary from run to run (other "
               "processes, CPU frequency); the adaptive policy chooses steps from measured times, "
               "so its steps, and with them the acceptance length, can differ between runs that "
-              "print the same text. Temperature 0 (the default) or --seed fixes the text; "
+              "print the same text. --temperature 0 (greedy) or --seed fixes the text; "
               "--no-speculative-adaptive --speculative-num-steps K fixes the steps; "
               "--compare-no-spec times the same generation without speculation in this process.")
 #: The note without speculation: only the machine's timing noise and the seed apply.
 NOISE_NOTE_PLAIN = ("why runs differ: wall times on a shared machine vary from run to run (other "
-                    "processes, CPU frequency). Temperature 0 (the default) or --seed fixes the "
+                    "processes, CPU frequency). --temperature 0 (greedy) or --seed fixes the "
                     "text.")
 
 

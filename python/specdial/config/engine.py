@@ -33,6 +33,9 @@ __all__ = ["ALGORITHMS", "AUTO", "DTYPES", "ENGINE_OPTIONS", "EngineConfig", "FI
 AUTO = "auto"
 #: Allowed ``speculative_algorithm`` values (None: no speculation).
 ALGORITHMS = (AUTO, "EAGLE", "EAGLE3", "DRAFT", None)
+#: ``sampling_defaults`` values (SGLang's ``--sampling-defaults``; the rule:
+#: :mod:`specdial.engine.sampling_defaults`).
+SAMPLING_DEFAULTS_CHOICES = ("model", "openai")
 #: Allowed ``dtype`` names (vLLM's spellings; ``float`` is float32, ``half`` float16).
 DTYPES = (AUTO, "float32", "bfloat16", "float16", "float", "half")
 #: Allowed ``cuda_graph_mode`` values (test hook).
@@ -177,6 +180,11 @@ class EngineConfig:
     policy_cache_dir: str | None = _opt(
         "directory of the policy cache; default: specdial/policy in the user cache directory "
         "($XDG_CACHE_HOME or ~/.cache on Linux)", metavar="DIR")
+    sampling_defaults: str = _opt(
+        "where the sampling fields a request leaves unset come from (SGLang's flag): model = "
+        "the target's generation_config.json (temperature, top_p, top_k, min_p, "
+        "repetition_penalty) over SGLang's defaults; openai = SGLang's (OpenAI's) defaults "
+        "only (temperature 1.0)", default="model", choices=SAMPLING_DEFAULTS_CHOICES)
     # Python-only options (no command-line flag)
     speculative_initial_steps: int | None = _opt(
         "adaptive: the steps every slot starts at when they are among its candidates (else "
@@ -190,6 +198,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_choice("speculative_algorithm", self.speculative_algorithm, ALGORITHMS)
+        check_choice("sampling_defaults", self.sampling_defaults, SAMPLING_DEFAULTS_CHOICES)
         if (self.speculative_num_steps is not None
                 and (isinstance(self.speculative_num_steps, bool)
                      or not isinstance(self.speculative_num_steps, int)

@@ -22,11 +22,12 @@ consumes it:
   (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``,
   ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``min_tokens``,
   ``stop_token_ids``, ``ignore_eos``, ``include_stop_str_in_output``, ``skip_special_tokens``,
-  ``seed``), each exact under speculation. A ``seed`` (OpenAI's field) makes a sampling
-  request's tokens the ones plain decoding samples with that seed: they depend only on its
-  prompt, seed and sampling params, not on the other requests it is batched with, the steps
-  schedule, the drafter or whether speculation is on. Logits are not bitwise batch-invariant,
-  so a near-tie draw can very rarely flip (see :class:`specdial.Engine`).
+  ``seed``), each exact under speculation. An unset ``temperature`` is 1.0 (SGLang's
+  ``sgl.Engine``; :mod:`specdial.engine.sampling_defaults`); ``0`` is greedy. A ``seed``
+  (OpenAI's field) makes a sampling request's tokens the ones plain decoding samples with that
+  seed: they depend only on its prompt, seed and sampling params, not on the other requests it
+  is batched with, the steps schedule, the drafter or whether speculation is on. Logits are not
+  bitwise batch-invariant, so a near-tie draw can very rarely flip (see :class:`specdial.Engine`).
 
 :class:`EngineProtocol` spells the same contract as a ``typing.Protocol`` for type checkers.
 """

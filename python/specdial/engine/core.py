@@ -34,6 +34,7 @@ from specdial.engine.messages import Abort, Cancel, Message, RequestSpec, Shutdo
 from specdial.engine.parts import EngineParts
 from specdial.engine.policy_cache import PolicyCache, engine_key
 from specdial.engine.requests import make_spec
+from specdial.engine.sampling_defaults import model_sampling_defaults, request_defaults
 from specdial.engine.startup_profile import profile_costs
 from specdial.launch.data_parallel import DataParallelEngine
 from specdial.launch.tp_engine import TensorParallelRuntime
@@ -113,23 +114,17 @@ class Engine:
       test hook ``steps_schedule``: a sequence (decode iteration ``i`` uses
       ``schedule[i % len]``) or a callable ``(iteration, batch_size) -> steps`` replacing the
       policy (runtime states for ``0..drafter_max_steps``).
-    - Per-request ``seed`` (sampling params): a seeded sampling request draws every random
-      number from a counter-based source keyed by (its seed, the position of the token being
-      decided) (:mod:`specdial.worker.seeded_noise`), never from the shared generator, and its
-      drafts are verified with coupled draws: the drafter proposes the token at each position
-      with that position's noise, and a draft is accepted exactly when it equals the target's
-      own draw there (:func:`~specdial.worker.sampling.speculative_accept`). Guarantee: its
-      tokens are the ones plain decoding (no speculation) samples with its seed; they depend
-      only on its prompt, seed and sampling params, not on the other requests in its batch,
-      the steps schedule (fixed, adaptive or any sequence of switches), the drafter, or
-      whether speculation is on; the output distribution is exactly the target's. The price is
-      a lower acceptance than rejection sampling's for seeded requests (measured in
-      BENCHMARKS.md); requests without a seed keep rejection sampling. Caveat: logits are not
-      bitwise invariant to the batch and the verify width (batch size, padding and the number
-      of positions per forward can change floating-point reduction order), so a draw whose
-      comparison falls within rounding of a tie can very rarely flip, and the request then
-      continues differently. Requests without a seed share the engine generator and are not
-      reproducible per request.
+    - ``sampling_defaults``: ``"model"`` (default, SGLang's) or ``"openai"``: whether the
+      target's ``generation_config.json`` gives a request's unset sampling fields
+      (:mod:`specdial.engine.sampling_defaults`; otherwise ``temperature`` 1.0).
+    - Per-request ``seed`` (sampling params): the request's tokens are the ones plain decoding
+      samples with its seed (counter-based noise keyed by seed and position,
+      :mod:`specdial.worker.seeded_noise`; drafts verified with coupled draws,
+      :func:`~specdial.worker.sampling.speculative_accept`), whatever its batch, the steps,
+      the drafter or speculation; at a lower acceptance than rejection sampling's
+      (BENCHMARKS.md). Caveat: logits are not bitwise invariant to the batch and the verify
+      width, so a draw within rounding of a tie can very rarely flip. Requests without a seed
+      share the engine generator and are not reproducible per request.
     - CUDA graphs (keyword-only): ``cuda_graph_bs`` (batch sizes to capture, per steps value;
       None: :func:`~specdial.worker.graph_tables.default_cuda_graph_bs` of
       ``max_running_requests``) and ``disable_cuda_graph`` (default False). Graphs are used on
@@ -138,19 +133,16 @@ class Engine:
       (the runner path on the CPU, graphs emulated), ``"eager"`` (runners without graphs) or
       ``"cuda"``; None: ``"cuda"`` on CUDA, no runners otherwise.
       :meth:`Engine.graph_stats` reports replays and eager fallbacks.
-    - Tensor parallelism (keyword-only, :mod:`specdial.distributed`): ``tp_size`` (ranks that
-      shard the target and drafter Megatron-style; default 1, the unsharded code path), and
-      for several nodes ``nnodes``, ``node_rank`` (an Engine is node 0) and
-      ``dist_init_addr`` (``host:port`` of node 0's rendezvous; default 127.0.0.1 and a free
-      port), ``dist_timeout`` (seconds a rank waits for a peer, default 60). The Engine starts
-      its node's other ranks itself (``python -m specdial.launch.rank`` subprocesses,
-      one torch thread each on the CPU, this process included), owns the scheduler and sends
-      each iteration's worker input to them once (:mod:`specdial.launch.tp_engine`); it
-      takes requests once every rank has loaded and built its engine (start-up barriers under
-      a long start-up timeout, :mod:`specdial.distributed.liveness`). A rank that dies or
-      hangs fails the running requests (finish reason ``error`` naming the cause) within
+    - Tensor parallelism (keyword-only): ``tp_size`` (ranks that shard the target and drafter
+      Megatron-style; default 1), ``nnodes``, ``node_rank`` (an Engine is node 0),
+      ``dist_init_addr`` (node 0's rendezvous ``host:port``), ``dist_timeout`` (seconds a rank
+      waits for a peer, default 60). The Engine starts its node's other ranks
+      (``python -m specdial.launch.rank``), owns the scheduler and sends each iteration's
+      worker input to them once (:mod:`specdial.launch.tp_engine`); it takes requests once
+      every rank has built its engine (:mod:`specdial.distributed.liveness`). A rank that dies
+      or hangs fails the running requests (finish reason ``error`` naming the cause) within
       ``dist_timeout`` and sets :attr:`failure`. ``ValueError`` for sizes that do not split
-      (heads, key/value heads, MLP width over ``tp_size``) or bad parallel options.
+      over ``tp_size`` or bad parallel options.
     - Data parallelism (keyword-only): ``dp_size`` replicas of this engine in this process
       (default 1), each with its own scheduler, KV cache and adaptive policy, behind one front
       end (:class:`~specdial.launch.data_parallel.DataParallelEngine`, also
@@ -183,6 +175,8 @@ class Engine:
         adaptive_config = (None if cfg.speculative_adaptive_config is None
                            else adaptive_config_of(cfg.speculative_adaptive_config))
         model_dir, draft_dir, algo, dev, dtype = resolve_models(cfg)
+        sampling_defaults = request_defaults(
+            model_sampling_defaults(model_dir, cfg.sampling_defaults))
         tp = None
         if parallel.distributed:
             self._tp, dev = start_tensor_parallel(cfg, adaptive_config, model_dir, draft_dir,
@@ -194,6 +188,7 @@ class Engine:
             if self._tp is not None:  # no collective before every rank has loaded
                 self._tp.barrier("loaded")
             self._setup(target, drafter_module, tokenizer, algo, cfg, adaptive_config)
+            self._parts.sampling_defaults = sampling_defaults
             if self._tp is not None:  # waits for every rank's engine ("ready")
                 self.worker = self._loop.worker = self._tp.attach(self.worker)
         except BaseException:
@@ -252,6 +247,7 @@ class Engine:
     max_running_requests = _part("max_running_requests", "Requests admitted at once.")
     profile_points = _part("profile_points", "The start-up profiling run's points.")
     record_trace = _part("record_trace", "The per-verify trace file's path, or None.")
+    sampling_defaults = _part("sampling_defaults", "What unset sampling fields of a request get.")
 
     @property
     def _loop(self) -> EngineLoop:
@@ -351,7 +347,7 @@ class Engine:
         return make_spec(prompt, input_ids, sampling_params, stop, tokenizer=self.tokenizer,
                          vocab_size=self.target.config.vocab_size,
                          context_length=self.context_length, eos_token_ids=self.eos_token_ids,
-                         label=label, logprobs=logprobs)
+                         label=label, logprobs=logprobs, defaults=self.sampling_defaults)
 
     def _post(self, message: Message) -> None:
         with self._lock:

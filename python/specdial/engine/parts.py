@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
 from specdial._core import AdaptiveConfig, Scheduler
 from specdial.config import EngineConfig
 from specdial.engine.loop import EngineLoop
+from specdial.engine.sampling_defaults import request_defaults
 from specdial.models import LlamaForCausalLM
 from specdial.profiling import ProfilePoint
 
@@ -29,7 +30,9 @@ class EngineParts:
     (tokens); ``scheduler``, ``worker`` (rank 0's tensor-parallel wrapper once attached; None
     after shutdown), ``device`` (the worker's), ``loop``; ``generator``: the sampling generator
     of unseeded requests; ``eos_token_ids``; ``profile_points``: the start-up profiling run's
-    measurements (empty without one); ``record_trace``: the trace file's path or None.
+    measurements (empty without one); ``record_trace``: the trace file's path or None;
+    ``sampling_defaults``: what a request's unset sampling fields get
+    (:func:`~specdial.engine.sampling_defaults.request_defaults`).
     """
 
     config: EngineConfig
@@ -48,6 +51,7 @@ class EngineParts:
     loop: EngineLoop | None = None
     profile_points: list[ProfilePoint] = field(default_factory=list)
     record_trace: Path | None = None
+    sampling_defaults: Mapping[str, Any] = field(default_factory=request_defaults)
 
     @property
     def max_running_requests(self) -> int:

@@ -18,13 +18,15 @@ from __future__ import annotations
 import asyncio
 import queue
 import re
-from typing import Any, AsyncGenerator, Callable, Iterator
+from types import MappingProxyType
+from typing import Any, AsyncGenerator, Callable, Iterator, Mapping
 
 from specdial._core import QueueFullError
 from specdial.engine.api import LogprobOptions, RequestError, StreamChunk
 from specdial.engine.bounds import check_vocab_bounds
 from specdial.engine.messages import Message, RequestSpec, Submit, Submitted
 from specdial.engine.output import OutputAccumulator
+from specdial.engine.sampling_defaults import request_defaults, with_defaults
 from specdial.worker.logit_bias import check_logit_bias_vocab
 from specdial.worker.logprobs import MAX_TOP_LOGPROBS
 from specdial.worker.sampling import SamplingParams
@@ -83,6 +85,10 @@ def logprob_options(return_logprob: Any, logprob_start_len: Any,
                           prompt_start=None if logprob_start_len == -1 else logprob_start_len)
 
 
+#: Sampling defaults of a request when the caller gives none (no model file).
+_DEFAULTS: Mapping[str, Any] = MappingProxyType(request_defaults())
+
+
 def _split_stop(sampling_params: Any, stop: Any, label: str) -> tuple[Any, Any]:
     """SGLang's ``sampling_params["stop"]`` moved out of the sampling params (stop strings are
     matched by the engine loop, not sampled); a different ``stop`` argument is an error."""
@@ -98,8 +104,13 @@ def _split_stop(sampling_params: Any, stop: Any, label: str) -> tuple[Any, Any]:
 
 def make_spec(prompt: Any, input_ids: Any, sampling_params: Any, stop: Any, *, tokenizer: Any,
               vocab_size: int, context_length: int, eos_token_ids: frozenset[int],
-              label: str = "", logprobs: LogprobOptions | None = None) -> RequestSpec:
+              label: str = "", logprobs: LogprobOptions | None = None,
+              defaults: Mapping[str, Any] = _DEFAULTS) -> RequestSpec:
     """Validate one request (``label`` prefixes the messages, e.g. ``"prompt 2: "``).
+
+    ``defaults``: the sampling values of the fields ``sampling_params`` leaves unset
+    (:func:`specdial.engine.sampling_defaults.request_defaults`; the engine passes the ones
+    its target's ``generation_config.json`` sets).
 
     Raises :class:`RequestError` (``param`` = ``prompt``, ``input_ids``, a sampling key or
     ``stop``) for: both or neither of prompt / input_ids, a non-str prompt, a prompt that is not
@@ -133,7 +144,7 @@ def make_spec(prompt: Any, input_ids: Any, sampling_params: Any, stop: Any, *, t
     if not ids or min(ids) < 0 or max(ids) >= vocab_size:
         raise RequestError(f"{label}{field}: needs 1+ token ids in [0, {vocab_size})", field)
     try:
-        params = SamplingParams.from_dict(sampling_params)
+        params = SamplingParams.from_dict(with_defaults(sampling_params, defaults))
     except ValueError as e:
         m = re.match(r"SamplingParams(?:\.(\w+)|: unknown key '([^']*)')", str(e))
         raise RequestError(f"{label}{e}", (m.group(1) or m.group(2)) if m else None) from e

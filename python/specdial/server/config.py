@@ -15,7 +15,6 @@ from typing import Any, Mapping
 from specdial.engine.args import (BUILTIN_MODEL_NAME, EngineArgs,
                                   add_dataclass_arguments, config_from_args)
 from specdial.config import option as _opt
-from specdial.engine.sampling_defaults import OFFLINE_TEMPERATURE
 from specdial.server.defaults import (DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_HEADER_READ_TIMEOUT_S,
                                       DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS,
                                       DEFAULT_MAX_DETOKENIZE_TOKENS, DEFAULT_MAX_JSON_DEPTH,
@@ -163,12 +162,17 @@ class GenerateConfig(EngineArgs):
                           choices=("critical", "error", "warning", "info", "debug"))
     prompt: str = _opt("the prompt text", default="", positional=True)
     max_new_tokens: int = _opt("most tokens to generate", default=128, metavar="N")
-    temperature: float = _opt(
-        "sampling temperature; 0 = greedy. The default here is greedy, as specdial.Engine's "
-        "is; SGLang's Engine and every server route (here too) default to 1.0",
-        default=OFFLINE_TEMPERATURE)
-    top_p: float = _opt("nucleus sampling mass in (0, 1]; 1 = off", default=1.0)
-    top_k: int = _opt("sample among the k most likely tokens; -1 = off", default=-1)
+    temperature: float | None = _opt(
+        "sampling temperature; 0 = greedy (the output equals target-only greedy decoding). "
+        "Default: the engine's sampling defaults, as for SGLang's Engine and every server "
+        "route: the target's generation_config.json (--sampling-defaults model), else 1.0; "
+        "specdial bench alone is greedy by default", metavar="T")
+    top_p: float | None = _opt("nucleus sampling mass in (0, 1]; 1 = off; default: the "
+                               "engine's sampling defaults (1 unless the model says)",
+                               metavar="P")
+    top_k: int | None = _opt("sample among the k most likely tokens; -1 = off; default: the "
+                             "engine's sampling defaults (off unless the model says)",
+                             metavar="K")
     seed: int | None = _opt(  # type: ignore[assignment]
         "sampling seed, vLLM's --seed: the engine's sampling seed, and this request's seed (its "
         "tokens are then those plain decoding samples with it, whatever the steps)",
@@ -180,10 +184,10 @@ class GenerateConfig(EngineArgs):
                       "text and a statistics block", default=False)
 
     def sampling_params(self) -> dict[str, Any]:
-        """The Engine ``sampling_params`` dict (``seed`` only when given)."""
-        params: dict[str, Any] = {"max_new_tokens": self.max_new_tokens,
-                                  "temperature": self.temperature, "top_p": self.top_p,
-                                  "top_k": self.top_k}
-        if self.seed is not None:
-            params["seed"] = self.seed
+        """The Engine ``sampling_params`` dict: the options given (the engine fills the others
+        from its sampling defaults)."""
+        params: dict[str, Any] = {"max_new_tokens": self.max_new_tokens}
+        for name in ("temperature", "top_p", "top_k", "seed"):
+            if getattr(self, name) is not None:
+                params[name] = getattr(self, name)
         return params

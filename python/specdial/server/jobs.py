@@ -102,10 +102,15 @@ def choices(jobs: list[Job], n: int) -> list[Job]:
 
 def openai_sampling(req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
     """The engine's sampling parameters of an OpenAI request (without ``max_new_tokens``,
-    which :func:`make_job` adds); a null extra is left out (the engine's default)."""
-    params: dict[str, Any] = {
-        "temperature": DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p}
+    which :func:`make_job` adds). A field left unset or null is left out: the engine applies
+    its sampling defaults (the target's ``generation_config.json``, then SGLang's and
+    OpenAI's: ``temperature`` :data:`DEFAULT_TEMPERATURE`; see
+    :mod:`specdial.engine.sampling_defaults`)."""
+    params: dict[str, Any] = {}
+    for name in ("temperature", "top_p"):
+        value = getattr(req, name)
+        if value is not None:
+            params[name] = value
     if req.seed is not None:
         params["seed"] = req.seed
     if req.ignore_eos:

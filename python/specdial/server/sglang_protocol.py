@@ -108,7 +108,8 @@ def sampling_from_sglang(params: dict[str, Any] | None, where: str) -> tuple[dic
     """SGLang ``sampling_params`` -> (engine sampling params, stop strings). Raises
     :class:`APIError` 400 naming ``where.key`` for an unknown key or a non-neutral value of an
     unimplemented one."""
-    out: dict[str, Any] = {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS, "temperature": 1.0}
+    # unset sampling fields are left to the engine's defaults (the model's, then SGLang's)
+    out: dict[str, Any] = {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS}
     stop = None
     given: dict[str, str] = {}  # engine name -> the key that set it
     for key, value in (params or {}).items():
