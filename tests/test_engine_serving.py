@@ -53,8 +53,12 @@ def ref(tiny):
 
 @pytest.fixture(scope="module")
 def text_models():
-    """A random 2-layer target over the built-in tokenizer (4096 tokens), its noisy copy as a
-    draft model, and the tokenizer."""
+    return build_text_models(noise=0.02)
+
+
+def build_text_models(noise: float):
+    """A random 2-layer target over the built-in tokenizer (4096 tokens), its copy plus
+    ``noise * N(0, 1)`` as a draft model, and the tokenizer."""
     cfg = ModelConfig.from_dict({
         "architectures": ["LlamaForCausalLM"], "hidden_size": 32, "intermediate_size": 64,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -66,7 +70,7 @@ def text_models():
         for p in target.parameters():
             p.normal_(0, 0.3)
         for p, q in zip(draft.parameters(), target.parameters()):
-            p.copy_(q + 0.02 * torch.randn_like(q))
+            p.copy_(q + noise * torch.randn_like(q))
     return target, draft, load_tokenizer(BUILTIN_DIR / "target")
 
 

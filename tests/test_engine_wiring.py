@@ -7,13 +7,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
+from greedy import greedy
 from specdial._core import AdaptiveConfig, Scheduler, SchedulerConfig
 from specdial.engine import Engine
-from specdial.models import LlamaForCausalLM, load_tokenizer
-from specdial.builtin import BUILTIN_DIR
-from specdial.models.config import ModelConfig
+from test_engine_serving import build_text_models
 
 KW = dict(max_running_requests=4, kv_cache_tokens=1024, page_size=8)
 
@@ -38,26 +36,14 @@ class Recording:
 
 @pytest.fixture(scope="module")
 def text_models():
-    cfg = ModelConfig.from_dict({
-        "architectures": ["LlamaForCausalLM"], "hidden_size": 32, "intermediate_size": 64,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "vocab_size": 4096, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False})
-    torch.manual_seed(7)
-    target, draft = LlamaForCausalLM(cfg).eval(), LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in target.parameters():
-            p.normal_(0, 0.3)
-        for p, q in zip(draft.parameters(), target.parameters()):
-            p.copy_(q + 0.05 * torch.randn_like(q))
-    return target, draft, load_tokenizer(BUILTIN_DIR / "target")
+    return build_text_models(noise=0.05)
 
 
 def test_a_stop_string_finish_is_decided_in_the_report(text_models):
     target, draft, tok = text_models
     engine = Engine.from_modules(target, draft, tok, speculative_adaptive=False,
                                  speculative_num_steps=3, **KW)
-    sp = {"max_new_tokens": 60, "ignore_eos": True}
+    sp = greedy(60, ignore_eos=True)  # the same text twice
     prompt = "def add(a, b):\n    return"
     text = engine.generate(prompt, sp)["text"]
     stop = text[len(text) // 2:len(text) // 2 + 3]

@@ -346,15 +346,22 @@ def _check_text(text: str, where: str, param: str) -> None:
                           "invalid_value") from None
 
 
-def parse_request(raw: bytes, kind: Literal["completion", "chat"]) -> CompletionRequest | ChatCompletionRequest:
-    """Parse and validate a request body for ``/v1/completions`` (``kind="completion"``) or
-    ``/v1/chat/completions`` (``"chat"``). Raises :class:`APIError` (400) naming the field."""
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A request body parsed as a JSON object. Raises :class:`APIError` 400 ``invalid_json``
+    when it is not JSON (or not UTF-8) or not an object."""
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"The request body is not valid JSON: {e}", None, "invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object", None, "invalid_json")
+    return body
+
+
+def parse_request(raw: bytes, kind: Literal["completion", "chat"]) -> CompletionRequest | ChatCompletionRequest:
+    """Parse and validate a request body for ``/v1/completions`` (``kind="completion"``) or
+    ``/v1/chat/completions`` (``"chat"``). Raises :class:`APIError` (400) naming the field."""
+    body = json_object(raw)
     model_cls: type[CompletionRequest] | type[ChatCompletionRequest]
     if kind == "completion":
         model_cls, unsupported = CompletionRequest, UNSUPPORTED_COMPLETION_FIELDS

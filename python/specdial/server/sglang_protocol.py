@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from specdial.engine.api import LogprobOptions
 from specdial.server.jobs import choices, make_job
 from specdial.server.limits import check_prompt_count, check_stop
-from specdial.server.protocol import MAX_N, bad_request
+from specdial.server.protocol import MAX_N, bad_request, json_object
 from specdial.server.runs import Job
 from specdial.server.state import ServerState
 from specdial.worker.logprobs import MAX_TOP_LOGPROBS
@@ -88,12 +88,7 @@ def parse_body(model: type[BaseModel], raw: bytes) -> Any:
     """``raw`` (a JSON object) validated as ``model``. Raises :class:`APIError` 400
     (``invalid_json``; or naming the first invalid field: ``unrecognized_parameter`` for an
     unknown one, else ``invalid_value``)."""
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"The request body is not valid JSON: {e}", None, "invalid_json") from None
-    if not isinstance(body, dict):
-        raise bad_request("The request body must be a JSON object", None, "invalid_json")
+    body = json_object(raw)
     try:
         return model.model_validate(body)
     except ValidationError as e:
