@@ -65,9 +65,9 @@ class _BenchCommon(EngineArgs):
     ignore_eos: bool = _opt("keep generating past EOS so every request has max_new_tokens "
                             "tokens", default=True)
     temperature: float = _opt(
-        "sampling temperature of every request; 0 = greedy (the default here, as "
-        "specdial.Engine's, and as SGLang's bench_serving and vllm bench serve send; "
-        "SGLang's Engine and the server routes default to 1.0)",
+        "sampling temperature of every request; 0 = greedy (the default here, as SGLang's "
+        "bench_serving and vllm bench serve send; specdial.Engine, specdial generate and the "
+        "server routes default to 1.0, or the model's generation_config.json)",
         default=BENCH_TEMPERATURE)
     mix_every: int = _opt("mixed workload: switch between code and hard prompts every N "
                           "requests", default=8, metavar="N")
