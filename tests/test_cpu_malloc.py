@@ -22,9 +22,10 @@ from specdial import Engine
 torch.set_num_threads(1)
 engine = Engine(max_running_requests=16, log_interval_s=None)
 prompts = [[1] + [(7 * i + j) % 200 + 3 for j in range(60 + 5 * i)] for i in range(16)]
-engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 2})
+engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 2, "temperature": 0})
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 24, "ignore_eos": True})
+engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 24, "ignore_eos": True,
+                                                      "temperature": 0})
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 engine.shutdown()
 """
