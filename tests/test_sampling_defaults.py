@@ -8,15 +8,14 @@ import pytest
 
 from specdial.bench.cli import BenchConfig, CompareConfig
 from specdial.engine import sampling_defaults as sd
-from specdial.server import app
 from specdial.server.config import GenerateConfig
 from specdial.worker.sampling import SamplingParams
 from test_server_api import live, post  # noqa: F401 - the fake-engine server fixture
 
 
-def test_server_routes_use_sglangs_temperature():
-    assert sd.SGLANG_DEFAULTS["temperature"] == 1.0
-    assert app.DEFAULT_TEMPERATURE == sd.SERVER_TEMPERATURE == 1.0
+def test_unset_temperature_is_sglangs_everywhere_but_bench():
+    assert sd.SGLANG_DEFAULTS["temperature"] == sd.DEFAULT_TEMPERATURE == 1.0
+    assert sd.request_defaults()["temperature"] == 1.0
 
 
 def test_bench_is_greedy_like_bench_serving():
@@ -25,7 +24,6 @@ def test_bench_is_greedy_like_bench_serving():
 
 
 def test_offline_entry_points_default_to_sglangs_temperature():
-    assert sd.OFFLINE_TEMPERATURE == sd.SGLANG_DEFAULTS["temperature"] == 1.0
     assert GenerateConfig().temperature is None  # unset: the engine's defaults apply
     assert GenerateConfig().sampling_params() == {"max_new_tokens": 128}
     # The internal request type stays greedy when built bare (warm-up, graph capture).

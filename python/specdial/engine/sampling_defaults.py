@@ -10,7 +10,7 @@ One rule, written down here so every entry point states it the same way:
 - Benchmarks (``specdial bench``): greedy (:data:`BENCH_TEMPERATURE` = 0.0), as SGLang's
   ``bench_serving`` and ``vllm bench serve`` send ``temperature`` 0 unless told otherwise.
 - Offline ``specdial.Engine`` and ``specdial generate``: SGLang's offline ``sgl.Engine``
-  defaults, the same as the server's (:data:`OFFLINE_TEMPERATURE` = 1.0, applied by
+  defaults, the same as the server's (:data:`DEFAULT_TEMPERATURE` = 1.0, applied by
   :func:`with_defaults` where the engine validates a request). Pass ``temperature``
   0 for greedy decoding (output identical to target-only greedy decoding).
 - :class:`~specdial.worker.sampling.SamplingParams` itself stays greedy when built with no
@@ -33,21 +33,20 @@ from typing import Any, Mapping
 from specdial.config.engine import SAMPLING_DEFAULTS_CHOICES
 from specdial.worker.sampling_params import SamplingParams
 
-__all__ = ["SGLANG_DEFAULTS", "SERVER_TEMPERATURE", "BENCH_TEMPERATURE", "OFFLINE_TEMPERATURE",
+__all__ = ["SGLANG_DEFAULTS", "DEFAULT_TEMPERATURE", "BENCH_TEMPERATURE",
            "SAMPLING_DEFAULTS_CHOICES", "model_sampling_defaults", "request_defaults",
            "with_defaults"]
 
 #: SGLang's ``SamplingParams`` defaults for the fields specdial supports (read-only).
 SGLANG_DEFAULTS: Mapping[str, float | int] = MappingProxyType(
     {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0})
-#: ``temperature`` of a server request that leaves it unset (SGLang's and OpenAI's).
-SERVER_TEMPERATURE: float = float(SGLANG_DEFAULTS["temperature"])
+#: ``temperature`` of a request that leaves it unset, server and offline alike, when the
+#: model's ``generation_config.json`` does not set one (SGLang's ``sgl.Engine`` and server,
+#: OpenAI's API: 1.0).
+DEFAULT_TEMPERATURE: float = float(SGLANG_DEFAULTS["temperature"])
 #: ``temperature`` of ``specdial bench`` requests unless ``--temperature`` is given (greedy,
 #: as SGLang's ``bench_serving`` and ``vllm bench serve``).
 BENCH_TEMPERATURE: float = 0.0
-#: ``temperature`` of the offline Engine and ``specdial generate`` when unset (SGLang's
-#: ``sgl.Engine``: 1.0).
-OFFLINE_TEMPERATURE: float = float(SGLANG_DEFAULTS["temperature"])
 
 
 #: The ``generation_config.json`` fields taken as request defaults (SGLang's list).
@@ -93,9 +92,9 @@ def model_sampling_defaults(model_dir: str | Path | None,
 
 def request_defaults(model_defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """What a request that leaves a field unset gets, server and offline alike:
-    ``temperature`` :data:`OFFLINE_TEMPERATURE` (= :data:`SERVER_TEMPERATURE`, 1.0) under
+    ``temperature`` :data:`DEFAULT_TEMPERATURE` (1.0) under
     ``model_defaults`` (from :func:`model_sampling_defaults`)."""
-    return {"temperature": OFFLINE_TEMPERATURE, **(model_defaults or {})}
+    return {"temperature": DEFAULT_TEMPERATURE, **(model_defaults or {})}
 
 
 def with_defaults(sampling_params: Any, defaults: Mapping[str, Any]) -> Any:

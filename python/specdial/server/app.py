@@ -47,14 +47,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specdial.server import openai_api, ops_api, sglang_api
 from specdial.server.config import BUILTIN_MODEL_NAME
 from specdial.server.errors import InternalErrorMiddleware, api_error_handler, http_error_handler
-from specdial.server.jobs import DEFAULT_TEMPERATURE
 from specdial.server.limits import BodyLimitMiddleware, ServerLimits
 from specdial.server.protocol import APIError
 from specdial.server.security import SecurityConfig, SecurityMiddleware
 from specdial.server.state import ServerState
 
-# DEFAULT_TEMPERATURE and ServerState re-exported: read here by tests and launch's callers
-__all__ = ["DEFAULT_TEMPERATURE", "ServerState", "create_app"]
+# ServerState re-exported: read here by tests and launch's callers
+__all__ = ["ServerState", "create_app"]
 
 
 @asynccontextmanager

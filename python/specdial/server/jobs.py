@@ -22,20 +22,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from specdial.engine.sampling_defaults import SERVER_TEMPERATURE
 from specdial.server.limits import check_prompt_chars
 from specdial.server.protocol import (SAMPLING_EXTRAS, ChatCompletionRequest, CompletionRequest,
                                       bad_request, choice_seed)
 from specdial.server.runs import Job
 from specdial.server.state import ServerState
 
-__all__ = ["DEFAULT_COMPLETION_MAX_TOKENS", "DEFAULT_TEMPERATURE", "choices", "encode",
+__all__ = ["DEFAULT_COMPLETION_MAX_TOKENS", "choices", "encode",
            "make_job", "openai_sampling", "openai_stop"]
 
 #: ``max_tokens`` default of ``/v1/completions`` (OpenAI's).
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-#: ``temperature`` default (SGLang's and OpenAI's; see :mod:`specdial.engine.sampling_defaults`).
-DEFAULT_TEMPERATURE = SERVER_TEMPERATURE
 
 
 def encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
@@ -104,7 +101,7 @@ def openai_sampling(req: CompletionRequest | ChatCompletionRequest) -> dict[str,
     """The engine's sampling parameters of an OpenAI request (without ``max_new_tokens``,
     which :func:`make_job` adds). A field left unset or null is left out: the engine applies
     its sampling defaults (the target's ``generation_config.json``, then SGLang's and
-    OpenAI's: ``temperature`` :data:`DEFAULT_TEMPERATURE`; see
+    OpenAI's: ``temperature`` :data:`~specdial.engine.sampling_defaults.DEFAULT_TEMPERATURE`; see
     :mod:`specdial.engine.sampling_defaults`)."""
     params: dict[str, Any] = {}
     for name in ("temperature", "top_p"):
