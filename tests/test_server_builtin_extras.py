@@ -9,7 +9,8 @@ adaptive steps) behind a live uvicorn:
   a +100 bias makes greedy decoding emit that token; an id outside the vocabulary, a value
   outside [-100, 100] and more than 300 entries are refused naming the field;
 - ``/generate`` with ``n = 2``: a list of two outputs, seeded as /v1/completions seeds its
-  choices.
+  choices;
+- ``/detokenize`` refuses ids outside the vocabulary with a 400 naming ``tokens`` and the range.
 """
 
 from __future__ import annotations
@@ -150,3 +151,21 @@ def test_generate_n_2_is_seeded_like_completions(server):
                                                  "sampling_params": {**sp, "n": 2}})
     last = {e["index"]: e for e in events}
     assert [last[j]["output_ids"] for j in (0, 1)] == [o["output_ids"] for o in two]
+
+
+# ------------------------------------------------------------------ /detokenize ids
+def test_detokenize_refuses_ids_outside_the_vocabulary_as_generate_does(server):
+    """The built-in tokenizer decodes an id past its vocabulary to "" (and 2**63 overflows),
+    so without the check /detokenize answered 200 with an empty text."""
+    vocab = server.engine.target.config.vocab_size
+    ok = post(server, "/detokenize", {"tokens": [vocab - 1, 0]})
+    assert ok.status_code == 200, ok.text
+    for tokens in ([vocab], [1, -1], [10**9], [2**63], [[1, 2], [3, vocab]]):
+        r = post(server, "/detokenize", {"tokens": tokens})
+        assert r.status_code == 400, (tokens, r.text)
+        err = r.json()["error"]
+        assert err["param"] == "tokens" and err["code"] == "invalid_value", err
+        assert f"[0, {vocab})" in err["message"], err
+    # the same range as /generate's input_ids
+    r = post(server, "/generate", {"input_ids": [vocab], "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 400 and f"[0, {vocab})" in r.json()["error"]["message"], r.text

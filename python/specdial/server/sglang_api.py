@@ -32,7 +32,8 @@ their conversion: :mod:`specdial.server.sglang_protocol`.
   ``slots`` (every slot's state from the engine's ``slot_states``) and the counters.
 - ``GET /get_model_info``; ``POST /tokenize`` (also ``/v1/tokenize``; ``prompt`` or chat
   ``messages``) -> ``{"tokens", "count", "max_model_len"}``; ``POST /detokenize`` (also
-  ``/v1/detokenize``) -> ``{"text", "prompt"}`` (SGLang's and vLLM's key for the same text);
+  ``/v1/detokenize``) -> ``{"text", "prompt"}`` (SGLang's and vLLM's key for the same text;
+  ids outside ``[0, vocab_size)`` are a 400, as ``/generate``'s ``input_ids``);
   ``GET /tokenizer_info`` (vLLM's; what lm-evaluation-harness's remote tokenizer reads);
   ``GET /version``.
 
@@ -69,7 +70,7 @@ from specdial.server.sglang_protocol import (DetokenizeRequest, TokenizeRequest,
                                              prepare_generate)
 from specdial.server.state import ServerState, StateDep
 
-__all__ = ["do_detokenize", "do_tokenize", "router", "server_info"]
+__all__ = ["check_token_ids", "do_detokenize", "do_tokenize", "router", "server_info"]
 
 #: SGLang's native routes (and vLLM's tokenizer routes).
 router = APIRouter()
@@ -244,14 +245,30 @@ async def tokenize(request: Request, state: StateDep) -> JSONResponse:
     return JSONResponse(await state.offload(do_tokenize, state, await request.body()))
 
 
+def check_token_ids(lists: list[list[int]], vocab_size: int | None, param: str) -> None:
+    """Raises :class:`APIError` 400 (``invalid_value``, naming ``param`` and the range) for a
+    token id outside ``[0, vocab_size)``, the range ``/generate`` allows its ``input_ids``
+    (:func:`specdial.engine.requests.make_spec`); ``vocab_size`` None (an engine that does
+    not say it) checks nothing here, and the tokenizer's own refusal still answers 400."""
+    if vocab_size is None:
+        return
+    for ids in lists:
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"'{param}': invalid token id {bad}; allowed: token ids in "
+                              f"[0, {vocab_size}) (the vocabulary)", param, "invalid_value")
+
+
 def do_detokenize(state: ServerState, raw: bytes) -> dict[str, Any]:
     """The ``/detokenize`` answer (in the parsing thread). Raises :class:`APIError` 400 as
-    :func:`do_tokenize`, and for ids the tokenizer cannot decode."""
+    :func:`do_tokenize`, for an id outside the vocabulary (:func:`check_token_ids`) and for
+    ids the tokenizer cannot decode."""
     req: DetokenizeRequest = parse_body(DetokenizeRequest, raw)
     tok = state.require_tokenizer()
     single = not req.tokens or isinstance(req.tokens[0], int)
     lists: list[list[int]] = [req.tokens] if single else req.tokens  # type: ignore[list-item]
     check_detokenize_tokens(sum(len(ids) for ids in lists), state.limits)
+    check_token_ids(lists, state.vocab_size, "tokens")
     texts = []
     for ids in lists:
         try:

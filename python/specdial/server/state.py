@@ -24,11 +24,22 @@ from specdial.server.protocol import APIError, bad_request
 from specdial.server.runs import Job, Run
 from specdial.server.token_align import TokenBytes
 
-__all__ = ["ServerState", "StateDep", "get_state"]
+__all__ = ["ServerState", "StateDep", "get_state", "vocab_size_of"]
 
 logger = logging.getLogger("specdial.server")
 
 _T = TypeVar("_T")
+
+
+def vocab_size_of(engine: Any) -> int | None:
+    """The token ids ``engine`` takes, ``[0, vocab_size)``: its ``vocab_size`` attribute, else
+    its target model's ``config.vocab_size`` (:class:`~specdial.engine.core.Engine`, which
+    checks a prompt's ids against the same bound); None when it has neither."""
+    size = getattr(engine, "vocab_size", None)
+    if size is None:
+        size = getattr(getattr(getattr(engine, "target", None), "config", None),
+                       "vocab_size", None)
+    return None if size is None else int(size)
 
 
 class ServerState:
@@ -39,7 +50,8 @@ class ServerState:
     shutdown (after uvicorn let running requests finish or cancelled them). ``limits``: the
     :class:`~specdial.server.limits.ServerLimits`; ``prompt_chars`` its prompt character
     bound for this engine's tokenizer and context (None: none), ``tokenize_chars`` the
-    ``/tokenize`` one (:func:`~specdial.server.limits.tokenize_char_limit`).
+    ``/tokenize`` one (:func:`~specdial.server.limits.tokenize_char_limit`); ``vocab_size``
+    the engine's (:func:`vocab_size_of`).
     """
 
     def __init__(self, engine: Any, model_name: str, shutdown_engine_on_exit: bool,
@@ -57,6 +69,7 @@ class ServerState:
         self.prompt_chars = prompt_char_limit(self.limits, engine.tokenizer,
                                               int(engine.context_length))
         self.tokenize_chars = tokenize_char_limit(self.limits, self.prompt_chars)
+        self.vocab_size = vocab_size_of(engine)
         self.runs: set[Run] = set()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="specdial-tokenize")
 
