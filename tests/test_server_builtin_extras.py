@@ -1,9 +1,10 @@
 """Issue 25 end to end with the BUILT-IN models (byte-level BPE tokenizer, EAGLE drafter,
 adaptive steps) behind a live uvicorn:
 
-- logprobs agree with the text: joined ``logprobs.tokens`` (completions, streamed or not) and
-  chat ``token`` strings equal the text, also when a stop string cut the text inside a token
-  and when non-ASCII characters span several tokens (echoed prompts included); chat ``bytes``
+- logprobs agree with the text: joined ``logprobs.tokens`` (completions, streamed or not),
+  chat ``token`` strings and SGLang's ``output_token_logprobs`` texts (``/generate``, the
+  offline Engine) equal the text, also when a stop string cut the text inside a token and
+  when non-ASCII characters span several tokens (echoed prompts included); chat ``bytes``
   joined are the text's UTF-8;
 - ``logit_bias`` on /v1/completions, /v1/chat/completions, /generate and the offline Engine:
   a +100 bias makes greedy decoding emit that token; an id outside the vocabulary, a value
@@ -91,6 +92,43 @@ def test_chat_tokens_and_bytes_join_to_the_content(server):
         text = r["message"]["content"]
         assert "".join(c["token"] for c in content) == text
         assert bytes(b for c in content for b in c["bytes"]) == text.encode()
+
+
+def _check_sglang_entries(out: dict) -> bool:
+    """``out``'s output logprob entries join to its text and name a prefix of its output ids;
+    True when a stop string left tokens out."""
+    meta, text = out["meta_info"], out["text"]
+    entries = meta["output_token_logprobs"]
+    assert "".join(t for _, _, t in entries) == text, (entries, text)
+    assert len(meta["output_top_logprobs"]) == len(entries)
+    assert [t for _, t, _ in entries] == out["output_ids"][:len(entries)]
+    return len(entries) < len(out["output_ids"])
+
+
+def test_generate_and_engine_logprobs_join_to_the_text_after_stop_strings(server):
+    """SGLang's ``output_token_logprobs`` (``/generate`` plain and streamed, the offline
+    Engine) follow the text as the OpenAI routes' do: they end where a stop string cut it
+    (multi-byte characters: tests/test_token_align.py)."""
+    cut = 0
+    for i, (prompt, stop) in enumerate((p, s) for p in PROMPTS for s in STOPS):
+        sp = {"max_new_tokens": 24, "temperature": 1.0, "sampling_seed": i, "stop": stop}
+        body = {"text": prompt, "sampling_params": sp, "return_logprob": True,
+                "top_logprobs_num": 1, "return_text_in_logprobs": True}
+        out = post(server, "/generate", body).json()
+        cut += _check_sglang_entries(out)
+        last = stream_events(server, "/generate", body)[-1]
+        assert last["text"] == out["text"]
+        _check_sglang_entries(last)
+        osp = {**{k: v for k, v in sp.items() if k != "sampling_seed"}, "seed": i}
+        offline = server.engine.generate(prompt, osp, return_logprob=True, top_logprobs_num=1,
+                                         return_text_in_logprobs=True)
+        assert offline["text"] == out["text"]
+        _check_sglang_entries(offline)
+        # without texts in the logprobs the entries end at the same place
+        plain = server.engine.generate(prompt, osp, return_logprob=True)
+        assert [e[1] for e in plain["meta_info"]["output_token_logprobs"]] == [
+            e[1] for e in offline["meta_info"]["output_token_logprobs"]]
+    assert cut >= 6  # stop strings did cut tokens off
 
 
 # ------------------------------------------------------------------ logit_bias

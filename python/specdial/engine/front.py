@@ -15,6 +15,7 @@ from specdial.engine.messages import Message, RequestSpec
 from specdial.engine.output import OutputAccumulator
 from specdial.engine.requests import (async_collect, async_stream, batch_specs, collect,
                                       sync_stream)
+from specdial.engine.token_align import TokenBytes
 
 __all__ = ["LocalFront"]
 
@@ -24,7 +25,8 @@ class LocalFront:
     ``RuntimeError`` once shut down or failed); ``cancel``: aborts a spec's request when its
     consumer goes away; ``spec(prompt, input_ids, sampling_params, stop, label, logprobs)``:
     validates one request into a :class:`RequestSpec` (:func:`~specdial.engine.requests.
-    make_spec`); ``tokenizer``: for ``return_text_in_logprobs``; ``closed()``: whether the
+    make_spec`); ``tokenizer``: for ``return_text_in_logprobs`` and the logprob entries'
+    alignment to the text (:mod:`specdial.engine.token_align`); ``closed()``: whether the
     engine is shut down."""
 
     def __init__(self, post: Callable[[Message], None], cancel: Callable[[RequestSpec], None],
@@ -32,6 +34,7 @@ class LocalFront:
                  closed: Callable[[], bool]) -> None:
         self._post, self._cancel, self._spec = post, cancel, spec
         self._tokenizer, self._closed = tokenizer, closed
+        self._token_bytes = None if tokenizer is None else TokenBytes(tokenizer)
 
     def _batch(self, prompt: Any, sampling_params: Any, input_ids: Any,
                return_logprob: Any, logprob_start_len: Any, top_logprobs_num: Any,
@@ -41,7 +44,8 @@ class LocalFront:
             raise RuntimeError("Engine is shut down")
         return batch_specs(prompt, sampling_params, input_ids, return_logprob,
                            logprob_start_len, top_logprobs_num, return_text_in_logprobs,
-                           spec=self._spec, tokenizer=self._tokenizer)
+                           spec=self._spec, tokenizer=self._tokenizer,
+                           token_bytes=self._token_bytes)
 
     def generate(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
                  *, return_logprob: bool = False, logprob_start_len: int = -1,

@@ -15,6 +15,15 @@ into what SGLang's ``Engine.generate`` / ``async_generate`` return: ``text`` and
 ``text`` is None unless ``return_text_in_logprobs`` (as in SGLang). Log-probabilities are the
 target's before sampling processors (:mod:`specdial.worker.logprobs`).
 
+Given the tokenizer's token bytes (``token_bytes``), the output entries follow the text as the
+OpenAI routes' do (:mod:`specdial.engine.token_align`, the same code): an entry is added once its
+token's text has been sent, the entries end where the text ends (a token cut by a stop string
+keeps its characters before the cut, tokens after it are left out), and a token's ``text`` is
+the text it completes (``""`` for the first bytes of a multi-byte character, the whole character
+on the token that completes it), so the entries' texts joined are ``text``. Alternatives
+(``output_top_logprobs``) are each token decoded alone. Without ``token_bytes`` (an engine
+without a tokenizer) every output token has its entry.
+
 The ``meta_info`` values: ``finish_reason`` is ``{"type": "length", "length": n}``, ``{"type":
 "stop", "matched": token_id_or_str}``, ``{"type": "abort", "message": str, "cause": "client" |
 "shutdown"}`` or, for a request the engine failed, ``{"type": "error", "message": cause,
@@ -30,6 +39,7 @@ from __future__ import annotations
 from typing import Any
 
 from specdial.engine.api import StreamChunk
+from specdial.engine.token_align import TokenAligner, TokenBytes
 
 __all__ = ["META_KEYS", "OutputAccumulator"]
 
@@ -43,13 +53,20 @@ class OutputAccumulator:
 
     ``prompt_ids``: the request's prompt tokens (for ``input_token_logprobs``);
     ``return_logprob``: add the logprob lists; ``decode``: ``token_id -> str`` for
-    ``return_text_in_logprobs`` (None: texts are None).
+    ``return_text_in_logprobs`` (None: texts are None); ``token_bytes``: the tokenizer's
+    :class:`~specdial.engine.token_align.TokenBytes`, which aligns the output entries to the
+    text (None: one entry per output token); ``skip_special``: the request's
+    ``skip_special_tokens`` (special tokens' entry text is then ``""``, as in its text).
     """
 
     def __init__(self, prompt_ids: list[int], *, return_logprob: bool = False,
-                 decode: Any = None) -> None:
+                 decode: Any = None, token_bytes: TokenBytes | None = None,
+                 skip_special: bool = True) -> None:
         self.prompt_ids = prompt_ids
         self.return_logprob, self.decode = return_logprob, decode
+        self.aligner = (TokenAligner(token_bytes, skip_special)
+                        if return_logprob and token_bytes is not None else None)
+        self.text_chars = 0
         self.texts: list[str] = []
         self.ids: list[int] = []
         self.meta: dict[str, Any] = {}
@@ -68,6 +85,7 @@ class OutputAccumulator:
     def add(self, chunk: StreamChunk) -> None:
         """Fold one chunk in."""
         self.texts.append(chunk.text)
+        self.text_chars += len(chunk.text)
         self.ids += chunk.token_ids
         if chunk.meta_info:
             self.meta = chunk.meta_info
@@ -75,10 +93,16 @@ class OutputAccumulator:
             self.finish_reason = chunk.finish_reason
         if not self.return_logprob:
             return
-        for token, lp, top in zip(chunk.token_ids, chunk.logprobs or [],
-                                  chunk.top_logprobs or [[] for _ in chunk.token_ids]):
-            self.out_lp.append(self._entry(lp, token))
-            self.out_top.append(self._top(top))
+        tops = chunk.top_logprobs or [[] for _ in chunk.token_ids]
+        if self.aligner is None:
+            for token, lp, top in zip(chunk.token_ids, chunk.logprobs or [], tops):
+                self.out_lp.append(self._entry(lp, token))
+                self.out_top.append(self._top(top))
+        else:
+            self.aligner.push(chunk.token_ids, chunk.logprobs or [], tops)
+            for e in self.aligner.take(self.text_chars, chunk.finished):
+                self.out_lp.append((e.logprob, e.token, None if self.decode is None else e.text))
+                self.out_top.append(self._top(e.top))
         if chunk.prompt_logprobs is not None:
             start = len(self.prompt_ids) - len(chunk.prompt_logprobs)
             tops = chunk.prompt_top_logprobs or [None] * len(chunk.prompt_logprobs)

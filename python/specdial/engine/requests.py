@@ -27,6 +27,7 @@ from specdial.engine.bounds import check_vocab_bounds
 from specdial.engine.messages import Message, RequestSpec, Submit, Submitted
 from specdial.engine.output import OutputAccumulator
 from specdial.engine.sampling_defaults import request_defaults, with_defaults
+from specdial.engine.token_align import TokenBytes
 from specdial.worker.logit_bias import check_logit_bias_vocab
 from specdial.worker.logprobs import MAX_TOP_LOGPROBS
 from specdial.worker.sampling import SamplingParams
@@ -194,11 +195,15 @@ def _min_tokens_ids(params: SamplingParams, eos_token_ids: frozenset[int], vocab
 
 def batch_specs(prompt: Any, sampling_params: Any, input_ids: Any, return_logprob: Any,
                 logprob_start_len: Any, top_logprobs_num: Any, return_text_in_logprobs: Any, *,
-                spec: Callable[..., RequestSpec], tokenizer: Any
+                spec: Callable[..., RequestSpec], tokenizer: Any,
+                token_bytes: TokenBytes | None = None
                 ) -> tuple[bool, list[RequestSpec], list[OutputAccumulator]]:
     """Validate a ``generate`` / ``async_generate`` call (SGLang's ``Engine.generate``
     arguments): ``(single, specs, outputs)``. ``spec(prompt, input_ids, sampling_params, stop,
-    label, logprobs)`` validates one prompt. Raises :class:`RequestError` naming the field."""
+    label, logprobs)`` validates one prompt; ``token_bytes`` (the tokenizer's, None without
+    one) aligns the outputs' logprob entries to their text
+    (:class:`~specdial.engine.output.OutputAccumulator`). Raises :class:`RequestError` naming
+    the field."""
     if (prompt is None) == (input_ids is None):
         raise RequestError("pass exactly one of prompt or input_ids", "prompt")
     if prompt is not None and not isinstance(prompt, (str, list, tuple)):
@@ -226,7 +231,8 @@ def batch_specs(prompt: Any, sampling_params: Any, input_ids: Any, return_logpro
                   "" if single else f"prompt {i}: ", lp)
              for i, (x, sp) in enumerate(zip(items, sps))]
     decode = (lambda t: str(tokenizer.decode([t]))) if return_text_in_logprobs else None
-    outs = [OutputAccumulator(s.prompt_ids, return_logprob=lp is not None, decode=decode)
+    outs = [OutputAccumulator(s.prompt_ids, return_logprob=lp is not None, decode=decode,
+                              token_bytes=token_bytes, skip_special=s.params.skip_special_tokens)
             for s in specs]
     return single, specs, outs
 

@@ -2,7 +2,7 @@
 
 The numbers are the target's natural-log probabilities before sampling processors (vLLM's
 default, :mod:`specdial.worker.logprobs`). The chosen tokens' strings (and ``bytes``) follow the
-text (:mod:`specdial.server.token_align`: joined, they are the text, stop-string cuts and
+text (:mod:`specdial.engine.token_align`: joined, they are the text, stop-string cuts and
 multi-byte characters included); alternatives are each token decoded alone
 (``tokenizer.decode([id])``), as vLLM reports them; two tokens with the same text collapse in a
 completions ``top_logprobs`` dict, as in vLLM.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from specdial.server.token_align import Entry
+from specdial.engine.token_align import Entry
 
 __all__ = ["TokenDecoder", "chat_logprobs", "completion_logprobs"]
 
@@ -43,7 +43,7 @@ class TokenDecoder:
 
 def completion_logprobs(entries: list[Entry], decode: Callable[[int], str],
                         offset: int = 0) -> tuple[dict[str, Any], int]:
-    """The completions ``logprobs`` object of ``entries`` (:class:`~specdial.server.token_align.
+    """The completions ``logprobs`` object of ``entries`` (:class:`~specdial.engine.token_align.
     Entry`: a logprob and top alternatives, or None where there is no context) and the text
     offset after them; ``offset``: the character offset of the first entry in the choice's
     text."""

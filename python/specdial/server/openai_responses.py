@@ -1,6 +1,6 @@
 """OpenAI's response bodies: the JSON of a finished run and the server-sent events of a
 streaming one (``text_completion`` / ``chat.completion`` objects and their chunks, ``usage``,
-``logprobs`` aligned to the text sent: :mod:`specdial.server.token_align`,
+``logprobs`` aligned to the text sent: :mod:`specdial.engine.token_align`,
 :mod:`specdial.server.logprob_format`). A failed choice (finish reason ``error``,
 :mod:`specdial.engine.ends`) ends a stream with an error event, then ``data: [DONE]``.
 """
@@ -17,7 +17,7 @@ from specdial.server.errors import engine_error
 from specdial.server.logprob_format import chat_logprobs, completion_logprobs
 from specdial.server.runs import DONE, Choice, ClientGone, Job, Run
 from specdial.server.state import ServerState
-from specdial.server.token_align import TokenAligner
+from specdial.engine.token_align import TokenAligner
 
 __all__ = ["LogprobTrack", "choice_logprobs", "full_response", "new_track", "response_id",
            "sse_events"]
@@ -45,7 +45,7 @@ def choice_logprobs(state: ServerState, c: Choice, job: Job, chat: bool, track: 
                     text_chars: int, final: bool) -> dict[str, Any] | None:
     """The ``logprobs`` of ``c``'s tokens not reported yet (the echoed prompt's first) whose
     text is within the first ``text_chars`` characters sent (the echo included); ``final``:
-    the text is complete (:mod:`specdial.server.token_align`). None without logprobs, or
+    the text is complete (:mod:`specdial.engine.token_align`). None without logprobs, or
     when no entry is due (before the end)."""
     if job.logprobs is None:
         return None

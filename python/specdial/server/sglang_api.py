@@ -10,7 +10,7 @@ their conversion: :mod:`specdial.server.sglang_protocol`.
   ``prompt_tokens``, ``completion_tokens``, ``cached_tokens`` (0: no prefix cache),
   ``spec_verify_ct``, ``spec_accept_length``, ``spec_steps_histogram``, ``e2e_latency``
   (seconds) and, with ``return_logprob``, SGLang's logprob lists
-  (:mod:`specdial.engine.output`). Streaming: server-sent events of the same object with
+  (:mod:`specdial.engine.output`; the output entries follow the text, as the OpenAI routes'). Streaming: server-sent events of the same object with
   ``text`` and ``output_ids`` cumulative (SGLang's default), ``index`` added for a list input,
   ending with ``data: [DONE]``.
   ``sampling_params`` keys: ``max_new_tokens`` (default 128), ``temperature`` (1.0),
@@ -120,8 +120,11 @@ async def generate(request: Request, state: StateDep) -> Response:
     req, single, jobs, rids = await state.offload(prepare_generate, state,
                                                   await request.body())
     decode = state.decode if req.return_text_in_logprobs else None
+    token_bytes = None if state.engine.tokenizer is None else state.token_bytes
     outs = [OutputAccumulator(j.input_ids or [], return_logprob=req.return_logprob,
-                              decode=decode) for j in jobs]
+                              decode=decode, token_bytes=token_bytes,
+                              skip_special=j.sampling_params.get("skip_special_tokens")
+                              is not False) for j in jobs]
     ids_ = [r or uuid.uuid4().hex for r in rids]
     run = state.new_run(jobs, arrival, request_id(request.scope))
     run.start()

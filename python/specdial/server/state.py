@@ -22,7 +22,7 @@ from specdial.server.logprob_format import TokenDecoder
 from specdial.server.metrics import ServerMetrics
 from specdial.server.protocol import APIError, bad_request
 from specdial.server.runs import Job, Run
-from specdial.server.token_align import TokenBytes
+from specdial.engine.token_align import TokenBytes
 
 __all__ = ["ServerState", "StateDep", "get_state", "vocab_size_of"]
 

@@ -3,7 +3,9 @@
 Issue 25 found ``logprobs.tokens`` joined differing from ``text`` in 18 of 1,500 requests: tokens
 cut by a stop string stayed in the logprobs, and each token of a multi-byte character, decoded
 alone, showed as its own ``"\\ufffd"``. The rules here, for ``/v1/completions`` (``tokens``,
-``text_offset``) and ``/v1/chat/completions`` (``token``, ``bytes``):
+``text_offset``), ``/v1/chat/completions`` (``token``, ``bytes``: :mod:`specdial.server.
+openai_responses`) and SGLang's ``output_token_logprobs`` of ``/generate`` and the offline
+Engine (:class:`specdial.engine.output.OutputAccumulator`):
 
 - A token's string is the text it completes: its bytes (:meth:`TokenBytes.__call__`) are fed to
   an incremental UTF-8 decoder, so a token holding only the first bytes of a character has the
