@@ -10,18 +10,23 @@ last barrier. The group's collectives keep ``dist_timeout`` throughout (gloo and
 group's timeout at its creation; the store's own timeout is the start-up one). Of the options
 (a barrier on a second group with a long timeout, gloo's ``monitored_barrier``, a long
 collective timeout plus a liveness check), a store barrier was chosen because it needs no
-second communicator, works the same for gloo and NCCL, and can be polled: rank 0 stops at once
-when a local rank's process exits (``peers_failed``) and a worker rank stops at once when rank
-0's store is gone.
+second communicator, works the same for gloo and NCCL, and can be polled: the wait stops as
+soon as a rank is known to be gone, rather than at ``startup_timeout_s``: a local rank's process
+exited (``peers_failed``, rank 0's process handles), a watched rank's heartbeat stopped
+(``liveness``: a rank on another node, which no process handle reaches) or rank 0's store is
+gone. A rank still loading is not taken for a dead one: its heartbeat runs in its own thread.
 
 **Liveness, both ways** (:class:`Heartbeat`): every rank bumps its counter in the store every
 ``dist_timeout / 6`` seconds from a daemon thread (its own store connection) and watches its
 peers' counters: rank 0 watches every worker rank, a worker rank watches rank 0. A watched
-counter that does not move for ``dist_timeout`` (``startup_timeout_s`` until :meth:`Heartbeat.arm`
-is called, i.e. while ranks load) is a failure naming the rank; so is a store that stops
-answering (rank 0's process, which serves it, is gone). This reaches ranks on other nodes,
-where no process handle or watch pipe does. Rank 0 then reports the failure (``/health``
-answers 503 naming the rank); a worker rank exits (``on_failure``).
+counter that does not move for ``dist_timeout`` is a failure naming the rank; so is a store
+that stops answering (rank 0's process, which serves it, is gone). This holds from the start,
+model loading included: the beats come from their own thread, beside the loading, so a rank
+that dies while loading is noticed within ``dist_timeout`` (issue 25; the heartbeat used to
+allow ``startup_timeout_s`` of silence until the engine was built, so a rank on another node
+that died during start-up was found only at the 600 s start-up timeout). This reaches ranks on
+other nodes, where no process handle or watch pipe does. Rank 0 then reports the failure
+(``/health`` answers 503 naming the rank); a worker rank exits (``on_failure``).
 """
 
 from __future__ import annotations
@@ -42,12 +47,15 @@ _POLL_S = 0.05
 
 
 def startup_barrier(tp: TensorParallel, name: str,
-                    peers_failed: Callable[[], str | None] | None = None) -> None:
+                    peers_failed: Callable[[], str | None] | None = None,
+                    liveness: "Heartbeat | None" = None) -> None:
     """Wait until every rank of ``tp`` reached the barrier ``name`` (each rank calls it once
     per name). Waits at most ``tp.config.startup_s``; ``peers_failed`` (rank 0: its local
-    ranks' exits) is polled. Raises :class:`RankFailure` naming the ranks still missing at the
-    deadline, a rank that exited, or an unreachable store (rank 0 gone). A no-op for a group
-    of one or one built without a store."""
+    ranks' exits) and ``liveness.failure`` (this rank's :class:`Heartbeat`: a watched rank
+    stopped beating, also on another node) are polled every 50 ms. Raises
+    :class:`RankFailure` naming the ranks still missing at the deadline, a rank that exited or
+    stopped its heartbeat, or an unreachable store (rank 0 gone). A no-op for a group of one
+    or one built without a store."""
     if tp.size == 1 or tp.store is None or tp.config is None:
         return
     store, limit = tp.store, tp.config.startup_s
@@ -57,6 +65,8 @@ def startup_barrier(tp: TensorParallel, name: str,
         store.set(keys[tp.rank], "1")
         while not store.check(keys):
             why = peers_failed() if peers_failed is not None else None
+            if why is None and liveness is not None:
+                why = liveness.failure
             if why is not None:
                 raise RankFailure(f"rank {tp.rank}: start-up barrier {name!r} failed: {why}")
             if time.monotonic() - started > limit:
@@ -76,9 +86,9 @@ class Heartbeat:
 
     ``tp``: a group joined by :func:`~specdial.distributed.group.init_group` (with a store);
     ``on_failure(message)``: called once, from the heartbeat thread, when a watched rank
-    stops beating or the store is gone. :attr:`failure` holds the message (None while well).
-    Start with :meth:`start`; :meth:`arm` switches the silence allowed from the start-up
-    timeout to ``dist_timeout``; :meth:`stop` ends it (idempotent).
+    stops beating (silent for ``dist_timeout``) or the store is gone. :attr:`failure` holds
+    the message (None while well). Start with :meth:`start`; :meth:`stop` ends it
+    (idempotent).
     """
 
     def __init__(self, tp: TensorParallel,
@@ -88,7 +98,7 @@ class Heartbeat:
         self.tp, self.on_failure = tp, on_failure
         self.failure: str | None = None
         self.interval_s = tp.timeout_s / 6
-        self._allowed_s = tp.config.startup_s
+        self._allowed_s = tp.timeout_s
         self._watched = [r for r in range(tp.size) if r != tp.rank] if tp.rank == 0 else [0]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="specdial-tp-liveness",
@@ -97,10 +107,6 @@ class Heartbeat:
     def start(self) -> "Heartbeat":
         self._thread.start()
         return self
-
-    def arm(self) -> None:
-        """From now on a watched rank silent for ``dist_timeout`` has failed."""
-        self._allowed_s = self.tp.timeout_s
 
     def stop(self) -> None:
         self._stop.set()

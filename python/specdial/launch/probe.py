@@ -5,6 +5,7 @@ all-reduces a ``[numel]`` float32 tensor ``iters`` times and, on rank 0, writes 
 ``{"ok": true, "seconds_per_call": s, "calls": n}`` or, when a peer died or hung,
 ``{"ok": false, "error": message, "elapsed_s": s}`` (then the rank exits with status 2). It
 first writes ``ready`` files so a caller can stop a rank mid-loop (the fault tests do).
+:func:`startup_probe` does the same for a rank's start-up (heartbeat and start-up barrier).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 from specdial.distributed.group import DistConfig, RankFailure, TensorParallel
+from specdial.distributed.liveness import Heartbeat, startup_barrier
 
 
 def collective_probe(tp: TensorParallel, config: DistConfig, out_dir: str, iters: int = 100,
@@ -51,6 +53,35 @@ def collective_probe(tp: TensorParallel, config: DistConfig, out_dir: str, iters
             raise RuntimeError(f"all_reduce of ones gave {float(t[0])}, expected {tp.size}")
         (out / "report.json").write_text(json.dumps(
             {"ok": True, "seconds_per_call": elapsed / max(calls, 1), "calls": calls}))
+
+
+def startup_probe(tp: TensorParallel, config: DistConfig, out_dir: str,
+                  load_s: float = 0.0) -> None:
+    """A rank's start-up as the engine's ranks run it (:mod:`specdial.distributed.liveness`):
+    start the heartbeat, touch ``out_dir/ready.<rank>``, "load" for ``load_s`` seconds (worker
+    ranks; rank 0 goes straight on) and wait at the start-up barrier ``"loaded"``. Rank 0
+    passes no process handles (its peers stand for ranks on another node), writes
+    ``out_dir/report.json`` (``{"ok": true, "elapsed_s": s}`` or ``{"ok": false, "error":
+    message, "elapsed_s": s}``) and raises :class:`RankFailure` (exit status 2) on a failure.
+    """
+    liveness = Heartbeat(tp).start()
+    out = Path(out_dir)
+    (out / f"ready.{tp.rank}").touch()
+    started = time.monotonic()
+    try:
+        if tp.rank != 0:
+            time.sleep(load_s)
+        startup_barrier(tp, "loaded", liveness=liveness)
+    except RankFailure as e:
+        if tp.rank == 0:
+            (out / "report.json").write_text(json.dumps(
+                {"ok": False, "error": str(e), "elapsed_s": time.monotonic() - started}))
+        raise
+    finally:
+        liveness.stop()
+    if tp.rank == 0:
+        (out / "report.json").write_text(json.dumps(
+            {"ok": True, "elapsed_s": time.monotonic() - started}))
 
 
 def idle(tp: TensorParallel, config: DistConfig, seconds: float = 60.0) -> None:

@@ -16,9 +16,10 @@ Start-up (:mod:`~specdial.distributed.liveness`): every rank waits at a start-up
 loading its models (``"loaded"``) and after building its engine (``"ready"``), under
 ``startup_timeout_s``; rank 0's Engine takes requests only after ``"ready"``, so the first
 collective never waits for a rank that is still loading. Each rank also runs a store heartbeat
-(:class:`~specdial.distributed.liveness.Heartbeat`): rank 0 learns that a worker rank stopped
-beating (also on another node) and reports it as its :attr:`TensorParallelRuntime.failure`; a
-worker rank whose rank 0 stopped beating, or whose store is gone, exits.
+(:class:`~specdial.distributed.liveness.Heartbeat`) from the start: rank 0 learns that a worker
+rank stopped beating (also on another node; during start-up this fails the barrier within
+``dist_timeout``) and reports it as its :attr:`TensorParallelRuntime.failure`; a worker rank
+whose rank 0 stopped beating, or whose store is gone, exits.
 
 While the engine is idle a heartbeat goes out every ``dist_timeout / 6`` seconds (a worker rank
 waiting for its next call gives up after ``dist_timeout``). A rank that dies or hangs makes
@@ -132,9 +133,10 @@ class TensorParallelRuntime:
 
     def barrier(self, name: str) -> None:
         """Wait for every rank at the start-up barrier ``name`` (``"loaded"``, ``"ready"``)
-        under ``startup_timeout_s``; this node's ranks that exit fail it at once. Raises
-        :class:`RankFailure`."""
-        startup_barrier(self.tp, name, self.procs.failed)
+        under ``startup_timeout_s``; this node's ranks that exit fail it at once, a rank whose
+        heartbeat stops (one on another node) within ``dist_timeout``. Raises
+        :class:`RankFailure` naming the rank and the cause."""
+        startup_barrier(self.tp, name, self.procs.failed, self.liveness)
 
     def attach(self, worker: Any) -> Any:
         """Wrap rank 0's ``worker`` (returns the wrapper the engine loop must call) and start
@@ -154,9 +156,7 @@ class TensorParallelRuntime:
                     return fn
                 return lambda plan, *rest, **kw: fn(worker_input(plan, pad), *rest, **kw)
 
-        self.barrier("ready")  # every rank built its engine: dist_timeout applies from here
-        if self.liveness is not None:
-            self.liveness.arm()
+        self.barrier("ready")  # every rank built its engine: collectives may run from here
         self.leader.heartbeat_now()
         self._beat = threading.Thread(target=self._heartbeats, name="specdial-tp-heartbeat",
                                       daemon=True)
@@ -241,11 +241,10 @@ def _serve_rank(tp: TensorParallel, config: DistConfig, liveness: Heartbeat, mod
     target, drafter, tokenizer = load_engine_modules(
         model_path, draft_model_path, algorithm, dtype=getattr(torch, dtype),
         device=config.torch_device, tp=tp)
-    startup_barrier(tp, "loaded")
+    startup_barrier(tp, "loaded", liveness=liveness)
     engine = Engine.from_modules(target, drafter, tokenizer, log_interval_s=None, **options)
     worker, generator = engine.worker, engine.generator
-    startup_barrier(tp, "ready")
-    liveness.arm()
+    startup_barrier(tp, "ready", liveness=liveness)
 
     def local(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return (args[0], args[1], generator) + tuple(args[3:]), kwargs
