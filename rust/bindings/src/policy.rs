@@ -4,10 +4,12 @@
 //! `accepted` arguments are read without per-element Python work when they export the buffer
 //! protocol (numpy integer arrays, `torch_tensor.numpy()`); a list of ints also works.
 
+use std::any::TypeId;
+
 use pyo3::buffer::{Element, PyBuffer};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyList, PyTuple};
 
 use specdial_core::{AdaptiveSpeculativeParams, AdaptiveStepSlot, Observation, PolicyError, StepDecision, VerifyShape};
 
@@ -18,10 +20,12 @@ fn policy_err(e: PolicyError) -> PyErr {
     PyValueError::new_err(e.to_string())
 }
 
-/// Runs `f` over the elements of a 1-D buffer of `T`, if `obj` is one.
-fn with_buffer<T, R>(obj: &Bound<'_, PyAny>, f: &mut impl FnMut(&mut dyn Iterator<Item = i64>) -> R) -> Option<PyResult<R>>
+/// Runs `f` over the elements of a 1-D buffer of `T` as i64, if `obj` is one: the exporter's
+/// memory itself when it is contiguous `i64` (numpy's default integer array), else a converted
+/// copy.
+fn with_buffer<T, R>(obj: &Bound<'_, PyAny>, f: &mut Option<impl FnOnce(&[i64]) -> R>) -> Option<PyResult<R>>
 where
-    T: Element + Copy + TryInto<i64>,
+    T: Element + Copy + TryInto<i64> + 'static,
 {
     let buf = PyBuffer::<T>::get(obj).ok()?;
     if buf.dimensions() > 1 {
@@ -30,6 +34,7 @@ where
             buf.dimensions()
         ))));
     }
+    let f = f.take().expect("with_buffer calls f at most once");
     let py = obj.py();
     // Values that do not fit i64 (u64 > i64::MAX) become -1, which the core rejects by index.
     let conv = |x: T| x.try_into().unwrap_or(-1);
@@ -39,22 +44,36 @@ where
             // the whole read, `f` runs no Python code, so nothing can write to the memory while we
             // read it, and every bit pattern is a valid integer `T`.
             let values: &[T] = unsafe { ptr.as_ref() };
-            Ok(f(&mut values.iter().map(|&x| conv(x))))
+            if TypeId::of::<T>() == TypeId::of::<i64>() {
+                // SAFETY: `T` is `i64` (same type id), so the slice is reinterpreted as itself.
+                let same: &[i64] = unsafe { std::slice::from_raw_parts(values.as_ptr().cast(), values.len()) };
+                Ok(f(same))
+            } else {
+                Ok(f(&values.iter().map(|&x| conv(x)).collect::<Vec<i64>>()))
+            }
         }
-        None => buf.to_vec(py).map(|v| f(&mut v.into_iter().map(conv))),
+        None => buf.to_vec(py).map(|v| f(&v.into_iter().map(conv).collect::<Vec<i64>>())),
     })
 }
 
-/// Calls `f` with the accepted drafts per request as an iterator of i64.
-fn with_accepted<R>(obj: &Bound<'_, PyAny>, mut f: impl FnMut(&mut dyn Iterator<Item = i64>) -> R) -> PyResult<R> {
-    macro_rules! try_types {
-        ($($t:ty),*) => {$(
-            if let Some(r) = with_buffer::<$t, R>(obj, &mut f) { return r; }
-        )*};
+/// Calls `f` with the accepted drafts per request as i64 values. A 1-D integer buffer (numpy,
+/// `torch_tensor.numpy()`) is read without per-element Python work and, when contiguous int64,
+/// without a copy; the core then iterates a plain slice (statically dispatched, where a
+/// `dyn Iterator` cost an indirect call per element: issue 25's `benches/policy_py.py`
+/// regression). A list or tuple of ints is extracted directly, without trying the buffer
+/// protocol eight times first (each failed try raised and dropped a TypeError).
+fn with_accepted<R>(obj: &Bound<'_, PyAny>, f: impl FnOnce(&[i64]) -> R) -> PyResult<R> {
+    let mut f = Some(f);
+    if !(obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>()) {
+        macro_rules! try_types {
+            ($($t:ty),*) => {$(
+                if let Some(r) = with_buffer::<$t, R>(obj, &mut f) { return r; }
+            )*};
+        }
+        try_types!(i64, i32, i16, i8, u8, u16, u32, u64);
     }
-    try_types!(i64, i32, i16, i8, u8, u16, u32, u64);
     match obj.extract::<Vec<i64>>() {
-        Ok(v) => Ok(f(&mut v.into_iter())),
+        Ok(v) => Ok(f.take().expect("f is called once")(&v)),
         Err(_) => {
             let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_default();
             Err(PyTypeError::new_err(format!(
@@ -86,7 +105,7 @@ impl PyAdaptiveStepSlot {
     /// a list or a 1-D integer array). Returns the new steps if they changed, else None. Raises
     /// ValueError on a value out of range (the slot is then unchanged).
     fn update(&mut self, accepted: &Bound<'_, PyAny>) -> PyResult<Option<u32>> {
-        guard(|| with_accepted(accepted, |it| self.inner.update(it))?.map_err(policy_err))
+        guard(|| with_accepted(accepted, |v| self.inner.update(v.iter().copied()))?.map_err(policy_err))
     }
 
     /// Steps this slot chooses now.
@@ -232,7 +251,7 @@ impl PyAdaptiveSpeculativeParams {
     ) -> PyResult<Option<u32>> {
         guard(|| {
             let obs = observation(seconds, context_tokens, steps)?;
-            with_accepted(accepted, |it| self.inner.on_verify_complete_with(it, batch_size, obs))?.map_err(policy_err)
+            with_accepted(accepted, |v| self.inner.on_verify_complete_with(v.iter().copied(), batch_size, obs))?.map_err(policy_err)
         })
     }
 
