@@ -18,6 +18,22 @@ def test_policy_py_bench_smoke():
     result = json.loads(proc.stdout)
     assert set(result) >= {"compiled_ns", "reference_ns", "ratio", "batch_size"}
     assert result["batch_size"] == 64
+    assert result["clock"] == "wall"
+
+
+def test_policy_py_bench_thread_clock():
+    """``--clock thread`` times with this thread's CPU time (readable on a busy machine); an
+    unknown clock is refused naming the choices."""
+    cmd = [sys.executable, str(ROOT / "benches" / "policy_py.py"), "--iterations", "300",
+           "--rounds", "1", "--json"]
+    proc = subprocess.run(cmd + ["--clock", "thread"], capture_output=True, text=True,
+                          timeout=scaled(120))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["clock"] == "thread" and result["reference_ns"] > 0
+    bad = subprocess.run(cmd + ["--clock", "cpu"], capture_output=True, text=True,
+                         timeout=scaled(120))
+    assert bad.returncode == 2 and "thread" in bad.stderr and "wall" in bad.stderr
 
 
 def test_iteration_profile_smoke(tmp_path):
