@@ -83,3 +83,30 @@ def test_a_rank_on_another_node_that_dies_during_startup_fails_it_within_dist_ti
     finally:
         node0.close(grace_s=2)
         node1.close(grace_s=2)
+
+
+def test_a_local_rank_that_dies_during_startup_fails_it_at_once(tmp_path):
+    """The same on node 0: rank 0 (this process) started rank 1, so the start-up barrier sees
+    its exit (the signal named) within a poll; no heartbeat is passed, so nothing else could
+    have noticed it."""
+    from specdial.distributed import RankFailure, init_group
+    from specdial.distributed.group import destroy_group
+    from specdial.distributed.liveness import startup_barrier
+    config = DistConfig(tp_size=2, rank=0, init_addr=f"127.0.0.1:{free_port()}",
+                        timeout_s=60.0, startup_timeout_s=600.0)
+    with launch_ranks(config, [1], PROBE, {"out_dir": str(tmp_path), "load_s": 3600.0},
+                      stderr=subprocess.DEVNULL) as procs:
+        tp = init_group(config, procs.failed)
+        try:
+            deadline = time.monotonic() + scaled(60)
+            while not (tmp_path / "ready.1").exists():
+                assert time.monotonic() < deadline and procs.failed() is None
+                time.sleep(0.05)
+            os.kill(procs.procs[1].pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(RankFailure, match=r"barrier 'loaded' failed: worker rank 1 "
+                                                  r"\(pid \d+\) exited with signal 9"):
+                startup_barrier(tp, "loaded", procs.failed)
+            assert time.monotonic() - t0 < scaled(5.0)
+        finally:
+            destroy_group()
