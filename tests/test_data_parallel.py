@@ -81,6 +81,15 @@ def test_dp2_serves_32_concurrent_requests_none_lost(dp, dirs):
     assert metric(dp, "specdial:num_requests_running") == 0
     total = sum(s.generation_tokens for s in engine.replica_stats())
     assert metric(dp, "specdial:generation_tokens_total") == total
+    for i, s in enumerate(engine.replica_stats()):  # per replica, label dp_rank
+        rank = f'{{dp_rank="{i}"}}'
+        assert metric(dp, "specdial:replica_num_requests_finished_total", rank) == \
+            s.requests_finished
+        assert metric(dp, "specdial:replica_generation_tokens_total", rank) == \
+            s.generation_tokens
+        assert metric(dp, "specdial:replica_up", rank) == 1
+        assert metric(dp, "specdial:router_requests_in_flight", rank) == 0
+        assert metric(dp, "specdial:router_outstanding_tokens", rank) == 0
 
 
 def test_generate_list_keeps_order_and_abort_routes(dp):
@@ -170,6 +179,8 @@ def test_a_failed_replica_is_named_and_skipped_and_all_failed_is_503():
                            json={"model": NAME, "prompt": "x", "max_tokens": 2})
             assert r.status_code == 200
         assert len(broken.submitted) == 0 and len(well.submitted) == 4
+        assert metric(server, "specdial:replica_up", '{dp_rank="1"}') == 0
+        assert metric(server, "specdial:replica_up", '{dp_rank="0"}') == 1
         assert engine.stats().requests_finished == well.stats().requests_finished
         well.failure = "its loop stopped"
         r = httpx.get(server.url + "/health", timeout=scaled(10))

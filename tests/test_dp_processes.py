@@ -157,6 +157,8 @@ def test_killed_replica_fails_its_request_others_serve_health_names_it():
             assert health.status_code == 200 and health.json()["status"] == "degraded"
             assert f"replica {k}: data-parallel replica {k}" in health.json()["message"]
             assert metric(server, "specdial:engine_up") == 1
+            assert metric(server, "specdial:replica_up", f'{{dp_rank="{k}"}}') == 0
+            assert metric(server, "specdial:replica_up", f'{{dp_rank="{1 - k}"}}') == 1
     finally:
         engine.shutdown(drain=False)
 
