@@ -125,6 +125,9 @@ def test_engine_dp_size_2_from_python(dirs, backend):
         if backend == "mp":
             pids = {r.info["pid"] for r in two.replicas}
             assert len(pids) == 2 and os.getpid() not in pids
+            # what this process reads of replica 0: tokenizer, limits, policy config
+            assert two.tokenizer is not None and two.context_length == COMMON["context_length"]
+            assert two.adaptive_config is not None and two.speculative_algorithm == "DRAFT"
         else:
             assert two.replicas[0].scheduler is not two.replicas[1].scheduler
         outs = two.generate(prompts, params)

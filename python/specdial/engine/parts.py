@@ -65,13 +65,15 @@ class EngineParts:
 def remote_parts(config: EngineConfig, info: Mapping[str, Any]) -> EngineParts:
     """The parts an Engine whose replicas run in other processes can read here: the
     ``tokenizer``, ``context_length``, ``eos_token_ids``, ``sampling_defaults`` and
-    ``speculative_algorithm`` of replica 0 (``info``: its ready message,
+    ``speculative_algorithm`` and ``adaptive_config`` of replica 0 (``info``: its ready message,
     :func:`specdial.launch.replica_main.ready_info`); the models, scheduler, worker and
     generator live in the replicas (None here)."""
     return EngineParts(config=config, target=None, drafter=None,  # type: ignore[arg-type]
                        tokenizer=info["tokenizer"],
                        speculative_algorithm=info["speculative_algorithm"],
-                       adaptive_config=None, cuda_graph_bs=None,
+                       adaptive_config=(None if info.get("adaptive_config") is None else
+                                        AdaptiveConfig.from_json(info["adaptive_config"])),
+                       cuda_graph_bs=None,
                        context_length=int(info["context_length"]),
                        scheduler=None, worker=None, device=None,  # type: ignore[arg-type]
                        generator=None,  # type: ignore[arg-type]
