@@ -6,6 +6,7 @@ greedy output of tp 1 x dp 1 (gloo on the CPU)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import httpx
@@ -125,6 +126,27 @@ def test_replica_batches_one_iterations_items_in_one_message():
 
 
 # --------------------------------------------------------------------------- real replicas
+def _disconnect_reaches_the_replica(engine):
+    """An async stream left after its first chunk (what a disconnected HTTP client does)
+    aborts the request in the replica that holds it: it stops running there, short of its
+    400 tokens."""
+    long = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
+
+    async def first_chunk_then_leave():
+        chunks = engine.async_stream(PROMPTS[1], sampling_params=long)
+        first = await chunks.__anext__()
+        await chunks.aclose()
+        return first
+
+    first = asyncio.run(first_chunk_then_leave())
+    replica = engine.replicas[first.request_id % 2]
+    deadline = time.monotonic() + scaled(60)
+    while replica.stats().running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = replica.stats()
+    assert stats.running == 0 and stats.generation_tokens < 400
+
+
 def test_killed_replica_fails_its_request_others_serve_health_names_it():
     """Replica k is SIGKILLed while its 400-token stream runs: the stream ends with finish
     reason ``error`` naming replica k and the signal (before its 400 tokens); requests sent
@@ -134,6 +156,7 @@ def test_killed_replica_fails_its_request_others_serve_health_names_it():
                              max_running_requests=4, context_length=512)
     try:
         with LiveServer(engine, name="m") as server:
+            _disconnect_reaches_the_replica(engine)
             it = engine.stream(PROMPTS[0], sampling_params={
                 "max_new_tokens": 400, "temperature": 0, "ignore_eos": True})
             first = next(it)
