@@ -159,7 +159,8 @@ class EngineConfig:
     dp_size: int = _opt(
         "data parallelism: engine replicas (each its own scheduler and policy) behind one "
         "front end, each request to the least loaded (--load-balance-method); one process "
-        "per replica (--data-parallel-backend mp), composing with --tp-size", default=1,
+        "per replica (--data-parallel-backend mp), composing with --tp-size; alias "
+        "--data-parallel-size (vLLM)", default=1,
         metavar="N")
     load_balance_method: str = _opt(
         "how the data-parallel router picks a replica per request (SGLang's flag): "
