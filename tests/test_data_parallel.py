@@ -8,6 +8,7 @@ order; the in-process backend does the same. Faults: tests/test_dp_processes.py.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 
 import openai
@@ -109,7 +110,7 @@ def test_generate_list_keeps_order_and_abort_routes(dp):
 
 
 @pytest.mark.parametrize("backend", ["mp", "inprocess"])
-def test_engine_dp_size_2_from_python(dirs, backend):
+def test_engine_dp_size_2_from_python(dirs, backend, capfd):
     """``specdial.Engine(dp_size=2)``: 24 greedy prompts through generate (a list), the same
     outputs as one engine, none lost, both replicas used, stats summed; async_generate and
     stream work through the same front end. ``mp``: two processes; ``inprocess``: two
@@ -120,7 +121,16 @@ def test_engine_dp_size_2_from_python(dirs, backend):
     prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(24)]
     with Engine(**options) as one:
         want = [o["output_ids"] for o in one.generate(prompts, params)]
-    with Engine(dp_size=2, data_parallel_backend=backend, **options) as two:
+    logger, level = logging.getLogger("specdial"), logging.getLogger("specdial").level
+    logger.setLevel(logging.INFO)  # the replica processes log at this process's level
+    try:
+        two = Engine(dp_size=2, data_parallel_backend=backend, **options)
+    finally:
+        logger.setLevel(level)
+    if backend == "mp":
+        err = capfd.readouterr().err
+        assert "[dp 0]" in err and "[dp 1]" in err and "replica 1 ready" in err, err[-2000:]
+    with two:
         assert len(two.replicas) == 2 and two.replicas[0] is not two.replicas[1]
         if backend == "mp":
             pids = {r.info["pid"] for r in two.replicas}

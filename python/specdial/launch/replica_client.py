@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import queue
 import socket
@@ -80,7 +81,9 @@ class ReplicaClient:
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "specdial.launch.replica_main", "--fd",
-                 str(theirs.fileno())], pass_fds=(theirs.fileno(),), env=env,
+                 str(theirs.fileno()), "--dp-rank", str(dp_rank), "--log-level",
+                 str(logging.getLogger("specdial").getEffectiveLevel())],
+                pass_fds=(theirs.fileno(),), env=env,
                 stdin=subprocess.DEVNULL)
         finally:
             theirs.close()

@@ -1,4 +1,5 @@
-"""A data-parallel replica process: ``python -m specdial.launch.replica_main --fd N``.
+"""A data-parallel replica process: ``python -m specdial.launch.replica_main --fd N``
+(``--dp-rank I --log-level L``: its log lines, prefixed ``[dp I]``, at the router's level).
 
 Started by the router (:class:`~specdial.launch.replica_client.ReplicaClient`) as a fresh
 interpreter. It reads its options (the first message on the inherited connection, a dict of
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -184,12 +186,18 @@ def main(argv: list[str] | None = None) -> int:
     """Build the replica's engine and serve (module docstring); returns the exit status."""
     p = argparse.ArgumentParser(prog="python -m specdial.launch.replica_main")
     p.add_argument("--fd", type=int, required=True)
+    p.add_argument("--dp-rank", type=int, default=0)
+    p.add_argument("--log-level", type=int, default=logging.WARNING)
     ns = p.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=ns.log_level, format=f"[dp {ns.dp_rank}] %(asctime)s "
+                        "%(levelname)s %(name)s: %(message)s")
     conn = Connection(ns.fd)
     try:
         engine = _build(conn)
         conn.send_bytes(w.encode([(0, w.READY, ready_info(engine))]))
+        logging.getLogger("specdial.launch").info("data-parallel replica %d ready (pid %d)",
+                                                  ns.dp_rank, os.getpid())
     except (EOFError, OSError):
         return 1  # the router is gone
     except BaseException as e:  # noqa: BLE001 - reported to the router, which raises it
