@@ -16,8 +16,9 @@ serving: :attr:`DataParallelEngine.failure` stays None (``/health`` answers 200)
 replica is well, and :attr:`DataParallelEngine.degraded` names the failed ones.
 
 Request ids: replica ``i``'s request ``r`` is ``r * N + i`` here, so :meth:`abort` reaches the
-right replica. :meth:`stats` aggregates the replicas (:func:`aggregate_stats`), which is what
-``/metrics`` exports; :meth:`replica_stats` keeps them apart.
+right replica. :meth:`stats` aggregates the replicas still serving (:func:`aggregate_stats`),
+which is what ``/metrics`` sums; :meth:`replica_stats` / :meth:`live_stats` keep them apart
+(``/metrics``' ``dp_rank`` series, :mod:`specdial.server.replica_metrics`).
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ class DataParallelEngine:
     ``context_length`` (the smallest is used otherwise); ``ValueError`` for an empty list.
     ``tokenizer`` and ``context_length`` are replica 0's. :meth:`generate` with a list of
     prompts routes each prompt separately and runs the replicas' shares concurrently.
+    ``load_balance_method``: the :class:`~specdial.launch.routing.Router`'s strategy
+    (``ValueError`` naming it for another value). :attr:`router` holds the routing counts.
     """
 
     def __init__(self, replicas: Sequence[Any],
