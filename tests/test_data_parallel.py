@@ -16,7 +16,7 @@ import pytest
 
 from specdial.launch.data_parallel import DataParallelEngine, aggregate_stats
 from specdial.engine import Engine
-from specdial.engine.api import EngineStats
+from specdial.engine.api import EngineStats, RequestError
 from specdial.server.config import ServeConfig
 from test_server_cli import save_tiny_model
 from test_server_engine import metric
@@ -106,6 +106,14 @@ def test_generate_list_keeps_order_and_abort_routes(dp):
     for last in it:
         pass
     assert last.finished and last.finish_reason["type"] == "abort"
+    assert engine.data_parallel.inflight() == [0, 0]
+    # a replica process's RequestError reaches the caller as itself, field named
+    for call in (lambda: engine.generate("x", {"max_new_tokens": -1}),
+                 lambda: next(engine.stream("x", sampling_params={"max_new_tokens": -1})),
+                 lambda: asyncio.run(engine.async_generate("x", {"max_new_tokens": -1}))):
+        with pytest.raises(RequestError) as e:
+            call()
+        assert e.value.param == "max_new_tokens"
     assert engine.data_parallel.inflight() == [0, 0]
 
 
