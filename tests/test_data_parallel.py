@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from specdial.launch.data_parallel import DataParallelEngine, aggregate_stats
+from specdial.launch.replica_setup import replica_seed
 from specdial.engine import Engine
 from specdial.engine.api import EngineStats, RequestError
 from specdial.server.config import ServeConfig
@@ -148,6 +149,7 @@ def test_engine_dp_size_2_from_python(dirs, backend, capfd):
             assert two.adaptive_config is not None and two.speculative_algorithm == "DRAFT"
         else:
             assert two.replicas[0].scheduler is not two.replicas[1].scheduler
+            assert [r.config.seed for r in two.replicas] == [0, replica_seed(0, 1)]
         outs = two.generate(prompts, params)
         assert [o["output_ids"] for o in outs] == want
         per_replica = [s.requests_finished for s in two.data_parallel.replica_stats()]

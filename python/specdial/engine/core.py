@@ -206,7 +206,8 @@ class Engine:
         and aggregates their stats. The tokenizer and limits read from this Engine are replica
         0's (in-process: its models too)."""
         self._closed = False
-        self._dp = DataParallelEngine.build(cfg, lambda: Engine(**cfg.replace(dp_size=1).to_dict()))
+        self._dp = DataParallelEngine.build(
+            cfg, lambda **kw: Engine(**cfg.replace(dp_size=1, **kw).to_dict()))
         first = self._dp.replicas[0]
         self._parts = first._parts if isinstance(first, Engine) else remote_parts(cfg, first.info)
 

@@ -86,14 +86,17 @@ class DataParallelEngine:
     def build(cls, cfg: Any, make_replica: Any) -> "DataParallelEngine":
         """The front end of the :class:`~specdial.config.EngineConfig` ``cfg``: replica
         processes (:meth:`start_processes`) or, with ``data_parallel_backend="inprocess"``,
-        ``cfg.dp_size`` calls of ``make_replica()`` (those built are shut down when one
-        raises)."""
+        ``cfg.dp_size`` calls of ``make_replica(seed=...)`` (each replica's own seed,
+        :func:`~specdial.launch.replica_setup.replica_seed`; those built are shut down when
+        one raises)."""
+        from specdial.launch.replica_setup import replica_seed
+
         if cfg.data_parallel_backend == "mp":
             return cls.start_processes(cfg)
         replicas: list[Any] = []
         try:
-            for _ in range(cfg.dp_size):
-                replicas.append(make_replica())
+            for i in range(cfg.dp_size):
+                replicas.append(make_replica(seed=replica_seed(cfg.seed, i)))
         except BaseException:
             for r in replicas:
                 r.shutdown(drain=False)
