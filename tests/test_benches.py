@@ -75,3 +75,17 @@ def test_processors_cost_smoke():
     assert set(result["end_to_end"]) == {"none", "min_tokens", "penalties"}
     assert result["end_to_end"]["none"]["ratio"] == 1.0
     assert result["processing"]["verify_processing_ms"] > 0
+
+
+def test_dp_processes_bench_smoke(tmp_path):
+    """benches/dp_processes.py (issue 32) on the Engine path: every configuration runs, the
+    figures and the greedy-identity flag are written."""
+    out = tmp_path / "dp.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benches" / "dp_processes.py"), "--paths", "engine",
+         "--repeats", "1", "--tokens", "4", "--requests", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=scaled(900))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())["engine"]
+    assert set(result["median_tps"]) == {"dp1_1thread", "dp1_2threads", "dp2_processes"}
+    assert result["identical"] is True and result["dp2_over_best_dp1"] > 0

@@ -45,6 +45,9 @@ def serve_config(*argv: str) -> ServeConfig:
     (["--speculative-algorithm", "STANDALONE"], "speculative_algorithm", "DRAFT"),
     (["--dtype", "auto"], "dtype", "auto"),
     (["--chat-template", "{{ messages }}"], "chat_template", "{{ messages }}"),
+    (["--data-parallel-size", "2"], "dp_size", 2),  # vLLM's
+    (["--load-balance-method", "round_robin"], "load_balance_method", "round_robin"),
+    (["--data-parallel-backend", "inprocess"], "data_parallel_backend", "inprocess"),
 ])
 def test_alias_sets_the_specdial_option(argv, field, value):
     cfg = serve_config(*argv)

@@ -1,19 +1,23 @@
-"""Data parallelism: two real Engines behind :class:`DataParallelEngine`, served over HTTP.
+"""Data parallelism: two real replicas behind :class:`DataParallelEngine`, served over HTTP.
 
 32 concurrent requests through the ``openai`` client all complete with the greedy outputs of
-one engine alone, both replicas take a share, ``/metrics`` sums the replicas, abort reaches the
-right replica, and ``generate`` with a list keeps prompt order."""
+one engine alone (dp 2 replica processes vs dp 1), both replicas take a share, ``/metrics``
+sums the replicas, abort reaches the right replica, and ``generate`` with a list keeps prompt
+order; the in-process backend does the same. Faults: tests/test_dp_processes.py."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 
 import openai
 import pytest
 
 from specdial.launch.data_parallel import DataParallelEngine, aggregate_stats
+from specdial.launch.replica_setup import replica_seed
 from specdial.engine import Engine
-from specdial.engine.api import EngineStats
+from specdial.engine.api import EngineStats, RequestError
 from specdial.server.config import ServeConfig
 from test_server_cli import save_tiny_model
 from test_server_engine import metric
@@ -79,6 +83,15 @@ def test_dp2_serves_32_concurrent_requests_none_lost(dp, dirs):
     assert metric(dp, "specdial:num_requests_running") == 0
     total = sum(s.generation_tokens for s in engine.replica_stats())
     assert metric(dp, "specdial:generation_tokens_total") == total
+    for i, s in enumerate(engine.replica_stats()):  # per replica, label dp_rank
+        rank = f'{{dp_rank="{i}"}}'
+        assert metric(dp, "specdial:replica_num_requests_finished_total", rank) == \
+            s.requests_finished
+        assert metric(dp, "specdial:replica_generation_tokens_total", rank) == \
+            s.generation_tokens
+        assert metric(dp, "specdial:replica_up", rank) == 1
+        assert metric(dp, "specdial:router_requests_in_flight", rank) == 0
+        assert metric(dp, "specdial:router_outstanding_tokens", rank) == 0
 
 
 def test_generate_list_keeps_order_and_abort_routes(dp):
@@ -95,21 +108,48 @@ def test_generate_list_keeps_order_and_abort_routes(dp):
         pass
     assert last.finished and last.finish_reason["type"] == "abort"
     assert engine.data_parallel.inflight() == [0, 0]
+    # a replica process's RequestError reaches the caller as itself, field named
+    for call in (lambda: engine.generate("x", {"max_new_tokens": -1}),
+                 lambda: next(engine.stream("x", sampling_params={"max_new_tokens": -1})),
+                 lambda: asyncio.run(engine.async_generate("x", {"max_new_tokens": -1}))):
+        with pytest.raises(RequestError) as e:
+            call()
+        assert e.value.param == "max_new_tokens"
+    assert engine.data_parallel.inflight() == [0, 0]
 
 
-def test_engine_dp_size_2_from_python(dirs):
+@pytest.mark.parametrize("backend", ["mp", "inprocess"])
+def test_engine_dp_size_2_from_python(dirs, backend, capfd):
     """``specdial.Engine(dp_size=2)``: 24 greedy prompts through generate (a list), the same
     outputs as one engine, none lost, both replicas used, stats summed; async_generate and
-    stream work through the same front end."""
+    stream work through the same front end. ``mp``: two processes; ``inprocess``: two
+    Engines here."""
     target, noisy = dirs
     options = dict(model_path=str(target), draft_model_path=str(noisy), **COMMON)
     params = {"max_new_tokens": 12, "temperature": 0}
     prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(24)]
     with Engine(**options) as one:
         want = [o["output_ids"] for o in one.generate(prompts, params)]
-    with Engine(dp_size=2, **options) as two:
+    logger, level = logging.getLogger("specdial"), logging.getLogger("specdial").level
+    logger.setLevel(logging.INFO)  # the replica processes log at this process's level
+    try:
+        two = Engine(dp_size=2, data_parallel_backend=backend, **options)
+    finally:
+        logger.setLevel(level)
+    if backend == "mp":
+        err = capfd.readouterr().err
+        assert "[dp 0]" in err and "[dp 1]" in err and "replica 1 ready" in err, err[-2000:]
+    with two:
         assert len(two.replicas) == 2 and two.replicas[0] is not two.replicas[1]
-        assert two.replicas[0].scheduler is not two.replicas[1].scheduler
+        if backend == "mp":
+            pids = {r.info["pid"] for r in two.replicas}
+            assert len(pids) == 2 and os.getpid() not in pids
+            # what this process reads of replica 0: tokenizer, limits, policy config
+            assert two.tokenizer is not None and two.context_length == COMMON["context_length"]
+            assert two.adaptive_config is not None and two.speculative_algorithm == "DRAFT"
+        else:
+            assert two.replicas[0].scheduler is not two.replicas[1].scheduler
+            assert [r.config.seed for r in two.replicas] == [0, replica_seed(0, 1)]
         outs = two.generate(prompts, params)
         assert [o["output_ids"] for o in outs] == want
         per_replica = [s.requests_finished for s in two.data_parallel.replica_stats()]
@@ -122,7 +162,7 @@ def test_engine_dp_size_2_from_python(dirs):
         assert chunks[-1].finished and [t for c in chunks for t in c.token_ids] == want[0]
         assert two.data_parallel.inflight() == [0, 0]
     with pytest.raises(ValueError, match="dp_size > 1 with tp_size > 1"):
-        Engine(dp_size=2, tp_size=2, **options)
+        Engine(dp_size=2, tp_size=2, data_parallel_backend="inprocess", **options)
 
 
 def test_aggregate_stats():
@@ -141,19 +181,33 @@ def test_aggregate_stats():
         DataParallelEngine([])
 
 
-def test_health_503_when_a_replica_fails():
-    """An engine (here a replica behind the front end) whose ``failure`` is set makes
-    ``/health`` and generation requests answer 503 naming the failure."""
+def test_a_failed_replica_is_named_and_skipped_and_all_failed_is_503():
+    """A replica whose ``failure`` is set: ``/health`` answers 200 ``degraded`` naming it,
+    requests go to the other; once every replica failed, ``/health`` and generation requests
+    answer 503 naming the failures."""
     import httpx
 
     from test_server_fake_engine import FakeEngine
-    broken = FakeEngine()
-    engine = DataParallelEngine([FakeEngine(), broken])
+    well, broken = FakeEngine(), FakeEngine()
+    engine = DataParallelEngine([well, broken])
     with LiveServer(engine, name=NAME) as server:
-        assert httpx.get(server.url + "/health", timeout=scaled(10)).status_code == 200
+        r = httpx.get(server.url + "/health", timeout=scaled(10))
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
         broken.failure = "tensor-parallel rank 1 died"
         r = httpx.get(server.url + "/health", timeout=scaled(10))
-        assert r.status_code == 503 and "replica 1: tensor-parallel rank 1 died" in r.text
+        assert r.status_code == 200 and r.json()["status"] == "degraded"
+        assert "replica 1: tensor-parallel rank 1 died" in r.json()["message"]
+        for _ in range(4):
+            r = httpx.post(server.url + "/v1/completions", timeout=scaled(10),
+                           json={"model": NAME, "prompt": "x", "max_tokens": 2})
+            assert r.status_code == 200
+        assert len(broken.submitted) == 0 and len(well.submitted) == 4
+        assert metric(server, "specdial:replica_up", '{dp_rank="1"}') == 0
+        assert metric(server, "specdial:replica_up", '{dp_rank="0"}') == 1
+        assert engine.stats().requests_finished == well.stats().requests_finished
+        well.failure = "its loop stopped"
+        r = httpx.get(server.url + "/health", timeout=scaled(10))
+        assert r.status_code == 503 and "replica 0: its loop stopped" in r.text
         r = httpx.post(server.url + "/v1/completions", timeout=scaled(10),
                        json={"model": NAME, "prompt": "x", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed"

@@ -101,7 +101,11 @@ def test_positional_and_unknown_engine_arguments():
     ({"cuda_graph_mode": "fast"}, "cuda_graph_mode must be one of"),
     ({"disable_cuda_graph": 1}, "disable_cuda_graph must be a bool"),
     ({"tp_size": 0}, "tp_size must be an integer >= 1"),
-    ({"dp_size": 2, "tp_size": 2}, "dp_size > 1 with tp_size > 1"),
+    ({"dp_size": 2, "tp_size": 2, "data_parallel_backend": "inprocess"},
+     "dp_size > 1 with tp_size > 1 needs data_parallel_backend='mp'"),
+    ({"load_balance_method": "random"},
+     "load_balance_method must be one of 'minimum_tokens', 'shortest_queue', 'round_robin'"),
+    ({"data_parallel_backend": "ray"}, "data_parallel_backend must be one of 'mp', 'inprocess'"),
 ])
 def test_bad_values_name_the_field(bad, match):
     with pytest.raises(ValueError, match=match):

@@ -177,4 +177,4 @@ def test_parallel_option_errors():
                                          "tp_size \\(3\\)"):
         specdial.Engine(tp_size=3, log_interval_s=None)
     with pytest.raises(ValueError, match="dp_size > 1 with tp_size > 1"):
-        ServeConfig(tp_size=2, dp_size=2).build_engine()
+        ServeConfig(tp_size=2, dp_size=2, data_parallel_backend="inprocess").build_engine()

@@ -36,6 +36,12 @@ ALGORITHMS = (AUTO, "EAGLE", "EAGLE3", "DRAFT", None)
 #: ``sampling_defaults`` values (SGLang's ``--sampling-defaults``; the rule:
 #: :mod:`specdial.engine.sampling_defaults`).
 SAMPLING_DEFAULTS_CHOICES = ("model", "openai")
+#: ``load_balance_method`` values (SGLang's ``--load-balance-method`` names; the rules:
+#: :mod:`specdial.launch.routing`).
+LOAD_BALANCE_METHODS = ("minimum_tokens", "shortest_queue", "round_robin")
+#: ``data_parallel_backend`` values (vLLM's ``--data-parallel-backend``; ``mp`` is its name for
+#: one process per replica, ``inprocess`` keeps the replicas as threads of this process).
+DP_BACKENDS = ("mp", "inprocess")
 #: Allowed ``dtype`` names (vLLM's spellings; ``float`` is float32, ``half`` float16).
 DTYPES = (AUTO, "float32", "bfloat16", "float16", "float", "half")
 #: Allowed ``cuda_graph_mode`` values (test hook).
@@ -152,7 +158,19 @@ class EngineConfig:
         "CUDA); alias --tensor-parallel-size (vLLM)", default=1, metavar="N")
     dp_size: int = _opt(
         "data parallelism: engine replicas (each its own scheduler and policy) behind one "
-        "front end, each request to the least loaded", default=1, metavar="N")
+        "front end, each request to the least loaded (--load-balance-method); one process "
+        "per replica (--data-parallel-backend mp), composing with --tp-size; alias "
+        "--data-parallel-size (vLLM)", default=1,
+        metavar="N")
+    load_balance_method: str = _opt(
+        "how the data-parallel router picks a replica per request (SGLang's flag): "
+        "minimum_tokens = least outstanding work (prompt plus max_new_tokens of the requests "
+        "in flight there), shortest_queue = fewest requests in flight, round_robin",
+        default="minimum_tokens", choices=LOAD_BALANCE_METHODS)
+    data_parallel_backend: str = _opt(
+        "how --dp-size replicas run (vLLM's flag): mp = one process per replica behind a "
+        "router in this process; inprocess = threads of this process (they share one GIL)",
+        default="mp", choices=DP_BACKENDS)
     nnodes: int = _opt("nodes the --tp-size ranks spread over (SGLang)", default=1,
                        metavar="N")
     node_rank: int = _opt(
@@ -240,9 +258,12 @@ class EngineConfig:
         if self.record_trace is not None and not isinstance(self.record_trace, (str, os.PathLike)):
             raise ValueError(f"record_trace must be a file path or None, got {self.record_trace!r}")
         self.parallel_options()  # ValueError naming the parallel option
-        if self.dp_size > 1 and self.tp_size > 1:
-            raise ValueError("dp_size > 1 with tp_size > 1 is not supported yet: the replicas "
-                             "share one process, which holds one tensor-parallel group")
+        check_choice("load_balance_method", self.load_balance_method, LOAD_BALANCE_METHODS)
+        check_choice("data_parallel_backend", self.data_parallel_backend, DP_BACKENDS)
+        if self.dp_size > 1 and self.tp_size > 1 and self.data_parallel_backend != "mp":
+            raise ValueError("dp_size > 1 with tp_size > 1 needs data_parallel_backend='mp': "
+                             "in-process replicas share one process, which holds one "
+                             "tensor-parallel group")
 
     def parallel_options(self) -> ParallelOptions:
         """The validated :class:`~specdial.config.parallel.ParallelOptions` of ``tp_size``,

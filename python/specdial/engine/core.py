@@ -31,7 +31,7 @@ from specdial.engine.front import LocalFront
 from specdial.engine.loading import resolve_models
 from specdial.engine.loop import EngineLoop
 from specdial.engine.messages import Abort, Cancel, Message, RequestSpec, Shutdown
-from specdial.engine.parts import EngineParts
+from specdial.engine.parts import EngineParts, remote_parts
 from specdial.engine.policy_cache import PolicyCache, engine_key
 from specdial.engine.requests import make_spec
 from specdial.engine.sampling_defaults import model_sampling_defaults, request_defaults
@@ -143,14 +143,14 @@ class Engine:
       or hangs fails the running requests (finish reason ``error`` naming the cause) within
       ``dist_timeout`` and sets :attr:`failure`. ``ValueError`` for sizes that do not split
       over ``tp_size`` or bad parallel options.
-    - Data parallelism (keyword-only): ``dp_size`` replicas of this engine in this process
-      (default 1), each with its own scheduler, KV cache and adaptive policy, behind one front
-      end (:class:`~specdial.launch.data_parallel.DataParallelEngine`, also
-      :attr:`data_parallel`): every request goes to the replica with the fewest in flight;
-      :meth:`generate` with a list spreads it over them; :meth:`stats` sums them;
-      :meth:`abort` takes the front end's ids. ``tokenizer``, ``context_length`` and the models
-      read from the Engine are replica 0's; :attr:`replicas` lists them. ``dp_size > 1`` with
-      ``tp_size > 1`` raises ``ValueError``.
+    - Data parallelism (keyword-only): ``dp_size`` replicas (default 1), each its own process
+      (``data_parallel_backend="mp"``; ``"inprocess"``: Engines in this process) with its own
+      scheduler, policy, worker and ``tp_size`` group, behind one front end
+      (:class:`~specdial.launch.data_parallel.DataParallelEngine`, :attr:`data_parallel`):
+      each request goes where ``load_balance_method`` says; :meth:`generate` with a list
+      spreads it; :meth:`stats` sums them; :meth:`abort` takes the front end's ids; a failed
+      replica is skipped (:attr:`degraded`). ``tokenizer`` and ``context_length`` are replica
+      0's; :attr:`replicas` lists them (:mod:`specdial.launch.replica_setup`: devices, seeds).
     """
 
     _tp: TensorParallelRuntime | None = None
@@ -200,21 +200,16 @@ class Engine:
             key=engine_key(self, cfg, model_dir, draft_dir, algo, dtype))
 
     def _start_replicas(self, cfg: EngineConfig) -> None:
-        """``dp_size`` replicas of this engine (each ``dp_size=1``) behind one
-        :class:`~specdial.launch.data_parallel.DataParallelEngine`, which routes every
-        request to the least-loaded replica and aggregates their stats. The models, tokenizer
-        and limits read from this Engine are replica 0's."""
-        replicas: list[Engine] = []
-        try:
-            for _ in range(cfg.dp_size):
-                replicas.append(Engine(**cfg.replace(dp_size=1).to_dict()))
-        except BaseException:
-            for r in replicas:
-                r.shutdown(drain=False)
-            raise
-        self._dp = DataParallelEngine(replicas)
-        self._parts = replicas[0]._parts  # what this Engine's attributes read: replica 0's
+        """``dp_size`` replicas of this engine (each ``dp_size=1``: processes, or Engines here
+        with ``data_parallel_backend="inprocess"``) behind one
+        :class:`~specdial.launch.data_parallel.DataParallelEngine`, which routes every request
+        and aggregates their stats. The tokenizer and limits read from this Engine are replica
+        0's (in-process: its models too)."""
         self._closed = False
+        self._dp = DataParallelEngine.build(
+            cfg, lambda **kw: Engine(**cfg.replace(dp_size=1, **kw).to_dict()))
+        first = self._dp.replicas[0]
+        self._parts = first._parts if isinstance(first, Engine) else remote_parts(cfg, first.info)
 
     def _setup(self, target: LlamaForCausalLM, drafter: Any, tokenizer: Any,
                algorithm: str | None, cfg: EngineConfig, loaded_config: Any) -> None:
@@ -294,6 +289,9 @@ class Engine:
         if dead is not None:
             return f"the engine loop stopped: {type(dead).__name__}: {dead}"
         return None if self._tp is None else self._tp.failure
+
+    degraded = property(lambda self: None if self._dp is None else self._dp.degraded,
+                        doc="dp_size > 1: the failed replicas while others serve, else None.")
 
     @classmethod
     def from_modules(cls, target: LlamaForCausalLM,

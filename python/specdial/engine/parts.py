@@ -16,7 +16,7 @@ from specdial.engine.sampling_defaults import request_defaults
 from specdial.models import LlamaForCausalLM
 from specdial.profiling import ProfilePoint
 
-__all__ = ["EngineParts"]
+__all__ = ["EngineParts", "remote_parts"]
 
 
 @dataclass(eq=False)
@@ -60,3 +60,22 @@ class EngineParts:
     @property
     def steps_schedule(self) -> Any:
         return self.config.steps_schedule
+
+
+def remote_parts(config: EngineConfig, info: Mapping[str, Any]) -> EngineParts:
+    """The parts an Engine whose replicas run in other processes can read here: the
+    ``tokenizer``, ``context_length``, ``eos_token_ids``, ``sampling_defaults`` and
+    ``speculative_algorithm`` and ``adaptive_config`` of replica 0 (``info``: its ready message,
+    :func:`specdial.launch.replica_main.ready_info`); the models, scheduler, worker and
+    generator live in the replicas (None here)."""
+    return EngineParts(config=config, target=None, drafter=None,  # type: ignore[arg-type]
+                       tokenizer=info["tokenizer"],
+                       speculative_algorithm=info["speculative_algorithm"],
+                       adaptive_config=(None if info.get("adaptive_config") is None else
+                                        AdaptiveConfig.from_json(info["adaptive_config"])),
+                       cuda_graph_bs=None,
+                       context_length=int(info["context_length"]),
+                       scheduler=None, worker=None, device=None,  # type: ignore[arg-type]
+                       generator=None,  # type: ignore[arg-type]
+                       eos_token_ids=frozenset(info["eos_token_ids"]),
+                       sampling_defaults=info["sampling_defaults"])

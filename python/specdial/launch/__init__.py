@@ -6,7 +6,11 @@ and the CLI's entry points (docs/ARCHITECTURE.md, "Layers").
 - :mod:`specdial.launch.node`: a node's ranks (node 0 joins as rank 0, other nodes only compute);
 - :mod:`specdial.launch.tp_engine`: the tensor-parallel engine (rank 0's runtime, the worker
   ranks' entry);
-- :mod:`specdial.launch.data_parallel`: ``dp_size`` replicas behind one front end;
+- :mod:`specdial.launch.data_parallel`: ``dp_size`` replicas behind one front end, routed by
+  :mod:`specdial.launch.routing`; each replica a process
+  (:mod:`specdial.launch.replica_main`, reached through
+  :mod:`specdial.launch.replica_client` over :mod:`specdial.launch.replica_wire`; what each
+  gets: :mod:`specdial.launch.replica_setup`);
 - :mod:`specdial.launch.check` (``python -m specdial.launch.check``) and
   :mod:`specdial.launch.probe`: consistency checks and collective probes.
 

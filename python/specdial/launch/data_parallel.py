@@ -1,30 +1,37 @@
 """Data parallelism: N engine replicas behind one front end (``dp_size``, ``serve --dp-size``).
 
 :class:`DataParallelEngine` implements the serving contract of :mod:`specdial.engine.api`
-over replicas that each implement it (``specdial.Engine`` instances, each with its own Rust
-scheduler, KV cache and adaptive policy; nothing is shared between them). Each request goes to
-the replica with the fewest requests in flight through this front end (submitted and not
-finished: an exact count, not a sampled gauge), ties broken round-robin, so a burst spreads
-evenly and a replica slowed by long requests gets fewer new ones (SGLang's
-``--load-balance-method`` ``shortest_queue``). A request never moves once routed.
+over replicas that each implement it, each with its own Rust scheduler, KV cache and adaptive
+policy (nothing is shared between them): by default replica processes
+(:class:`~specdial.launch.replica_client.ReplicaClient`, ``data_parallel_backend="mp"``,
+started by :meth:`DataParallelEngine.start_processes`), or ``specdial.Engine`` instances in this
+process (``"inprocess"``). Each request goes to the replica the router picks
+(:class:`~specdial.launch.routing.Router`, ``load_balance_method``; by default the least
+outstanding work: prompt tokens plus ``max_new_tokens`` of the requests in flight there), ties
+broken round-robin. A request never moves once routed.
+
+Faults: a replica whose ``failure`` is set (its process died, its engine failed) is not routed
+to again; its requests in flight end with an error (the replica's doing). The others keep
+serving: :attr:`DataParallelEngine.failure` stays None (``/health`` answers 200) while one
+replica is well, and :attr:`DataParallelEngine.degraded` names the failed ones.
 
 Request ids: replica ``i``'s request ``r`` is ``r * N + i`` here, so :meth:`abort` reaches the
-right replica. :meth:`stats` aggregates the replicas (:func:`aggregate_stats`), which is what
-``/metrics`` exports; :meth:`replica_stats` keeps them apart.
+right replica. :meth:`stats` aggregates the replicas still serving (:func:`aggregate_stats`),
+which is what ``/metrics`` sums; :meth:`replica_stats` / :meth:`live_stats` keep them apart
+(``/metrics``' ``dp_rank`` series, :mod:`specdial.server.replica_metrics`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
-import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
 from specdial.engine.api import EngineStats, LogprobOptions, StreamChunk
+from specdial.launch.routing import Router, prompt_tokens, request_work
 
 __all__ = ["DataParallelEngine", "aggregate_stats"]
 
@@ -61,18 +68,61 @@ class DataParallelEngine:
     ``context_length`` (the smallest is used otherwise); ``ValueError`` for an empty list.
     ``tokenizer`` and ``context_length`` are replica 0's. :meth:`generate` with a list of
     prompts routes each prompt separately and runs the replicas' shares concurrently.
+    ``load_balance_method``: the :class:`~specdial.launch.routing.Router`'s strategy
+    (``ValueError`` naming it for another value). :attr:`router` holds the routing counts.
     """
 
-    def __init__(self, replicas: Sequence[Any]) -> None:
+    def __init__(self, replicas: Sequence[Any],
+                 load_balance_method: str = "minimum_tokens") -> None:
         if not replicas:
             raise ValueError("DataParallelEngine needs at least one replica (dp_size >= 1)")
         self.replicas = list(replicas)
         self.tokenizer = self.replicas[0].tokenizer
         self.context_length = min(int(r.context_length) for r in self.replicas)
-        self._inflight = [0] * len(self.replicas)
-        self._next = itertools.count()
-        self._lock = threading.Lock()
+        self.router = Router(len(self.replicas), load_balance_method)
         self._pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="specdial-dp")
+
+    @classmethod
+    def build(cls, cfg: Any, make_replica: Any) -> "DataParallelEngine":
+        """The front end of the :class:`~specdial.config.EngineConfig` ``cfg``: replica
+        processes (:meth:`start_processes`) or, with ``data_parallel_backend="inprocess"``,
+        ``cfg.dp_size`` calls of ``make_replica(seed=...)`` (each replica's own seed,
+        :func:`~specdial.launch.replica_setup.replica_seed`; those built are shut down when
+        one raises)."""
+        from specdial.launch.replica_setup import replica_seed
+
+        if cfg.data_parallel_backend == "mp":
+            return cls.start_processes(cfg)
+        replicas: list[Any] = []
+        try:
+            for i in range(cfg.dp_size):
+                replicas.append(make_replica(seed=replica_seed(cfg.seed, i)))
+        except BaseException:
+            for r in replicas:
+                r.shutdown(drain=False)
+            raise
+        return cls(replicas, cfg.load_balance_method)
+
+    @classmethod
+    def start_processes(cls, cfg: Any) -> "DataParallelEngine":
+        """``cfg.dp_size`` replica processes of the :class:`~specdial.config.EngineConfig`
+        ``cfg`` (:mod:`specdial.launch.replica_setup` says what each gets) behind a front end
+        routing by ``cfg.load_balance_method``. Blocks until every replica is ready; raises
+        what a replica raises (the others are stopped)."""
+        import os
+
+        import torch
+
+        from specdial.config import DEFAULT_STARTUP_TIMEOUT_S
+        from specdial.launch.replica_client import start_replicas
+        from specdial.launch.replica_setup import visible_devices
+
+        device = str(cfg.device)
+        on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+        visible = None if on_cpu else visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                                      torch.cuda.device_count())
+        clients = start_replicas(cfg, on_cpu, visible, DEFAULT_STARTUP_TIMEOUT_S)
+        return cls(clients, cfg.load_balance_method)
 
     @property
     def dp_size(self) -> int:
@@ -80,34 +130,33 @@ class DataParallelEngine:
 
     def inflight(self) -> list[int]:
         """Requests in flight per replica (a snapshot)."""
-        with self._lock:
-            return list(self._inflight)
+        return self.router.snapshot()[0]
 
-    def _route(self, count: int = 1) -> list[int]:
-        """Replica indices for ``count`` new requests, least loaded first (each choice counts
-        immediately, so a batch spreads); the counts stay raised until :meth:`_done`."""
-        n = len(self.replicas)
-        out = []
-        with self._lock:
-            for _ in range(count):
-                start = next(self._next) % n
-                order = [(start + k) % n for k in range(n)]
-                i = min(order, key=lambda j: self._inflight[j])
-                self._inflight[i] += 1
-                out.append(i)
-        return out
+    def _work(self, prompt: Any, input_ids: Any, sampling_params: Any) -> int:
+        return request_work(prompt_tokens(self.tokenizer, prompt, input_ids), sampling_params)
 
-    def _done(self, i: int, count: int = 1) -> None:
-        with self._lock:
-            self._inflight[i] -= count
+    def _route(self, works: list[int]) -> list[int]:
+        """Replica indices for new requests of outstanding work ``works`` (the router's
+        choice; each counts at once, so a batch spreads) until :meth:`_done`. Replicas that
+        report a ``failure`` are taken out first. Raises
+        :class:`~specdial.launch.routing.NoReplicaError` when none is left."""
+        for i, r in enumerate(self.replicas):
+            if i not in self.router.failed:
+                why = getattr(r, "failure", None)
+                if why:
+                    self.router.mark_failed(i, f"replica {i}: {why}")
+        return self.router.route(works)
+
+    def _done(self, i: int, works: list[int]) -> None:
+        self.router.done(i, works)
 
     @contextmanager
-    def _routed(self) -> Iterator[int]:
-        i = self._route()[0]
+    def _routed(self, work: int) -> Iterator[int]:
+        i = self._route([work])[0]
         try:
             yield i
         finally:
-            self._done(i)
+            self._done(i, [work])
 
     def _global(self, chunk: StreamChunk, i: int) -> StreamChunk:
         chunk.request_id = chunk.request_id * len(self.replicas) + i
@@ -117,8 +166,8 @@ class DataParallelEngine:
     def stream(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
                sampling_params: dict[str, Any] | None = None, stop: list[str] | None = None,
                logprobs: LogprobOptions | None = None) -> Iterator[StreamChunk]:
-        """One request on the least-loaded replica (its ``stream``; ids made global)."""
-        with self._routed() as i:
+        """One request on the router's replica (its ``stream``; ids made global)."""
+        with self._routed(self._work(prompt, input_ids, sampling_params)) as i:
             kwargs = {} if logprobs is None else {"logprobs": logprobs}
             it = self.replicas[i].stream(prompt, input_ids=input_ids,
                                          sampling_params=sampling_params, stop=stop, **kwargs)
@@ -134,7 +183,7 @@ class DataParallelEngine:
                            stop: list[str] | None = None,
                            logprobs: LogprobOptions | None = None) -> AsyncIterator[StreamChunk]:
         """:meth:`stream` on an asyncio loop (the replica's ``async_stream``)."""
-        with self._routed() as i:
+        with self._routed(self._work(prompt, input_ids, sampling_params)) as i:
             kwargs = {} if logprobs is None else {"logprobs": logprobs}
             it = self.replicas[i].async_stream(prompt, input_ids=input_ids,
                                                sampling_params=sampling_params, stop=stop,
@@ -169,25 +218,26 @@ class DataParallelEngine:
         order. ``kwargs`` (``return_logprob``, ``stream``, ...) go to the replicas unchanged.
         Raises what the replicas raise (the first error)."""
         single, items = self._items(prompt, sampling_params, input_ids)
+        works = [self._work(*item) for item in items]
         if single:
-            i = self._route()[0]
+            i = self._route(works)[0]
             try:
                 result = self.replicas[i].generate(prompt, sampling_params, input_ids, **kwargs)
             except BaseException:
-                self._done(i)
+                self._done(i, works)
                 raise
             if kwargs.get("stream"):
-                return self._release_after(result, i)
-            self._done(i)
+                return self._release_after(result, i, works)
+            self._done(i, works)
             return result
-        shares = self._shares(len(items))
+        shares = self._shares(works)
 
         def run(i: int, ks: list[int]) -> list[Any]:
             try:
                 return self.replicas[i].generate(*self._share_args(items, ks, prompt, input_ids),
                                                  **kwargs)
             finally:
-                self._done(i, len(ks))
+                self._done(i, [works[k] for k in ks])
 
         futures = {i: self._pool.submit(run, i, ks) for i, ks in shares.items()}
         return self._merge(len(items), shares, {i: f.result() for i, f in futures.items()})
@@ -197,35 +247,37 @@ class DataParallelEngine:
         """``Engine.async_generate`` over the replicas, routed as :meth:`generate` (the
         replicas' shares awaited together)."""
         single, items = self._items(prompt, sampling_params, input_ids)
+        works = [self._work(*item) for item in items]
         if single:
-            i = self._route()[0]
+            i = self._route(works)[0]
             try:
                 result = await self.replicas[i].async_generate(prompt, sampling_params,
                                                                input_ids, **kwargs)
             except BaseException:
-                self._done(i)
+                self._done(i, works)
                 raise
             if kwargs.get("stream"):
-                return self._async_release_after(result, i)
-            self._done(i)
+                return self._async_release_after(result, i, works)
+            self._done(i, works)
             return result
-        shares = self._shares(len(items))
+        shares = self._shares(works)
 
         async def run(i: int, ks: list[int]) -> list[Any]:
             try:
                 return await self.replicas[i].async_generate(
                     *self._share_args(items, ks, prompt, input_ids), **kwargs)
             finally:
-                self._done(i, len(ks))
+                self._done(i, [works[k] for k in ks])
 
         order = list(shares)
         results = await asyncio.gather(*(run(i, shares[i]) for i in order))
         return self._merge(len(items), shares, dict(zip(order, results)))
 
-    def _shares(self, count: int) -> dict[int, list[int]]:
-        """Route ``count`` prompts: ``{replica: [prompt indices]}`` (counted in flight)."""
+    def _shares(self, works: list[int]) -> dict[int, list[int]]:
+        """Route prompts of work ``works``: ``{replica: [prompt indices]}`` (counted in
+        flight)."""
         shares: dict[int, list[int]] = {}
-        for k, i in enumerate(self._route(count)):
+        for k, i in enumerate(self._route(works)):
             shares.setdefault(i, []).append(k)
         return shares
 
@@ -248,18 +300,19 @@ class DataParallelEngine:
                 out[k] = result
         return out
 
-    def _release_after(self, it: Iterator[Any], i: int) -> Iterator[Any]:
+    def _release_after(self, it: Iterator[Any], i: int, works: list[int]) -> Iterator[Any]:
         try:
             yield from it
         finally:
-            self._done(i)
+            self._done(i, works)
 
-    async def _async_release_after(self, it: AsyncIterator[Any], i: int) -> AsyncIterator[Any]:
+    async def _async_release_after(self, it: AsyncIterator[Any], i: int,
+                                   works: list[int]) -> AsyncIterator[Any]:
         try:
             async for item in it:
                 yield item
         finally:
-            self._done(i)
+            self._done(i, works)
             await it.aclose()  # type: ignore[attr-defined]
 
     def abort(self, request_id: int) -> None:
@@ -269,24 +322,62 @@ class DataParallelEngine:
 
     # ------------------------------------------------------------------ state
     def stats(self) -> EngineStats:
-        """The replicas' stats aggregated (:func:`aggregate_stats`)."""
-        return aggregate_stats(self.replica_stats())
+        """The stats of the replicas still serving, aggregated (:func:`aggregate_stats`);
+        raises ``RuntimeError`` when none is."""
+        live = self.live_stats()
+        if not live:
+            raise RuntimeError(f"no data-parallel replica is serving: {self.failure}")
+        return aggregate_stats(list(live.values()))
 
     def replica_stats(self) -> list[EngineStats]:
-        """Each replica's own :class:`EngineStats`, in replica order."""
+        """Each replica's own :class:`EngineStats`, in replica order (raises what a failed
+        replica's ``stats()`` raises; :meth:`live_stats` skips those)."""
         return [r.stats() for r in self.replicas]
 
-    @property
-    def failure(self) -> str | None:
-        """The first replica's fatal failure message (``engine.failure``), or None."""
+    def live_stats(self) -> dict[int, EngineStats]:
+        """``{dp_rank: stats}`` of the replicas without a ``failure`` whose ``stats()``
+        answers."""
+        out = {}
+        for i, r in enumerate(self.replicas):
+            if getattr(r, "failure", None):
+                continue
+            try:
+                out[i] = r.stats()
+            except Exception:  # noqa: BLE001 - it failed since: left out, as a failed one
+                continue
+        return out
+
+    def failed_replicas(self) -> dict[int, str]:
+        """``{dp_rank: why}`` of the replicas that failed (their ``failure``)."""
+        out = {}
         for i, r in enumerate(self.replicas):
             why = getattr(r, "failure", None)
             if why:
-                return f"replica {i}: {why}"
-        return None
+                out[i] = f"replica {i}: {why}"
+        return out
+
+    @property
+    def failure(self) -> str | None:
+        """None while one replica can serve; once every replica has failed, their messages
+        (``/health`` then answers 503)."""
+        failed = self.failed_replicas()
+        if len(failed) < len(self.replicas):
+            return None
+        return "every data-parallel replica failed: " + "; ".join(failed.values())
+
+    @property
+    def degraded(self) -> str | None:
+        """While some (not all) replicas have failed, a sentence naming them (``/health``
+        reports it with 200: the others serve); else None."""
+        failed = self.failed_replicas()
+        if not failed or len(failed) == len(self.replicas):
+            return None
+        return (f"{len(failed)} of {len(self.replicas)} data-parallel replicas failed, the "
+                "others serve: " + "; ".join(failed.values()))
 
     def shutdown(self, drain: bool = True) -> None:
-        """Shut every replica down concurrently (``drain`` as for ``Engine.shutdown``)."""
+        """Shut every replica down concurrently (``drain`` as for ``Engine.shutdown``; a
+        replica process exits)."""
         list(self._pool.map(lambda r: r.shutdown(drain), self.replicas))
         self._pool.shutdown(wait=False)
 

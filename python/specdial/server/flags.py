@@ -12,6 +12,7 @@ flag (origin)                        specdial option              note
 ``--max-model-len`` (vLLM)           ``--context-length``
 ``--max-total-tokens`` (SGLang)      ``--kv-cache-tokens``
 ``--tensor-parallel-size`` (vLLM)    ``--tp-size``
+``--data-parallel-size`` (vLLM)      ``--dp-size``
 ``--speculative-num-draft-tokens``   ``--speculative-num-steps``  must be steps + 1 (chain drafts)
 ``--speculative-eagle-topk``         (none)                       must be 1: specdial drafts chains
 ``--cuda-graph-max-bs`` (SGLang)     ``--cuda-graph-bs``          SGLang's sizes up to N
@@ -49,6 +50,7 @@ ALIASES: dict[str, str] = {
     "--max-model-len": "context_length",
     "--max-total-tokens": "kv_cache_tokens",
     "--tensor-parallel-size": "tp_size",
+    "--data-parallel-size": "dp_size",
 }
 
 #: flag whose meaning differs -> what to use instead

@@ -52,6 +52,9 @@ name                                                        type     meaning
                                                                      deliveries of a request (one
                                                                      verify can deliver several)
 ==========================================================  =======  ================================
+
+With ``dp_size > 1`` the series above sum the replicas; per-replica series (label ``dp_rank``)
+and the router's queue: :mod:`specdial.server.replica_metrics`.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ from typing import Any, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from specdial.server.replica_metrics import ReplicaCollector
 
 __all__ = ["CONTENT_TYPE", "EngineCollector", "ServerMetrics"]
 
@@ -205,6 +210,7 @@ class ServerMetrics:
         self._exported = CollectorRegistry()
         self._exported.register(_ModelNameLabel(self.registry, model_name))  # type: ignore[arg-type]
         self.registry.register(EngineCollector(engine))  # type: ignore[arg-type]
+        self.registry.register(ReplicaCollector(engine))  # type: ignore[arg-type]
         self.ttft = Histogram("specdial:time_to_first_token_seconds",
                               "Time from request arrival to its first token, seconds.",
                               buckets=_TTFT_BUCKETS, registry=self.registry)

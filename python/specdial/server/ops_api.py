@@ -20,8 +20,13 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(state: StateDep) -> JSONResponse:
-    """``{"status": "ok"}``, or the 503 of :meth:`ServerState.check_admitting`."""
+    """``{"status": "ok"}``, or the 503 of :meth:`ServerState.check_admitting`; while some
+    data-parallel replicas have failed and others serve (the engine's optional ``degraded``),
+    200 with ``{"status": "degraded", "message": <which replicas, why>}``."""
     state.check_admitting()
+    degraded = getattr(state.engine, "degraded", None)
+    if degraded:
+        return JSONResponse({"status": "degraded", "message": degraded})
     return JSONResponse({"status": "ok"})
 
 

@@ -1,0 +1,227 @@
+"""Data-parallel replica processes on this machine (issue 32): output tokens/s of dp 1 against
+dp 2 (one process per replica, one torch thread each), 16 concurrent greedy short-prompt
+requests (the Python-heavy case), built-in models (7M target + EAGLE head, adaptive steps).
+
+Configurations: ``dp1_1thread`` and ``dp1_2threads`` (one engine, ``cpu_threads`` 1 or 2) and
+``dp2_processes`` (``dp_size=2``, each replica one thread). Each configuration runs in its own
+process, started once and kept warm, so that the repetitions can alternate: repetition ``r``
+runs every configuration in turn (order rotated each repetition), ``--repeats`` times; the
+median tokens/s per configuration is reported with the ratio of dp 2 to the best dp 1. Two
+paths, each with its own processes:
+
+- ``engine``: ``Engine.generate`` with the list of prompts, in a runner process
+  (``--runner``) this script starts and drives over stdin/stdout;
+- ``http``: ``specdial serve`` subprocesses on free ports, the requests sent concurrently by
+  this process (``/v1/completions``, ``httpx``), so the client never shares the server's GIL.
+
+Greedy outputs of every configuration are compared (``identical``). Speed is never asserted;
+the machine is shared, so report the load average beside the figures (printed at start and end).
+Beside tokens/s, the CPU milliseconds per output token of each configuration's processes (router
+and replicas; /proc) show what the process split costs in work, which other users' load moves
+far less than it moves tokens/s.
+
+Usage: ``nice -n 19 .venv/bin/python benches/dp_processes.py [--repeats 5] [--out r.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROMPTS = ["def fibonacci(n):", "import os\nimport", "class Stack:\n    def", "for i in range(",
+           "def add(a, b):\n    return", "# parse the arguments\n", "with open(path) as f:",
+           "try:\n    import"]
+CONFIGS = {"dp1_1thread": (1, 1), "dp1_2threads": (1, 2), "dp2_processes": (2, None)}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and its descendants (from /proc; a
+    figure of the work done that, unlike tokens/s, other users' load barely moves)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total = (int(fields[11]) + int(fields[12])) / tick
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                total += sum(cpu_seconds(int(c)) for c in f.read().split())
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return total
+
+
+def _prompts(n: int) -> list[str]:
+    return [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+
+
+def _fixed(steps: int | None) -> dict:
+    return {} if steps is None else {"speculative_adaptive": False,
+                                     "speculative_num_steps": steps}
+
+
+def runner(dp: int, threads: int | None, requests: int, steps: int | None) -> None:
+    """``--runner``: build the engine, then answer ``run TOKENS`` lines with JSON."""
+    import specdial
+
+    kw = ({} if threads is None else {"cpu_threads": threads}) | _fixed(steps)
+    engine = specdial.Engine(dp_size=dp, max_running_requests=requests, log_interval_s=None,
+                             **kw)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        tokens = int(line.split()[1])
+        params = {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}
+        t0 = time.perf_counter()
+        outs = engine.generate(_prompts(requests), params)
+        seconds = time.perf_counter() - t0
+        done = sum(o["meta_info"]["completion_tokens"] for o in outs)
+        print(json.dumps({"tps": done / seconds, "ids": [o["output_ids"] for o in outs],
+                          "tokens": done}), flush=True)
+    engine.shutdown()
+
+
+class EngineRun:
+    """A runner process for one configuration (the ``engine`` path)."""
+
+    def __init__(self, dp: int, threads: int | None, requests: int,
+                 steps: int | None) -> None:
+        argv = [sys.executable, __file__, "--runner", "--dp", str(dp), "--requests",
+                str(requests)] + ([] if threads is None else ["--threads", str(threads)])
+        argv += [] if steps is None else ["--fixed-steps", str(steps)]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        json.loads(self.proc.stdout.readline())
+
+    def run(self, tokens: int) -> dict:
+        cpu = cpu_seconds(self.proc.pid)
+        self.proc.stdin.write(f"run {tokens}\n")
+        self.proc.stdin.flush()
+        out = json.loads(self.proc.stdout.readline())
+        out["cpu_s"] = cpu_seconds(self.proc.pid) - cpu
+        return out
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(120)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class HttpRun:
+    """A ``specdial serve`` process for one configuration (the ``http`` path)."""
+
+    def __init__(self, dp: int, threads: int | None, requests: int,
+                 steps: int | None) -> None:
+        import httpx
+
+        self.port = _free_port()
+        argv = [sys.executable, "-m", "specdial.cli", "serve", "--host", "127.0.0.1",
+                "--port", str(self.port), "--dp-size", str(dp), "--max-running-requests",
+                str(requests), "--log-level", "warning", "--log-interval-s", "0"]
+        argv += [] if threads is None else ["--cpu-threads", str(threads)]
+        argv += [] if steps is None else ["--no-speculative-adaptive",
+                                          "--speculative-num-steps", str(steps)]
+        self.proc = subprocess.Popen(argv)
+        self.url, self.requests = f"http://127.0.0.1:{self.port}", requests
+        deadline = time.monotonic() + 900
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"specdial serve --dp-size {dp} did not start")
+            time.sleep(1.0)
+
+    def run(self, tokens: int) -> dict:
+        import httpx
+
+        async def main() -> list[dict]:
+            async with httpx.AsyncClient(timeout=600) as c:
+                rs = await asyncio.gather(*(c.post(self.url + "/v1/completions", json={
+                    "prompt": p, "max_tokens": tokens, "temperature": 0, "ignore_eos": True})
+                    for p in _prompts(self.requests)))
+            return [r.json() for r in rs]
+
+        cpu, t0 = cpu_seconds(self.proc.pid), time.perf_counter()
+        outs = asyncio.run(main())
+        seconds = time.perf_counter() - t0
+        done = sum(o["usage"]["completion_tokens"] for o in outs)
+        return {"tps": done / seconds, "ids": [o["choices"][0]["text"] for o in outs],
+                "cpu_s": cpu_seconds(self.proc.pid) - cpu, "tokens": done}
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(120)
+
+
+def measure(path: str, ns: argparse.Namespace) -> dict:
+    """Alternating repetitions of every configuration on ``path``; medians and ratios."""
+    cls = EngineRun if path == "engine" else HttpRun
+    runs = {name: cls(dp, threads, ns.requests, ns.fixed_steps)
+            for name, (dp, threads) in CONFIGS.items()}
+    try:
+        outputs = {name: r.run(8)["ids"] for name, r in runs.items()}  # warm-up
+        tps: dict[str, list[float]] = {name: [] for name in runs}
+        cpu_ms: dict[str, list[float]] = {name: [] for name in runs}
+        names = list(runs)
+        for rep in range(ns.repeats):
+            for name in names[rep % len(names):] + names[:rep % len(names)]:
+                out = runs[name].run(ns.tokens)
+                tps[name].append(out["tps"])
+                cpu_ms[name].append(1000 * out["cpu_s"] / out["tokens"])
+    finally:
+        for r in runs.values():
+            r.close()
+    med = {name: statistics.median(v) for name, v in tps.items()}
+    best = max(med["dp1_1thread"], med["dp1_2threads"])
+    return {"median_tps": med, "all_tps": tps, "dp2_over_best_dp1": med["dp2_processes"] / best,
+            "median_cpu_ms_per_token": {n: statistics.median(v) for n, v in cpu_ms.items()},
+            "identical": len({json.dumps(v) for v in outputs.values()}) == 1}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--paths", default="engine,http")
+    p.add_argument("--fixed-steps", type=int, default=None,
+                   help="fixed speculative_num_steps instead of the adaptive policy (each "
+                   "replica adapts on its own timings, which differ on a loaded machine)")
+    p.add_argument("--out", default=None)
+    p.add_argument("--runner", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--dp", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=None, help=argparse.SUPPRESS)
+    ns = p.parse_args()
+    if ns.runner:
+        runner(ns.dp, ns.threads, ns.requests, ns.fixed_steps)
+        return
+    result: dict = {"load_before": os.getloadavg(), "requests": ns.requests,
+                    "tokens": ns.tokens, "repeats": ns.repeats, "fixed_steps": ns.fixed_steps}
+    for path in ns.paths.split(","):
+        result[path] = r = measure(path, ns)
+        print(f"[{path}] " + "  ".join(f"{k} {v:.1f} tok/s" for k, v in r["median_tps"].items())
+              + f"  dp2/best dp1 x{r['dp2_over_best_dp1']:.2f}  identical {r['identical']}"
+              + "\n  CPU ms per output token (all processes): " + "  ".join(
+                  f"{k} {v:.2f}" for k, v in r["median_cpu_ms_per_token"].items()), flush=True)
+    result["load_after"] = os.getloadavg()
+    print(f"load average before {result['load_before']}, after {result['load_after']}")
+    if ns.out:
+        Path(ns.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""What each data-parallel replica process gets: its options, its devices, its seed.
+
+Replica ``i`` of ``dp_size`` (its ``dp_rank``) runs one :class:`specdial.Engine` with
+``dp_size=1`` and the router's ``tp_size``; it differs from the others only in:
+
+- **devices** (:func:`replica_devices`): on a GPU host replica ``i`` sees devices
+  ``i*tp .. i*tp+tp-1`` of the ones this process sees, through ``CUDA_VISIBLE_DEVICES`` (so
+  inside it they are ``cuda:0..tp-1``), as SGLang's ``base_gpu_id + dp_rank * tp_size``;
+- **seed** (:func:`replica_seed`): the sampling generator of requests without a seed of their
+  own. Replica 0 keeps ``seed`` (so dp 1 is replica 0 of dp N); the others get independent
+  streams from :class:`numpy.random.SeedSequence` (``seed``, spawn key ``i``);
+- **rendezvous** (:func:`replica_options`): with ``tp_size > 1`` each replica's
+  tensor-parallel group has its own port: a free one, or ``dist_init_addr``'s port ``+ i``;
+- **threads**: on the CPU, unless ``cpu_threads`` is given, one torch thread per replica
+  (N replicas each using every core would oversubscribe the machine; BENCHMARKS.md shows one
+  thread fastest for small models at small batches).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from specdial.config import EngineConfig, parse_addr
+
+__all__ = ["replica_devices", "replica_options", "replica_seed", "visible_devices"]
+
+
+def visible_devices(env_value: str | None, device_count: int) -> list[str]:
+    """The devices this process sees, as ``CUDA_VISIBLE_DEVICES`` entries: the variable's
+    entries when it is set (ids or UUIDs), else ``"0".."device_count-1"``."""
+    if env_value is not None:
+        return [d.strip() for d in env_value.split(",") if d.strip()]
+    return [str(k) for k in range(device_count)]
+
+
+def replica_devices(dp_rank: int, tp_size: int, visible: list[str]) -> str:
+    """``CUDA_VISIBLE_DEVICES`` of replica ``dp_rank``: entries ``dp_rank*tp_size ..
+    dp_rank*tp_size+tp_size-1`` of ``visible`` (from :func:`visible_devices`). Raises
+    ``ValueError`` when there are too few devices for ``dp_size * tp_size``."""
+    first = dp_rank * tp_size
+    if first + tp_size > len(visible):
+        raise ValueError(f"data-parallel replica {dp_rank} needs devices {first}.."
+                         f"{first + tp_size - 1} (dp_size x tp_size devices in all) but this "
+                         f"process sees {len(visible)} ({','.join(visible) or 'none'}); lower "
+                         "--dp-size or --tp-size, or use --device cpu")
+    return ",".join(visible[first:first + tp_size])
+
+
+def replica_seed(seed: int, dp_rank: int) -> int:
+    """The sampling seed of replica ``dp_rank`` (module docstring): ``seed`` for replica 0,
+    else a 63-bit value derived from ``(seed, dp_rank)``."""
+    if dp_rank == 0:
+        return int(seed)
+    state = np.random.SeedSequence(int(seed), spawn_key=(int(dp_rank),)).generate_state(
+        1, np.uint64)
+    return int(state[0] % (2 ** 63))
+
+
+def replica_options(cfg: EngineConfig, dp_rank: int, on_cpu: bool) -> dict[str, Any]:
+    """The ``Engine`` keyword arguments of replica ``dp_rank`` of ``cfg`` (module docstring).
+    Raises ``ValueError`` naming ``steps_schedule`` when it is a callable (it cannot be sent
+    to another process; ``data_parallel_backend='inprocess'`` takes one)."""
+    if callable(cfg.steps_schedule):
+        raise ValueError("steps_schedule: a callable cannot be sent to replica processes; pass "
+                         "a sequence, or use data_parallel_backend='inprocess'")
+    options = cfg.to_dict()
+    options.update(dp_size=1, seed=replica_seed(cfg.seed, dp_rank))
+    if on_cpu and cfg.cpu_threads is None:
+        options["cpu_threads"] = 1
+    if cfg.tp_size > 1 and cfg.dist_init_addr is not None:
+        host, port = parse_addr(cfg.dist_init_addr)
+        options["dist_init_addr"] = f"{host}:{port + dp_rank}"
+    if cfg.record_trace is not None and dp_rank > 0:
+        options["record_trace"] = f"{cfg.record_trace}.dp{dp_rank}"
+    return options
