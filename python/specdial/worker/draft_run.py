@@ -70,11 +70,12 @@ class DraftRun:
         self.tokens.append(tok)
         return tok
 
-    def levels(self, steps: Sequence[ForwardBatch], backend: Any,
+    def levels(self, k: int, steps: Sequence[ForwardBatch], backend: Any,
                first_hidden: torch.Tensor | None, levels: DraftLevels) -> None:
         """Run ``levels.levels`` levels, level ``i + 1`` over ``levels.active[i]`` only
         (``steps[i]`` holds those requests); its logits (and EAGLE's hidden output) are
-        scattered into the full batch, where the inactive rows get zeros."""
+        scattered into the full batch, where the inactive rows get zeros. Sampled drafts
+        then draw filler levels up to ``k`` (:meth:`filler`)."""
         b = levels.first_ids.numel()
         prev, h_full = levels.first_ids, first_hidden
         for i in range(levels.levels):
@@ -89,6 +90,21 @@ class DraftRun:
             if h_full is not None:
                 h_full = h.new_zeros(b, h.shape[1]).index_copy_(0, act, h)
             prev = self.choose(logits, i, prev)
+        if not self.sampling.all_greedy:
+            for i in range(levels.levels, k):
+                self.filler(i, b, levels.first_ids.device)
+
+    def filler(self, i: int, b: int, device: torch.device) -> None:
+        """Level ``i`` that no request drafts, in a sampled batch: a draw from the uniform
+        ``[B, V]`` weights, so the generator advances exactly as for a drafted level (the
+        engine's generator stream, and so an unseeded batch's tokens, match a padded batch's,
+        e.g. a CUDA-graph replay's). Its tokens and ``q`` are never read."""
+        vocab = self.drafter.vocab_size
+        q = torch.full((b, vocab), 1.0 / vocab, device=device)
+        pos = self.sample_positions
+        self.tokens.append(sample_from_probs(q, self.generator, sampling=self.sampling,
+                                             positions=None if pos is None else pos + i))
+        self.probs.append(q)
 
     def result(self, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(tokens [B, k], probs [B, k, V] or None)``; levels that did not run are zeros

@@ -220,7 +220,7 @@ class Drafter(abc.ABC):
                     steps[i + 1].input_ids.copy_(tok)
                 hidden = h
         else:
-            run.levels(steps, backend, first_hidden, levels)
+            run.levels(k, steps, backend, first_hidden, levels)
         return run.result(k)
 
 
