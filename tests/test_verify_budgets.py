@@ -102,6 +102,19 @@ def test_greedy_tokens_with_per_request_budgets(request, name):
     assert got == target_tokens(models.target)
 
 
+def test_graph_replay_of_a_budgeted_batch_is_padded_and_lossless(tiny):
+    """The CUDA-graph path (emulated on the CPU) keeps its ``(steps, padded batch)`` graphs: a
+    heterogeneous batch replays them padded to the depth, and the device-side caps keep it
+    lossless."""
+    worker = make_worker(tiny.target, tiny.draft_noisy, cuda_graph_bs=[1, 2, 4],
+                         cuda_graph_mode="emulate")
+    with torch.inference_mode():
+        got = run_budgets(worker, PROMPTS, GREEDY)
+    stats = worker.graph_stats()
+    assert stats["replays"]["verify"] > 0 and stats["replays"]["draft"] > 0
+    assert got == target_tokens(tiny.target)
+
+
 def test_verify_is_packed_and_levels_draft_only_their_requests(tiny):
     """The target's verify forward sees ``sum(v_r + 1)`` tokens and draft level ``j`` only the
     requests with ``v_r >= j`` (no draft forward at all when every budget is 0)."""
