@@ -19,9 +19,13 @@ per row, ``draft_len``, with its rules, and the target features EAGLE reads).
   zero-step extends, then ``k`` draft forwards), :meth:`~SpecWorker.verify` (one target forward
   over ``[x_L, d_1..d_k]`` per request), :meth:`~SpecWorker.accept`
   (:func:`~specdial.worker.sampling.speculative_accept` and the one host copy), then
-  :meth:`~SpecWorker.extend` (the draft extend). A request capped below ``k``
-  (``steps_per_request[b] = s < k``, near its end) has KV slots only for ``L..L+s``: its later
-  drafts and verify tokens write the pad KV slot and it never accepts more than ``s`` drafts.
+  :meth:`~SpecWorker.extend` (the draft extend). Each request has its own verify budget
+  ``steps_per_request[b] = v in 0..k`` (issue 28; near its end, or chosen by the policy) and
+  KV slots only for ``L..L+v``: eagerly the target verifies only its ``v + 1`` tokens and it
+  drafts only levels ``1..v`` (:mod:`specdial.worker.verify_budgets`); a replayed graph pads
+  it to ``k`` (its extra positions write the pad KV slot). It never accepts more than ``v``
+  drafts (capped on the device), and its drafts' confidences come back as
+  :attr:`StepOutput.draft_probs`.
 
 Passes: one :class:`~specdial.worker.step_runner.StepRunner` per steps value (the runtime
 state), all over one buffer set. CUDA graphs (``cuda_graph_bs`` given): at start the worker
