@@ -11,6 +11,7 @@ from prometheus_client.core import CollectorRegistry
 from conftest import PROMPTS
 from specdial.bench.datasets import build_requests
 from specdial.bench.driver import _params_of
+from specdial.bench.http_driver import prometheus_snapshot
 from specdial.bench.metrics import RunData, snapshot, summarize
 from specdial.engine import Engine
 from specdial.engine.api import EngineStats
@@ -52,6 +53,7 @@ def test_metrics_and_reports_show_the_histogram():
     text = generate_latest(reg).decode()
     assert 'specdial:spec_decode_verify_length_total{verify_length="0"} 4.0' in text
     assert 'specdial:spec_decode_verify_length_total{verify_length="2"} 7.0' in text
+    assert prometheus_snapshot(text)["verify_length_histogram"] == {0: 4, 2: 7}  # bench http
     report = {"meta_info": {"completion_tokens": 3}, "seconds": 1.0,
               "speculative_algorithm": "EAGLE", "verify_lengths": {0: 2, 4: 5}}
     assert "verify lengths     0: 2, 4: 5" in format_generation(report)
