@@ -102,16 +102,18 @@ def test_greedy_tokens_with_per_request_budgets(request, name):
     assert got == target_tokens(models.target)
 
 
-def test_graph_replay_of_a_budgeted_batch_is_padded_and_lossless(tiny):
+@pytest.mark.parametrize("sizes", [[1, 2, 4], [1, 2]])
+def test_graph_replay_of_a_budgeted_batch_is_padded_and_lossless(tiny, sizes):
     """The CUDA-graph path (emulated on the CPU) keeps its ``(steps, padded batch)`` graphs: a
     heterogeneous batch replays them padded to the depth, and the device-side caps keep it
-    lossless."""
-    worker = make_worker(tiny.target, tiny.draft_noisy, cuda_graph_bs=[1, 2, 4],
+    lossless; a batch above the largest graph (3 requests, graphs of 1 and 2) runs packed."""
+    worker = make_worker(tiny.target, tiny.draft_noisy, cuda_graph_bs=sizes,
                          cuda_graph_mode="emulate")
     with torch.inference_mode():
         got = run_budgets(worker, PROMPTS, GREEDY)
     stats = worker.graph_stats()
     assert stats["replays"]["verify"] > 0 and stats["replays"]["draft"] > 0
+    assert (stats["eager"].get("decode:budgets_eager", 0) > 0) == (max(sizes) < 3)
     assert got == target_tokens(tiny.target)
 
 

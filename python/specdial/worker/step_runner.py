@@ -146,9 +146,10 @@ class StepRunner:
         draft pass. With a pool no eager metadata is planned here (``attn`` None): the batches
         carry the KV layout and ``graph_bs`` (the plan's) for the passes, which replay or plan
         their own eager metadata when they fall back. ``budgets``: each request's verify
-        budget ``v_r`` (``[B]`` host in ``0..steps``; None: all ``steps``); without a pool,
-        budgets below ``steps`` give a packed verify and per-level drafting
-        (:mod:`specdial.worker.verify_budgets`); with one, the batch replays padded."""
+        budget ``v_r`` (``[B]`` host in ``0..steps``; None: all ``steps``); budgets below
+        ``steps`` give a packed verify and per-level drafting
+        (:mod:`specdial.worker.verify_budgets`) unless a captured graph serves the batch,
+        which then replays padded (counted as ``decode:budgets_eager`` when none does)."""
         b, n, k = len(rows), self.n, self.steps
         if b > self.max_bs:
             raise ValueError(f"batch of {b} requests exceeds max_running_requests {self.max_bs}")
@@ -161,7 +162,10 @@ class StepRunner:
         out_loc.copy_(t.req_to_token[rows_d[:, None], positions])
         ids = buf.verify_input_ids[: b * n].view(b, n)
         ids[:, 0] = t.req_to_ids[rows_d, positions[:, 0]]
-        if not graphs and budgets is not None and k and bool((budgets < k).any()):
+        if budgets is not None and k and bool((budgets < k).any()) and (
+                not graphs or not self.enabled or self.padded_bs(b, graph_bs) is None):
+            if graphs:  # no graph serves this batch: the eager passes, packed
+                self.stats.fallback("decode:budgets_eager")
             return self._prepare_budgets(rows_d, target_len, positions, out_loc, ids,
                                          np.asarray(budgets, np.int64))
         layout = None

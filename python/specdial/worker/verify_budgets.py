@@ -18,7 +18,8 @@ A decode plan at ``steps = k`` gives each request its verify budget ``v_r`` in `
   ``[B, V]`` rows as before (the draws' shapes do not change).
 
 Both are eager-path tools: the CUDA-graph path stays keyed by ``(steps, padded batch size)``
-and replays a heterogeneous batch padded (see ``docs/ARCHITECTURE.md``, "Verify budgets").
+and replays a heterogeneous batch padded; a batch no graph serves runs packed (see
+``docs/ARCHITECTURE.md``, "Verify budgets").
 Host arrays numpy int64, device tensors int64; no device sync.
 """
 
