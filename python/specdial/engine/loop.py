@@ -297,7 +297,7 @@ class EngineLoop:
         seconds = time.perf_counter() - started
         stops = check_stop_strings(self.live, rids, out.tokens, out.offsets)
         res = self.sched.report(out.tokens, out.offsets, out.accepted, seconds=seconds,
-                                stop_strings=stops.stopped)
+                                stop_strings=stops.stopped, draft_probs=out.draft_probs)
         self._decode_iters += 1
         self._verify_lengths.add(plan.steps_per_request)
         self._last_decode = (int(plan.steps), int(plan.graph_bs or plan.batch_size))
