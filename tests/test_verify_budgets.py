@@ -204,6 +204,9 @@ def test_draft_confidence_is_the_probability_of_the_drafted_token():
     q = run.probs[0]
     assert torch.allclose(conf[:3, 0], q[:3].gather(1, tok[:3, None]).squeeze(1))
     assert torch.allclose(conf[3:, 0], soft[3:].max(-1).values)
+    logits[0] = float("-inf")  # a row masked to nothing: no confidence, still a probability
+    DraftRun(Identity(), greedy, None, None, None, conf).choose(logits, 0, None)
+    assert conf[0, 0] == 0 and bool(((conf >= 0) & (conf <= 1)).all())
 
 
 def test_a_budget_caps_acceptance_with_the_bonus_token_of_its_column():

@@ -66,7 +66,9 @@ class DraftRun:
                 conf = torch.where(sampling.greedy_mask, greedy_confidence(logits), q_tok)
         if conf is not None:
             assert self.conf_out is not None
-            self.conf_out[:, i].copy_(conf)
+            # a probability (Scheduler.report checks [0, 1]): renormalised top-k / top-p
+            # weights can round a hair above 1, and a row masked to nothing has no confidence
+            self.conf_out[:, i].copy_(conf.nan_to_num(0.0).clamp(0.0, 1.0))
         self.tokens.append(tok)
         return tok
 
