@@ -58,7 +58,7 @@ def test_metrics_and_reports_show_the_histogram():
               "speculative_algorithm": "EAGLE", "verify_lengths": {0: 2, 4: 5}}
     assert "verify lengths     0: 2, 4: 5" in format_generation(report)
     first = snapshot(EngineStats(verify_length_histogram={1: 2}), 0.0)
-    last = snapshot(EngineStats(verify_length_histogram={1: 5, 3: 4}), 1.0)
+    last = snapshot(snapshot(EngineStats(verify_length_histogram={1: 5, 3: 4}), 0.0), 1.0)
     s = summarize([RunData([], 1.0, [first, last])])
     assert s["verify_length_histogram"] == {1: 3, 3: 4}
 

@@ -168,8 +168,8 @@ def snapshot(stats: Any, t: float) -> dict[str, Any]:
         snap["iterations_per_steps"] = {int(k): int(v)
                                         for k, v in data["iterations_per_steps"].items()}
     if data.get("verify_length_histogram") is not None:
-        snap["verify_lengths"] = {int(k): int(v)
-                                  for k, v in data["verify_length_histogram"].items()}
+        snap["verify_length_histogram"] = {int(k): int(v)
+                                           for k, v in data["verify_length_histogram"].items()}
     return snap
 
 
@@ -292,7 +292,7 @@ def summarize(runs: Sequence[RunData]) -> dict[str, Any]:
                 engine_iters[k] = engine_iters.get(k, 0) + v - first.get(k, 0)
     errors = [rec.error for rec in records if rec.error][:5]
     return {
-        "verify_length_histogram": _hist_delta(runs, "verify_lengths"),
+        "verify_length_histogram": _hist_delta(runs, "verify_length_histogram"),
         "completed": len(ok),
         "failed": len(records) - len(ok),
         "duration_s": duration,
