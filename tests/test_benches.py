@@ -89,3 +89,24 @@ def test_dp_processes_bench_smoke(tmp_path):
     result = json.loads(out.read_text())["engine"]
     assert set(result["median_tps"]) == {"dp1_1thread", "dp1_2threads", "dp2_processes"}
     assert result["identical"] is True and result["dp2_over_best_dp1"] > 0
+
+
+def test_verify_budgets_benches_smoke(tmp_path):
+    """Issue 28's scripts: the cost of a budgeted iteration, and the paired A/B on mixed-batch."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benches" / "verify_budgets_cost.py"), "--batch", "4",
+         "--rounds", "1", "--iters", "1", "--depth", "3"],
+        capture_output=True, text=True, timeout=scaled(300))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads(proc.stdout.strip().splitlines()[-1])["4"]
+    assert row["verify_tokens"] == {"padded": 16, "budgets": 9}  # budgets 0, 1, 1, 3
+    out = tmp_path / "ab.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benches" / "verify_budgets_ab.py"), "--a",
+         '{"speculative_adaptive": false, "speculative_num_steps": 0}', "--b",
+         '{"speculative_adaptive": false, "speculative_num_steps": 2}', "--concurrency", "2",
+         "--rounds", "1", "--num-prompts", "2", "--max-new-tokens", "4", "--json", str(out)],
+        capture_output=True, text=True, timeout=scaled(300))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())["by_concurrency"]["2"]
+    assert len(res["ratios"]) == 1 and res["median_ratio_b_over_a"] > 0

@@ -111,7 +111,8 @@ def run_generation(engine: Any, cfg: Any, startup_seconds: float) -> dict[str, A
         "prompt": cfg.prompt, "text": out.get("text", ""), "output_ids": out.get("output_ids", []),
         "meta_info": out["meta_info"], "seconds": seconds, "startup_seconds": startup_seconds,
         "speculative_algorithm": algorithm, "policy": policy,
-        "policy_cache": engine.stats().policy_cache, "no_spec": None}
+        "policy_cache": engine.stats().policy_cache, "no_spec": None,
+        "verify_lengths": engine.stats().verify_length_histogram}
     if cfg.compare_no_spec and algorithm is not None:
         plain = _no_spec_engine(engine, cfg)
         try:
@@ -123,6 +124,10 @@ def run_generation(engine: Any, cfg: Any, startup_seconds: float) -> dict[str, A
                              "completion_tokens": base["meta_info"]["completion_tokens"],
                              "same_text": base.get("output_ids") == out.get("output_ids")}
     return report
+
+
+def _hist_text(hist: dict | None) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in sorted((hist or {}).items())) or "-"
 
 
 def _rate(tokens: int, seconds: float) -> str:
@@ -149,7 +154,9 @@ def format_generation(report: dict[str, Any]) -> str:
             "with drafts (accepted drafts + 1)",
             f"verifies           {m.get('spec_verify_ct', 0)} decode iterations, {drafting} with "
             "drafts (steps 0 is a plain decode)",
-            f"steps histogram    {hist_text or '-'} (steps: decode iterations)"]
+            f"steps histogram    {hist_text or '-'} (steps: decode iterations)",
+            f"verify lengths     {_hist_text(report.get('verify_lengths'))} (drafts verified "
+            "per request: decode iterations)"]
     seconds = float(report["seconds"])
     lines += ["--- time ---",
               f"start-up           {report.get('startup_seconds', 0.0):.2f} s (loading the models "

@@ -90,7 +90,8 @@ class BenchConfig(_BenchCommon):
     base_url: str = _opt("server URL for --backend http", default="http://127.0.0.1:30000")
     served_model_name: str | None = _opt(
         "--backend http: the request's model; default: the first of /v1/models", metavar="NAME")
-    dataset: str = _opt("code, prose, hard, mixed, sharegpt (--dataset-path), random "
+    dataset: str = _opt("code, prose, hard, mixed, mixed-batch (greedy code and "
+                        "temperature-1.0 prose interleaved), sharegpt (--dataset-path), random "
                         "(--random-*), or a JSONL file (field 'prompt', or 'input_ids')",
                         default="code", metavar="NAME|PATH")
     dataset_path: str | None = _opt("--dataset sharegpt: the ShareGPT JSON file",
@@ -255,6 +256,11 @@ def format_result(result: dict[str, Any]) -> str:
     if s["engine_iterations_per_steps"]:
         rows.append(("Steps (engine iterations)", ", ".join(
             f"{k}: {v}" for k, v in s["engine_iterations_per_steps"].items())))
+    vl = s.get("verify_length_histogram")
+    if vl:
+        n_vl = sum(vl.values())
+        rows.append(("Verify lengths (request-iterations)", ", ".join(
+            f"{k}: {v} ({100 * v / n_vl:.0f}%)" for k, v in vl.items())))
     width = 42
     lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=width + 20, c="=")]
     for k, v in rows:

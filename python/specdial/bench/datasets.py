@@ -7,6 +7,9 @@ A dataset is named by ``--dataset``:
 - ``sharegpt`` and ``random``: :mod:`specdial.bench.serving_datasets`;
 - ``mixed``: ``code`` and ``hard`` prompts in phases: ``mix_every`` code requests, then
   ``mix_every`` hard ones, and so on (the adaptive policy meets high- and low-acceptance phases);
+- ``mixed-batch`` (issue 28): greedy ``code`` requests and temperature-1.0 ``prose`` requests
+  interleaved one by one in arrival order, so every batch mixes high- and low-acceptance
+  requests (each request carries its own ``temperature``; ``mix_every`` is ignored);
 - any other value: a path to a JSONL file.
 
 Each JSONL line is an object with ``prompt`` (text) or ``input_ids`` (token ids, for engines
@@ -30,6 +33,8 @@ __all__ = ["BUILTIN_DATASETS", "BenchRequest", "DatasetError", "build_requests",
 BUILTIN_DATASETS = ("code", "prose", "hard")
 #: The two prompt sets the ``mixed`` workload alternates between.
 MIXED_PHASES = ("code", "hard")
+#: ``mixed-batch``: (prompt set, temperature) of the requests it interleaves one by one.
+MIXED_BATCH = (("code", 0.0), ("prose", 1.0))
 
 
 class DatasetError(ValueError):
@@ -41,13 +46,15 @@ class BenchRequest:
     """One benchmark request: ``prompt`` text and/or ``input_ids``; ``workload`` is the prompt
     set it came from (``code``, ``hard``, ... or the file stem), ``index`` its position in the
     request sequence; ``max_new_tokens``: its own output length (ShareGPT, random datasets),
-    None for the run's."""
+    None for the run's; ``temperature``: its own sampling temperature (``mixed-batch``), None
+    for the run's."""
 
     index: int
     workload: str
     prompt: str | None = None
     input_ids: tuple[int, ...] | None = None
     max_new_tokens: int | None = None
+    temperature: float | None = None
 
     @property
     def prompt_tokens(self) -> int | None:
@@ -126,7 +133,8 @@ def build_requests(dataset: str, num_prompts: int, *, seed: int = 0, mix_every: 
                    ) -> list[BenchRequest]:
     """The request sequence of a benchmark run (``num_prompts`` requests, ``index`` 0..n-1).
 
-    ``dataset``: ``code``/``prose``/``hard``/``mixed`` or a JSONL path (module docstring).
+    ``dataset``: ``code``/``prose``/``hard``/``mixed``/``mixed-batch`` or a JSONL path (module
+    docstring).
     ``seed`` shuffles each prompt set; ``mix_every`` is the phase length of ``mixed`` in
     requests. ``keep`` maps each candidate prompt to the request to use (e.g. with token ids
     filled in) or None to drop it (e.g. too long for the context); it runs after the shuffle.
@@ -135,14 +143,20 @@ def build_requests(dataset: str, num_prompts: int, *, seed: int = 0, mix_every: 
     if num_prompts < 1:
         raise DatasetError(f"num_prompts must be >= 1, got {num_prompts}")
     directory = prompts_dir(directory)
-    if dataset == "mixed":
+    temperatures: Sequence[float | None] = (None,)
+    if dataset == "mixed-batch":
+        sources: Sequence[list[BenchRequest]] = [
+            _prepare(load_jsonl(*_resolve(name, directory)), seed, keep)
+            for name, _ in MIXED_BATCH]
+        temperatures, mix_every = [t for _, t in MIXED_BATCH], 1
+    elif dataset == "mixed":
         if mix_every < 1:
             raise DatasetError(f"mix_every must be >= 1, got {mix_every}")
         phases = []
         for name in MIXED_PHASES:
             path, label = _resolve(name, directory)
             phases.append(_prepare(load_jsonl(path, label), seed, keep))
-        sources: Sequence[list[BenchRequest]] = phases
+        sources = phases
     else:
         path, label = _resolve(dataset, directory)
         sources = [_prepare(load_jsonl(path, label), seed, keep)]
@@ -158,5 +172,7 @@ def build_requests(dataset: str, num_prompts: int, *, seed: int = 0, mix_every: 
         src = sources[phase]
         r = src[cursors[phase] % len(src)]
         cursors[phase] += 1
-        out.append(BenchRequest(len(out), r.workload, r.prompt, r.input_ids, r.max_new_tokens))
+        temp = temperatures[phase] if len(temperatures) > 1 else r.temperature
+        out.append(BenchRequest(len(out), r.workload, r.prompt, r.input_ids, r.max_new_tokens,
+                                temp))
     return out

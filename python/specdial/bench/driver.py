@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import math
 import random
@@ -111,7 +112,7 @@ class EngineDriver:
         max_new_tokens = req.max_new_tokens or max_new_tokens
         if not ids or (ctx is not None and len(ids) + max_new_tokens > int(ctx)):
             return None
-        return BenchRequest(req.index, req.workload, req.prompt, ids, req.max_new_tokens)
+        return dataclasses.replace(req, input_ids=ids)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (the engine's tokenizer; ``ValueError`` without one)."""
@@ -259,10 +260,11 @@ async def run_benchmark(driver: Driver, requests: Sequence[BenchRequest], *,
 
 
 def _params_of(req: BenchRequest, params: dict[str, Any]) -> dict[str, Any]:
-    """The run's sampling params with ``req``'s own output length, when it has one."""
-    if req.max_new_tokens is None:
-        return params
-    return {**params, "max_new_tokens": req.max_new_tokens}
+    """The run's sampling params with ``req``'s own output length and temperature, when it
+    has them."""
+    own = {k: v for k, v in (("max_new_tokens", req.max_new_tokens),
+                             ("temperature", req.temperature)) if v is not None}
+    return {**params, **own} if own else params
 
 
 class _Gate:

@@ -62,7 +62,8 @@ def prometheus_snapshot(text: str) -> dict[str, Any]:
     """A stats mapping (the :class:`~specdial.engine.api.EngineStats` field names) from a
     ``/metrics`` body: specdial's names (``specdial:spec_decode_num_drafts_total``, ...), or
     vLLM's/SGLang's where they match; ``steps_per_slot`` from
-    ``specdial:spec_decode_num_steps{slot=...}``."""
+    ``specdial:spec_decode_num_steps{slot=...}``; ``verify_length_histogram`` from
+    ``specdial:spec_decode_verify_length_total{verify_length=...}``."""
     samples = parse_prometheus(text)
 
     def lookup(base: str) -> list[tuple[dict[str, str], float]] | None:
@@ -78,6 +79,10 @@ def prometheus_snapshot(text: str) -> dict[str, Any]:
             snap[key] = int(sum(v for _, v in found))
     steps = lookup("spec_decode_num_steps") or []
     snap["steps_per_slot"] = {int(lab["slot"]): int(v) for lab, v in steps if "slot" in lab}
+    lengths = lookup("spec_decode_verify_length_total")
+    if lengths is not None:
+        snap["verify_length_histogram"] = {int(lab["verify_length"]): int(v)
+                                           for lab, v in lengths if "verify_length" in lab}
     return snap
 
 

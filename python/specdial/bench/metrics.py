@@ -167,6 +167,9 @@ def snapshot(stats: Any, t: float) -> dict[str, Any]:
     if data.get("iterations_per_steps") is not None:
         snap["iterations_per_steps"] = {int(k): int(v)
                                         for k, v in data["iterations_per_steps"].items()}
+    if data.get("verify_length_histogram") is not None:
+        snap["verify_length_histogram"] = {int(k): int(v)
+                                           for k, v in data["verify_length_histogram"].items()}
     return snap
 
 
@@ -228,6 +231,20 @@ def _delta(runs: Iterable[RunData], name: str) -> int | None:
     return total if seen else None
 
 
+def _hist_delta(runs: Iterable[RunData], name: str) -> dict[int, int] | None:
+    """The growth of a cumulative ``{key: count}`` snapshot entry over each run, summed (None
+    when no run has two snapshots with it)."""
+    total: dict[int, int] | None = None
+    for r in runs:
+        if len(r.timeline) >= 2 and name in r.timeline[-1]:
+            first, last = r.timeline[0].get(name, {}), r.timeline[-1][name]
+            total = total or {}
+            for k, v in last.items():
+                if v - first.get(k, 0):
+                    total[k] = total.get(k, 0) + v - first.get(k, 0)
+    return None if total is None else dict(sorted(total.items()))
+
+
 def _steps_time_share(runs: Iterable[RunData]) -> dict[int, float]:
     weights: dict[int, float] = {}
     for r in runs:
@@ -247,6 +264,8 @@ def summarize(runs: Sequence[RunData]) -> dict[str, Any]:
     / ``e2e_latency_s`` (each ``{"mean", "p50", "p99", "count"}``, seconds),
     ``mean_accept_length``, ``draft_acceptance_rate``, ``tokens_per_verify``,
     ``steps_histogram``, ``engine_iterations_per_steps``, ``steps_time_share``,
+    ``verify_length_histogram`` (``{drafts verified: request-iterations}``, each request at
+    its own verify budget; from the engine's stats timeline, None without one),
     ``step_switches``, ``streaming``, ``errors`` (up to 5 messages)."""
     records = [rec for r in runs for rec in r.records]
     ok = [rec for rec in records if rec.success]
@@ -273,6 +292,7 @@ def summarize(runs: Sequence[RunData]) -> dict[str, Any]:
                 engine_iters[k] = engine_iters.get(k, 0) + v - first.get(k, 0)
     errors = [rec.error for rec in records if rec.error][:5]
     return {
+        "verify_length_histogram": _hist_delta(runs, "verify_length_histogram"),
         "completed": len(ok),
         "failed": len(records) - len(ok),
         "duration_s": duration,

@@ -140,7 +140,10 @@ class EngineStats:
     request per verify}); see :meth:`specdial._core.Scheduler.goodput_state`.
     ``policy_cache``: whether the goodput policy was seeded from this machine's policy cache
     (``"loaded"``, ``"none"``, ``"ignored: <why>"``, ``"off"``, ``"n/a: <why>"``; see
-    :mod:`specdial.engine.policy_cache`).
+    :mod:`specdial.engine.policy_cache`). ``verify_length_histogram``: cumulative
+    ``{verify length: request-iterations}`` over decode iterations, each request counted at
+    its own verify budget (``steps_per_request``, drafts verified; 0 = a plain decode), which
+    differs from the batch's steps under per-request budgets (issue 28).
     """
 
     running: int = 0
@@ -163,6 +166,7 @@ class EngineStats:
     policy: str | None = None
     goodput: dict[str, Any] | None = None
     policy_cache: str | None = None
+    verify_length_histogram: dict[int, int] = field(default_factory=dict)
 
     @property
     def num_draft_tokens(self) -> int:

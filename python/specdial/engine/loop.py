@@ -50,7 +50,7 @@ from specdial.detokenize import IncrementalText
 from specdial.engine.api import POLICY_REFRESH_S, EngineStats, RequestError
 from specdial.engine.ends import aborted, failed, finished, shut_down
 from specdial.engine.isolation import sampling_isolated
-from specdial.engine.loop_stats import engine_stats, log_progress
+from specdial.engine.loop_stats import VerifyLengths, engine_stats, log_progress
 from specdial.engine.live import LiveRequest, prompt_plan, store_prompt_logprobs
 from specdial.engine.stops import StopCheck, check_stop_strings
 from specdial.engine.messages import (Abort, Cancel, Crash, Message, RequestSpec, Shutdown,
@@ -106,6 +106,7 @@ class EngineLoop:
         self._decode_iters = 0
         self._prompt_tokens = 0
         self._verify_reqs = self._verify_tokens = 0
+        self._verify_lengths = VerifyLengths()  # per-request verify budgets, cumulative
         self._log_mark = (time.monotonic(), 0, 0, 0)
         self._stats = EngineStats()
         self._goodput: dict[str, Any] | None = None
@@ -296,8 +297,9 @@ class EngineLoop:
         seconds = time.perf_counter() - started
         stops = check_stop_strings(self.live, rids, out.tokens, out.offsets)
         res = self.sched.report(out.tokens, out.offsets, out.accepted, seconds=seconds,
-                                stop_strings=stops.stopped)
+                                stop_strings=stops.stopped, draft_probs=out.draft_probs)
         self._decode_iters += 1
+        self._verify_lengths.add(plan.steps_per_request)
         self._last_decode = (int(plan.steps), int(plan.graph_bs or plan.batch_size))
         return out, res, stops
 
@@ -465,7 +467,8 @@ class EngineLoop:
         self._stats = engine_stats(s, slot_states, fixed_steps=self._fixed_steps,
                                    prompt_tokens=self._prompt_tokens,
                                    last_decode=self._last_decode, policy=self._policy,
-                                   goodput=self._goodput_state())
+                                   goodput=self._goodput_state(),
+                                   verify_lengths=self._verify_lengths.as_dict())
 
     def _goodput_state(self) -> dict[str, Any] | None:
         """The goodput strategy's state, rebuilt at most every POLICY_REFRESH_S seconds while

@@ -146,6 +146,13 @@ class EngineCollector:
         for pos, n in enumerate(s.accepted_per_pos):
             per_pos.add_metric([str(pos)], n)
         yield per_pos
+        lengths = CounterMetricFamily(
+            "specdial:spec_decode_verify_length",
+            "Request decode iterations by their verify length (drafts the request verified, its "
+            "own budget; 0 = a plain decode through verify).", labels=["verify_length"])
+        for v, n in sorted((getattr(s, "verify_length_histogram", None) or {}).items()):
+            lengths.add_metric([str(v)], n)
+        yield lengths
         yield from self._goodput(getattr(s, "goodput", None))
 
     @staticmethod

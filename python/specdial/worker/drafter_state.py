@@ -80,10 +80,11 @@ class DrafterState:
         prev = tables.req_to_token[batches.rows, batches.verify_positions[:, 0] - 1]
         return self.features[prev]
 
-    def after_verify(self, rows: np.ndarray, target_len: np.ndarray, steps: int,
-                     accepted: np.ndarray) -> None:
-        """The drafter's valid length after drafting ``steps >= 1`` at ``target_len`` and a
-        verify accepting ``accepted`` (host ``[B]``)."""
+    def after_verify(self, rows: np.ndarray, target_len: np.ndarray,
+                     steps: np.ndarray | int, accepted: np.ndarray) -> None:
+        """The drafter's valid length after drafting ``steps`` levels per request (host
+        ``[B]``, the verify budgets, or one value) at ``target_len`` and a verify accepting
+        ``accepted`` (host ``[B]``)."""
         self.draft_len[rows] = self.drafter.draft_len_after_verify(target_len, steps, accepted)
 
     def catch_up(self, rows: np.ndarray, ends: np.ndarray, state: StepRunner,

@@ -38,6 +38,8 @@ Position / validity convention (used by :mod:`specdial.worker.worker`):
   so the draft extend recomputes ``L+1..L+a`` with true hiddens. The draft model wrote true
   entries for ``x_L, d_1..d_{k-1}`` at ``L..L+k-1``, so its ``draft_len`` is
   ``min(L + k, L + a + 1)`` and its extend only covers ``d_k`` when every draft was accepted.
+  With a per-request verify budget ``v_r`` (issue 28) ``k`` is the request's own ``v_r``
+  (the levels it drafted); ``v_r = 0`` wrote nothing, so ``draft_len`` stays ``L``.
 - When ``draft_len`` moves (a row's restart, the catch-up over ``[draft_len, L)`` before
   drafting and as the draft extend after each verify, :meth:`Drafter.draft_len_after_verify`,
   skipped zero-step extends) is stated once, in :mod:`specdial.worker.drafter_state`. Extend
@@ -65,7 +67,9 @@ from specdial.models.eagle import EagleHead
 from specdial.models.eagle3 import Eagle3Head
 from specdial.models.llama import LlamaForCausalLM
 from specdial.worker.processors import StepProcessing
-from specdial.worker.sampling import BatchSampling, sample_from_probs, target_probs
+from specdial.worker.draft_run import DraftRun
+from specdial.worker.sampling import BatchSampling
+from specdial.worker.verify_budgets import DraftLevels
 
 #: Default largest ``steps`` a chain drafter accepts (buffers and runtime states are sized by
 #: the configured candidates, so this is only a sanity bound; override per drafter). The value
@@ -136,10 +140,12 @@ class Drafter(abc.ABC):
         """``[N, H]`` -> float32 logits ``[N, V]``."""
 
     @abc.abstractmethod
-    def draft_len_after_verify(self, target_len: np.ndarray, steps: int,
+    def draft_len_after_verify(self, target_len: np.ndarray, steps: np.ndarray | int,
                                accepted: np.ndarray) -> np.ndarray:
-        """Valid ``draft_len`` ``[B]`` after drafting ``steps >= 1`` at ``target_len`` ``L`` and
-        a verify accepting ``accepted`` drafts (see the module docstring)."""
+        """Valid ``draft_len`` ``[B]`` after drafting ``steps`` levels (``[B]`` or one value,
+        each in ``0..k``: a request with a verify budget drafts only its own levels) at
+        ``target_len`` ``L`` and a verify accepting ``accepted`` drafts (see the module
+        docstring)."""
 
     def extend(self, batch: ForwardBatch, backend: AttentionBackend, *,
                hidden_states: torch.Tensor | None = None,
@@ -163,7 +169,9 @@ class Drafter(abc.ABC):
               first_hidden: torch.Tensor | None, sampling: BatchSampling,
               generator: torch.Generator | None,
               sample_positions: torch.Tensor | None = None,
-              processing: StepProcessing | None = None
+              processing: StepProcessing | None = None,
+              conf_out: torch.Tensor | None = None,
+              levels: DraftLevels | None = None
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Propose ``k >= 1`` tokens per request with ``k`` one-token forwards.
 
@@ -185,38 +193,35 @@ class Drafter(abc.ABC):
         ``sampling.any_seeded``. ``processing``: the batch's penalties and ``min_tokens``
         (:class:`~specdial.worker.processors.StepProcessing`), applied to step ``i``'s logits
         over the target vocabulary with the history ``x_L, d_1..d_i`` before the argmax or
-        ``q`` (only the acceptance depends on it: any proposal is verified exactly). Raises
-        ``ValueError`` for ``k`` outside ``1..max_steps``.
+        ``q`` (only the acceptance depends on it: any proposal is verified exactly).
+
+        ``conf_out`` ``[B, k]`` float32 (optional, written in place, CUDA-graph safe): the
+        drafter's probability of each proposed token, the confidence signal of per-request
+        verify budgets (DSpark, vLLM PR #47808; SpecDec++): ``softmax(logits)[d]`` for
+        greedy rows (the draft distribution before the argmax), ``q(d)`` for sampled rows.
+        ``levels`` (:class:`~specdial.worker.verify_budgets.DraftLevels`): level ``i + 1``
+        runs only for ``levels.active[i]`` and ``steps[i]`` holds those requests only; the
+        other rows' tokens, ``q`` and ``conf_out`` entries at that level are filler (zero
+        confidence) that a verify with budgets never reads. Raises ``ValueError`` for ``k``
+        outside ``1..max_steps``.
         """
-        if not 1 <= k <= min(self.max_steps, len(steps)):
+        need = k if levels is None else levels.levels
+        if not 1 <= k <= self.max_steps or len(steps) < need:
             raise ValueError(f"draft: k must be in 1..{self.max_steps} with a batch per step, "
                              f"got k={k} and {len(steps)} batches")
-        hidden = first_hidden
-        tokens: list[torch.Tensor] = []
-        probs: list[torch.Tensor] = []
-        for i in range(k):
-            h = self._forward(steps[i], backend, hidden, False)
-            assert h is not None
-            logits = self.compute_logits(h)
-            if processing is not None:  # over target ids from here on
-                logits = processing.draft_step(self.to_target_logits(logits), i,
-                                               steps[i].input_ids)
-            if sampling.all_greedy:
-                tok = logits.argmax(-1)
-                tok = tok if processing is not None else self.to_target_ids(tok)
-            else:
-                if processing is None:
-                    logits = self.to_target_logits(logits)
-                q = target_probs(logits.unsqueeze(1), sampling).squeeze(1)
-                tok = sample_from_probs(
-                    q, generator, sampling=sampling,
-                    positions=None if sample_positions is None else sample_positions + i)
-                probs.append(q)
-            tokens.append(tok)
-            if i + 1 < k:
-                steps[i + 1].input_ids.copy_(tok)
-            hidden = h
-        return torch.stack(tokens, 1), (torch.stack(probs, 1) if probs else None)
+        run = DraftRun(self, sampling, generator, sample_positions, processing, conf_out)
+        if levels is None:
+            hidden = first_hidden
+            for i in range(k):
+                h = self._forward(steps[i], backend, hidden, False)
+                assert h is not None
+                tok = run.choose(self.compute_logits(h), i, steps[i].input_ids)
+                if i + 1 < k:
+                    steps[i + 1].input_ids.copy_(tok)
+                hidden = h
+        else:
+            run.levels(k, steps, backend, first_hidden, levels)
+        return run.result(k)
 
 
 class DraftModelDrafter(Drafter):
@@ -288,7 +293,9 @@ class EagleDrafter(Drafter):
         return self.head.compute_logits(hidden)
 
     def draft_len_after_verify(self, target_len, steps, accepted):
-        return target_len + 1
+        # step 1 wrote (x_L, h_{L-1}) at L, a true entry; a request that drafted nothing
+        # (verify budget 0) wrote none
+        return target_len + np.minimum(steps, 1)
 
 
 class Eagle3Drafter(EagleDrafter):

@@ -167,8 +167,9 @@ class GraphPasses:
                                 b.draft_out_loc[i, :g], self._draft_metas[i]) for i in range(k)]
         first = b.draft_first_hidden[:g] if self.needs_hidden else None
         sampling = self._greedy_sampling(g)
+        conf = b.draft_conf[:g, :k]
 
-        return lambda: self.bodies.draft(batches, first, sampling, None)[0]
+        return lambda: self.bodies.draft(batches, first, sampling, None, conf_out=conf)[0]
 
     def _extend_body(self, g: int) -> Callable[[], Any]:
         b, m = self.buffers, g * self.n
@@ -273,7 +274,8 @@ class GraphPasses:
               kv: KVLayout, start: np.ndarray, first_hidden: torch.Tensor | None = None,
               sampling: BatchSampling | None = None, generator: torch.Generator | None = None,
               graph_bs: int | None = None, sample_positions: torch.Tensor | None = None,
-              processing: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+              processing: Any = None,
+              conf_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``k`` draft forwards: ``input_ids`` ``[B]`` (``x_L``), ``positions`` / ``out_loc``
         ``[k, B]`` (``L + i`` and its KV slot), ``start`` = ``L``; step ``i`` attends to positions
         ``0 .. L + i``. ``first_hidden`` ``[B, H]``: EAGLE's ``h_{L-1}``. Greedy batches replay
@@ -281,6 +283,8 @@ class GraphPasses:
         ``sample_positions`` (``[B]``, draft 1's sequence index, for seeded rows) passed to
         :meth:`Drafter.draft`; so do batches with penalties or ``min_tokens`` (``processing``,
         a :class:`~specdial.worker.processors.StepProcessing`: the graph drafts unprocessed).
+        ``conf_out`` ``[B, k]`` float32: filled with the drafts' confidences (a replay writes
+        them into the buffers' ``draft_conf`` and copies them out).
         Returns ``(tokens [B, k] int64, probs [B, k, V] or None)``."""
         if self.steps == 0 or not self.has_drafter:
             raise ValueError("draft needs steps >= 1 and a drafter")
@@ -300,10 +304,13 @@ class GraphPasses:
             g = self._serving_size("draft", b, graph_bs)
         if g is None:
             return self._draft_eager(input_ids, positions, out_loc, kv, start, first_hidden,
-                                     sampling, generator, sample_positions, processing)
+                                     sampling, generator, sample_positions, processing,
+                                     conf_out)
         self._fill_draft(g, input_ids, positions, out_loc, kv, start, first_hidden)
         tokens = self.graphs[("draft", g)].replay()
         self.stats.replays["draft"] += 1
+        if conf_out is not None:
+            conf_out.copy_(self.buffers.draft_conf[:b, :k])
         return tokens[:b], None
 
     @torch.inference_mode()
@@ -356,7 +363,7 @@ class GraphPasses:
         return VerifyOutput(*self.bodies.verify(batch))
 
     def _draft_eager(self, input_ids, positions, out_loc, kv, start, first_hidden, sampling,
-                     generator, sample_positions=None, processing=None):
+                     generator, sample_positions=None, processing=None, conf_out=None):
         k, b = self.steps, len(start)
         ids = torch.empty(k, b, dtype=I64, device=self.device)
         ids[0].copy_(input_ids)
@@ -369,7 +376,7 @@ class GraphPasses:
         if sampling is None:
             sampling = BatchSampling.from_params([SamplingParams()] * b, self.device)
         return self.bodies.draft(batches, first_hidden, sampling, generator, sample_positions,
-                                processing)
+                                processing, conf_out)
 
     def _extend_eager(self, input_ids, positions, out_loc, kv, start, counts, hidden_states):
         keep = counts > 0

@@ -59,12 +59,16 @@ class PassBodies:
     def draft(self, batches: list[ForwardBatch], first_hidden: torch.Tensor | None,
               sampling: Any, generator: torch.Generator | None,
               sample_positions: torch.Tensor | None = None,
-              processing: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+              processing: Any = None, conf_out: torch.Tensor | None = None,
+              levels: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``k`` draft forwards (one batch per step) -> ``(tokens [B, k] int64, probs
-        [B, k, V] float32 or None)`` (:meth:`~specdial.worker.drafters.Drafter.draft`)."""
+        [B, k, V] float32 or None)``; ``conf_out`` ``[B, k]`` float32 gets the drafts'
+        confidences, ``levels`` limits each level to its requests
+        (:meth:`~specdial.worker.drafters.Drafter.draft`)."""
         return self.drafter.draft(self.steps, batches, self.backend, first_hidden=first_hidden,
                                   sampling=sampling, generator=generator,
-                                  sample_positions=sample_positions, processing=processing)
+                                  sample_positions=sample_positions, processing=processing,
+                                  conf_out=conf_out, levels=levels)
 
     def extend(self, batch: ForwardBatch, hidden: torch.Tensor | None) -> None:
         """Drafter KV-only extend over the batch's tokens (``hidden``: EAGLE's features of the

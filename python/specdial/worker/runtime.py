@@ -20,6 +20,7 @@ import torch
 
 from specdial.models.batch import ForwardBatch
 from specdial.worker.step_buffers import KVLayout
+from specdial.worker.verify_budgets import DraftLevels, PackedVerify
 
 I64 = torch.int64
 
@@ -104,3 +105,7 @@ class DecodeBatches:
     target_len: np.ndarray | None = None
     layout: KVLayout | None = None
     graph_bs: int | None = None
+    #: eager path with per-request verify budgets below ``steps`` (else None): the packed
+    #: verify (``verify`` then carries no metadata) and the requests of each draft level
+    packed: PackedVerify | None = None
+    levels: DraftLevels | None = None

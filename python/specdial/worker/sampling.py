@@ -253,6 +253,7 @@ def speculative_accept(
     sampling: BatchSampling,
     generator: torch.Generator | None,
     positions: torch.Tensor | None = None,
+    limits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify ``k`` drafts per request against the target; return what to emit.
 
@@ -271,11 +272,12 @@ def speculative_accept(
         exponentials, else nothing.
       - ``positions`` ``[B]`` int64: sequence index of draft 1 (``L + 1`` when ``x_L`` is the
         last emitted token); required when ``sampling.any_seeded``, else ignored.
+      - ``limits`` ``[B]`` int64 in ``0..k`` or None: verify budgets (issue 28; :func:`_capped`).
 
     Returns ``(accepted, out_tokens)``: ``accepted`` ``[B]`` int64 in ``0..k`` (accepted drafts,
-    bonus excluded) and ``out_tokens`` ``[B, k + 1]`` int64 where ``out_tokens[b, :accepted[b]
-    + 1]`` are the emitted tokens (the accepted drafts, then the correction or bonus token) and
-    later entries are ``-1``. Every row emits at least one token.
+    bonus excluded; at most ``limits``) and ``out_tokens`` ``[B, k + 1]`` int64 where
+    ``out_tokens[b, :accepted[b] + 1]`` are the emitted tokens (the accepted drafts, then the
+    correction or bonus token) and later entries are ``-1``. Every row emits at least one token.
 
     Rules:
       - Greedy rows (docs/design.md invariant 1): accept the longest prefix of drafts equal to the
@@ -314,16 +316,28 @@ def speculative_accept(
     if sampling.any_seeded:
         p = target_probs(target_logits, sampling)  # [B, k+1, V]
         choice = _merge_seeded(choice, _coupled_draws(p, sampling, positions), sampling)
-    accepted = _accepted_prefix(draft_tokens == choice[:, :k])
+    accepted = _capped(_accepted_prefix(draft_tokens == choice[:, :k]), limits)
     last = choice.gather(1, accepted[:, None]).squeeze(1)
     if not sampling.all_greedy and sampling.any_unseeded:
         if p is None:
             p = target_probs(target_logits, sampling)
-        rejection, drawn = _rejection_sample(draft_tokens, draft_probs, p, generator)
+        rejection, drawn = _rejection_sample(draft_tokens, draft_probs, p, generator, limits)
         exact = _exact_rows(sampling)
         accepted = torch.where(exact, accepted, rejection)
         last = torch.where(exact, last, drawn)
     return accepted, _emitted(draft_tokens, accepted, last)
+
+
+def _capped(accepted: torch.Tensor, limits: torch.Tensor | None) -> torch.Tensor:
+    """``accepted`` ``[B]`` at most each row's verify budget ``limits`` (None: unchanged).
+
+    Row ``b`` of :func:`speculative_accept` is verified as if it had drafted only its first
+    ``limits[b]`` tokens: its drafts and target columns beyond are never read for what it
+    emits (they may hold anything: skipped draft levels, a packed verify's repeated columns),
+    and after ``limits[b]`` accepts it emits the bonus token of column ``limits[b]`` (the
+    target's choice, or a draw from ``p`` there), exactly what a batch at ``k = limits[b]``
+    emits. The draws from the generator keep their ``[B, k]`` / ``[B, V]`` shapes."""
+    return accepted if limits is None else torch.minimum(accepted, limits)
 
 
 def _exact_rows(sampling: BatchSampling) -> torch.Tensor:
@@ -359,10 +373,12 @@ def _check_accept_inputs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor |
 
 def _rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
                       p: torch.Tensor,
-                      generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+                      generator: torch.Generator | None,
+                      limits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The rejection rule of the unseeded rows (Leviathan et al. 2023, Algorithm 1) over every
     row: ``(accepted [B] int64, last token [B] int64)``. Draws ``[B, k]`` uniforms, then
-    ``[B, V]`` exponentials from ``generator`` (in that order: results depend on it)."""
+    ``[B, V]`` exponentials from ``generator`` (in that order: results depend on it).
+    ``limits``: per-row verify budgets (:func:`speculative_accept`)."""
     b, k = draft_tokens.shape
     u = torch.rand((b, k), generator=generator, device=p.device)
     p_x = p[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
@@ -371,22 +387,23 @@ def _rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | No
     else:
         draft_probs = draft_probs.float()
         q_x = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
-    rejection = _accepted_prefix(u * q_x < p_x)
-    residual = _residual(draft_tokens, draft_probs, p, rejection)
+    rejection = _capped(_accepted_prefix(u * q_x < p_x), limits)
+    residual = _residual(draft_tokens, draft_probs, p, rejection, limits)
     return rejection, sample_from_probs(residual, generator)
 
 
 def _residual(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, p: torch.Tensor,
-              rejection: torch.Tensor) -> torch.Tensor:
+              rejection: torch.Tensor, limits: torch.Tensor | None = None) -> torch.Tensor:
     """Distribution ``[B, V]`` of the last emitted token: ``norm(max(0, p_j - q_j))`` at the
     first rejection ``j`` (``p_j`` when that mass is below :data:`_RESIDUAL_EPS`), ``p_k``
-    after all accepts (``q`` is taken as 0 there, so the residual is ``p_k`` itself)."""
+    after all accepts (``q`` is taken as 0 there, so the residual is ``p_k`` itself); a row
+    with a verify budget ``limits[b]`` has all accepted after ``limits[b]``."""
     b, k = draft_tokens.shape
     v = p.shape[2]
     p_j = p.gather(1, rejection.view(b, 1, 1).expand(b, 1, v)).squeeze(1)  # [B, V]
     if k == 0:
         return p_j
-    has_draft = (rejection < k)[:, None]
+    has_draft = (rejection < (k if limits is None else limits))[:, None]
     j = rejection.clamp(max=k - 1)
     if draft_probs is None:
         x_j = draft_tokens.gather(1, j[:, None])

@@ -29,7 +29,8 @@ from specdial.worker.processors import StepProcessing
 from specdial.worker.runtime import DecodeBatches
 from specdial.worker.step_runner import StepRunner
 
-__all__ = ["Accepted", "DecodeStep", "Drafts", "StepOutput", "Verified"]
+__all__ = ["Accepted", "DecodeStep", "Drafts", "StepOutput", "Verified", "float_bits",
+           "packed_draft_probs"]
 
 
 @dataclass
@@ -46,6 +47,11 @@ class StepOutput:
     ``offsets`` count; prefill: ``[R, 1]`` over the ``sample_first`` requests); None when no
     row asked. ``prompt_logprobs``: the prefill's prompt positions of a
     :class:`~specdial.worker.logprobs.PromptLogprobPlan` (``[1, N]``), or None.
+    ``draft_probs`` (decode; None for prefill): float32 ``[sum(steps_per_request)]``, request
+    after request, the drafter's probability of each draft token the request verified
+    (``softmax`` of the draft logits at a greedy draft, ``q(d)`` at a sampled one; issue 28's
+    confidence signal for the goodput policy, ``Scheduler.report(..., draft_probs=)``),
+    copied in the iteration's one device sync.
     """
 
     steps: int
@@ -54,6 +60,7 @@ class StepOutput:
     accepted: np.ndarray | None
     logprobs: HostLogprobs | None = None
     prompt_logprobs: HostLogprobs | None = None
+    draft_probs: np.ndarray | None = None
 
     def tokens_of(self, b: int) -> np.ndarray:
         return self.tokens[self.offsets[b]:self.offsets[b + 1]]
@@ -91,10 +98,12 @@ class DecodeStep:
 class Drafts:
     """``tokens`` ``[B, k]`` int64 (a view of the verify input ids: ``[B, 0]`` at steps 0);
     ``probs`` ``[B, k, V]`` float32, the distributions sampled drafts were drawn from, or None
-    (greedy drafts: one-hot)."""
+    (greedy drafts: one-hot); ``conf`` ``[B, k]`` float32: the drafter's probability of each
+    draft (zero at levels a request did not draft)."""
 
     tokens: torch.Tensor
     probs: torch.Tensor | None
+    conf: torch.Tensor
 
 
 @dataclass
@@ -111,11 +120,13 @@ class Verified:
 class Accepted:
     """Host copy of the acceptance: ``accepted`` ``[B]`` int64 (accepted drafts, at most the
     request's own ``steps_per_request``), ``tokens`` ``[B, n]`` int64 (row ``b`` emitted its
-    first ``accepted[b] + 1``; later entries are stale), ``logprobs`` of the rows that asked."""
+    first ``accepted[b] + 1``; later entries are stale), ``logprobs`` of the rows that asked,
+    ``draft_probs`` float32 ``[sum(steps_per_request)]`` (:attr:`StepOutput.draft_probs`)."""
 
     accepted: np.ndarray
     tokens: np.ndarray
     logprobs: HostLogprobs | None
+    draft_probs: np.ndarray | None = None
 
     def output(self, steps: int) -> StepOutput:
         """The :class:`StepOutput` of a decode at ``steps``."""
@@ -123,4 +134,18 @@ class Accepted:
         emitted = np.arange(n)[None, :] <= self.accepted[:, None]
         offsets = np.concatenate([[0], np.cumsum(self.accepted + 1)]).astype(np.int64)
         return StepOutput(steps, self.tokens[emitted].astype(np.int64), offsets, self.accepted,
-                          self.logprobs)
+                          self.logprobs, draft_probs=self.draft_probs)
+
+
+def float_bits(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``[B, k]`` -> int64 ``[B, k]`` holding its bits, so it rides in the step's one
+    int64 device-to-host copy (:func:`packed_draft_probs` reads it back)."""
+    return x.to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
+
+
+def packed_draft_probs(bits: np.ndarray, budgets: np.ndarray) -> np.ndarray:
+    """Host int64 ``[B, k]`` from :func:`float_bits` and the budgets ``v`` ``[B]`` -> float32
+    ``[sum(v)]``: each request's first ``v_b`` confidences, request after request."""
+    k = bits.shape[1]
+    keep = np.arange(k)[None, :] < np.asarray(budgets)[:, None]
+    return bits.astype(np.int32).view(np.float32)[keep]

@@ -83,7 +83,8 @@ class StaticBuffers:
     :class:`CapturePlan` against them. Besides the graph inputs of
     :func:`static_buffer_shapes`: ``ragged_positions`` / ``ragged_token_rows`` ``[rows]`` (a
     ragged pass's positions and per-token rows) and ``batch_rows`` / ``ragged_rows`` /
-    ``kv_lens`` ``[max_bs]``, int64.
+    ``kv_lens`` ``[max_bs]``, int64; ``draft_conf`` ``[max_bs, max_steps]`` float32 (the
+    drafts' confidences a captured draft graph writes).
     """
 
     def __init__(self, *, max_bs: int, max_steps: int, hidden_size: int, vocab_size: int,
@@ -105,6 +106,10 @@ class StaticBuffers:
         z = lambda *shape: torch.zeros(*shape, dtype=I64, device=self.device)  # noqa: E731
         self.ragged_positions, self.ragged_token_rows = z(self.rows), z(self.rows)
         self.batch_rows, self.ragged_rows, self.kv_lens = z(max_bs), z(max_bs), z(max_bs)
+        #: the draft pass's confidence of each draft (float32 ``[max_bs, max(max_steps, 1)]``,
+        #: written by the captured draft graph)
+        self.draft_conf = torch.zeros(max_bs, max(max_steps, 1), dtype=torch.float32,
+                                      device=self.device)
 
     verify_input_ids: torch.Tensor
     verify_positions: torch.Tensor

@@ -46,6 +46,7 @@ from specdial.worker.graph_tables import CapturePlan
 from specdial.worker.pass_bodies import PassBodies
 from specdial.worker.runtime import DecodeBatches, RequestTables, load, ragged_positions
 from specdial.worker.step_buffers import KVLayout, RunnerStats, StaticBuffers, VerifyOutput
+from specdial.worker.verify_budgets import DraftLevels, PackedVerify
 
 I64 = torch.int64
 
@@ -135,7 +136,8 @@ class StepRunner:
                                  kv_indices)
 
     def prepare_decode(self, rows: np.ndarray, target_len: np.ndarray,
-                       graph_bs: int | None = None) -> DecodeBatches:
+                       graph_bs: int | None = None,
+                       budgets: np.ndarray | None = None) -> DecodeBatches:
         """Write the inputs of requests ``rows`` at ``target_len`` ``L`` (``[B]`` host) into
         the buffers.
 
@@ -143,7 +145,11 @@ class StepRunner:
         column 0 gets ``x_L``; draft step 1 input gets ``x_L``; later columns are filled by the
         draft pass. With a pool no eager metadata is planned here (``attn`` None): the batches
         carry the KV layout and ``graph_bs`` (the plan's) for the passes, which replay or plan
-        their own eager metadata when they fall back."""
+        their own eager metadata when they fall back. ``budgets``: each request's verify
+        budget ``v_r`` (``[B]`` host in ``0..steps``; None: all ``steps``); budgets below
+        ``steps`` give a packed verify and per-level drafting
+        (:mod:`specdial.worker.verify_budgets`) unless a captured graph serves the batch,
+        which then replays padded (counted as ``decode:budgets_eager`` when none does)."""
         b, n, k = len(rows), self.n, self.steps
         if b > self.max_bs:
             raise ValueError(f"batch of {b} requests exceeds max_running_requests {self.max_bs}")
@@ -156,6 +162,12 @@ class StepRunner:
         out_loc.copy_(t.req_to_token[rows_d[:, None], positions])
         ids = buf.verify_input_ids[: b * n].view(b, n)
         ids[:, 0] = t.req_to_ids[rows_d, positions[:, 0]]
+        if budgets is not None and k and bool((budgets < k).any()) and (
+                not graphs or not self.enabled or self.padded_bs(b, graph_bs) is None):
+            if graphs:  # no graph serves this batch: the eager passes, packed
+                self.stats.fallback("decode:budgets_eager")
+            return self._prepare_budgets(rows_d, target_len, positions, out_loc, ids,
+                                         np.asarray(budgets, np.int64))
         layout = None
         if graphs:
             lens = target_len + n
@@ -179,6 +191,32 @@ class StepRunner:
             return DecodeBatches(verify, draft, rows_d, positions, ids)
         return DecodeBatches(verify, draft, rows_d, positions, ids,
                              np.asarray(target_len, np.int64), layout, graph_bs)
+
+    def _prepare_budgets(self, rows_d: torch.Tensor, target_len: np.ndarray,
+                         positions: torch.Tensor, out_loc: torch.Tensor, ids: torch.Tensor,
+                         budgets: np.ndarray) -> DecodeBatches:
+        """The eager batches of per-request verify budgets: a packed verify over each
+        request's ``v_r + 1`` tokens and level ``i + 1`` drafted by the requests with
+        ``v_r > i`` only."""
+        buf, n, dev = self.buffers, self.n, self.device
+        index, unpack = PackedVerify.indices(budgets, n)
+        packed = PackedVerify(torch.from_numpy(index).to(dev), torch.from_numpy(unpack).to(dev),
+                              self._plan(rows_d, budgets + 1, target_len + budgets + 1))
+        verify = ForwardBatch(ids.view(-1), positions.view(-1), out_loc.view(-1), None)
+        draft, active = [], []
+        for i, members in enumerate(DraftLevels.members(budgets, self.steps)):
+            m, c = torch.from_numpy(members).to(dev), len(members)
+            buf.draft_positions[i, :c].copy_(positions[m, i])
+            buf.draft_out_loc[i, :c].copy_(out_loc[m, i])
+            if i == 0:
+                buf.draft_input_ids[0, :c].copy_(ids[m, 0])
+            draft.append(ForwardBatch(
+                buf.draft_input_ids[i, :c], buf.draft_positions[i, :c], buf.draft_out_loc[i, :c],
+                self._plan(rows_d[m], np.ones(c, np.int64), target_len[members] + i + 1)))
+            active.append(m)
+        levels = DraftLevels(active, len(active), ids[:, 0])
+        return DecodeBatches(verify, draft, rows_d, positions, ids, packed=packed,
+                             levels=levels)
 
     def prepare_ragged(self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
                        hidden_rows: int | None = None
@@ -218,6 +256,10 @@ class StepRunner:
             v = batches.verify
             return self.verify(v.input_ids, v.positions, v.out_loc, batches.layout,
                                batches.target_len, graph_bs=batches.graph_bs)
+        if batches.packed is not None:
+            p = batches.packed
+            out = self.bodies.verify(p.batch(batches.verify))
+            return VerifyOutput(*(p.expand(x) for x in out))
         return VerifyOutput(*self.bodies.verify(batches.verify))
 
     def run_draft(self, batches: DecodeBatches, **kwargs):
@@ -230,7 +272,7 @@ class StepRunner:
             return self.draft(buf.draft_input_ids[0, :b], buf.draft_positions[:k, :b],
                               buf.draft_out_loc[:k, :b], batches.layout, batches.target_len,
                               graph_bs=batches.graph_bs, **kwargs)
-        return self.bodies.draft(batches.draft, **kwargs)
+        return self.bodies.draft(batches.draft, levels=batches.levels, **kwargs)
 
     def run_extend(self, batches: DecodeBatches, rows: np.ndarray, starts: np.ndarray,
                    ends: np.ndarray, hidden: torch.Tensor | None,

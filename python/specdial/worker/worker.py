@@ -19,9 +19,13 @@ per row, ``draft_len``, with its rules, and the target features EAGLE reads).
   zero-step extends, then ``k`` draft forwards), :meth:`~SpecWorker.verify` (one target forward
   over ``[x_L, d_1..d_k]`` per request), :meth:`~SpecWorker.accept`
   (:func:`~specdial.worker.sampling.speculative_accept` and the one host copy), then
-  :meth:`~SpecWorker.extend` (the draft extend). A request capped below ``k``
-  (``steps_per_request[b] = s < k``, near its end) has KV slots only for ``L..L+s``: its later
-  drafts and verify tokens write the pad KV slot and it never accepts more than ``s`` drafts.
+  :meth:`~SpecWorker.extend` (the draft extend). Each request has its own verify budget
+  ``steps_per_request[b] = v in 0..k`` (issue 28; near its end, or chosen by the policy) and
+  KV slots only for ``L..L+v``: eagerly the target verifies only its ``v + 1`` tokens and it
+  drafts only levels ``1..v`` (:mod:`specdial.worker.verify_budgets`); a replayed graph pads
+  it to ``k`` (its extra positions write the pad KV slot). It never accepts more than ``v``
+  drafts (capped on the device), and its drafts' confidences come back as
+  :attr:`StepOutput.draft_probs`.
 
 Passes: one :class:`~specdial.worker.step_runner.StepRunner` per steps value (the runtime
 state), all over one buffer set. CUDA graphs (``cuda_graph_bs`` given): at start the worker
@@ -68,7 +72,8 @@ from specdial.worker.logprobs import (LogprobRows, PromptLogprobPlan, prompt_log
 from specdial.worker.processors import StepProcessing, TokenCounts
 from specdial.worker.runtime import RequestTables
 from specdial.worker.sampling import sample, speculative_accept
-from specdial.worker.stages import Accepted, DecodeStep, Drafts, StepOutput, Verified
+from specdial.worker.stages import (Accepted, DecodeStep, Drafts, StepOutput, Verified,
+                                    float_bits, packed_draft_probs)
 from specdial.worker.step_runner import StepRunner, build_runners
 
 __all__ = ["SpecWorker", "StepOutput"]
@@ -332,7 +337,8 @@ class SpecWorker:
         b, n = len(rows), inp.steps + 1
         self.tables.write(rows, target_len, np.full(b, n, np.int64), kv_slots=inp.out_loc)
         self.tables.write(rows, target_len, np.ones(b, np.int64), ids=inp.input_ids)
-        batches = runner.prepare_decode(rows, target_len, inp.graph_bs)
+        batches = runner.prepare_decode(rows, target_len, inp.graph_bs,
+                                        budgets=inp.steps_per_request)
         # sequence index of draft 1 (L + 1): the seeded rows' keys (sampling.py), the first
         # position the processors decide
         first_pos = (batches.verify_positions[:, 0] + 1
@@ -347,16 +353,19 @@ class SpecWorker:
         ``steps`` draft forwards; the drafts land in the verify inputs. Nothing at steps 0."""
         batches = step.batches
         if not step.steps:
-            return Drafts(batches.verify_ids[:, 1:], None)  # [B, 0]
+            no_conf = torch.zeros(len(step.rows), 0, dtype=torch.float32, device=self.device)
+            return Drafts(batches.verify_ids[:, 1:], None, no_conf)  # [B, 0]
         ds = self.drafter_state
         assert ds is not None
         ds.catch_up(step.rows, step.target_len, step.runner, batches)
+        conf = torch.zeros(len(step.rows), step.steps, dtype=torch.float32, device=self.device)
         tokens, probs = step.runner.run_draft(
             batches, first_hidden=ds.first_hidden(self.tables, batches), sampling=sampling,
-            generator=generator, sample_positions=step.first_pos, processing=step.processing)
+            generator=generator, sample_positions=step.first_pos, processing=step.processing,
+            conf_out=conf)
         batches.verify_ids[:, 1:] = tokens
         # the copy: a replayed draft graph's output is only valid until the next replay
-        return Drafts(batches.verify_ids[:, 1:], probs)
+        return Drafts(batches.verify_ids[:, 1:], probs, conf)
 
     def verify(self, step: DecodeStep) -> Verified:
         """One target forward over ``[x_L, d_1..d_k]`` per request; keeps the drafter's target
@@ -377,19 +386,22 @@ class SpecWorker:
                logprobs: LogprobRows | None) -> Accepted:
         """Acceptance (:func:`speculative_accept`), the emitted tokens into the token table,
         and the iteration's one host copy."""
+        budgets = step.inp.steps_per_request
+        limits = (torch.from_numpy(budgets).to(self.device)
+                  if step.steps and bool((budgets < step.steps).any()) else None)
         accepted, out = speculative_accept(drafts.tokens, drafts.probs, verified.target,
-                                           sampling, generator, step.first_pos)
+                                           sampling, generator, step.first_pos, limits)
         batches = step.batches
         # emitted tokens go to positions L+1..L+a+1 (later columns are stale, never read)
         self.tables.req_to_ids[batches.rows[:, None], batches.verify_positions + 1] = out
         lp_pending = (None if logprobs is None
                       else token_logprobs(verified.logits, out, logprobs).to_host())
-        host = torch.cat([accepted[:, None], out], 1).cpu().numpy()  # the one sync
+        host = torch.cat([accepted[:, None], out, float_bits(drafts.conf)], 1)
+        host = host.cpu().numpy()  # the one sync
         lp_host = None if lp_pending is None else lp_pending()
-        # a capped request keeps at most its own steps; the token at column s is then the
-        # target's (an accepted draft equals the target's choice there), so nothing changes
-        acc = np.minimum(host[:, 0], step.inp.steps_per_request) if step.steps else host[:, 0]
-        return Accepted(acc.astype(np.int64), host[:, 1:], lp_host)
+        n = step.steps + 1
+        return Accepted(host[:, 0].astype(np.int64), host[:, 1:n + 1],
+                        lp_host, packed_draft_probs(host[:, n + 1:], budgets))
 
     def extend(self, step: DecodeStep, accepted: Accepted) -> None:
         """The draft extend over the newly accepted tokens, up to the new target length
@@ -397,8 +409,9 @@ class SpecWorker:
         ds = self.drafter_state
         if ds is None:
             return
-        if step.steps:
-            ds.after_verify(step.rows, step.target_len, step.steps, accepted.accepted)
+        if step.steps:  # each request drafted (and wrote true drafter KV for) its own budget
+            ds.after_verify(step.rows, step.target_len, step.inp.steps_per_request,
+                            accepted.accepted)
         if step.steps == 0 and self.skip_zero_step_draft_extend:
             return
         ds.catch_up(step.rows, step.target_len + accepted.accepted + 1, step.runner,

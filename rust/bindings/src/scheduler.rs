@@ -93,6 +93,33 @@ fn int_array(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i64>> {
     })
 }
 
+/// A 1-D float array argument (issue 28's `draft_probs`): a float64 or float32 buffer (numpy,
+/// torch via numpy), or a sequence of numbers.
+fn float_array(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<f64>> {
+    let py = obj.py();
+    let one_d = |dims: usize| {
+        if dims > 1 {
+            Err(PyValueError::new_err(format!("{name} must be 1-D, got {dims} dimensions")))
+        } else {
+            Ok(())
+        }
+    };
+    if let Ok(buf) = PyBuffer::<f64>::get(obj) {
+        one_d(buf.dimensions())?;
+        return buf.to_vec(py);
+    }
+    if let Ok(buf) = PyBuffer::<f32>::get(obj) {
+        one_d(buf.dimensions())?;
+        return Ok(buf.to_vec(py)?.into_iter().map(f64::from).collect());
+    }
+    obj.extract::<Vec<f64>>().map_err(|_| {
+        let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+        PyTypeError::new_err(format!(
+            "{name} must be a sequence of floats or a 1-D float32/float64 array (buffer protocol, e.g. numpy), got {ty}"
+        ))
+    })
+}
+
 /// A request id: a non-negative int. Out-of-range ints raise ValueError.
 fn request_id_arg(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
     match obj.extract::<u64>() {
@@ -835,10 +862,15 @@ impl PyScheduler {
     /// detokenizes): each finishes here with reason "stop" and no stop token, its tokens kept,
     /// unless EOS, a stop token or the length finishes it first; so every finish is decided in
     /// the report and nothing is called back after it. Results for requests aborted meanwhile are
-    /// ignored. Raises SchedulerError with no plan in flight, ValueError naming tokens / offsets
-    /// / accepted / seconds / stop_strings when they do not match the plan (which then stays in
-    /// flight, unchanged).
-    #[pyo3(signature = (tokens, offsets, accepted=None, *, seconds=None, stop_strings=Vec::new()))]
+    /// ignored. ``draft_probs`` (decode plans only, optional; issue 28): the drafter's probability
+    /// of each draft token the plan verified, request after request in plan order
+    /// (``sum(steps_per_request)`` floats in [0, 1], float32/float64 buffer or list); the
+    /// ``goodput`` strategy with ``"verify": "per_request"`` uses them as the next decision's
+    /// draft confidence. Raises SchedulerError with no plan in flight, ValueError naming tokens /
+    /// offsets / accepted / seconds / stop_strings / draft_probs when they do not match the plan
+    /// (which then stays in flight, unchanged).
+    #[pyo3(signature = (tokens, offsets, accepted=None, *, seconds=None, stop_strings=Vec::new(), draft_probs=None))]
+    #[allow(clippy::too_many_arguments)]
     fn report(
         &mut self,
         py: Python<'_>,
@@ -847,6 +879,7 @@ impl PyScheduler {
         accepted: Option<&Bound<'_, PyAny>>,
         seconds: Option<&Bound<'_, PyAny>>,
         stop_strings: Vec<u64>,
+        draft_probs: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyReportResult> {
         guard(|| {
             let seconds = crate::policy::observation(seconds, None, None)?.seconds;
@@ -856,7 +889,11 @@ impl PyScheduler {
                 Some(a) if !a.is_none() => Some(int_array(a, "accepted")?),
                 _ => None,
             };
-            let extras = ReportExtras { seconds, stop_strings: &stop_strings };
+            let draft_probs = match draft_probs {
+                Some(q) if !q.is_none() => Some(float_array(q, "draft_probs")?),
+                _ => None,
+            };
+            let extras = ReportExtras { seconds, stop_strings: &stop_strings, draft_probs: draft_probs.as_deref() };
             let out = self
                 .inner
                 .report_with(&tokens, &offsets, accepted.as_deref(), extras)

@@ -41,7 +41,7 @@ fn build(spec: Spec) -> PyResult<SimSpec> {
             .iter()
             .map(|n| {
                 Regime::named(n).ok_or_else(|| {
-                    let all: Vec<&str> = Regime::ALL.iter().map(|r| r.name).collect();
+                    let all: Vec<&str> = Regime::every().map(|r| r.name).collect();
                     bad(format!("regime {n:?} is not one of {}", all.join(", ")))
                 })
             })
@@ -130,7 +130,7 @@ fn simulate(py: Python<'_>, spec_json: &str) -> PyResult<String> {
 #[pyfunction]
 fn simulation_catalog() -> (Vec<(String, String, bool)>, Vec<String>) {
     (
-        Regime::ALL.iter().map(|r| (r.name.to_string(), r.description.to_string(), r.steady)).collect(),
+        Regime::every().map(|r| (r.name.to_string(), r.description.to_string(), r.steady)).collect(),
         CostCurve::NAMES.iter().map(|n| n.to_string()).collect(),
     )
 }

@@ -32,4 +32,8 @@ pub enum PolicyError {
     Seconds(f64),
     #[error("cuda_graph_bs[{index}] = {value}: graph batch sizes must be >= 1")]
     GraphBatchSize { index: usize, value: i64 },
+    /// A per-request report (issue 28) that does not fit the iteration; the message names the
+    /// field (`steps_per_request`, `accepted`, `draft_probs`).
+    #[error("{0}")]
+    Requests(String),
 }

@@ -25,7 +25,7 @@ use crate::decision::{TreeShape, VerifyShape};
 use crate::error::PolicyError;
 use crate::goodput::GoodputPolicy;
 use crate::slot::AdaptiveStepSlot;
-use crate::strategies::{self, ema::EmaStrategy, DecideContext, StepStrategy, VerifyObservation};
+use crate::strategies::{self, ema::EmaStrategy, DecideContext, RequestVerify, StepStrategy, VerifyObservation};
 use crate::throughput::ThroughputAwarePolicy;
 
 /// What one decode iteration runs: the strategy's [`crate::decision::Decision`] plus where the
@@ -266,6 +266,18 @@ impl AdaptiveSpeculativeParams {
         context_tokens: Option<u64>,
         catch_up_tokens: Option<u64>,
     ) -> Result<StepDecision, PolicyError> {
+        self.decide_requests(batch_size, context_tokens, catch_up_tokens, None)
+    }
+
+    /// [`Self::decide_with`] told the batch's request ids in batch order (`request_ids`, one per
+    /// request), which a per-request decision (`goodput` with `verify = per_request`) needs.
+    pub fn decide_requests(
+        &mut self,
+        batch_size: i64,
+        context_tokens: Option<u64>,
+        catch_up_tokens: Option<u64>,
+        request_ids: Option<&[u64]>,
+    ) -> Result<StepDecision, PolicyError> {
         let (slot, graph_bs) = self.route(batch_size)?;
         let ctx = DecideContext {
             slot,
@@ -274,6 +286,7 @@ impl AdaptiveSpeculativeParams {
             context_tokens,
             catch_up_tokens,
             candidates: &self.config.slots[slot].1.candidate_steps,
+            request_ids,
         };
         let d = self.strategy.decide(&ctx);
         if let VerifyShape::PerRequest(lengths) = &d.verify {
@@ -311,6 +324,13 @@ impl AdaptiveSpeculativeParams {
     where
         I: IntoIterator<Item = i64>,
     {
+        self.report(accepted, batch_size, obs, None)
+    }
+
+    fn report<I>(&mut self, accepted: I, batch_size: i64, obs: Observation, requests: Option<&[RequestVerify<'_>]>) -> Result<Option<u32>, PolicyError>
+    where
+        I: IntoIterator<Item = i64>,
+    {
         let (slot, graph_bs) = self.route(batch_size)?;
         if let Some(t) = obs.seconds {
             if !(t.is_finite() && t > 0.0) {
@@ -338,9 +358,41 @@ impl AdaptiveSpeculativeParams {
             seconds: obs.seconds,
             context_tokens: obs.context_tokens,
             catch_up_tokens: obs.catch_up_tokens,
+            requests,
         });
         self.scratch = values;
         out
+    }
+
+    /// Reports one verify with a verify length per request (issue 28): `requests` holds every
+    /// request of the batch in batch order, with the steps it verified (`<= steps`, the
+    /// iteration's depth: `obs.steps`, else the pending decision), its accepted drafts (`0..=`
+    /// its steps) and, optionally, the drafter's probability of each verified draft (one per
+    /// step, finite, in `[0, 1]`). A batch-level strategy learns from the requests that ran the
+    /// full depth, as [`Self::on_verify_complete_with`].
+    ///
+    /// Errors (nothing changes): those of [`Self::on_verify_complete_with`], and
+    /// [`PolicyError::Requests`] naming `steps_per_request`, `accepted` or `draft_probs`.
+    pub fn on_verify_complete_requests(&mut self, requests: &[RequestVerify<'_>], obs: Observation) -> Result<Option<u32>, PolicyError> {
+        let batch_size = requests.len() as i64;
+        let (slot, _) = self.route(batch_size)?;
+        let steps = obs.steps.or(self.pending[slot]).unwrap_or_else(|| self.current_steps(slot));
+        for (i, r) in requests.iter().enumerate() {
+            let bad = |m: String| Err(PolicyError::Requests(m));
+            if r.steps > steps {
+                return bad(format!("steps_per_request[{i}] = {} is above the iteration's steps {steps}", r.steps));
+            }
+            if r.accepted < 0 || r.accepted > i64::from(r.steps) {
+                return bad(format!("accepted[{i}] = {} is outside 0..={} (its steps_per_request)", r.accepted, r.steps));
+            }
+            if let Some(q) = r.draft_probs {
+                if q.len() != r.steps as usize || !q.iter().all(|p| (0.0..=1.0).contains(p)) {
+                    return bad(format!("draft_probs of request {i}: {} probabilities in [0, 1] expected (its steps_per_request), got {q:?}", r.steps));
+                }
+            }
+        }
+        let full = requests.iter().filter(|r| r.steps == steps).map(|r| r.accepted);
+        self.report(full, batch_size, Observation { steps: Some(steps), ..obs }, Some(requests))
     }
 
     /// The graph batch sizes whose slot can choose `steps` (only those graphs need capturing for

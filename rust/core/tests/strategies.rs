@@ -34,6 +34,7 @@ fn every_goodput_key_changes_behaviour() {
         ("cost_window", "4"),
         ("probe_budget", "0.0"),
         ("profile_run_batch_sizes", "[1, 16, 64, 160]"),
+        ("verify", "\"per_request\""),
     ];
     for (key, value) in changes {
         assert!(!same(&run(&with(base, key, value)), &reference), "{key} = {value} changed nothing");

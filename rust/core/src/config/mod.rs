@@ -28,8 +28,8 @@ use std::collections::BTreeMap;
 
 pub use slot::{SlotConfig, SLOT_KEYS};
 pub use strategy::{
-    GoodputConfig, ProfileConfig, Strategy, ThroughputAwareConfig, GOODPUT_KEYS, PROFILE_KEYS,
-    STRATEGY_NAMES, THROUGHPUT_AWARE_KEYS,
+    GoodputConfig, ProfileConfig, Strategy, ThroughputAwareConfig, VerifyMode, GOODPUT_KEYS, PROFILE_KEYS,
+    STRATEGY_NAMES, THROUGHPUT_AWARE_KEYS, VERIFY_MODES,
 };
 pub use value::ConfigValue;
 

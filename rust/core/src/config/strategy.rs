@@ -10,7 +10,7 @@ use crate::error::ConfigError;
 pub const STRATEGY_NAMES: [&str; 3] = ["ema", "goodput", "throughput_aware"];
 
 /// Global keys of the `goodput` strategy (besides `strategy` and slot keys).
-pub const GOODPUT_KEYS: [&str; 10] = [
+pub const GOODPUT_KEYS: [&str; 11] = [
     "acceptance_window",
     "cost_window",
     "max_profile_run_batch_size",
@@ -21,6 +21,7 @@ pub const GOODPUT_KEYS: [&str; 10] = [
     "profile_run_n_warmup",
     "profile_run_seq_len",
     "switch_margin",
+    "verify",
 ];
 
 /// Global keys of the `throughput_aware` strategy (SGLang PR #28045, `throughput_aware_controller`).
@@ -169,6 +170,34 @@ pub struct GoodputConfig {
     /// A startup sweep that seeds the cost model (`None`, the default: no sweep; any
     /// `profile_run_*` key turns it on).
     pub profile: Option<ProfileConfig>,
+    /// Whether the strategy chooses one steps value for the batch (`"batch"`, the default) or
+    /// also a verify length per request (`"per_request"`, issue 28; [`crate::goodput::per_request`]).
+    pub verify: VerifyMode,
+}
+
+/// The `goodput` strategy's `verify` key: what it decides per decode iteration.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VerifyMode {
+    /// One steps value for every request of the batch (SGLang's and TensorRT-LLM's granularity).
+    #[default]
+    Batch,
+    /// The batch's draft depth plus a verify length `0..=depth` per request, from each request's
+    /// survival estimates and the cost model in tokens (vLLM DSpark's granularity).
+    PerRequest,
+}
+
+/// Values of the `verify` key, for error messages.
+pub const VERIFY_MODES: [&str; 2] = ["batch", "per_request"];
+
+impl VerifyMode {
+    fn parse(v: &ConfigValue) -> Result<VerifyMode, ConfigError> {
+        match v {
+            ConfigValue::Str(s) if s == "batch" => Ok(VerifyMode::Batch),
+            ConfigValue::Str(s) if s == "per_request" => Ok(VerifyMode::PerRequest),
+            other => Err(ConfigError::new(format!("verify must be one of \"batch\", \"per_request\", got {other}"))),
+        }
+    }
 }
 
 impl Default for GoodputConfig {
@@ -180,6 +209,7 @@ impl Default for GoodputConfig {
             cost_window: 64,
             probe_budget: 0.03,
             profile: None,
+            verify: VerifyMode::Batch,
         }
     }
 }
@@ -197,6 +227,7 @@ impl GoodputConfig {
             "probe_budget" => {
                 self.probe_budget = number_in(g, key, v, |x| (0.0..=0.5).contains(&x), "in [0, 0.5]")?
             }
+            "verify" => self.verify = VerifyMode::parse(v)?,
             k if PROFILE_KEYS.contains(&k) => {
                 return self.profile.get_or_insert_with(ProfileConfig::default).apply(key, v)
             }

@@ -44,10 +44,13 @@
 
 pub mod acceptance;
 pub mod cost;
+pub mod per_request;
 
-use crate::config::GoodputConfig;
+use crate::config::{GoodputConfig, VerifyMode};
+use crate::decision::{Decision, VerifyShape};
 use acceptance::{expected_tokens, AcceptanceModel, AcceptanceState};
 use cost::{CostModel, CostState};
+use per_request::{PerRequest, RequestVerify};
 use serde::{Deserialize, Serialize};
 
 /// Version of the saved learned state ([`GoodputPolicy::export_state`]); a state of another
@@ -113,6 +116,8 @@ pub struct GoodputPolicy {
     probes: u64,
     switches: u64,
     last: Option<DecisionView>,
+    /// Per-request histories and the draft-confidence calibration (`verify = per_request`).
+    per_request: PerRequest,
 }
 
 impl GoodputPolicy {
@@ -136,8 +141,9 @@ impl GoodputPolicy {
                 }
             })
             .collect();
+        let window = cfg.acceptance_window;
         GoodputPolicy {
-            acceptance: AcceptanceModel::new(max_steps.max(1), cfg.acceptance_window),
+            acceptance: AcceptanceModel::new(max_steps.max(1), window),
             cost: CostModel::new(cfg.cost_window),
             cfg,
             slots,
@@ -146,7 +152,18 @@ impl GoodputPolicy {
             probes: 0,
             switches: 0,
             last: None,
+            per_request: PerRequest::new(window),
         }
+    }
+
+    /// Whether the strategy decides per request or per batch (the `verify` key).
+    pub fn verify_mode(&self) -> VerifyMode {
+        self.cfg.verify
+    }
+
+    /// Requests whose history the per-request decision keeps now.
+    pub fn tracked_requests(&self) -> usize {
+        self.per_request.tracked()
     }
 
     /// Steps slot `slot` runs now (a pure read).
@@ -213,21 +230,47 @@ impl GoodputPolicy {
         context_tokens: u64,
         catch_up: Option<u64>,
     ) -> u32 {
+        self.decide_requests(slot, bucket, b, b_cost, context_tokens, catch_up, None).steps
+    }
+
+    /// [`Self::decide_with`] told the batch's request ids (`ids`, in batch order, one per
+    /// request). With `verify = per_request` and ids given, the decision carries a verify length
+    /// per request ([`per_request`]); otherwise it is uniform, exactly the batch-level decision.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decide_requests(
+        &mut self,
+        slot: usize,
+        bucket: u32,
+        b: u32,
+        b_cost: u32,
+        context_tokens: u64,
+        catch_up: Option<u64>,
+        ids: Option<&[u64]>,
+    ) -> Decision {
         let alpha = self.acceptance.rates(self.iteration);
+        let ids = ids.filter(|i| self.cfg.verify == VerifyMode::PerRequest && i.len() == b as usize);
         let ctx = context_tokens as f64;
         let catch = catch_up.unwrap_or(self.catch_up) as f64;
         let horizon = f64::from(self.cfg.min_dwell.max(8));
+        let mut allocations = Vec::new();
+        if let Some(ids) = ids {
+            let s = &self.slots[slot];
+            allocations = per_request::allocate_candidates(&self.cost, &self.per_request, &alpha, ids, &s.candidates, bucket, b_cost, ctx);
+        }
         let cost = &self.cost;
         let s = &self.slots[slot];
         let rows: Vec<(u32, f64, f64, f64)> = s
             .candidates
             .iter()
-            .map(|&k| {
-                let e = expected_tokens(&alpha, k);
-                let t = cost.predict(bucket, b_cost, k, ctx, 0.0);
+            .enumerate()
+            .map(|(i, &k)| {
+                let (t, e) = match allocations.get(i) {
+                    Some(a) => (a.seconds, a.tokens / f64::from(b)),
+                    None => (cost.predict(bucket, b_cost, k, ctx, 0.0), expected_tokens(&alpha, k)),
+                };
                 // A switch from 0 to drafting pays the catch-up once, spread over the horizon.
                 let extra = if k > 0 && s.current == 0 && catch > 0.0 {
-                    (cost.predict(bucket, b_cost, k, ctx, catch) - t).max(0.0) / horizon
+                    (cost.predict(bucket, b_cost, k, ctx, catch) - cost.predict(bucket, b_cost, k, ctx, 0.0)).max(0.0) / horizon
                 } else {
                     0.0
                 };
@@ -276,7 +319,11 @@ impl GoodputPolicy {
             steps,
             probe,
         });
-        steps
+        let i = self.slots[slot].candidates.iter().position(|&k| k == steps);
+        match i.and_then(|i| allocations.into_iter().nth(i)) {
+            Some(a) => Decision { steps, verify: VerifyShape::PerRequest(a.lengths), tree: None },
+            None => Decision::uniform(steps),
+        }
     }
 
     /// The candidate a probe would run now, if any: at steps 0 the smallest positive candidate;
@@ -372,15 +419,70 @@ impl GoodputPolicy {
         if steps > 0 {
             self.acceptance.observe(self.iteration, steps, accepted);
         }
+        self.learn_iteration(slot, bucket, b, b_cost, steps, (steps, 0.0), seconds, context_tokens, caught_up)
+    }
+
+    /// [`Self::observe_with`] of an iteration with a verify length per request (`requests`: every
+    /// request of the batch, in batch order, with the steps it verified, its accepted drafts and
+    /// the drafter's probabilities of its verified drafts if known). The shared per-position
+    /// estimates learn from each request at its own length, the per-request histories and the
+    /// confidence calibration from each request, the cost model the iteration's tokens.
+    #[allow(clippy::too_many_arguments)]
+    pub fn observe_requests(
+        &mut self,
+        slot: usize,
+        bucket: u32,
+        b_cost: u32,
+        steps: u32,
+        requests: &[RequestVerify<'_>],
+        seconds: Option<f64>,
+        context_tokens: u64,
+        caught_up: Option<u64>,
+    ) -> Option<u32> {
+        let shared = self.acceptance.rates(self.iteration);
+        self.iteration += 1;
+        let mut group = Vec::with_capacity(requests.len());
+        for v in 1..=steps {
+            group.clear();
+            group.extend(requests.iter().filter(|r| r.steps == v).map(|r| r.accepted));
+            self.acceptance.observe(self.iteration, v, &group);
+        }
+        self.per_request.observe(self.iteration, &shared, requests.iter().copied());
+        let b = requests.len() as u32;
+        // The cost model learns the iteration as the uniform one with as many verify tokens, its
+        // drafts beyond them apart (per_request, "the cost model in tokens").
+        let shape = match seconds {
+            Some(t) => self.per_request.learn_cost(&self.cost, bucket, b_cost, steps, requests, context_tokens as f64, t),
+            None => per_request::uniform_shape(requests),
+        };
+        self.learn_iteration(slot, bucket, b, b_cost, steps, shape, seconds, context_tokens, caught_up)
+    }
+
+    /// The cost model, catch-up and probe-credit part of a report.
+    #[allow(clippy::too_many_arguments)]
+    fn learn_iteration(
+        &mut self,
+        slot: usize,
+        bucket: u32,
+        b: u32,
+        b_cost: u32,
+        steps: u32,
+        (cell_steps, draft_only): (u32, f64),
+        seconds: Option<f64>,
+        context_tokens: u64,
+        caught_up: Option<u64>,
+    ) -> Option<u32> {
         let estimated = if steps > 0 { std::mem::take(&mut self.catch_up) } else { 0 };
         let catch = caught_up.unwrap_or(estimated);
         let settled = steps == self.slots[slot].current;
+        let ctx = context_tokens as f64;
         let spent = match seconds {
             Some(t) => {
-                self.cost.observe(bucket, b_cost, steps, context_tokens as f64, catch as f64, t, settled);
+                let uniform = (t - draft_only).max(0.5 * t);
+                self.cost.observe(bucket, b_cost, cell_steps, ctx, catch as f64, uniform, settled);
                 t
             }
-            None => self.cost.predict(bucket, b_cost, steps, context_tokens as f64, catch as f64),
+            None => self.cost.predict(bucket, b_cost, cell_steps, ctx, catch as f64) + draft_only,
         };
         if steps == 0 {
             self.catch_up += u64::from(b);

@@ -1,6 +1,8 @@
 //! `report`: checking an iteration's results against its plan and applying them.
 
+use crate::config::VerifyMode;
 use crate::policy::Observation;
+use crate::strategies::RequestVerify;
 
 use super::{
     FinishReason, Finished, InFlight, PlanKind, ReportOutcome, RequestState, Scheduler,
@@ -17,6 +19,27 @@ pub struct ReportExtras<'a> {
     /// `stop` and no stop token, unless the core's own rules (EOS, stop token, length) finish it
     /// first; its tokens are kept as emitted.
     pub stop_strings: &'a [u64],
+    /// Decode only, optional (issue 28): the drafter's probability of each draft token the plan
+    /// verified, request after request in plan order (`sum(steps_per_request)` values, each
+    /// finite in `[0, 1]`). The `goodput` strategy with `verify = per_request` takes them as the
+    /// next decision's draft confidence; other strategies do not use them.
+    pub draft_probs: Option<&'a [f64]>,
+}
+
+/// Checks `draft_probs` against the plan in flight (see [`ReportExtras::draft_probs`]).
+fn validate_draft_probs(fl: &InFlight, probs: Option<&[f64]>) -> Result<(), SchedulerError> {
+    let Some(q) = probs else { return Ok(()) };
+    if fl.kind == PlanKind::Prefill {
+        return Err(bad("draft_probs", "is reported for decode plans only".into()));
+    }
+    let want: usize = fl.steps_r.iter().map(|&s| s as usize).sum();
+    if q.len() != want {
+        return Err(bad("draft_probs", format!("must hold sum(steps_per_request) = {want} probabilities (one per verified draft token), got {}", q.len())));
+    }
+    if let Some(i) = q.iter().position(|p| !(0.0..=1.0).contains(p)) {
+        return Err(bad("draft_probs", format!("draft_probs[{i}] = {} is not a probability in [0, 1]", q[i])));
+    }
+    Ok(())
 }
 
 fn bad(field: &'static str, message: String) -> SchedulerError {
@@ -178,7 +201,7 @@ impl Scheduler {
         accepted: Option<&[i64]>,
         seconds: Option<f64>,
     ) -> Result<ReportOutcome, SchedulerError> {
-        self.report_with(tokens, offsets, accepted, ReportExtras { seconds, stop_strings: &[] })
+        self.report_with(tokens, offsets, accepted, ReportExtras { seconds, ..Default::default() })
     }
 
     /// [`Scheduler::report`] with everything the caller knows of the iteration
@@ -194,12 +217,13 @@ impl Scheduler {
         accepted: Option<&[i64]>,
         extras: ReportExtras<'_>,
     ) -> Result<ReportOutcome, SchedulerError> {
-        let ReportExtras { seconds, stop_strings } = extras;
+        let ReportExtras { seconds, stop_strings, draft_probs } = extras;
         let fl = self
             .in_flight
             .as_ref()
             .ok_or(SchedulerError::NoPlanInFlight)?;
         validate(fl, tokens, offsets, accepted, stop_strings)?;
+        validate_draft_probs(fl, draft_probs)?;
         if let Some(t) = seconds {
             if fl.kind == PlanKind::Prefill {
                 return Err(bad("seconds", "is reported for decode plans only".into()));
@@ -210,7 +234,7 @@ impl Scheduler {
         }
         let fl = self.in_flight.take().expect("checked above");
         if fl.kind == PlanKind::Decode {
-            self.observe_verify(&fl, offsets, seconds);
+            self.observe_verify(&fl, offsets, seconds, draft_probs);
         }
         let ctx = u64::from(self.config.context_length);
         let b = fl.ids.len();
@@ -299,11 +323,28 @@ impl Scheduler {
     }
 
     /// Policy feedback, speculation counters and the trace record of one verify.
-    fn observe_verify(&mut self, fl: &InFlight, offsets: &[i64], seconds: Option<f64>) {
+    fn observe_verify(&mut self, fl: &InFlight, offsets: &[i64], seconds: Option<f64>, draft_probs: Option<&[f64]>) {
         let b = fl.ids.len();
         let accepted = |i: usize| offsets[i + 1] - offsets[i] - 1;
         let steps = fl.steps;
-        if fl.from_policy {
+        let per_request = self.policy.as_ref().and_then(|p| p.goodput()).is_some_and(|g| g.verify_mode() == VerifyMode::PerRequest);
+        if fl.from_policy && per_request {
+            let p = self.policy.as_mut().expect("checked above");
+            let mut at = 0usize;
+            let requests: Vec<RequestVerify<'_>> = (0..b)
+                .map(|i| {
+                    let n = fl.steps_r[i] as usize;
+                    at += n;
+                    let probs = draft_probs.map(|q| &q[at - n..at]);
+                    RequestVerify { id: fl.ids[i], steps: fl.steps_r[i], accepted: accepted(i), draft_probs: probs }
+                })
+                .collect();
+            let obs = Observation { seconds, context_tokens: Some(fl.context), steps: Some(steps), catch_up_tokens: Some(fl.catch_up) };
+            let changed = p.on_verify_complete_requests(&requests, obs).expect("the report was validated");
+            if changed.is_some() {
+                self.counters.step_switches += 1;
+            }
+        } else if fl.from_policy {
             if let Some(p) = &mut self.policy {
                 let fed = (0..b).filter(|&i| fl.steps_r[i] == steps).map(accepted);
                 let obs = Observation {

@@ -2,6 +2,7 @@
 //! and preemption.
 
 use super::{InFlight, Plan, PlanKind, RequestState, Scheduler, SchedulerError};
+use crate::config::VerifyMode;
 use crate::decision::VerifyShape;
 
 /// Per-plan array builder shared by prefill and decode.
@@ -88,8 +89,15 @@ impl Scheduler {
         match (self.fixed_steps, &mut self.policy) {
             (Some(k), _) => (k, VerifyShape::Uniform, graph, Vec::new()),
             (None, Some(p)) => {
+                // A per-request decision keys each request's history by its id (batch order:
+                // the running requests in admission order, as `decode_batch` lays them out).
+                let per_request = p.goodput().is_some_and(|g| g.verify_mode() == VerifyMode::PerRequest);
+                let ids: Option<Vec<u64>> = per_request.then(|| {
+                    let requests = &self.requests;
+                    self.admitted.iter().copied().filter(|id| requests[id].state == RequestState::Running).collect()
+                });
                 let d = p
-                    .decide_with(b as i64, Some(context), Some(catch_up))
+                    .decide_requests(b as i64, Some(context), Some(catch_up), ids.as_deref())
                     .expect("decode batch size is >= 1");
                 let lower = p.config().slots[d.slot]
                     .1

@@ -103,13 +103,20 @@ impl Roofline {
 
     /// Seconds of one iteration (see the module docs).
     pub fn seconds(&self, b: f64, k: u32, ctx: f64, catch_up: f64) -> f64 {
+        self.seconds_shape(b, k, Shape::uniform(b, k), ctx, catch_up)
+    }
+
+    /// Seconds of one iteration at draft depth `k` whose requests verify and draft `shape`
+    /// (issue 28: packed verify over `b + verified` tokens, `k` draft forwards over the drafting
+    /// requests).
+    pub fn seconds_shape(&self, b: f64, k: u32, shape: Shape, ctx: f64, catch_up: f64) -> f64 {
         let m = &self.model;
         let kf = f64::from(k);
         let kv_bytes_per_token_layer = 2.0 * m.kv_heads * m.head_dim * 2.0;
-        // Target verify over b (k + 1) tokens; KV of `ctx` tokens read once; attention flops for
-        // k + 1 queries per request.
-        let n = b * (kf + 1.0);
-        let attn = 4.0 * m.hidden * m.layers * (kf + 1.0) * ctx;
+        // Target verify over b + verified tokens; KV of `ctx` tokens read once; attention flops
+        // for the queries of each request.
+        let n = b + shape.verified;
+        let attn = 4.0 * m.hidden * m.layers * (n / b) * ctx;
         let verify = self.forward(
             2.0 * m.params * n + attn,
             2.0 * m.params + ctx * m.layers * kv_bytes_per_token_layer,
@@ -118,9 +125,10 @@ impl Roofline {
         // EAGLE head: one decoder layer (+ the LM head when drafting).
         let layer = 4.0 * m.hidden * m.hidden * 0.75 + 3.0 * m.hidden * m.intermediate;
         let head = m.hidden * m.vocab;
+        let drafting = shape.drafting / b;
         let draft_step = self.forward(
-            2.0 * (layer + head) * b + 4.0 * m.hidden * ctx,
-            2.0 * (layer + head) + ctx * kv_bytes_per_token_layer,
+            2.0 * (layer + head) * shape.drafting + 4.0 * m.hidden * ctx * drafting,
+            2.0 * (layer + head) + ctx * drafting * kv_bytes_per_token_layer,
             self.allreduce(1.0),
         );
         let extend_tokens = if k > 0 { n } else { b };
@@ -129,6 +137,29 @@ impl Roofline {
         };
         let catch = if catch_up > 0.0 { extend(catch_up) } else { 0.0 };
         verify + kf * draft_step + extend(extend_tokens) + catch
+    }
+}
+
+/// What the requests of one iteration verify and draft: `verified` draft tokens in all (`b k`
+/// for a uniform batch) and `drafting` requests that run the drafter (`b` when `k > 0`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Shape {
+    pub verified: f64,
+    pub drafting: f64,
+}
+
+impl Shape {
+    /// Every request of `b` verifying `k`.
+    pub fn uniform(b: f64, k: u32) -> Self {
+        Shape { verified: b * f64::from(k), drafting: if k > 0 { b } else { 0.0 } }
+    }
+
+    /// Verify lengths `lengths` (a request at 0 does not draft).
+    pub fn of(lengths: &[u32]) -> Self {
+        Shape {
+            verified: lengths.iter().map(|&v| f64::from(v)).sum(),
+            drafting: lengths.iter().filter(|&&v| v > 0).count() as f64,
+        }
     }
 }
 
@@ -156,10 +187,15 @@ pub const CPU_LIKE: Linear = Linear {
 impl Linear {
     /// Seconds of one iteration.
     pub fn seconds(&self, b: f64, k: u32, ctx: f64, catch_up: f64) -> f64 {
+        self.seconds_shape(b, k, Shape::uniform(b, k), ctx, catch_up)
+    }
+
+    /// Seconds of one iteration of `shape` (see [`Roofline::seconds_shape`]).
+    pub fn seconds_shape(&self, b: f64, k: u32, shape: Shape, ctx: f64, catch_up: f64) -> f64 {
         let kf = f64::from(k);
-        let n = b * (kf + 1.0);
-        let verify = self.target_base + self.target_per_token * n + self.per_context_token * (kf + 1.0) * ctx;
-        let draft = kf * (self.draft_base + self.draft_per_token * b);
+        let n = b + shape.verified;
+        let verify = self.target_base + self.target_per_token * n + self.per_context_token * (n / b) * ctx;
+        let draft = kf * (self.draft_base + self.draft_per_token * shape.drafting);
         let extend_tokens = if k > 0 { n } else { b } + catch_up;
         verify + draft + self.draft_base + self.draft_per_token * extend_tokens
     }
@@ -267,14 +303,21 @@ impl CostTable {
 
     /// Seconds at `(b, k)` with `ctx` context tokens in all (catch-up is not measured: 0).
     pub fn seconds(&self, b: f64, k: u32, ctx: f64) -> f64 {
+        self.seconds_at(b, f64::from(k), ctx)
+    }
+
+    /// [`Self::seconds`] at a fractional depth `k` (interpolated between measured steps): a
+    /// per-request iteration is read as the uniform one with as many verify tokens (the table
+    /// has no draft-only measurements).
+    pub fn seconds_at(&self, b: f64, k: f64, ctx: f64) -> f64 {
         let per_request = if b > 0.0 { ctx / b } else { 0.0 };
         let steps = self.steps();
-        let t = if steps.contains(&k) {
-            self.at_steps(k, b, per_request)
+        let t = if k.fract() == 0.0 && steps.contains(&(k as u32)) {
+            self.at_steps(k as u32, b, per_request)
         } else {
             let pts: Vec<(f64, f64)> =
                 steps.iter().map(|&s| (f64::from(s), self.at_steps(s, b, per_request))).collect();
-            lerp(&pts, f64::from(k))
+            lerp(&pts, k)
         };
         let floor = 0.01 * self.entries.iter().map(|e| e.seconds).fold(f64::INFINITY, f64::min);
         t.max(floor)
@@ -332,6 +375,17 @@ impl CostCurve {
             CostCurve::Roofline(r) => r.zero_step_extend(b, ctx),
             CostCurve::Linear(l) => l.draft_base + l.draft_per_token * b,
             CostCurve::Table(_) => 0.0,
+        }
+    }
+
+    /// Noise-free seconds of one decode iteration at depth `k` whose requests verify and draft
+    /// `shape` (a table: the uniform iteration at depth `verified / b`).
+    pub fn seconds_shape(&self, b: u32, k: u32, shape: Shape, ctx: f64, catch_up: f64) -> f64 {
+        let b = f64::from(b);
+        match self {
+            CostCurve::Roofline(r) => r.seconds_shape(b, k, shape, ctx, catch_up),
+            CostCurve::Linear(l) => l.seconds_shape(b, k, shape, ctx, catch_up),
+            CostCurve::Table(t) => t.seconds_at(b, shape.verified / b, ctx),
         }
     }
 

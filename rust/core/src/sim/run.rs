@@ -14,10 +14,12 @@ use rand::rngs::SmallRng;
 use rand::{RngExt, SeedableRng};
 use serde::Serialize;
 
-use super::curve::CostCurve;
+use super::curve::{CostCurve, Shape};
 use super::workload::{normal, Workload, MAX_STEPS};
 use crate::config::AdaptiveConfig;
+use crate::decision::VerifyShape;
 use crate::policy::{AdaptiveSpeculativeParams, Observation};
+use crate::strategies::RequestVerify;
 
 /// Measurement noise of the simulated device.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -98,6 +100,24 @@ pub struct RunResult {
     pub probes: u64,
     /// Iterations per steps value `0..=max`.
     pub steps_histogram: Vec<u64>,
+    /// Requests' verify lengths `0..=max` over the run (per-request decisions; empty otherwise).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub verify_histogram: Vec<u64>,
+}
+
+/// One iteration's decision as the simulator runs it: the batch's depth and, for a per-request
+/// decision, each request's verify length (in batch order).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Choice {
+    pub steps: u32,
+    pub lengths: Option<Vec<u32>>,
+}
+
+impl Choice {
+    /// Every request at `steps`.
+    pub fn uniform(steps: u32) -> Self {
+        Choice { steps, lengths: None }
+    }
 }
 
 /// The per-iteration random draws: the noise factor and `MAX_STEPS` uniforms per request.
@@ -120,13 +140,31 @@ fn draws(seed: u64, i: usize, b: usize, noise: Noise) -> Draws {
 /// Seconds of iteration `i` at steps `k` on `curve` (the batch padded to the curve's graph
 /// sizes), with `catch_up` tokens for a skipped drafter.
 pub fn iteration_seconds(curve: &CostCurve, w: &Workload, i: usize, k: u32, catch_up: f64, skip: bool) -> f64 {
+    choice_seconds(curve, w, i, &Choice::uniform(k), catch_up, skip)
+}
+
+/// [`iteration_seconds`] of a [`Choice`] (per-request lengths: packed verify, requests at 0 not
+/// drafting; padded graph rows verify one token each).
+pub fn choice_seconds(curve: &CostCurve, w: &Workload, i: usize, c: &Choice, catch_up: f64, skip: bool) -> f64 {
     let b = padded(curve, w.batch(i).len() as u32);
     let ctx = w.context(i);
-    let t = curve.seconds(b, k, ctx, catch_up);
+    let k = c.steps;
+    let t = match &c.lengths {
+        None => curve.seconds(b, k, ctx, catch_up),
+        Some(l) => curve.seconds_shape(b, k, Shape::of(l), ctx, catch_up),
+    };
     if skip && k == 0 {
         t - curve.zero_step_extend(b, ctx)
     } else {
         t
+    }
+}
+
+/// Expected tokens of a [`Choice`] in segment `i` (true acceptance).
+pub fn choice_tokens(w: &Workload, i: usize, c: &Choice) -> f64 {
+    match &c.lengths {
+        None => w.expected_tokens(i, c.steps),
+        Some(l) => w.batch(i).iter().zip(l).map(|(&r, &v)| w.requests[r as usize].expected_at(i as u32)[(v as usize).min(MAX_STEPS)]).sum(),
     }
 }
 
@@ -144,14 +182,30 @@ struct Tally {
     prev: Option<u32>,
     changes: u64,
     histogram: Vec<u64>,
+    verify_histogram: Vec<u64>,
 }
 
 impl Tally {
     fn new(name: &str) -> Self {
-        Tally { name: name.into(), tokens: 0.0, seconds: 0.0, prev: None, changes: 0, histogram: vec![0; MAX_STEPS + 1] }
+        Tally {
+            name: name.into(),
+            tokens: 0.0,
+            seconds: 0.0,
+            prev: None,
+            changes: 0,
+            histogram: vec![0; MAX_STEPS + 1],
+            verify_histogram: Vec::new(),
+        }
     }
 
-    fn add(&mut self, k: u32, tokens: f64, seconds: f64) {
+    fn add(&mut self, c: &Choice, tokens: f64, seconds: f64) {
+        let k = c.steps;
+        if let Some(l) = &c.lengths {
+            self.verify_histogram.resize(MAX_STEPS + 1, 0);
+            for &v in l {
+                self.verify_histogram[(v as usize).min(MAX_STEPS)] += 1;
+            }
+        }
         self.tokens += tokens;
         self.seconds += seconds;
         if self.prev.is_some_and(|p| p != k) {
@@ -170,6 +224,7 @@ impl Tally {
             steps_changes: self.changes,
             probes,
             steps_histogram: self.histogram,
+            verify_histogram: self.verify_histogram,
         }
     }
 }
@@ -182,8 +237,8 @@ fn walk(
     curve: &CostCurve,
     name: &str,
     opts: &RunOptions,
-    mut choose: impl FnMut(usize) -> u32,
-    mut report: impl FnMut(usize, u32, f64, &Draws),
+    mut choose: impl FnMut(usize) -> Choice,
+    mut report: impl FnMut(usize, &Choice, f64, &Draws),
 ) -> Tally {
     let mut tally = Tally::new(name);
     let skip = opts.skip_zero_step_draft_extend;
@@ -192,15 +247,16 @@ fn walk(
     while (x as usize) < w.len() {
         let i = x as usize;
         let b = w.batch(i).len();
-        let k = choose(i);
+        let c = choose(i);
+        let k = c.steps;
         let catch = if skip && k > 0 { std::mem::take(&mut zero_tokens) } else { 0.0 };
         if skip && k == 0 {
             zero_tokens += b as f64;
         }
-        let t = iteration_seconds(curve, w, i, k, catch, skip);
-        let e = w.expected_tokens(i, k);
-        report(i, k, t, &draws(opts.seed, i, b, opts.noise));
-        tally.add(k, e, t);
+        let t = choice_seconds(curve, w, i, &c, catch, skip);
+        let e = choice_tokens(w, i, &c);
+        report(i, &c, t, &draws(opts.seed, i, b, opts.noise));
+        tally.add(&c, e, t);
         x += e / b as f64;
     }
     tally
@@ -208,7 +264,7 @@ fn walk(
 
 /// A fixed steps value for the whole run.
 pub fn run_fixed(w: &Workload, curve: &CostCurve, k: u32, opts: &RunOptions) -> RunResult {
-    walk(w, curve, &format!("fixed-{k}"), opts, |_| k, |_, _, _, _| {}).finish(0)
+    walk(w, curve, &format!("fixed-{k}"), opts, |_| Choice::uniform(k), |_, _, _, _| {}).finish(0)
 }
 
 /// Iterations at the start of each profiled point that run cold (twice as slow: first-touch
@@ -268,26 +324,72 @@ pub fn run_adaptive(w: &Workload, curve: &CostCurve, name: &str, config: &Adapti
         name,
         opts,
         |i| {
-            let d = params.borrow_mut().decide(w.batch(i).len() as i64, Some(w.context(i) as u64)).expect("batch >= 1");
-            d.steps
+            let ids: Vec<u64> = w.batch(i).iter().map(|&r| u64::from(r)).collect();
+            let d = params
+                .borrow_mut()
+                .decide_requests(ids.len() as i64, Some(w.context(i) as u64), None, Some(&ids))
+                .expect("batch >= 1");
+            match d.verify {
+                VerifyShape::PerRequest(l) => Choice { steps: d.steps, lengths: Some(l) },
+                VerifyShape::Uniform => Choice::uniform(d.steps),
+            }
         },
-        |i, k, t, r| {
+        |i, c, t, r| {
             let batch = w.batch(i);
+            let seg = i as u32;
+            let len = |j: usize| c.lengths.as_ref().map_or(c.steps, |l| l[j]);
             let accepted: Vec<i64> = batch
                 .iter()
                 .zip(&r.uniforms)
-                .map(|(&id, u)| {
-                    let alpha = &w.requests[id as usize].alpha;
-                    (0..k as usize).take_while(|&j| u[j] < alpha[j]).count() as i64
+                .enumerate()
+                .map(|(j, (&id, u))| {
+                    let alpha = w.requests[id as usize].alpha_at(seg);
+                    (0..len(j) as usize).take_while(|&p| u[p] < alpha[p]).count() as i64
                 })
                 .collect();
-            let obs = Observation { seconds: Some(t * r.factor), context_tokens: Some(w.context(i) as u64), steps: Some(k), catch_up_tokens: None };
-            params.borrow_mut().on_verify_complete_with(accepted, batch.len() as i64, obs).expect("valid report");
+            let obs = Observation { seconds: Some(t * r.factor), context_tokens: Some(w.context(i) as u64), steps: Some(c.steps), catch_up_tokens: None };
+            let mut p = params.borrow_mut();
+            match &c.lengths {
+                None => p.on_verify_complete_with(accepted, batch.len() as i64, obs),
+                Some(l) => {
+                    let probs = draft_probs(w, i, l, &r.uniforms);
+                    let mut at = 0;
+                    let requests: Vec<RequestVerify<'_>> = (0..batch.len())
+                        .map(|j| {
+                            let n = l[j] as usize;
+                            at += n;
+                            RequestVerify { id: u64::from(batch[j]), steps: l[j], accepted: accepted[j], draft_probs: Some(&probs[at - n..at]) }
+                        })
+                        .collect();
+                    p.on_verify_complete_requests(&requests, obs)
+                }
+            }
+            .expect("valid report");
         },
     );
     let probes = params.borrow().goodput().map_or(0, |g| g.probes());
     tally.finish(probes)
 }
+
+/// The drafter's probability of each verified draft token of segment `i` (`lengths` per request):
+/// a noisy reading of the request's true conditional rate at that position (standard deviation
+/// [`DRAFT_PROB_NOISE`]), drawn from the iteration's uniforms beyond the acceptance draws, so the
+/// draft confidence is informative but not an oracle.
+fn draft_probs(w: &Workload, i: usize, lengths: &[u32], uniforms: &[[f64; MAX_STEPS]]) -> Vec<f64> {
+    let mut out = Vec::with_capacity(lengths.iter().map(|&v| v as usize).sum());
+    for ((&id, &v), u) in w.batch(i).iter().zip(lengths).zip(uniforms) {
+        let alpha = w.requests[id as usize].alpha_at(i as u32);
+        for p in 0..v as usize {
+            // a second uniform from the same draw, decorrelated from the acceptance one
+            let z = (u[(p + 3) % MAX_STEPS] * 7919.0).fract() - 0.5;
+            out.push((alpha[p] + DRAFT_PROB_NOISE * 3.46 * z).clamp(0.0, 1.0));
+        }
+    }
+    out
+}
+
+/// Noise of the simulated draft probabilities around the true rate.
+pub const DRAFT_PROB_NOISE: f64 = 0.2;
 
 /// The clairvoyant oracle: knows every request's true acceptance and the noise-free cost, and
 /// maximises total tokens / total seconds over the run, choosing from `0..=max_steps`. With the
@@ -305,6 +407,6 @@ pub fn run_oracle(w: &Workload, curve: &CostCurve, max_steps: u32, opts: &RunOpt
             .0
     };
     let choice: Vec<u32> = (0..w.len()).map(best).collect();
-    let tally = walk(w, curve, "oracle", opts, |i| choice[i], |_, _, _, _| {});
+    let tally = walk(w, curve, "oracle", opts, |i| Choice::uniform(choice[i]), |_, _, _, _| {});
     (tally.finish(0), choice)
 }

@@ -38,6 +38,24 @@ pub const PROSE: Content = Content { name: "prose", alpha: 0.68, depth_factor: 0
 /// A weak drafter or content it never saw.
 pub const LOW: Content = Content { name: "low", alpha: 0.3, depth_factor: 0.9, spread: 0.1 };
 
+// Request classes of issue 28, shaped after the spreads measured with the built-in EAGLE head at
+// steps 5 (16 prompts each): greedy code, acceptance length 2.35 to 4.70 (sd 0.71); greedy prose
+// 2.61 to 5.88 (sd 1.00); temperature-1.0 code 2.24 to 4.27. Temperature-1.0 prose was not
+// measured: it is taken as lower than temperature-1.0 code by as much as prose is below code at
+// temperature 0 for a weaker drafter (an assumption).
+
+/// Greedy code (acceptance length at steps 5: mean ~3.6, sd ~0.7).
+pub const CODE_GREEDY: Content = Content { name: "code-greedy", alpha: 0.79, depth_factor: 0.99, spread: 0.09 };
+/// Greedy prose (mean ~3.9, sd ~1.0).
+pub const PROSE_GREEDY: Content = Content { name: "prose-greedy", alpha: 0.80, depth_factor: 0.99, spread: 0.13 };
+/// Temperature-1.0 code (mean ~3.0, 2.2 to 4.3).
+pub const CODE_T1: Content = Content { name: "code-t1", alpha: 0.70, depth_factor: 0.98, spread: 0.07 };
+/// Temperature-1.0 prose (assumed, see above).
+pub const PROSE_T1: Content = Content { name: "prose-t1", alpha: 0.50, depth_factor: 0.95, spread: 0.12 };
+
+/// The classes a heterogeneous batch mixes, by arrival.
+pub const MIXED: [Content; 4] = [CODE_GREEDY, PROSE_T1, PROSE_GREEDY, CODE_T1];
+
 /// One request of a workload.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Request {
@@ -49,10 +67,20 @@ pub struct Request {
     pub context0: f64,
     /// Iteration it joined.
     pub birth: u32,
+    /// Segment from which it belongs to another class (`u32::MAX`: never), and that class's
+    /// rates and expected tokens.
+    pub switch_at: u32,
+    pub alpha_after: [f64; MAX_STEPS],
+    pub expected_after: [f64; MAX_STEPS + 1],
 }
 
 impl Request {
     fn new(content: Content, context0: f64, birth: u32, rng: &mut SmallRng) -> Self {
+        let (alpha, expected) = Self::rates(content, rng);
+        Request { alpha, expected, context0, birth, switch_at: u32::MAX, alpha_after: alpha, expected_after: expected }
+    }
+
+    fn rates(content: Content, rng: &mut SmallRng) -> ([f64; MAX_STEPS], [f64; MAX_STEPS + 1]) {
         let z = normal(rng);
         let base = (content.alpha + content.spread * z).clamp(0.02, 0.98);
         let mut alpha = [0.0; MAX_STEPS];
@@ -63,7 +91,32 @@ impl Request {
             p *= alpha[j];
             expected[j + 1] = expected[j] + p;
         }
-        Request { alpha, expected, context0, birth }
+        (alpha, expected)
+    }
+
+    /// The request turns into one of class `content` at segment `at` (a prompt that moves from
+    /// prose into code, or the reverse).
+    fn switch(&mut self, content: Content, at: u32, rng: &mut SmallRng) {
+        let (alpha, expected) = Self::rates(content, rng);
+        (self.switch_at, self.alpha_after, self.expected_after) = (at, alpha, expected);
+    }
+
+    /// True conditional acceptance per position at segment `i`.
+    pub fn alpha_at(&self, i: u32) -> &[f64; MAX_STEPS] {
+        if i >= self.switch_at {
+            &self.alpha_after
+        } else {
+            &self.alpha
+        }
+    }
+
+    /// Expected tokens per verify at steps `0..=MAX_STEPS`, at segment `i`.
+    pub fn expected_at(&self, i: u32) -> &[f64; MAX_STEPS + 1] {
+        if i >= self.switch_at {
+            &self.expected_after
+        } else {
+            &self.expected
+        }
     }
 
     /// Context at segment `i`, tokens.
@@ -84,6 +137,20 @@ struct Shape {
     batch: u32,
     content: Content,
     context0: f64,
+    /// Classes mixed by arrival (one after the other), instead of `content` alone.
+    mixed: bool,
+    /// Each request changes to another class of the mix halfway through its output.
+    switching: bool,
+}
+
+impl Shape {
+    fn one(batch: u32, content: Content, context0: f64) -> Self {
+        Shape { batch, content, context0, mixed: false, switching: false }
+    }
+
+    fn mix(batch: u32, context0: f64, switching: bool) -> Self {
+        Shape { batch, content: CODE_GREEDY, context0, mixed: true, switching }
+    }
 }
 
 /// A named regime (see [`Regime::NAMES`]).
@@ -96,7 +163,8 @@ pub struct Regime {
 }
 
 impl Regime {
-    /// Every regime, steady ones first.
+    /// The standard regimes, steady ones first (requests of one content each; [`Self::MIXED`]
+    /// has the heterogeneous ones).
     pub const ALL: [Regime; 8] = [
         Regime { name: "steady-code", steady: true, description: "batch 8, code, contexts 0.2k-2k" },
         Regime { name: "steady-prose", steady: true, description: "batch 32, prose" },
@@ -108,35 +176,60 @@ impl Regime {
         Regime { name: "bursty", steady: false, description: "batch jumps among 1, 12, 48, 160 and content changes every 1000 tokens per request" },
     ];
 
-    /// The regime named `name`.
+    /// The heterogeneous regimes of issue 28: every batch mixes request classes ([`MIXED`]).
+    pub const MIXED: [Regime; 7] = [
+        Regime { name: "mixed-1", steady: true, description: "batch 1, the classes of MIXED by arrival" },
+        Regime { name: "mixed-16", steady: true, description: "batch 16, greedy/temperature-1 code and prose interleaved by arrival" },
+        Regime { name: "mixed-64", steady: true, description: "batch 64, greedy/temperature-1 code and prose interleaved by arrival" },
+        Regime { name: "mixed-128", steady: true, description: "batch 128, greedy/temperature-1 code and prose interleaved by arrival" },
+        Regime { name: "mixed-256", steady: true, description: "batch 256, greedy/temperature-1 code and prose interleaved by arrival" },
+        Regime { name: "switching-128", steady: false, description: "batch 128, mixed classes, each request changes class halfway" },
+        Regime { name: "mixed-ramp", steady: false, description: "mixed classes, load rises 1 -> 256 -> 1" },
+    ];
+
+    /// The heterogeneous regimes at concurrency >= 64 (issue 28's floor of 1.10x batch-level).
+    pub const HETEROGENEOUS_HIGH: [&'static str; 4] = ["mixed-64", "mixed-128", "mixed-256", "switching-128"];
+
+    /// The regime named `name` (standard or mixed).
     pub fn named(name: &str) -> Option<Regime> {
-        Self::ALL.iter().copied().find(|r| r.name == name)
+        Self::every().find(|r| r.name == name)
+    }
+
+    /// The standard regimes, then the mixed ones.
+    pub fn every() -> impl Iterator<Item = Regime> {
+        Self::ALL.into_iter().chain(Self::MIXED)
     }
 
     fn shape(&self, i: u32, n: u32, rng: &mut SmallRng) -> Shape {
         let x = f64::from(i) / f64::from(n.max(1));
         let ctx = 200.0 + 1800.0 * rng.random::<f64>();
         match self.name {
-            "steady-code" => Shape { batch: 8, content: CODE, context0: ctx },
-            "steady-prose" => Shape { batch: 32, content: PROSE, context0: ctx },
-            "steady-low" => Shape { batch: 4, content: LOW, context0: ctx },
-            "steady-large" => Shape { batch: 128, content: CODE, context0: ctx },
-            "content-phases" => Shape {
-                batch: 16,
-                content: if (i / 1500) % 2 == 0 { CODE } else { LOW },
-                context0: ctx,
-            },
+            "steady-code" => Shape::one(8, CODE, ctx),
+            "steady-prose" => Shape::one(32, PROSE, ctx),
+            "steady-low" => Shape::one(4, LOW, ctx),
+            "steady-large" => Shape::one(128, CODE, ctx),
+            "content-phases" => Shape::one(16, if (i / 1500) % 2 == 0 { CODE } else { LOW }, ctx),
             "load-ramp" => {
                 let tri = 1.0 - (2.0 * (2.0 * x).fract() - 1.0).abs(); // 0 -> 1 -> 0, twice
-                Shape { batch: 1 + (127.0 * tri).round() as u32, content: CODE, context0: ctx }
+                Shape::one(1 + (127.0 * tri).round() as u32, CODE, ctx)
             }
-            "context-growth" => Shape { batch: 64, content: CODE, context0: 512.0 + (32768.0 - 512.0) * x },
+            "context-growth" => Shape::one(64, CODE, 512.0 + (32768.0 - 512.0) * x),
+            "mixed-1" => Shape::mix(1, ctx, false),
+            "mixed-16" => Shape::mix(16, ctx, false),
+            "mixed-64" => Shape::mix(64, ctx, false),
+            "mixed-128" => Shape::mix(128, ctx, false),
+            "mixed-256" => Shape::mix(256, ctx, false),
+            "switching-128" => Shape::mix(128, ctx, true),
+            "mixed-ramp" => {
+                let tri = 1.0 - (2.0 * x - 1.0).abs();
+                Shape::mix(1 + (255.0 * tri).round() as u32, ctx, false)
+            }
             "bursty" => {
                 const LOADS: [u32; 4] = [1, 12, 48, 160];
                 let phase = i / 1000;
                 let h = (phase as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 60;
                 let content = [CODE, PROSE, LOW, CODE][(h % 4) as usize];
-                Shape { batch: LOADS[((h / 4 + phase as u64) % 4) as usize], content, context0: ctx }
+                Shape::one(LOADS[((h / 4 + phase as u64) % 4) as usize], content, ctx)
             }
             other => unreachable!("unknown regime {other}"),
         }
@@ -160,8 +253,14 @@ impl Regime {
                 let id = requests.len() as u32;
                 // A fresh draw of the regime's prompt length for each new request.
                 let ctx = self.shape(i, n, &mut rng).context0;
-                requests.push(Request::new(shape.content, ctx, i, &mut rng));
-                lifetimes.push(rng.random_range(64..512)); // output tokens
+                let content = if shape.mixed { MIXED[id as usize % MIXED.len()] } else { shape.content };
+                let mut r = Request::new(content, ctx, i, &mut rng);
+                let life = rng.random_range(64..512); // output tokens
+                if shape.switching {
+                    r.switch(MIXED[(id as usize + 1) % MIXED.len()], i + life / 2, &mut rng);
+                }
+                requests.push(r);
+                lifetimes.push(life);
                 live.push(id);
             }
             flat.extend_from_slice(&live);
@@ -203,7 +302,7 @@ impl Workload {
     /// Expected tokens of a verify in segment `i` at steps `k` (sum over its requests).
     pub fn expected_tokens(&self, i: usize, k: u32) -> f64 {
         let k = (k as usize).min(MAX_STEPS);
-        self.batch(i).iter().map(|&r| self.requests[r as usize].expected[k]).sum()
+        self.batch(i).iter().map(|&r| self.requests[r as usize].expected_at(i as u32)[k]).sum()
     }
 }
 

@@ -3,7 +3,7 @@
 
 
 use super::{DecideContext, SlotView, StepStrategy, VerifyObservation};
-use crate::config::{AdaptiveConfig, GoodputConfig};
+use crate::config::{AdaptiveConfig, GoodputConfig, VerifyMode};
 use crate::decision::Decision;
 use crate::error::PolicyError;
 use crate::goodput::{cost::bucket_of, GoodputPolicy};
@@ -34,14 +34,16 @@ impl StepStrategy for GoodputPolicy {
     fn decide(&mut self, ctx: &DecideContext<'_>) -> Decision {
         let (bucket, b_cost) = cost_batch(ctx.batch_size, ctx.graph_bs);
         let context = ctx.context_tokens.unwrap_or(0);
-        let steps = GoodputPolicy::decide_with(self, ctx.slot, bucket, ctx.batch_size, b_cost, context, ctx.catch_up_tokens);
-        Decision::uniform(steps)
+        self.decide_requests(ctx.slot, bucket, ctx.batch_size, b_cost, context, ctx.catch_up_tokens, ctx.request_ids)
     }
 
     fn on_verify_complete(&mut self, obs: &VerifyObservation<'_>) -> Result<Option<u32>, PolicyError> {
         let (bucket, b_cost) = cost_batch(obs.batch_size, obs.graph_bs);
         let context = obs.context_tokens.unwrap_or(0);
         let (b, steps) = (obs.batch_size, obs.steps);
+        if let Some(requests) = obs.requests.filter(|_| self.verify_mode() == VerifyMode::PerRequest) {
+            return Ok(self.observe_requests(obs.slot, bucket, b_cost, steps, requests, obs.seconds, context, obs.catch_up_tokens));
+        }
         Ok(self.observe_with(obs.slot, bucket, b, b_cost, steps, obs.accepted, obs.seconds, context, obs.catch_up_tokens))
     }
 

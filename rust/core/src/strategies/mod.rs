@@ -20,6 +20,7 @@ use std::fmt::Debug;
 use crate::config::{AdaptiveConfig, Strategy};
 use crate::decision::Decision;
 use crate::error::PolicyError;
+pub use crate::goodput::per_request::RequestVerify;
 
 /// What a strategy sees when it decides one decode iteration (the policy has routed it).
 #[derive(Debug, Clone, Copy)]
@@ -37,6 +38,9 @@ pub struct DecideContext<'a> {
     pub catch_up_tokens: Option<u64>,
     /// The routed slot's candidate steps, ascending.
     pub candidates: &'a [u32],
+    /// The batch's request ids in batch order (`None`: unknown; a per-request decision needs
+    /// them to find each request's history).
+    pub request_ids: Option<&'a [u64]>,
 }
 
 /// One reported verify, already validated by the policy (every `accepted[i]` is in
@@ -60,6 +64,10 @@ pub struct VerifyObservation<'a> {
     /// Drafter catch-up tokens the iteration ran (`None`: unknown; see
     /// [`crate::Observation::catch_up_tokens`]).
     pub catch_up_tokens: Option<u64>,
+    /// Every request of the batch with its own verify length, accepted drafts and draft
+    /// probabilities (`None`: not reported; `accepted` above then holds the requests that ran
+    /// the full `steps`).
+    pub requests: Option<&'a [RequestVerify<'a>]>,
 }
 
 /// One slot's state as a strategy reports it: `(current steps, accepted drafts estimate at them,

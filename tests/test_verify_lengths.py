@@ -1,0 +1,72 @@
+"""Issue 28's visibility and workload: the per-request verify-length histogram (engine stats,
+``/metrics``, ``specdial generate``'s statistics, the bench summary and report) and the
+``mixed-batch`` bench workload (greedy code and temperature-1.0 prose interleaved)."""
+
+from __future__ import annotations
+
+import numpy as np
+from prometheus_client import generate_latest
+from prometheus_client.core import CollectorRegistry
+
+from conftest import PROMPTS
+from specdial.bench.datasets import build_requests
+from specdial.bench.driver import _params_of
+from specdial.bench.http_driver import prometheus_snapshot
+from specdial.bench.metrics import RunData, snapshot, summarize
+from specdial.engine import Engine
+from specdial.engine.api import EngineStats
+from specdial.engine.loop_stats import VerifyLengths
+from specdial.generate_cmd import format_generation
+
+
+def test_verify_lengths_count_each_request_at_its_own_budget():
+    h = VerifyLengths()
+    assert h.as_dict() == {}
+    h.add(np.array([0, 3, 3, 1]))
+    h.add(np.array([5]))
+    assert h.as_dict() == {0: 1, 1: 1, 3: 2, 5: 1}
+
+
+def test_engine_stats_carry_the_histogram_of_the_plans(tiny):
+    """Fixed steps 3, 3 prompts, 6 tokens each: every request verifies 3 drafts per decode
+    until its end caps it (steps_per_request of the plans)."""
+    with Engine.from_modules(tiny.target, tiny.draft_noisy, max_running_requests=4,
+                             kv_cache_tokens=1024, page_size=8, speculative_num_steps=3,
+                             speculative_adaptive=False) as engine:
+        out = engine.generate(input_ids=PROMPTS, sampling_params={
+            "max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True})
+        hist = engine.stats().verify_length_histogram
+    verifies = sum(o["meta_info"]["spec_verify_ct"] for o in out)
+    assert sum(hist.values()) == verifies
+    assert max(hist) == 3 and all(0 <= v <= 3 for v in hist)
+
+
+def test_metrics_and_reports_show_the_histogram():
+    from specdial.server.metrics import EngineCollector
+
+    class FakeEngine:
+        def stats(self):
+            return EngineStats(verify_length_histogram={0: 4, 2: 7})
+
+    reg = CollectorRegistry()
+    reg.register(EngineCollector(FakeEngine()))
+    text = generate_latest(reg).decode()
+    assert 'specdial:spec_decode_verify_length_total{verify_length="0"} 4.0' in text
+    assert 'specdial:spec_decode_verify_length_total{verify_length="2"} 7.0' in text
+    assert prometheus_snapshot(text)["verify_length_histogram"] == {0: 4, 2: 7}  # bench http
+    report = {"meta_info": {"completion_tokens": 3}, "seconds": 1.0,
+              "speculative_algorithm": "EAGLE", "verify_lengths": {0: 2, 4: 5}}
+    assert "verify lengths     0: 2, 4: 5" in format_generation(report)
+    first = snapshot(EngineStats(verify_length_histogram={1: 2}), 0.0)
+    last = snapshot(snapshot(EngineStats(verify_length_histogram={1: 5, 3: 4}), 0.0), 1.0)
+    s = summarize([RunData([], 1.0, [first, last])])
+    assert s["verify_length_histogram"] == {1: 3, 3: 4}
+
+
+def test_mixed_batch_interleaves_greedy_code_and_sampled_prose():
+    reqs = build_requests("mixed-batch", 6)
+    assert [r.workload for r in reqs] == ["code", "prose"] * 3
+    assert [r.temperature for r in reqs] == [0.0, 1.0] * 3
+    run = {"max_new_tokens": 8, "temperature": 0.0}
+    assert _params_of(reqs[1], run) == {"max_new_tokens": 8, "temperature": 1.0}
+    assert _params_of(build_requests("code", 1)[0], run) is run
