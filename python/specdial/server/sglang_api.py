@@ -7,7 +7,8 @@ their conversion: :mod:`specdial.server.sglang_protocol`.
   prompt), ``stream``, ``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``,
   ``return_text_in_logprobs``, ``rid``. Answers ``{"text", "output_ids", "meta_info"}`` per
   prompt (a list for a list input); ``meta_info`` holds ``id``, ``finish_reason``,
-  ``prompt_tokens``, ``completion_tokens``, ``cached_tokens`` (0: no prefix cache),
+  ``prompt_tokens``, ``completion_tokens``, ``cached_tokens`` (prompt tokens served by the
+  prefix cache; 0 on a miss or with ``--disable-radix-cache``),
   ``spec_verify_ct``, ``spec_accept_length``, ``spec_steps_histogram``, ``e2e_latency``
   (seconds) and, with ``return_logprob``, SGLang's logprob lists
   (:mod:`specdial.engine.output`). Streaming: server-sent events of the same object with
@@ -129,7 +130,8 @@ async def generate(request: Request, state: StateDep) -> Response:
 
     def body(i: int) -> dict[str, Any]:
         out = outs[i].result()
-        out["meta_info"].update(id=ids_[i], cached_tokens=0,
+        out["meta_info"].update(id=ids_[i],
+                                cached_tokens=int(outs[i].meta.get("cached_tokens", 0) or 0),
                                 e2e_latency=time.perf_counter() - arrival)
         if not single:
             out["index"] = i
