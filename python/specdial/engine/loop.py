@@ -53,8 +53,8 @@ from specdial.engine.isolation import sampling_isolated
 from specdial.engine.loop_stats import engine_stats, log_progress
 from specdial.engine.live import LiveRequest, prompt_plan, store_prompt_logprobs
 from specdial.engine.stops import StopCheck, check_stop_strings
-from specdial.engine.messages import (Abort, Cancel, Crash, Message, RequestSpec, Shutdown,
-                                      StepsSchedule, Submit, Submitted)
+from specdial.engine.messages import (Abort, Cancel, Crash, FlushCache, Message, RequestSpec,
+                                      Shutdown, StepsSchedule, Submit, Submitted)
 from specdial.worker.logprobs import HostLogprobs, LogprobRows
 from specdial.worker.sampling import BatchSampling, SamplingParams
 from specdial.worker.worker import SpecWorker, StepOutput
@@ -104,7 +104,6 @@ class EngineLoop:
         self._lp_rows: LogprobRows | None = None
         self._last_decode: tuple[int, int] | None = None  # (steps, padded batch size)
         self._decode_iters = 0
-        self._prompt_tokens = 0
         self._verify_reqs = self._verify_tokens = 0
         self._log_mark = (time.monotonic(), 0, 0, 0)
         self._stats = EngineStats()
@@ -173,6 +172,8 @@ class EngineLoop:
                         spec.sink(RuntimeError(f"the engine loop failed: {error}"))
                 case Shutdown():
                     return
+                case FlushCache(reply):
+                    reply.set_exception(RuntimeError(f"the engine loop failed: {error}"))
                 case _:
                     pass
 
@@ -202,6 +203,8 @@ class EngineLoop:
                                                             "down"))
                 case Crash(text):
                     raise RuntimeError(text)
+                case FlushCache(reply):
+                    reply.set_result(bool(self.sched.flush_cache()))
                 case _:
                     raise TypeError(f"unknown engine loop message {message!r}")
         if messages:
@@ -231,7 +234,6 @@ class EngineLoop:
         self.live[rid] = LiveRequest(spec, rid, IncrementalText(
             self.tokenizer, spec.stop, skip_special_tokens=p.skip_special_tokens,
             include_stop=p.include_stop_str_in_output, min_tokens=p.min_tokens))
-        self._prompt_tokens += len(spec.prompt_ids)
         self._out(spec.sink, Submitted(rid))
 
     def step(self) -> None:
@@ -413,6 +415,7 @@ class EngineLoop:
             self._out(lv.spec.sink, lv.chunk(text, new, False, None, token_lp))
             return
         del self.live[lv.rid]
+        lv.cached_tokens = int(fin.cached_tokens)
         self._out(lv.spec.sink, lv.chunk(text, new, True, finished(lv.text.matched, fin), token_lp))
 
     def _finish_now(self, rid: int, reason: dict[str, Any]) -> None:
@@ -463,7 +466,6 @@ class EngineLoop:
         if not slots and self._fixed_steps is not None:
             slots = {1: int(self._fixed_steps)}
         self._stats = engine_stats(s, slot_states, fixed_steps=self._fixed_steps,
-                                   prompt_tokens=self._prompt_tokens,
                                    last_decode=self._last_decode, policy=self._policy,
                                    goodput=self._goodput_state())
 

@@ -145,7 +145,8 @@ impl PySchedulerConfig {
     #[new]
     #[pyo3(signature = (*, max_running_requests=64, max_queued_requests=1024, max_prefill_tokens=2048,
                         context_length=2048, num_pages=1024, page_size=16, eos_token_ids=Vec::new(),
-                        record_trace=false, chunked_prefill_size=None, skip_zero_step_draft_extend=true))]
+                        record_trace=false, chunked_prefill_size=None, skip_zero_step_draft_extend=true,
+                        enable_prefix_caching=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         max_running_requests: i64,
@@ -158,6 +159,7 @@ impl PySchedulerConfig {
         record_trace: bool,
         chunked_prefill_size: Option<i64>,
         skip_zero_step_draft_extend: bool,
+        enable_prefix_caching: bool,
     ) -> PyResult<Self> {
         guard(|| {
             let inner = SchedulerConfig {
@@ -173,6 +175,7 @@ impl PySchedulerConfig {
                     .map(|n| u32_field("chunked_prefill_size", n))
                     .transpose()?,
                 skip_zero_step_draft_extend,
+                enable_prefix_caching,
             };
             inner.validate().map_err(core_err)?;
             Ok(Self { inner })
@@ -236,6 +239,13 @@ impl PySchedulerConfig {
     #[getter]
     fn skip_zero_step_draft_extend(&self) -> bool {
         self.inner.skip_zero_step_draft_extend
+    }
+    /// Whether full KV pages are kept in the prefix cache and shared by later requests with the
+    /// same token prefix (SGLang's radix cache, vLLM's ``enable_prefix_caching``; False here,
+    /// the engine's ``EngineConfig.enable_prefix_caching`` defaults to True).
+    #[getter]
+    fn enable_prefix_caching(&self) -> bool {
+        self.inner.enable_prefix_caching
     }
 
     fn __repr__(&self) -> String {
@@ -497,8 +507,10 @@ impl PySchedulePlan {
 // ------------------------------------------------------------------------------------- report
 
 /// A request that left the scheduler: ``request_id``, ``reason`` (``"length"``, ``"stop"`` or
-/// ``"abort"``), ``stop_token_id`` (the EOS / stop token that ended it, else None) and
-/// ``output_len`` (output tokens in all, the finishing one included).
+/// ``"abort"``), ``stop_token_id`` (the EOS / stop token that ended it, else None),
+/// ``output_len`` (output tokens in all, the finishing one included) and ``cached_tokens``
+/// (prompt tokens served from the prefix cache at its latest admission; OpenAI's
+/// ``usage.prompt_tokens_details.cached_tokens``).
 #[pyclass(name = "FinishedRequest", module = "specdial._core", frozen, eq)]
 #[derive(Clone, PartialEq)]
 pub struct PyFinishedRequest {
@@ -523,6 +535,10 @@ impl PyFinishedRequest {
     fn output_len(&self) -> u64 {
         self.inner.output_len
     }
+    #[getter]
+    fn cached_tokens(&self) -> u64 {
+        self.inner.cached_tokens
+    }
     fn __repr__(&self) -> String {
         let stop = self
             .inner
@@ -530,10 +546,12 @@ impl PyFinishedRequest {
             .stop_token_id()
             .map_or("None".into(), |t| t.to_string());
         format!(
-            "FinishedRequest(request_id={}, reason={:?}, stop_token_id={stop}, output_len={})",
+            "FinishedRequest(request_id={}, reason={:?}, stop_token_id={stop}, output_len={}, \
+             cached_tokens={})",
             self.inner.request_id,
             self.inner.reason.as_str(),
-            self.inner.output_len
+            self.inner.output_len,
+            self.inner.cached_tokens
         )
     }
 }
@@ -625,8 +643,11 @@ pub struct PySchedulerStats {
     queued: usize,
     /// Of queued, preempted requests waiting to resume.
     queued_preempted: usize,
+    /// Pages held by admitted requests (shared pages once).
     kv_pages_used: u32,
     kv_pages_total: u32,
+    /// Pages the prefix cache holds now, shared with requests or not.
+    cached_pages: u32,
     requests_added: u64,
     /// Finished with reason length or stop.
     requests_finished: u64,
@@ -636,7 +657,12 @@ pub struct PySchedulerStats {
     step_switches: u64,
     /// Output tokens appended.
     tokens_generated: u64,
+    /// Tokens prefilled (cached prefixes excluded).
     prefill_tokens: u64,
+    /// Prompt tokens of requests at their first admission (vLLM's prompt_tokens_total).
+    prompt_tokens: u64,
+    /// Of prompt_tokens, those served from the prefix cache (hit rate = cached / prompt).
+    cached_tokens: u64,
     prefill_iterations: u64,
     decode_iterations: u64,
     /// {steps: decode iterations at those steps}.
@@ -660,6 +686,7 @@ impl From<SchedulerStats> for PySchedulerStats {
             queued_preempted: s.queued_preempted,
             kv_pages_used: s.kv_pages_used,
             kv_pages_total: s.kv_pages_total,
+            cached_pages: s.cached_pages,
             requests_added: s.requests_added,
             requests_finished: s.requests_finished,
             requests_aborted: s.requests_aborted,
@@ -667,6 +694,8 @@ impl From<SchedulerStats> for PySchedulerStats {
             step_switches: s.step_switches,
             tokens_generated: s.tokens_generated,
             prefill_tokens: s.prefill_tokens,
+            prompt_tokens: s.prompt_tokens,
+            cached_tokens: s.cached_tokens,
             prefill_iterations: s.prefill_iterations,
             decode_iterations: s.decode_iterations,
             decode_iterations_by_steps: s.decode_iterations_by_steps.into_iter().collect(),
@@ -689,6 +718,7 @@ impl PySchedulerStats {
         d.set_item("queued_preempted", self.queued_preempted)?;
         d.set_item("kv_pages_used", self.kv_pages_used)?;
         d.set_item("kv_pages_total", self.kv_pages_total)?;
+        d.set_item("cached_pages", self.cached_pages)?;
         d.set_item("requests_added", self.requests_added)?;
         d.set_item("requests_finished", self.requests_finished)?;
         d.set_item("requests_aborted", self.requests_aborted)?;
@@ -696,6 +726,8 @@ impl PySchedulerStats {
         d.set_item("step_switches", self.step_switches)?;
         d.set_item("tokens_generated", self.tokens_generated)?;
         d.set_item("prefill_tokens", self.prefill_tokens)?;
+        d.set_item("prompt_tokens", self.prompt_tokens)?;
+        d.set_item("cached_tokens", self.cached_tokens)?;
         d.set_item("prefill_iterations", self.prefill_iterations)?;
         d.set_item("decode_iterations", self.decode_iterations)?;
         d.set_item(
@@ -935,6 +967,13 @@ impl PyScheduler {
                 .transpose()?;
             self.inner.set_fixed_steps(steps).map_err(core_err)
         })
+    }
+
+    /// Drops every cached KV page no request holds (SGLang's ``/flush_cache``); True when done.
+    /// False, with nothing changed, while any request is live or a plan is in flight (SGLang's
+    /// rule: a flush waits for an idle server).
+    fn flush_cache(&mut self) -> bool {
+        self.inner.flush_cache()
     }
 
     /// Sets (ints >= 1) or clears (None) the captured CUDA-graph batch sizes. Raises ConfigError.

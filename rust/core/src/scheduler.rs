@@ -70,6 +70,7 @@
 //!   iteration catches the whole batch up, and the policy is told those tokens
 //!   ([`crate::Observation::catch_up_tokens`]) and, when it decides, the batch's pending ones.
 //!
+mod cache;
 mod config;
 mod invariants;
 mod plan;
@@ -362,6 +363,7 @@ impl Scheduler {
                 num_preemptions: 0,
                 row: None,
                 draft_lag: 0,
+                cached: 0,
             },
         );
         self.waiting.push_back(id);
@@ -414,11 +416,7 @@ impl Scheduler {
             }
         }
         self.count_finish(reason);
-        Some(Finished {
-            request_id,
-            reason,
-            output_len: req.output_len(),
-        })
+        Some(req.finished(request_id, reason))
     }
 
     fn count_finish(&mut self, reason: FinishReason) {

@@ -134,6 +134,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                     // a third of the cases also cap one request's chunk below the budget
                     chunked_prefill_size: (prefill % 3 == 0).then_some(1 + prefill / 3),
                     skip_zero_step_draft_extend: !eos,
+                    enable_prefix_caching: false,
                 };
                 let initial_steps = match &adaptive {
                     Some(c) => c.candidate_union()[steps as usize % c.candidate_union().len()],
@@ -549,6 +550,7 @@ fn tiny_pool_heavy_preemption() {
         record_trace: true,
         chunked_prefill_size: None,
         skip_zero_step_draft_extend: true,
+        enable_prefix_caching: false,
     };
     let mut ops = vec![];
     for i in 0..12 {

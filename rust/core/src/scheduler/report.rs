@@ -3,7 +3,7 @@
 use crate::policy::Observation;
 
 use super::{
-    FinishReason, Finished, InFlight, PlanKind, ReportOutcome, RequestState, Scheduler,
+    FinishReason, InFlight, PlanKind, ReportOutcome, RequestState, Scheduler,
     SchedulerError, TraceRecord,
 };
 
@@ -275,11 +275,7 @@ impl Scheduler {
                         .push(r.row.expect("an admitted request holds a row"));
                     self.num_running -= 1;
                     self.count_finish(reason);
-                    out.finished.push(Finished {
-                        request_id: id,
-                        reason,
-                        output_len: r.output_len(),
-                    });
+                    out.finished.push(r.finished(id, reason));
                 }
             }
             out.new_offsets.push(out.new_tokens.len() as i64);

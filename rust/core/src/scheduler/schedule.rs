@@ -211,6 +211,8 @@ impl Scheduler {
                 self.waiting.pop_front();
                 if r.admitted_before {
                     self.waiting_preempted -= 1;
+                } else {
+                    self.counters.prompt_tokens += r.prompt_len;
                 }
                 r.admitted_before = true;
                 r.state = RequestState::Prefilling;
