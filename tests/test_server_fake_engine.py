@@ -226,13 +226,12 @@ class FakeEngine:
         self._abort_requested.add(request_id)
 
     def stats(self) -> EngineStats:
-        stats = EngineStats(running=len(self._running), queued=len(self._waiting),
-                            kv_pages_used=len(self._running) * 2, kv_pages_total=64,
-                            steps_per_slot={1: 3, 8: 0}, step_switches=1, preemptions=0,
-                            accepted_per_pos=list(self._per_pos), **self._counts)
-        stats.cached_tokens = self.cached_tokens
-        stats.cached_pages = sum(len(ids) // FAKE_PAGE for ids in self._seen)
-        return stats
+        return EngineStats(running=len(self._running), queued=len(self._waiting),
+                           kv_pages_used=len(self._running) * 2, kv_pages_total=64,
+                           steps_per_slot={1: 3, 8: 0}, step_switches=1, preemptions=0,
+                           accepted_per_pos=list(self._per_pos), cached_tokens=self.cached_tokens,
+                           cached_pages=sum(len(ids) // FAKE_PAGE for ids in self._seen),
+                           **self._counts)
 
     def shutdown(self, drain: bool = True) -> None:
         self.shutdown_calls.append(drain)

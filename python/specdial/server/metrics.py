@@ -159,9 +159,8 @@ class EngineCollector:
 
     @staticmethod
     def _prefix_cache(s: Any) -> Iterable[Metric]:
-        """vLLM's prefix-cache counters, SGLang's hit-rate gauge and the pages held (an engine
-        whose stats have no ``cached_tokens`` reports 0 hits)."""
-        hits, queries = int(getattr(s, "cached_tokens", 0) or 0), int(s.prompt_tokens)
+        """vLLM's prefix-cache counters, SGLang's hit-rate gauge and the pages held."""
+        hits, queries = int(s.cached_tokens), int(s.prompt_tokens)
         yield CounterMetricFamily("specdial:prefix_cache_queries",
                                   "Prefix cache queries, in prompt tokens looked up (vLLM's "
                                   "name).", value=queries)
@@ -174,7 +173,7 @@ class EngineCollector:
                                 value=hits / queries if queries else 0.0)
         yield GaugeMetricFamily("specdial:prefix_cache_pages",
                                 "KV cache pages the prefix cache holds now.",
-                                value=int(getattr(s, "cached_pages", 0) or 0))
+                                value=int(s.cached_pages))
 
     @staticmethod
     def _goodput(g: dict | None) -> Iterable[Metric]:
