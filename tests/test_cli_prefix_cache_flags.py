@@ -75,3 +75,13 @@ def test_the_help_names_every_switch():
         for flag in ("--enable-prefix-caching", "--no-enable-prefix-caching",
                      "--disable-radix-cache"):
             assert flag in text, (prefix, flag)
+
+
+def test_the_record_of_the_switches_given_does_not_outlive_the_check():
+    """``vars(args)`` stays the options (``Config(**vars(args))`` keeps working): the record
+    is kept only for the prefix-cache switch, and removed when it is read."""
+    args = build_parser().parse_args(["serve", "--no-speculative-adaptive"])
+    assert "bool_flags_given" not in vars(args)
+    args = build_parser().parse_args(["serve", "--enable-prefix-caching"])
+    resolve_prefix_cache_flags(args)
+    assert "bool_flags_given" not in vars(args) and args.enable_prefix_caching is True

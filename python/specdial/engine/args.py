@@ -195,13 +195,19 @@ BOOL_FLAGS_GIVEN = "bool_flags_given"
 
 
 class BoolFlag(argparse.BooleanOptionalAction):
-    """``--x`` / ``--no-x`` (argparse's ``BooleanOptionalAction``) that also records each flag
-    given under :data:`BOOL_FLAGS_GIVEN`, so that a command can refuse contradicting ones
-    (:mod:`specdial.engine.cache_flags`) rather than let the last one win unseen."""
+    """``--x`` / ``--no-x`` (argparse's ``BooleanOptionalAction``). With ``record_given`` set
+    (by the command that reads it, e.g. :func:`specdial.engine.cache_flags.add_prefix_cache_flags`)
+    it also records each flag given under :data:`BOOL_FLAGS_GIVEN` of the namespace, so that
+    the command can refuse contradicting ones rather than let the last one win unseen; that
+    command removes the record again when it reads it, so ``vars(args)`` stays the fields."""
+
+    record_given = False
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: Any, option_string: str | None = None) -> None:
         super().__call__(parser, namespace, values, option_string)
+        if not self.record_given:
+            return
         given = dict(getattr(namespace, BOOL_FLAGS_GIVEN, None) or {})
         given[self.dest] = [*given.get(self.dest, []), str(option_string)]
         setattr(namespace, BOOL_FLAGS_GIVEN, given)

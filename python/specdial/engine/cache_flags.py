@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 
-from specdial.engine.args import BOOL_FLAGS_GIVEN
+from specdial.engine.args import BOOL_FLAGS_GIVEN, BoolFlag
 
 __all__ = ["DISABLE_RADIX_CACHE", "FIELD", "add_prefix_cache_flags",
            "resolve_prefix_cache_flags"]
@@ -37,7 +37,11 @@ _DEST = "compat_disable_radix_cache"
 def add_prefix_cache_flags(parser: argparse.ArgumentParser) -> None:
     """Register ``--disable-radix-cache`` on ``parser`` (one built by
     :func:`~specdial.engine.args.add_dataclass_arguments` from a config with the
-    ``enable_prefix_caching`` field)."""
+    ``enable_prefix_caching`` field), and have its ``--[no-]enable-prefix-caching`` record
+    which were given (:class:`~specdial.engine.args.BoolFlag`)."""
+    for action in parser._actions:
+        if action.dest == FIELD and isinstance(action, BoolFlag):
+            action.record_given = True
     parser.add_argument(DISABLE_RADIX_CACHE, dest=_DEST, action="store_true", default=False,
                         help="SGLang's name for --no-enable-prefix-caching: no prefix cache, "
                         "every prompt is prefilled in full")
@@ -47,7 +51,10 @@ def resolve_prefix_cache_flags(args: argparse.Namespace) -> argparse.Namespace:
     """Fold ``--disable-radix-cache`` into ``args.enable_prefix_caching`` (in place; returned)
     and refuse contradicting switches (module docstring) with a ``ValueError`` naming them.
     ``args`` without the option (a parser that has none) is returned unchanged."""
-    given = (getattr(args, BOOL_FLAGS_GIVEN, None) or {}).get(FIELD, [])
+    record = getattr(args, BOOL_FLAGS_GIVEN, None) or {}
+    if hasattr(args, BOOL_FLAGS_GIVEN):
+        delattr(args, BOOL_FLAGS_GIVEN)  # read once; vars(args) stays the options
+    given = record.get(FIELD, [])
     disable = bool(getattr(args, _DEST, False))
     values = {flag: not flag.startswith("--no-") for flag in given}
     if disable:
