@@ -10,6 +10,7 @@ import json
 import threading
 
 import httpx
+import pytest
 
 from specdial.server.flush import FLUSHED
 from specdial.server.security import SecurityConfig
@@ -106,6 +107,10 @@ def test_metrics_report_hits_queries_hit_rate_and_pages():
     assert _metric(text, "specdial:prompt_tokens_total") == queries
     assert abs(_metric(text, "specdial:cache_hit_rate") - hits / queries) < 1e-9
     assert _metric(text, "specdial:prefix_cache_pages") == engine.stats().cached_pages > 0
+    with LiveServer(engine) as live, _client(live) as c:
+        [info] = c.get("/server_info").json()["internal_states"]
+    assert (info["cached_tokens"], info["prompt_tokens"]) == (hits, queries)
+    assert info["cache_hit_rate"] == pytest.approx(hits / queries) and info["cached_pages"] > 0
 
 
 def test_flush_cache_get_and_post_as_sglang_answers():

@@ -30,7 +30,9 @@ their conversion: :mod:`specdial.server.sglang_protocol`.
   ``internal_states``: one entry (one engine) with ``speculative_num_steps`` (the current steps
   of the slot serving the current batch, or the latest batch when idle), ``avg_spec_accept_length``
   (``1 + accepted drafts / request-verifies with drafts``, since start; None before any),
-  ``slots`` (every slot's state from the engine's ``slot_states``) and the counters.
+  ``slots`` (every slot's state from the engine's ``slot_states``) and the counters, the
+  prefix cache's among them (``cached_tokens``, ``prompt_tokens``, ``cache_hit_rate``,
+  ``cached_pages``: as ``/metrics``).
 - ``GET /get_model_info``; ``POST /tokenize`` (also ``/v1/tokenize``; ``prompt`` or chat
   ``messages``) -> ``{"tokens", "count", "max_model_len"}``; ``POST /detokenize`` (also
   ``/v1/detokenize``) -> ``{"text", "prompt"}`` (SGLang's and vLLM's key for the same text);
@@ -105,6 +107,9 @@ def server_info(state: ServerState) -> dict[str, Any]:
         "kv_pages_used": s.kv_pages_used, "kv_pages_total": s.kv_pages_total,
         "spec_num_drafts": s.num_drafts, "spec_num_accepted_tokens": s.num_accepted_tokens,
         "step_switches": s.step_switches,
+        "cached_tokens": s.cached_tokens, "prompt_tokens": s.prompt_tokens,
+        "cache_hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+        "cached_pages": s.cached_pages,
     }
     return {**state.server_args, "served_model_name": state.model_name,
             "speculative_algorithm": getattr(engine, "speculative_algorithm", None),
