@@ -37,6 +37,8 @@ from timeouts import scaled
 LETTERS = string.ascii_lowercase
 #: Tokens per page of the fake's prefix cache.
 FAKE_PAGE = 4
+#: Prompts the fake's prefix cache keeps (the most recent ones).
+FAKE_CACHE_PROMPTS = 64
 
 
 class FakeTokenizer:
@@ -93,7 +95,7 @@ class FakeEngine:
             while n < min(len(old), len(ids)) and old[n] == ids[n]:
                 n += 1
             best = max(best, n)
-        self._seen.append(list(ids))
+        self._seen = [*self._seen[-(FAKE_CACHE_PROMPTS - 1):], list(ids)]  # LRU: load tests
         return min(best, len(ids) - 1) // FAKE_PAGE * FAKE_PAGE
 
     def flush_cache(self) -> bool:
