@@ -316,6 +316,9 @@ pub struct PySchedulePlan {
     logits_indices: Py<Int64Array>,
     preempted: Py<Int64Array>,
     draft_prefill: bool,
+    cached_lens: Py<Int64Array>,
+    cached_kv_indices: Py<Int64Array>,
+    cached_ids: Py<Int64Array>,
 }
 
 impl PySchedulePlan {
@@ -341,12 +344,35 @@ impl PySchedulePlan {
             logits_indices: arr(py, p.logits_indices)?,
             preempted: arr(py, p.preempted)?,
             draft_prefill: p.draft_prefill,
+            cached_lens: arr(py, p.cached_lens)?,
+            cached_kv_indices: arr(py, p.cached_kv_indices)?,
+            cached_ids: arr(py, p.cached_ids)?,
         })
     }
 }
 
 #[pymethods]
 impl PySchedulePlan {
+    /// Prefill [B]: KV positions request b takes from the prefix cache at its admission in this
+    /// plan (its chunk starts there), 0 for a chunk continuing an earlier admission. A chunk whose
+    /// first position ``kv_lens[b] - qo_lens[b]`` equals ``cached_lens[b]`` is an admission: the
+    /// worker (re)starts the row and fills positions ``0 .. cached_lens[b]`` from
+    /// ``cached_kv_indices`` / ``cached_ids`` (drafter-covered: the cached pages carry the
+    /// drafter's KV and the EAGLE features). Decode: empty.
+    #[getter]
+    fn cached_lens(&self, py: Python<'_>) -> Py<Int64Array> {
+        self.cached_lens.clone_ref(py)
+    }
+    /// Prefill [sum(cached_lens)]: KV indices of the cached positions, request after request.
+    #[getter]
+    fn cached_kv_indices(&self, py: Python<'_>) -> Py<Int64Array> {
+        self.cached_kv_indices.clone_ref(py)
+    }
+    /// Prefill [sum(cached_lens)]: token ids of the cached positions, request after request.
+    #[getter]
+    fn cached_ids(&self, py: Python<'_>) -> Py<Int64Array> {
+        self.cached_ids.clone_ref(py)
+    }
     /// Prefill: whether the drafter runs over these chunks now (False: the worker leaves them to
     /// the next drafting iteration's catch-up, because decoding runs steps 0 with the zero-step
     /// extend skipped). Decode: True.
@@ -663,6 +689,8 @@ pub struct PySchedulerStats {
     prompt_tokens: u64,
     /// Of prompt_tokens, those served from the prefix cache (hit rate = cached / prompt).
     cached_tokens: u64,
+    /// Cached pages evicted to make room (least recently used first).
+    evicted_pages: u64,
     prefill_iterations: u64,
     decode_iterations: u64,
     /// {steps: decode iterations at those steps}.
@@ -696,6 +724,7 @@ impl From<SchedulerStats> for PySchedulerStats {
             prefill_tokens: s.prefill_tokens,
             prompt_tokens: s.prompt_tokens,
             cached_tokens: s.cached_tokens,
+            evicted_pages: s.evicted_pages,
             prefill_iterations: s.prefill_iterations,
             decode_iterations: s.decode_iterations,
             decode_iterations_by_steps: s.decode_iterations_by_steps.into_iter().collect(),
@@ -728,6 +757,7 @@ impl PySchedulerStats {
         d.set_item("prefill_tokens", self.prefill_tokens)?;
         d.set_item("prompt_tokens", self.prompt_tokens)?;
         d.set_item("cached_tokens", self.cached_tokens)?;
+        d.set_item("evicted_pages", self.evicted_pages)?;
         d.set_item("prefill_iterations", self.prefill_iterations)?;
         d.set_item("decode_iterations", self.decode_iterations)?;
         d.set_item(
@@ -827,18 +857,33 @@ impl PyScheduler {
     /// also stops). ``stop_token_ids``: tokens that stop it (reason "stop"), besides the config's
     /// EOS ids unless ``ignore_eos``. Raises InvalidRequestError (a ValueError) whose message
     /// starts with the field, then QueueFullError (a SchedulerError / RuntimeError).
-    #[pyo3(signature = (prompt_ids, max_new_tokens, stop_token_ids=Vec::new(), ignore_eos=false))]
+    ///
+    /// ``max_cached_tokens``: at most this many KV positions are taken from the prefix cache at
+    /// each admission (None: as many as match; an int >= 0). A request that wants prompt
+    /// log-probabilities from position ``p`` passes ``max(p, 1) - 1`` (SGLang caps its prefix
+    /// match at ``logprob_start_len`` the same way).
+    #[pyo3(signature = (prompt_ids, max_new_tokens, stop_token_ids=Vec::new(), ignore_eos=false,
+                        *, max_cached_tokens=None))]
     fn add_request(
         &mut self,
         prompt_ids: &Bound<'_, PyAny>,
         max_new_tokens: i64,
         stop_token_ids: Vec<i64>,
         ignore_eos: bool,
+        max_cached_tokens: Option<i64>,
     ) -> PyResult<u64> {
         guard(|| {
             let prompt = int_array(prompt_ids, "prompt_ids")?;
+            let limit = match max_cached_tokens {
+                Some(n) if n < 0 => {
+                    return Err(InvalidRequestError::new_err(format!(
+                        "max_cached_tokens: must be >= 0 or None, got {n}"
+                    )))
+                }
+                n => n.map(|n| n as u64),
+            };
             self.inner
-                .add_request(prompt, max_new_tokens, stop_token_ids, ignore_eos)
+                .add_request_limited(prompt, max_new_tokens, stop_token_ids, ignore_eos, limit)
                 .map_err(core_err)
         })
     }

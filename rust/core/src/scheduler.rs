@@ -71,6 +71,8 @@
 //!   ([`crate::Observation::catch_up_tokens`]) and, when it decides, the batch's pending ones.
 //!
 mod cache;
+#[cfg(test)]
+mod cache_tests;
 mod config;
 mod invariants;
 mod plan;
@@ -92,6 +94,7 @@ pub use stats::SchedulerStats;
 use crate::id_hash::IdMap;
 use crate::kv::PagePool;
 use crate::policy::AdaptiveSpeculativeParams;
+use crate::prefix_cache::{PrefixCache, ROOT};
 use request::Request;
 use stats::Counters;
 
@@ -134,6 +137,8 @@ struct InFlight {
 pub struct Scheduler {
     config: SchedulerConfig,
     pool: PagePool,
+    /// The prefix cache's tree (empty while `enable_prefix_caching` is off).
+    cache: PrefixCache,
     policy: Option<AdaptiveSpeculativeParams>,
     /// Overrides the policy when set.
     fixed_steps: Option<u32>,
@@ -185,6 +190,7 @@ impl Scheduler {
         };
         let free_rows = (0..config.max_running_requests).rev().collect();
         Ok(Scheduler {
+            cache: PrefixCache::new(config.page_size),
             config,
             pool,
             policy,
@@ -306,6 +312,21 @@ impl Scheduler {
         stop_token_ids: Vec<i64>,
         ignore_eos: bool,
     ) -> Result<u64, SchedulerError> {
+        self.add_request_limited(prompt_ids, max_new_tokens, stop_token_ids, ignore_eos, None)
+    }
+
+    /// [`add_request`](Self::add_request) taking at most `max_cached_tokens` KV positions from
+    /// the prefix cache at each admission (`None`: as many as match). A request that wants
+    /// prompt log-probabilities from position `p` passes `p - 1`, so those positions are
+    /// computed (SGLang caps its prefix match at `logprob_start_len` the same way).
+    pub fn add_request_limited(
+        &mut self,
+        prompt_ids: Vec<i64>,
+        max_new_tokens: i64,
+        stop_token_ids: Vec<i64>,
+        ignore_eos: bool,
+        max_cached_tokens: Option<u64>,
+    ) -> Result<u64, SchedulerError> {
         let invalid = |field, message| Err(SchedulerError::InvalidRequest { field, message });
         let ctx = u64::from(self.config.context_length);
         if prompt_ids.is_empty() {
@@ -364,6 +385,10 @@ impl Scheduler {
                 row: None,
                 draft_lag: 0,
                 cached: 0,
+                max_cached: max_cached_tokens.unwrap_or(u64::MAX),
+                cache_pages: 0,
+                cache_node: ROOT,
+                cache_stopped: false,
             },
         );
         self.waiting.push_back(id);

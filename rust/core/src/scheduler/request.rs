@@ -99,6 +99,14 @@ pub(crate) struct Request {
     pub draft_lag: u64,
     /// KV positions served from the prefix cache at its latest admission (0: none).
     pub cached: u64,
+    /// Most KV positions an admission may take from the prefix cache (`u64::MAX`: no limit).
+    pub max_cached: u64,
+    /// Its leading pages that are prefix-cache pages (taken at admission or cached since).
+    pub cache_pages: usize,
+    /// The tree node of its last cached page (`prefix_cache::ROOT` when none).
+    pub cache_node: usize,
+    /// Another page with the same tokens was cached first: it caches no more pages.
+    pub cache_stopped: bool,
 }
 
 impl Request {
@@ -194,6 +202,10 @@ mod tests {
             row: None,
             draft_lag: 0,
             cached: 0,
+            max_cached: u64::MAX,
+            cache_pages: 0,
+            cache_node: 0,
+            cache_stopped: false,
         }
     }
 

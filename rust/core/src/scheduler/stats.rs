@@ -38,6 +38,8 @@ pub struct SchedulerStats {
     /// Of `prompt_tokens`, those served from the prefix cache at the first admission (hit
     /// rate = `cached_tokens / prompt_tokens`).
     pub cached_tokens: u64,
+    /// Cached pages evicted to make room (least recently used first).
+    pub evicted_pages: u64,
     pub prefill_iterations: u64,
     pub decode_iterations: u64,
     /// `(steps, decode iterations reported at those steps)`, ascending by steps.
@@ -64,6 +66,7 @@ pub(super) struct Counters {
     pub(super) prefill_tokens: u64,
     pub(super) prompt_tokens: u64,
     pub(super) cached_tokens: u64,
+    pub(super) evicted_pages: u64,
     pub(super) prefill_iterations: u64,
     pub(super) decode_iterations: u64,
     pub(super) by_steps: Vec<u64>,
@@ -82,7 +85,7 @@ impl Scheduler {
             prefilling: self.admitted.len() - self.num_running,
             queued: self.waiting.len(),
             queued_preempted: self.waiting_preempted,
-            kv_pages_used: self.pool.num_used_pages(),
+            kv_pages_used: self.pool.num_held_pages(),
             kv_pages_total: self.pool.num_pages(),
             cached_pages: self.cached_pages(),
             requests_added: c.requests_added,
@@ -94,6 +97,7 @@ impl Scheduler {
             prefill_tokens: c.prefill_tokens,
             prompt_tokens: c.prompt_tokens,
             cached_tokens: c.cached_tokens,
+            evicted_pages: c.evicted_pages,
             prefill_iterations: c.prefill_iterations,
             decode_iterations: c.decode_iterations,
             decode_iterations_by_steps: c
