@@ -3,10 +3,14 @@ shared-system-prompt workloads of ``specdial bench``, alternating the two engine
 
     .venv/bin/python benches/prefix_cache_ab.py [--repetitions 5] [--workloads multiturn,shared-prefix]
         [--conversations 4] [--max-new-tokens 32] [--groups 4] [--per-group 4]
-        [--system-prompt-len 512] [--question-len 32] [--concurrency 4] [--threads 1] [--json]
+        [--system-prompt-len 512] [--question-len 32] [--concurrency 4] [--steps K]
+        [--threads 1] [--json]
 
-Two engines of the built-in models (EAGLE head, adaptive steps, ``policy_cache=False`` so that
-neither starts from what the other learned) differ only in ``enable_prefix_caching``. Per
+Two engines of the built-in models (EAGLE head, adaptive steps or ``--steps K`` fixed,
+``policy_cache=False`` so that neither starts from what the other learned) differ only in
+``enable_prefix_caching``. With adaptive steps the acceptance lengths of the sides are not
+comparable (the policy picks the steps from costs that the cache changes); at fixed steps and
+greedy they are (the drafter's state after a hit). Per
 workload both run once as a warm-up; then each repetition runs the same requests on one engine
 and then the other, the order swapped every repetition (so that slow drifts of a shared machine
 fall on both), the cache flushed before every run (``Engine.flush_cache``: each run starts
@@ -129,12 +133,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--system-prompt-len", type=int, default=512)
     p.add_argument("--question-len", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--steps", type=int, default=None,
+                   help="fixed speculative_num_steps (default: adaptive); with greedy requests "
+                   "the acceptance length is then comparable between the sides (the drafter's "
+                   "state after a hit)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    kw = dict(model_path=None, max_running_requests=args.concurrency, log_interval_s=None,
-              policy_cache=False)
+    kw: dict[str, Any] = dict(model_path=None, max_running_requests=args.concurrency,
+                              log_interval_s=None, policy_cache=False)
+    if args.steps is not None:
+        kw.update(speculative_adaptive=False, speculative_num_steps=args.steps)
     engines = {"on": Engine(enable_prefix_caching=True, **kw),
                "off": Engine(enable_prefix_caching=False, **kw)}
     try:
