@@ -51,6 +51,7 @@ from specdial.engine.api import POLICY_REFRESH_S, EngineStats, RequestError
 from specdial.engine.ends import aborted, failed, finished, shut_down
 from specdial.engine.isolation import sampling_isolated
 from specdial.engine.loop_stats import engine_stats, log_progress
+from specdial.engine.cache_ops import cache_limit, note_cached_tokens
 from specdial.engine.live import LiveRequest, prompt_plan, store_prompt_logprobs
 from specdial.engine.stops import StopCheck, check_stop_strings
 from specdial.engine.messages import (Abort, Cancel, Crash, FlushCache, Message, RequestSpec,
@@ -218,7 +219,8 @@ class EngineLoop:
         try:
             rid = self.sched.add_request(np.asarray(spec.prompt_ids, np.int64),
                                          spec.params.max_new_tokens, list(spec.stop_token_ids),
-                                         True)  # EOS ids are in stop_token_ids
+                                         True,  # EOS ids are in stop_token_ids
+                                         max_cached_tokens=cache_limit(spec))
         except InvalidRequestError as e:
             self._out(spec.sink, RequestError(str(e), _param_of(str(e))))
             return
@@ -277,6 +279,7 @@ class EngineLoop:
             lv = self.live[rid]
             if lv.queue_time is None:
                 lv.queue_time = now - lv.submitted
+        note_cached_tokens(plan, rids, self.live)
         first_live = [self.live[r] for r, f in zip(rids, plan.sample_first.tolist()) if f]
         sampling = self._batch_sampling(first_live) if first_live else None
         lp_rows = LogprobRows.build([lv.top_n() for lv in first_live], self.device)
