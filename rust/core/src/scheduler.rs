@@ -45,10 +45,17 @@
 //!   slot's lower candidates, largest first; adaptive only), and only when even the lowest does
 //!   not fit preempts the most recently admitted request (prefilling or running) and decides
 //!   again for the smaller batch. The plan carries the steps it actually runs.
+//! - **Prefix cache** (`enable_prefix_caching`; rules in `scheduler/cache.rs`). Admission takes
+//!   the longest cached prefix of whole pages (one token left to prefill) and counts only the
+//!   suffix; a request that would recompute a page an earlier request of the same prefill plan
+//!   computes waits for the next plan. After each report a request's committed, drafter-covered
+//!   full pages join the tree (never a rejected verify slot). Pages only the cache holds count as
+//!   free and are evicted (LRU leaves first) before anything is preempted. Admission stays FCFS:
+//!   SGLang's longest-prefix-first reordering of the waiting queue is not done.
 //! - **Preemption.** A preempted request frees all its pages and goes back to the *front* of the
 //!   waiting queue (earlier-admitted ones in front), keeping its tokens. It is re-prefilled later
-//!   over `prompt + output[..-1]` (no token is sampled then) and continues where it stopped, so
-//!   its output is unchanged. The plan's `preempted` lists it; `stats().preemptions` counts.
+//!   over `prompt + output[..-1]` (no token is sampled then; with the prefix cache, from the
+//!   pages of its own it cached) and continues where it stopped, so its output is unchanged. The plan's `preempted` lists it; `stats().preemptions` counts.
 //! - **Report.** Emitted tokens are appended one by one; the first EOS (unless `ignore_eos`),
 //!   stop token, `max_new_tokens`-th token or `context_length`-th token finishes the request and
 //!   drops what follows. Unfinished requests keep KV `L ..= L + accepted` (rejected drafts' slots
