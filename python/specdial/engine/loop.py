@@ -105,6 +105,7 @@ class EngineLoop:
         self._lp_rows: LogprobRows | None = None
         self._last_decode: tuple[int, int] | None = None  # (steps, padded batch size)
         self._decode_iters = 0
+        self._prompt_tokens = 0  # submitted (the scheduler's also counts startup profiling's)
         self._verify_reqs = self._verify_tokens = 0
         self._log_mark = (time.monotonic(), 0, 0, 0)
         self._stats = EngineStats()
@@ -236,6 +237,7 @@ class EngineLoop:
         self.live[rid] = LiveRequest(spec, rid, IncrementalText(
             self.tokenizer, spec.stop, skip_special_tokens=p.skip_special_tokens,
             include_stop=p.include_stop_str_in_output, min_tokens=p.min_tokens))
+        self._prompt_tokens += len(spec.prompt_ids)
         self._out(spec.sink, Submitted(rid))
 
     def step(self) -> None:
@@ -469,7 +471,7 @@ class EngineLoop:
         if not slots and self._fixed_steps is not None:
             slots = {1: int(self._fixed_steps)}
         self._stats = engine_stats(s, slot_states, fixed_steps=self._fixed_steps,
-                                   last_decode=self._last_decode, policy=self._policy,
+                                   prompt_tokens=self._prompt_tokens, last_decode=self._last_decode, policy=self._policy,
                                    goodput=self._goodput_state())
 
     def _goodput_state(self) -> dict[str, Any] | None:
