@@ -49,3 +49,14 @@ def test_engine_flush_cache_stats_and_meta(tiny):
         assert engine.flush_cache() is True
     finally:
         engine.shutdown()
+
+
+def test_profiling_leaves_neither_cached_pages_nor_prompt_tokens(tiny):
+    engine = Engine.from_modules(tiny.target, tiny.draft_noisy, steps_schedule=[2], **KW)
+    try:
+        engine.profile_costs([2], [2], n_warmup=1, n_measure=1, seq_len=16)
+        assert engine.scheduler.stats().cached_pages == 0
+        engine.generate(input_ids=[5, 6, 7], sampling_params=greedy(2))
+        assert engine.stats().prompt_tokens == 3  # submitted requests only
+    finally:
+        engine.shutdown()

@@ -125,9 +125,10 @@ class EngineStats:
     ``num_accepted_tokens`` (draft tokens accepted, bonus tokens excluded),
     ``accepted_per_pos`` (accepted tokens per draft position, index 0 = the first draft),
     ``step_switches``, ``preemptions``, ``requests_finished``, ``prompt_tokens`` (prompt
-    tokens of requests at their first admission, vLLM's ``prompt_tokens_total``),
-    ``cached_tokens`` (of those, the ones served from the prefix cache: hit rate =
-    ``cached_tokens / prompt_tokens``) and ``generation_tokens``. ``cached_pages``: KV pages
+    tokens of the requests submitted, vLLM's ``prompt_tokens_total``), ``cached_tokens``
+    (prompt tokens served from the prefix cache at the requests' first admission; hit rate =
+    ``cached_tokens / prompt_tokens``, which requests aborted before admission lower a little)
+    and ``generation_tokens``. ``cached_pages``: KV pages
     the prefix cache holds now (a gauge; shared with running requests or not).
 
     Policy state: ``slot_states``: one dict per adaptive slot, ascending, from the scheduler's

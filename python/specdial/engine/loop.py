@@ -51,6 +51,7 @@ from specdial.engine.api import POLICY_REFRESH_S, EngineStats, RequestError
 from specdial.engine.ends import aborted, failed, finished, shut_down
 from specdial.engine.isolation import sampling_isolated
 from specdial.engine.loop_stats import engine_stats, log_progress
+from specdial.engine.cache_ops import cache_limit, note_cached_tokens
 from specdial.engine.live import LiveRequest, prompt_plan, store_prompt_logprobs
 from specdial.engine.stops import StopCheck, check_stop_strings
 from specdial.engine.messages import (Abort, Cancel, Crash, FlushCache, Message, RequestSpec,
@@ -104,6 +105,7 @@ class EngineLoop:
         self._lp_rows: LogprobRows | None = None
         self._last_decode: tuple[int, int] | None = None  # (steps, padded batch size)
         self._decode_iters = 0
+        self._prompt_tokens = 0  # submitted (the scheduler's also counts startup profiling's)
         self._verify_reqs = self._verify_tokens = 0
         self._log_mark = (time.monotonic(), 0, 0, 0)
         self._stats = EngineStats()
@@ -218,7 +220,8 @@ class EngineLoop:
         try:
             rid = self.sched.add_request(np.asarray(spec.prompt_ids, np.int64),
                                          spec.params.max_new_tokens, list(spec.stop_token_ids),
-                                         True)  # EOS ids are in stop_token_ids
+                                         True,  # EOS ids are in stop_token_ids
+                                         max_cached_tokens=cache_limit(spec))
         except InvalidRequestError as e:
             self._out(spec.sink, RequestError(str(e), _param_of(str(e))))
             return
@@ -234,6 +237,7 @@ class EngineLoop:
         self.live[rid] = LiveRequest(spec, rid, IncrementalText(
             self.tokenizer, spec.stop, skip_special_tokens=p.skip_special_tokens,
             include_stop=p.include_stop_str_in_output, min_tokens=p.min_tokens))
+        self._prompt_tokens += len(spec.prompt_ids)
         self._out(spec.sink, Submitted(rid))
 
     def step(self) -> None:
@@ -277,6 +281,7 @@ class EngineLoop:
             lv = self.live[rid]
             if lv.queue_time is None:
                 lv.queue_time = now - lv.submitted
+        note_cached_tokens(plan, rids, self.live)
         first_live = [self.live[r] for r, f in zip(rids, plan.sample_first.tolist()) if f]
         sampling = self._batch_sampling(first_live) if first_live else None
         lp_rows = LogprobRows.build([lv.top_n() for lv in first_live], self.device)
@@ -466,7 +471,7 @@ class EngineLoop:
         if not slots and self._fixed_steps is not None:
             slots = {1: int(self._fixed_steps)}
         self._stats = engine_stats(s, slot_states, fixed_steps=self._fixed_steps,
-                                   last_decode=self._last_decode, policy=self._policy,
+                                   prompt_tokens=self._prompt_tokens, last_decode=self._last_decode, policy=self._policy,
                                    goodput=self._goodput_state())
 
     def _goodput_state(self) -> dict[str, Any] | None:

@@ -11,7 +11,7 @@ from specdial.engine.api import EngineStats
 logger = logging.getLogger("specdial.engine")
 
 
-def engine_stats(s: Any, slot_states: Any, *, fixed_steps: int | None,
+def engine_stats(s: Any, slot_states: Any, *, fixed_steps: int | None, prompt_tokens: int,
                  last_decode: tuple[int, int] | None, policy: str | None,
                  goodput: dict[str, Any] | None) -> EngineStats:
     """The snapshot of scheduler stats ``s`` (``specdial._core.SchedulerStats``) and
@@ -30,7 +30,7 @@ def engine_stats(s: Any, slot_states: Any, *, fixed_steps: int | None,
         num_accepted_tokens=s.spec_num_accepted_tokens,
         accepted_per_pos=list(s.spec_accepted_per_pos), step_switches=s.step_switches,
         preemptions=s.preemptions, requests_finished=s.requests_finished,
-        prompt_tokens=s.prompt_tokens, cached_tokens=s.cached_tokens,
+        prompt_tokens=prompt_tokens, cached_tokens=s.cached_tokens,
         cached_pages=s.cached_pages, generation_tokens=s.tokens_generated,
         slot_states=states,
         last_decode_steps=None if last_decode is None else last_decode[0],

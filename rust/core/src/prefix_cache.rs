@@ -86,6 +86,19 @@ impl PrefixCache {
         out
     }
 
+    /// Pages of the longest cached prefix of `tokens`, at most `max_pages` (a lookup that does
+    /// not count as a use).
+    pub fn match_len(&self, tokens: &[i64], max_pages: usize) -> usize {
+        let mut at = ROOT;
+        let mut n = 0;
+        for key in tokens.chunks_exact(self.page_size).take(max_pages) {
+            let Some(&child) = self.node(at).children.get(key) else { break };
+            at = child;
+            n += 1;
+        }
+        n
+    }
+
     /// Page ids of `nodes`.
     pub fn pages(&self, nodes: &[usize]) -> Vec<u32> {
         nodes.iter().map(|&n| self.node(n).page).collect()

@@ -18,7 +18,8 @@
 //! - **KV convention.** A running request with `T` tokens (prompt + output) holds KV for positions
 //!   `0 .. T - 1`: its last token has no KV yet and is the input of its next decode. The target
 //!   and the drafter share KV indices, so one page table serves both.
-//! - **FCFS admission.** Waiting requests are admitted strictly in queue order (no skipping),
+//! - **FCFS admission.** Waiting requests are admitted strictly in queue order (no skipping; the
+//!   prefix cache orders the queue longest cached prefix first, see below),
 //!   while the prefill token budget (`max_prefill_tokens`), the running bound
 //!   (`max_running_requests`, prefilling included) and the pages allow. A request is admitted only
 //!   if, after its chunk, the free pages still cover one decode iteration of every running
@@ -45,10 +46,17 @@
 //!   slot's lower candidates, largest first; adaptive only), and only when even the lowest does
 //!   not fit preempts the most recently admitted request (prefilling or running) and decides
 //!   again for the smaller batch. The plan carries the steps it actually runs.
+//! - **Prefix cache** (`enable_prefix_caching`; rules in `scheduler/cache.rs`). Admission takes
+//!   the longest cached prefix of whole pages (one token left to prefill) and counts only the
+//!   suffix; a request that would recompute a page an earlier request of the same prefill plan
+//!   computes waits for the next plan. After each report a request's committed, drafter-covered
+//!   full pages join the tree (never a rejected verify slot). Pages only the cache holds count as
+//!   free and are evicted (LRU leaves first) before anything is preempted. New waiting requests
+//!   are admitted longest cached prefix first (SGLang's `lpm`) while at most 128 wait, else FCFS.
 //! - **Preemption.** A preempted request frees all its pages and goes back to the *front* of the
 //!   waiting queue (earlier-admitted ones in front), keeping its tokens. It is re-prefilled later
-//!   over `prompt + output[..-1]` (no token is sampled then) and continues where it stopped, so
-//!   its output is unchanged. The plan's `preempted` lists it; `stats().preemptions` counts.
+//!   over `prompt + output[..-1]` (no token is sampled then; with the prefix cache, from the
+//!   pages of its own it cached) and continues where it stopped, so its output is unchanged. The plan's `preempted` lists it; `stats().preemptions` counts.
 //! - **Report.** Emitted tokens are appended one by one; the first EOS (unless `ignore_eos`),
 //!   stop token, `max_new_tokens`-th token or `context_length`-th token finishes the request and
 //!   drops what follows. Unfinished requests keep KV `L ..= L + accepted` (rejected drafts' slots

@@ -19,6 +19,9 @@
 //!   against the prefill budget and the pages. A request is not admitted into the prefill plan
 //!   that computes a page it would share with an earlier request of the same plan: it waits one
 //!   iteration and then hits (so one context with several continuations is prefilled once).
+//! - **Order.** Waiting requests never admitted are ordered longest cached prefix first before
+//!   each prefill plan (SGLang's `lpm`), while at most [`LPM_MAX_WAITING`] wait; preempted ones
+//!   stay first; otherwise admission is first come, first served.
 //! - **Eviction.** Pages only the cache holds count as free for admission and decode, and are
 //!   evicted least recently used leaf first when the pages are needed, so a request is preempted
 //!   only when eviction cannot cover what a decode needs.
@@ -26,6 +29,10 @@
 use super::request::Request;
 use super::Scheduler;
 use crate::prefix_cache::ROOT;
+
+/// Most new waiting requests for which admission orders by cached prefix (SGLang's
+/// `IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD`-style cut-off: 128 there too).
+pub const LPM_MAX_WAITING: usize = 128;
 
 impl Scheduler {
     /// Drops every cached page no request holds (SGLang's `/flush_cache`). Refused, returning
@@ -77,6 +84,34 @@ impl Scheduler {
         let limit = (r.prefill_target() - 1).min(r.max_cached);
         let max_pages = (limit / u64::from(self.config.page_size)) as usize;
         self.cache.match_prefix(&r.tokens, max_pages)
+    }
+
+    /// SGLang's longest-prefix-first (`--schedule-policy lpm`): orders the new waiting
+    /// requests (never admitted; preempted ones keep their places in front) by the cached
+    /// pages they would take, most first, ties in arrival order. Like SGLang, only while at
+    /// most [`LPM_MAX_WAITING`] wait (beyond that the lookups cost more than they save and the
+    /// queue stays first come, first served). A request that never matches can wait behind
+    /// ones that keep matching, as in SGLang.
+    pub(super) fn order_by_cached_prefix(&mut self) {
+        let n = self.waiting.len() - self.waiting_preempted;
+        if !self.config.enable_prefix_caching || !(2..=LPM_MAX_WAITING).contains(&n) || self.cache.is_empty() {
+            return;
+        }
+        let ps = u64::from(self.config.page_size);
+        let slots: Vec<usize> =
+            (0..self.waiting.len()).filter(|&i| !self.requests[&self.waiting[i]].admitted_before).collect();
+        let mut keyed: Vec<(usize, u64)> = slots
+            .iter()
+            .map(|&i| {
+                let r = &self.requests[&self.waiting[i]];
+                let limit = (r.prefill_target() - 1).min(r.max_cached);
+                (self.cache.match_len(&r.tokens, (limit / ps) as usize), self.waiting[i])
+            })
+            .collect();
+        keyed.sort_by_key(|&(pages, _)| std::cmp::Reverse(pages)); // stable: ties keep order
+        for (&slot, &(_, id)) in slots.iter().zip(&keyed) {
+            self.waiting[slot] = id;
+        }
     }
 
     /// Whether `tokens[..end]` shares a whole page beyond its first `cached` tokens with a

@@ -214,3 +214,25 @@ fn off_caches_nothing() {
     assert_eq!((st.cached_pages, st.cached_tokens, st.prefill_tokens), (0, 0, 18));
     assert_eq!(s.pool().num_used_pages(), 0);
 }
+
+#[test]
+fn longest_cached_prefix_is_admitted_first() {
+    // room for one request per prefill plan: the order is visible
+    let mut s = fixed(SchedulerConfig { max_prefill_tokens: 12, ..config(64) }, 0);
+    s.add_request(prompt(13, 1), 1, vec![], false).unwrap();
+    run_all(&mut s, 0);
+    let mut other = prompt(13, 1);
+    other[0] = 999;
+    let miss = s.add_request(other, 1, vec![], false).unwrap();
+    let partial = s.add_request(prompt(6, 1), 1, vec![], false).unwrap(); // 1 page cached
+    let hit = s.add_request(prompt(13, 2), 1, vec![], false).unwrap(); // 3 pages cached
+    let mut order = vec![];
+    while let Some((plan, _)) = step(&mut s, 0) {
+        for &i in &plan.request_ids {
+            if !order.contains(&(i as u64)) {
+                order.push(i as u64);
+            }
+        }
+    }
+    assert_eq!(order, vec![hit, partial, miss]);
+}

@@ -192,6 +192,7 @@ impl Scheduler {
             }
         }
         if self.partial.is_none() {
+            self.order_by_cached_prefix();
             while budget > 0 && self.admitted.len() < self.config.max_running_requests as usize {
                 let Some(&id) = self.waiting.front() else {
                     break;
