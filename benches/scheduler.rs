@@ -31,6 +31,7 @@ fn running_state(steps: u32, kv_layout: bool) -> Scheduler {
         record_trace: false,
         chunked_prefill_size: None,
         skip_zero_step_draft_extend: true,
+        enable_prefix_caching: false,
     };
     let mut s = Scheduler::new(cfg, StepsSource::Fixed(steps)).unwrap();
     s.set_plan_kv_layout(kv_layout);

@@ -110,3 +110,18 @@ def test_verify_budgets_benches_smoke(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(out.read_text())["by_concurrency"]["2"]
     assert len(res["ratios"]) == 1 and res["median_ratio_b_over_a"] > 0
+
+
+def test_prefix_cache_ab_smoke():
+    """Issue 30's on/off script runs both workloads, alternating, and reports both sides (no
+    speed is asserted: cached tokens and ratios are figures)."""
+    rows = run_json_bench("prefix_cache_ab.py", "--repetitions", "2", "--conversations", "1",
+                          "--max-new-tokens", "4", "--groups", "1", "--per-group", "2",
+                          "--system-prompt-len", "32", "--question-len", "4")
+    assert [r["workload"] for r in rows] == ["multiturn", "shared-prefix"]
+    for r in rows:
+        assert len(r["runs"]["on"]) == len(r["runs"]["off"]) == 2
+        off = r["runs"]["off"]
+        assert all(run["cached_tokens"] == 0 for run in off)  # the cache off: no hit
+        assert r["ttft_ratio_off_on"] > 0 and r["throughput_ratio_on_off"] > 0
+    assert rows[0]["runs"]["on"][0]["ttft_per_turn_ms"]  # multi-turn: TTFT per turn

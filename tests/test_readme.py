@@ -61,6 +61,9 @@ SMALL_SCRIPTS: dict[str, dict[str, str]] = {
     "policy_py.py": {"--iterations": "200", "--rounds": "1"},
     "iteration_profile.py": {"--concurrency": "1", "--configs": "no-spec,adaptive",
                              "--max-new-tokens": "8", "--threads": "1"},
+    "prefix_cache_ab.py": {"--repetitions": "1", "--conversations": "1",
+                           "--max-new-tokens": "4", "--groups": "1", "--per-group": "2",
+                           "--system-prompt-len": "32", "--question-len": "4"},
 }
 FIXTURES = {"trace.jsonl": ROOT / "examples" / "sample_trace.jsonl"}
 TIMEOUT_S = 300

@@ -121,11 +121,11 @@ def test_a_scheduler_error_at_submission_does_not_stop_the_loop(tiny, monkeypatc
             def __getattr__(self, name):
                 return getattr(engine.scheduler, name)
 
-            def add_request(self, *args):
+            def add_request(self, *args, **kwargs):
                 calls["n"] += 1
                 if calls["n"] == 1:
                     raise OverflowError("int too big to convert (injected)")
-                return real(*args)
+                return real(*args, **kwargs)
 
         engine._loop.sched = Sched()
         with pytest.raises(RequestError, match="injected"):

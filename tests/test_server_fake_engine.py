@@ -7,7 +7,10 @@ fake honours the serving contract of ``specdial.engine.api``.
 implements what the server uses of the contract: ``async_stream`` (submission on the first
 iteration, :class:`RequestError` / :class:`QueueFullError` before the first chunk, abort when the
 consumer stops iterating), ``stream``, ``generate``, ``abort``, ``stats``, ``tokenizer``,
-``context_length`` and ``shutdown(drain)``. It records what happened for assertions:
+``context_length``, ``flush_cache`` and ``shutdown(drain)``. Its "prefix cache" reports as a
+request's ``cached_tokens`` the longest prefix it shares with an earlier prompt, in whole pages
+of :data:`FAKE_PAGE` tokens and short of the last prompt token (the engine's rule); ``flush_cache``
+forgets the prompts unless a request is live. It records what happened for assertions:
 ``submitted`` (request id -> prompt ids, sampling params with the fake's defaults filled in,
 and ``received``: the params as the server sent them), ``aborted`` (ids aborted because
 the consumer went away or ``abort`` was called) and ``shutdown_calls``.
@@ -32,6 +35,10 @@ from specdial.server.protocol import SAMPLING_EXTRAS
 from timeouts import scaled
 
 LETTERS = string.ascii_lowercase
+#: Tokens per page of the fake's prefix cache.
+FAKE_PAGE = 4
+#: Prompts the fake's prefix cache keeps (the most recent ones).
+FAKE_CACHE_PROMPTS = 64
 
 
 class FakeTokenizer:
@@ -77,6 +84,26 @@ class FakeEngine:
         self._counts = dict(num_drafts=0, draft_tokens_proposed=0, num_accepted_tokens=0,
                             requests_finished=0, prompt_tokens=0, generation_tokens=0)
         self._per_pos = [0, 0, 0]
+        self._seen: list[list[int]] = []  # the fake's prefix cache: earlier prompts
+        self.cached_tokens = 0
+
+    def _cached(self, ids: list[int]) -> int:
+        """Tokens of ``ids`` the fake's cache holds (class docstring), then remembers ids."""
+        best = 0
+        for old in self._seen:
+            n = 0
+            while n < min(len(old), len(ids)) and old[n] == ids[n]:
+                n += 1
+            best = max(best, n)
+        self._seen = [*self._seen[-(FAKE_CACHE_PROMPTS - 1):], list(ids)]  # LRU: load tests
+        return min(best, len(ids) - 1) // FAKE_PAGE * FAKE_PAGE
+
+    def flush_cache(self) -> bool:
+        """Forget the cached prompts; False (nothing done) while a request is live."""
+        if self._running or self._waiting:
+            return False
+        self._seen.clear()
+        return True
 
     # ---------------------------------------------------------------- validation
     def _submit(self, prompt: str | None, input_ids: list[int] | None,
@@ -105,9 +132,11 @@ class FakeEngine:
         if len(self._waiting) + len(self._running) >= self.max_running + self.max_queued:
             raise QueueFullError(f"{self.max_queued} requests already queued")
         rid = next(self._ids)
+        cached = self._cached(ids)
         self.submitted[rid] = {"input_ids": ids, "sampling_params": p,
-                               "received": dict(sampling_params or {})}
+                               "received": dict(sampling_params or {}), "cached_tokens": cached}
         self._counts["prompt_tokens"] += len(ids)
+        self.cached_tokens += cached
         return rid, ids, p
 
     def _letters(self, p: dict[str, Any]) -> Iterator[int]:
@@ -171,6 +200,7 @@ class FakeEngine:
             if reason is None and len(out) >= n:
                 reason = {"type": "length", "length": n}
             meta = {"prompt_tokens": len(ids), "completion_tokens": len(out),
+                    "cached_tokens": self.submitted[rid]["cached_tokens"],
                     "spec_verify_ct": verifies, "spec_accept_length": len(out) / verifies,
                     "spec_steps_histogram": {3: verifies}}
             if reason is not None:
@@ -201,7 +231,9 @@ class FakeEngine:
         return EngineStats(running=len(self._running), queued=len(self._waiting),
                            kv_pages_used=len(self._running) * 2, kv_pages_total=64,
                            steps_per_slot={1: 3, 8: 0}, step_switches=1, preemptions=0,
-                           accepted_per_pos=list(self._per_pos), **self._counts)
+                           accepted_per_pos=list(self._per_pos), cached_tokens=self.cached_tokens,
+                           cached_pages=sum(len(ids) // FAKE_PAGE for ids in self._seen),
+                           **self._counts)
 
     def shutdown(self, drain: bool = True) -> None:
         self.shutdown_calls.append(drain)

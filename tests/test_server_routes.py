@@ -22,7 +22,8 @@ from timeouts import scaled
 
 SERVER = Path(app_module.__file__).parent
 
-# Every route of the app before the routers (main at cf1e326), with its methods.
+# Every route of the app before the routers (main at cf1e326), with its methods, and the ones
+# added since.
 ROUTES = {
     ("/health", ("GET",)), ("/metrics", ("GET",)),
     ("/v1/models", ("GET",)), ("/v1/models/{model_id:path}", ("GET",)),
@@ -33,6 +34,7 @@ ROUTES = {
     ("/tokenize", ("POST",)), ("/v1/tokenize", ("POST",)),
     ("/detokenize", ("POST",)), ("/v1/detokenize", ("POST",)),
     ("/tokenizer_info", ("GET",)),
+    ("/flush_cache", ("GET", "POST")),  # issue 30: SGLang's
 }
 ROUTERS = {"openai": openai_api.router, "sglang": sglang_api.router, "ops": ops_api.router}
 
@@ -88,7 +90,7 @@ def test_every_route_comes_from_one_router_with_a_module_level_handler():
         for b in names[i + 1:]:
             assert not mounted[a] & mounted[b], (a, b)
     assert all(p.startswith("/v1/") for p, _ in mounted["openai"])
-    assert {p for p, _ in mounted["ops"]} == {"/health", "/metrics"}
+    assert {p for p, _ in mounted["ops"]} == {"/health", "/metrics", "/flush_cache"}
     for router in ROUTERS.values():
         for route in _flat(router.routes):
             fn = route.endpoint

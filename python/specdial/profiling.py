@@ -122,6 +122,7 @@ def profile_decode(sched: Any, worker: Any, *, batch_sizes: Sequence[int],
                 points.append(point)
     finally:
         sched.set_fixed_steps(saved)
+        sched.flush_cache()  # the random prompts' pages would only wait for eviction
     return points
 
 

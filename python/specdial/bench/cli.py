@@ -32,7 +32,10 @@ from typing import Any
 
 from specdial.cli_common import cli_error, setup_logging
 from specdial.bench.datasets import DatasetError, build_requests
+from specdial.bench.prefix_workloads import (PREFIX_DATASETS, PrefixWorkloadOptions,
+                                             prefix_cache_rows, prefix_workload_requests)
 from specdial.engine.args import EngineArgs, add_dataclass_arguments, config_from_args
+from specdial.engine.cache_flags import add_prefix_cache_flags, resolve_prefix_cache_flags
 from specdial.config import EngineConfig
 from specdial.engine.sampling_defaults import BENCH_TEMPERATURE
 from specdial.engine.resolve import resolve_device_name
@@ -81,8 +84,9 @@ class _BenchCommon(EngineArgs):
 
 
 @dataclass
-class BenchConfig(_BenchCommon):
-    """Options of ``specdial bench``."""
+class BenchConfig(_BenchCommon, PrefixWorkloadOptions):
+    """Options of ``specdial bench`` (the prefix-cache workloads':
+    :mod:`specdial.bench.prefix_workloads`)."""
 
     backend: str = _opt("engine: an in-process Engine built from the engine options; http: a "
                         "running OpenAI-compatible server at --base-url", default="engine",
@@ -92,7 +96,8 @@ class BenchConfig(_BenchCommon):
         "--backend http: the request's model; default: the first of /v1/models", metavar="NAME")
     dataset: str = _opt("code, prose, hard, mixed, mixed-batch (greedy code and "
                         "temperature-1.0 prose interleaved), sharegpt (--dataset-path), random "
-                        "(--random-*), or a JSONL file (field 'prompt', or 'input_ids')",
+                        "(--random-*), multiturn (--multiturn-*), generated-shared-prefix "
+                        "(--gsp-*), or a JSONL file (field 'prompt', or 'input_ids')",
                         default="code", metavar="NAME|PATH")
     dataset_path: str | None = _opt("--dataset sharegpt: the ShareGPT JSON file",
                                     metavar="FILE")
@@ -109,7 +114,8 @@ class BenchConfig(_BenchCommon):
     random_vocab_size: int | None = _opt(
         "--dataset random: token ids in [0, V); default: the engine's vocabulary (required "
         "with --backend http)", metavar="V")
-    num_prompts: int = _opt("requests to send", default=32, metavar="N")
+    num_prompts: int = _opt("requests to send (multiturn: conversations)", default=32,
+                            metavar="N")
     concurrency: int | None = _opt(
         "most requests in flight; default: no limit (all at once unless --request-rate). "
         "--backend engine: also the default of --max-running-requests", metavar="N")
@@ -161,6 +167,7 @@ def add_bench_subcommand(sub: Any) -> None:
         "acceptance length and steps per decode iteration. `specdial bench compare` compares "
         "no speculation, fixed steps and the adaptive policy side by side.")
     add_dataclass_arguments(bench, BenchConfig)
+    add_prefix_cache_flags(bench)
     bsub = bench.add_subparsers(dest="bench_command", required=False,
                                 metavar="{compare,cost-table}",
                                 help="compare: no-spec, fixed steps and adaptive configurations "
@@ -171,6 +178,7 @@ def add_bench_subcommand(sub: Any) -> None:
         "round-robin per repetition, at several concurrencies and workloads; write JSON, a "
         "markdown table with ratios, and PNG plots.")
     add_dataclass_arguments(compare, CompareConfig)
+    add_prefix_cache_flags(compare)
     from specdial.bench.cost_table import CostTableConfig
 
     table = bsub.add_parser(
@@ -179,11 +187,17 @@ def add_bench_subcommand(sub: Any) -> None:
         description="Time decode iterations on the engine's real path for every steps value, "
         "batch size and context length given, and write the cost-table JSON.")
     add_dataclass_arguments(table, CostTableConfig)
+    add_prefix_cache_flags(table)
 
 
 def run_bench_command(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Dispatch ``specdial bench [compare]``; returns the exit status. ``argv`` (default
-    ``sys.argv[1:]``) is recorded as the command of a comparison."""
+    ``sys.argv[1:]``) is recorded as the command of a comparison. Contradicting prefix-cache
+    switches (:mod:`specdial.engine.cache_flags`) exit with status 2."""
+    try:
+        resolve_prefix_cache_flags(args)
+    except ValueError as e:
+        return cli_error(e)
     if getattr(args, "bench_command", None) == "cost-table":
         from specdial.bench.cost_table import CostTableConfig, run_cost_table
 
@@ -242,6 +256,7 @@ def format_result(result: dict[str, Any]) -> str:
         rows.append((f"-- {title} (ms) --", ""))
         for stat in ("mean", "p50", "p99"):
             rows.append((f"{stat.capitalize()}", ms(s[key][stat])))
+    rows += prefix_cache_rows(s)
     hist = s["steps_histogram"]
     total = sum(hist.values())
     rows += [("-- Speculative decoding --", ""),
@@ -278,7 +293,9 @@ def format_result(result: dict[str, Any]) -> str:
 
 
 async def _bench_async(driver: Any, requests: list[Any], warm: list[Any],
-                       cfg: BenchConfig, params: dict[str, Any]) -> Any:
+                       cfg: BenchConfig, params: dict[str, Any], runner: Any = None) -> Any:
+    """Warm up, then the measured run; for the prefix-cache workloads the cache is flushed
+    after the warm-up so that its prompts do not make the run's first requests hits."""
     from specdial.bench.driver import run_benchmark
 
     await driver.start()
@@ -286,10 +303,13 @@ async def _bench_async(driver: Any, requests: list[Any], warm: list[Any],
         if warm:
             await run_benchmark(driver, warm, sampling_params=params, concurrency=len(warm),
                                 progress=False, sample_interval=cfg.sample_interval)
+            if cfg.dataset in PREFIX_DATASETS:
+                await driver.flush_cache()
         return await run_benchmark(driver, requests, sampling_params=params,
                                    concurrency=cfg.concurrency, request_rate=cfg.request_rate,
                                    seed=cfg.arrival_seed, sample_interval=cfg.sample_interval,
-                                   progress=cfg.progress, desc=f"bench {cfg.dataset}")
+                                   progress=cfg.progress, desc=f"bench {cfg.dataset}",
+                                   runner=runner)
     finally:
         await driver.close()
 
@@ -377,12 +397,16 @@ def run_bench(cfg: BenchConfig) -> int:
     params = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
               "ignore_eos": cfg.ignore_eos}
     try:
+        runner = None
         try:
-            requests = _requests(cfg, driver, engine)
+            if cfg.dataset in PREFIX_DATASETS:
+                requests, runner = prefix_workload_requests(cfg, driver, engine)
+            else:
+                requests = _requests(cfg, driver, engine)
         except DatasetError as e:
             return cli_error(e)
         warm = requests[:max(cfg.warmup_prompts, 0)]
-        run = asyncio.run(_bench_async(driver, requests, warm, cfg, params))
+        run = asyncio.run(_bench_async(driver, requests, warm, cfg, params, runner))
     finally:
         if engine is not None:
             engine.shutdown()

@@ -23,18 +23,22 @@ import logging
 import math
 import random
 import time
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Awaitable, Callable, Protocol, Sequence
 
 from specdial.bench.datasets import BenchRequest
 from specdial.bench.http_driver import HttpDriver, parse_prometheus, prometheus_snapshot
 from specdial.bench.metrics import RequestRecord, RunData, snapshot
 
-__all__ = ["Driver", "EngineDriver", "HttpDriver", "parse_prometheus", "poisson_arrivals",
-           "prometheus_snapshot", "run_benchmark"]
+__all__ = ["Driver", "EngineDriver", "HttpDriver", "Runner", "parse_prometheus",
+           "poisson_arrivals", "prometheus_snapshot", "run_benchmark"]
 
 logger = logging.getLogger("specdial.bench")
 
 Clock = Callable[[], float]
+#: ``async runner(driver, requests, records, sampling_params, caps, clock, progress_bar)``:
+#: sends ``requests`` and fills their ``records`` (caps: the concurrency, an int, a per-request
+#: sequence or None).
+Runner = Callable[..., Awaitable[None]]
 
 
 def poisson_arrivals(n: int, request_rate: float | None, seed: int = 0) -> list[float]:
@@ -129,6 +133,16 @@ class EngineDriver:
     async def start(self) -> None:
         return None
 
+    async def flush_cache(self) -> bool:
+        """Empty the engine's prefix cache (``Engine.flush_cache``, waiting until it is idle);
+        False when the engine has none."""
+        flush = getattr(self.engine, "flush_cache", None)
+        if flush is None:
+            return False
+        while not await asyncio.to_thread(flush):
+            await asyncio.sleep(0.01)
+        return True
+
     async def stats(self) -> dict[str, Any] | None:
         if not self._has_stats:
             return None
@@ -144,6 +158,7 @@ class EngineDriver:
                 now = clock()
                 if chunk.token_ids:
                     rec.add_chunk(now, len(chunk.token_ids))
+                    rec.output_ids += chunk.token_ids
                 if chunk.meta_info:
                     rec.set_meta(chunk.meta_info)
                 if chunk.finished:
@@ -205,7 +220,8 @@ async def run_benchmark(driver: Driver, requests: Sequence[BenchRequest], *,
                         request_rate: float | None = None, seed: int = 0,
                         sample_interval: float = 0.25, progress: bool = True,
                         desc: str = "bench", leave: bool = True,
-                        concurrency_schedule: Sequence[int] | None = None) -> RunData:
+                        concurrency_schedule: Sequence[int] | None = None,
+                        runner: Runner | None = None) -> RunData:
     """Send ``requests`` (already :meth:`Driver.prepare`-d) through ``driver`` and measure.
 
     ``concurrency``: most requests in flight (None = no limit); ``request_rate``: Poisson
@@ -214,8 +230,11 @@ async def run_benchmark(driver: Driver, requests: Sequence[BenchRequest], *,
     :func:`ramp_concurrency`): request ``i`` starts, in order, once fewer than
     ``concurrency_schedule[i]`` requests are in flight (replaces ``concurrency``). ``sampling_params`` go to every request (the engine's
     names: ``max_new_tokens``, ``temperature``, ``ignore_eos``). ``sample_interval``: seconds
-    between stats snapshots. Returns the :class:`~specdial.bench.metrics.RunData` (duration:
-    start to the last finished request, seconds).
+    between stats snapshots. ``runner``: sends the requests instead of the default
+    (a streaming driver's requests independently, else in batches), with the signature of
+    :data:`Runner` (e.g. :func:`specdial.bench.multiturn.conversation_runner`, whose requests
+    depend on earlier answers). Returns the :class:`~specdial.bench.metrics.RunData`
+    (duration: start to the last finished request, seconds).
     """
     if concurrency is not None and concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
@@ -242,7 +261,9 @@ async def run_benchmark(driver: Driver, requests: Sequence[BenchRequest], *,
     sampler = (asyncio.create_task(_sampler(driver, clock, sample_interval, timeline, stop))
                if first is not None else None)
     try:
-        if driver.streaming:
+        if runner is not None:
+            await runner(driver, requests, records, sampling_params, caps, clock, bar)
+        elif driver.streaming:
             await _run_streaming(driver, requests, records, sampling_params, caps, clock, bar)
         else:
             await _run_batches(driver, requests, records, sampling_params, caps, clock, bar)

@@ -36,6 +36,7 @@ _PROM_NAMES = {
     "preemptions": "num_preemptions_total",
     "requests_finished": "num_requests_finished_total",
     "prompt_tokens": "prompt_tokens_total", "generation_tokens": "generation_tokens_total",
+    "cached_tokens": "prefix_cache_hits_total",  # vLLM's name too
 }
 
 
@@ -142,6 +143,17 @@ class HttpDriver:
             except Exception as e:  # noqa: BLE001 - the field is optional for specdial serve
                 logger.warning("GET /v1/models failed (%s); sending requests without 'model'", e)
 
+    async def flush_cache(self) -> bool:
+        """SGLang's ``POST /flush_cache?timeout=60`` (specdial's and SGLang's servers); False,
+        with a warning, when the server answers otherwise."""
+        r = await self.client.post("/flush_cache", params={"timeout": 60})
+        if r.status_code != 200:
+            msg = f"POST /flush_cache answered {r.status_code}; the prefix cache was not flushed"
+            logger.warning(msg)
+            self.warnings.append(msg)
+            return False
+        return True
+
     async def stats(self) -> dict[str, Any] | None:
         if not self._has_metrics:
             return None
@@ -205,6 +217,7 @@ class HttpDriver:
             for choice in obj.get("choices") or []:
                 if choice.get("text"):
                     rec.add_chunk(now, None)
+                    rec.output_text += choice["text"]
                     chunks += 1
                 if choice.get("finish_reason"):
                     rec.finish_reason = choice["finish_reason"]
@@ -214,6 +227,9 @@ class HttpDriver:
         if usage is not None:
             rec.completion_tokens = int(usage.get("completion_tokens", chunks))
             rec.prompt_tokens = int(usage.get("prompt_tokens", 0)) or None
+            details = usage.get("prompt_tokens_details") or {}
+            if details.get("cached_tokens") is not None:
+                rec.cached_tokens = int(details["cached_tokens"])
         else:  # no usage: one token per chunk (a lower bound with speculation)
             rec.completion_tokens = chunks
         if rec.end_time is None:

@@ -44,7 +44,8 @@ __all__ = ["RequestRecord", "RunData", "active_steps", "latency_summary", "perce
 
 #: Cumulative counters of :class:`specdial.engine.api.EngineStats` kept in snapshots.
 COUNTERS = ("num_drafts", "draft_tokens_proposed", "num_accepted_tokens", "step_switches",
-            "preemptions", "requests_finished", "prompt_tokens", "generation_tokens")
+            "preemptions", "requests_finished", "prompt_tokens", "generation_tokens",
+            "cached_tokens")
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -75,7 +76,11 @@ class RequestRecord:
 
     ``chunk_times`` / ``chunk_tokens``: arrival of each chunk that carried output and its token
     count (None when unknown, e.g. over HTTP, where the total comes from ``usage``).
-    ``verify_ct`` / ``steps_histogram``: from the engine's ``meta_info`` when available.
+    ``verify_ct`` / ``steps_histogram``: from the engine's ``meta_info`` when available;
+    ``cached_tokens``: prompt tokens the prefix cache served (``meta_info``, or the usage's
+    ``prompt_tokens_details`` over HTTP; None when not reported). ``turn``: the 1-based turn of
+    a multi-turn conversation (None otherwise); ``output_ids`` / ``output_text``: the answer,
+    kept for the conversation's next turn (ids in process, text over HTTP).
     """
 
     index: int
@@ -94,6 +99,10 @@ class RequestRecord:
     verify_ct: int | None = None
     accept_length: float | None = None
     steps_histogram: dict[int, int] = field(default_factory=dict)
+    cached_tokens: int | None = None
+    turn: int | None = None
+    output_ids: list[int] = field(default_factory=list)
+    output_text: str = ""
 
     def add_chunk(self, t: float, tokens: int | None) -> None:
         """Record a chunk arriving at ``t`` with ``tokens`` output tokens (None = unknown)."""
@@ -109,6 +118,8 @@ class RequestRecord:
             self.completion_tokens = int(meta["completion_tokens"])
         if "prompt_tokens" in meta:
             self.prompt_tokens = int(meta["prompt_tokens"])
+        if meta.get("cached_tokens") is not None:
+            self.cached_tokens = int(meta["cached_tokens"])
         if meta.get("spec_verify_ct") is not None:
             self.verify_ct = int(meta["spec_verify_ct"])
         if meta.get("spec_accept_length") is not None:
@@ -266,9 +277,32 @@ def summarize(runs: Sequence[RunData]) -> dict[str, Any]:
     ``steps_histogram``, ``engine_iterations_per_steps``, ``steps_time_share``,
     ``verify_length_histogram`` (``{drafts verified: request-iterations}``, each request at
     its own verify budget; from the engine's stats timeline, None without one),
-    ``step_switches``, ``streaming``, ``errors`` (up to 5 messages)."""
+    ``step_switches``, ``streaming``, ``errors`` (up to 5 messages), ``cached_tokens`` (prompt
+    tokens the prefix cache served, summed over the requests that reported it; None when none
+    did), ``prefix_cache_hit_rate`` (those over their prompt tokens) and ``ttft_per_turn_s``
+    (``{turn: {"mean", "p50", "p99", "count"}}`` for multi-turn runs, else empty)."""
     records = [rec for r in runs for rec in r.records]
     ok = [rec for rec in records if rec.success]
+    errors = [rec.error for rec in records if rec.error][:5]
+    return {**_run_figures(runs, ok, records, errors), **_prefix_cache_figures(ok)}
+
+
+def _prefix_cache_figures(ok: Sequence[RequestRecord]) -> dict[str, Any]:
+    """The prefix cache's part of :func:`summarize`: cached tokens, hit rate, TTFT per turn."""
+    cached = [rec for rec in ok if rec.cached_tokens is not None]
+    prompt = sum(rec.prompt_tokens or 0 for rec in cached)
+    hits = sum(rec.cached_tokens or 0 for rec in cached)
+    turns = sorted({rec.turn for rec in ok if rec.turn is not None})
+    return {"cached_tokens": hits if cached else None,
+            "prefix_cache_hit_rate": hits / prompt if cached and prompt else None,
+            "ttft_per_turn_s": {t: latency_summary([x for rec in ok if rec.turn == t
+                                                   for x in [rec.ttft] if x is not None])
+                                for t in turns}}
+
+
+def _run_figures(runs: Sequence[RunData], ok: Sequence[RequestRecord],
+                 records: Sequence[RequestRecord], errors: list[str | None]) -> dict[str, Any]:
+    """Everything else of :func:`summarize` (its docstring)."""
     duration = sum(r.duration_s for r in runs)
     out_tokens = sum(rec.completion_tokens for rec in ok)
     in_tokens = sum(rec.prompt_tokens or 0 for rec in ok)
@@ -290,7 +324,6 @@ def summarize(runs: Sequence[RunData]) -> dict[str, Any]:
             engine_iters = engine_iters or {}
             for k, v in last.items():
                 engine_iters[k] = engine_iters.get(k, 0) + v - first.get(k, 0)
-    errors = [rec.error for rec in records if rec.error][:5]
     return {
         "verify_length_histogram": _hist_delta(runs, "verify_length_histogram"),
         "completed": len(ok),

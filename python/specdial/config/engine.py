@@ -115,6 +115,12 @@ class EngineConfig:
         "per-iteration extend cost 5-7 percent on the CPU, BENCHMARKS.md section 12); "
         "--no-skip-zero-step-draft-extend runs it every iteration (SGLang's warm draft KV)",
         default=True)
+    enable_prefix_caching: bool = _opt(
+        "share the KV pages (target, drafter and EAGLE features) of a common token prefix "
+        "between requests through a radix tree over pages, evicting unused ones least recently "
+        "used first (SGLang's radix cache, vLLM's automatic prefix caching; both on by "
+        "default); --no-enable-prefix-caching prefills every prompt in full",
+        default=True)
     device: str = _opt("auto (CUDA when present, else the CPU), cpu, cuda or cuda:N",
                        default=AUTO, type=str)
     dtype: Any = _opt("model dtype: auto (on CUDA the checkpoint's torch_dtype, bfloat16 for a "

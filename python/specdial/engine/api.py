@@ -124,8 +124,12 @@ class EngineStats:
     proposed; vLLM's ``spec_decode_num_draft_tokens`` counter, the Prometheus name kept),
     ``num_accepted_tokens`` (draft tokens accepted, bonus tokens excluded),
     ``accepted_per_pos`` (accepted tokens per draft position, index 0 = the first draft),
-    ``step_switches``, ``preemptions``, ``requests_finished``, ``prompt_tokens`` and
-    ``generation_tokens``.
+    ``step_switches``, ``preemptions``, ``requests_finished``, ``prompt_tokens`` (prompt
+    tokens of the requests submitted, vLLM's ``prompt_tokens_total``), ``cached_tokens``
+    (prompt tokens served from the prefix cache at the requests' first admission; hit rate =
+    ``cached_tokens / prompt_tokens``, which requests aborted before admission lower a little)
+    and ``generation_tokens``. ``cached_pages``: KV pages
+    the prefix cache holds now (a gauge; shared with running requests or not).
 
     Policy state: ``slot_states``: one dict per adaptive slot, ascending, from the scheduler's
     ``slot_states()`` (``lower_bound``, ``steps``, ``ema_accept_len``, ``verify_count``; empty
@@ -159,6 +163,8 @@ class EngineStats:
     preemptions: int = 0
     requests_finished: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0
+    cached_pages: int = 0
     generation_tokens: int = 0
     slot_states: list[dict[str, Any]] = field(default_factory=list)
     last_decode_steps: int | None = None

@@ -25,8 +25,8 @@ from typing import Any, TypeVar
 
 from specdial.config import EngineConfig, option as _opt
 
-__all__ = ["BUILTIN_MODEL_NAME", "NO_SPECULATION", "EngineArgs", "add_dataclass_arguments",
-           "config_from_args"]
+__all__ = ["BOOL_FLAGS_GIVEN", "BUILTIN_MODEL_NAME", "NO_SPECULATION", "BoolFlag", "EngineArgs",
+           "add_dataclass_arguments", "config_from_args"]
 
 #: The name under which the built-in models (``model_path`` None) are served.
 BUILTIN_MODEL_NAME = "specdial-default"
@@ -190,6 +190,29 @@ class ExtendInts(argparse.Action):
         setattr(namespace, self.dest, [v for part in values for v in part])
 
 
+#: Namespace attribute where :class:`BoolFlag` records the flags given: ``{dest: [flag, ...]}``.
+BOOL_FLAGS_GIVEN = "bool_flags_given"
+
+
+class BoolFlag(argparse.BooleanOptionalAction):
+    """``--x`` / ``--no-x`` (argparse's ``BooleanOptionalAction``). With ``record_given`` set
+    (by the command that reads it, e.g. :func:`specdial.engine.cache_flags.add_prefix_cache_flags`)
+    it also records each flag given under :data:`BOOL_FLAGS_GIVEN` of the namespace, so that
+    the command can refuse contradicting ones rather than let the last one win unseen; that
+    command removes the record again when it reads it, so ``vars(args)`` stays the fields."""
+
+    record_given = False
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        if not self.record_given:
+            return
+        given = dict(getattr(namespace, BOOL_FLAGS_GIVEN, None) or {})
+        given[self.dest] = [*given.get(self.dest, []), str(option_string)]
+        setattr(namespace, BOOL_FLAGS_GIVEN, given)
+
+
 def _scalar_type(annotation: Any) -> type:
     """``int | None`` -> ``int``; ``str`` -> ``str``; ``list[int]`` stays."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
@@ -225,7 +248,7 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             continue
         if kind is bool:
             state = "on" if f.default else "off"
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+            parser.add_argument(flag, dest=f.name, action=BoolFlag,
                                 default=f.default, help=f"{meta.get('help', '')} (default: {state})")
             continue
         extra: dict[str, Any] = {}

@@ -27,6 +27,7 @@ from specdial.config import EngineConfig, config_of_call
 from specdial.engine.api import EngineStats, LogprobOptions, StreamChunk
 from specdial.engine.build import (adaptive_config_of, build_parts, modules_config,
                                    start_tensor_parallel)
+from specdial.engine.cache_ops import flush_cache as _flush_cache
 from specdial.engine.front import LocalFront
 from specdial.engine.loading import resolve_models
 from specdial.engine.loop import EngineLoop
@@ -454,6 +455,8 @@ class Engine:
             self._dp.abort(rid)
         elif not self._closed and self._started:
             self._loop.post(Abort(rid))
+
+    flush_cache = _flush_cache  # SGLang's /flush_cache on the loop thread (cache_ops.py)
 
     def stats(self) -> EngineStats:
         """A snapshot of the gauges and counters (thread-safe; see :class:`EngineStats`); with

@@ -22,7 +22,8 @@ class LiveRequest:
     """A request the scheduler holds, on the loop thread: ``spec`` (what was asked), ``rid``
     (the scheduler's id), ``text`` (its detokenizer and stop-string state), ``output`` (its
     output token ids so far), the counters behind ``meta_info`` (``spec_verify_ct``, the
-    acceptance length, the steps histogram), its queue time, and its prompt logprobs
+    acceptance length, the steps histogram, ``cached_tokens``: prompt tokens served from the
+    prefix cache at its latest admission), its queue time, and its prompt logprobs
     (``LogprobOptions.prompt_start``; per prompt position, filled by the prefill chunks)."""
 
     spec: RequestSpec
@@ -34,6 +35,7 @@ class LiveRequest:
     draft_verify_ct: int = 0
     draft_verify_tokens: int = 0
     hist: dict[int, int] = field(default_factory=dict)
+    cached_tokens: int = 0
     submitted: float = field(default_factory=time.perf_counter)
     queue_time: float | None = None
     # prompt logprobs (LogprobOptions.prompt_start): per prompt position, filled by prefill
@@ -45,7 +47,7 @@ class LiveRequest:
     def meta(self) -> dict[str, Any]:
         n = len(self.output)
         meta = {"prompt_tokens": len(self.spec.prompt_ids), "completion_tokens": n,
-                "spec_verify_ct": self.verify_ct,
+                "cached_tokens": self.cached_tokens, "spec_verify_ct": self.verify_ct,
                 "spec_accept_length": self.accept_length(),
                 "spec_steps_histogram": dict(sorted(self.hist.items()))}
         if self.queue_time is not None:

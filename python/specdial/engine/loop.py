@@ -51,10 +51,11 @@ from specdial.engine.api import POLICY_REFRESH_S, EngineStats, RequestError
 from specdial.engine.ends import aborted, failed, finished, shut_down
 from specdial.engine.isolation import sampling_isolated
 from specdial.engine.loop_stats import VerifyLengths, engine_stats, log_progress
+from specdial.engine.cache_ops import cache_limit, note_cached_tokens
 from specdial.engine.live import LiveRequest, prompt_plan, store_prompt_logprobs
 from specdial.engine.stops import StopCheck, check_stop_strings
-from specdial.engine.messages import (Abort, Cancel, Crash, Message, RequestSpec, Shutdown,
-                                      StepsSchedule, Submit, Submitted)
+from specdial.engine.messages import (Abort, Cancel, Crash, FlushCache, Message, RequestSpec,
+                                      Shutdown, StepsSchedule, Submit, Submitted)
 from specdial.worker.logprobs import HostLogprobs, LogprobRows
 from specdial.worker.sampling import BatchSampling, SamplingParams
 from specdial.worker.worker import SpecWorker, StepOutput
@@ -104,7 +105,7 @@ class EngineLoop:
         self._lp_rows: LogprobRows | None = None
         self._last_decode: tuple[int, int] | None = None  # (steps, padded batch size)
         self._decode_iters = 0
-        self._prompt_tokens = 0
+        self._prompt_tokens = 0  # submitted (the scheduler's also counts startup profiling's)
         self._verify_reqs = self._verify_tokens = 0
         self._verify_lengths = VerifyLengths()  # per-request verify budgets, cumulative
         self._log_mark = (time.monotonic(), 0, 0, 0)
@@ -174,6 +175,8 @@ class EngineLoop:
                         spec.sink(RuntimeError(f"the engine loop failed: {error}"))
                 case Shutdown():
                     return
+                case FlushCache(reply):
+                    reply.set_exception(RuntimeError(f"the engine loop failed: {error}"))
                 case _:
                     pass
 
@@ -203,6 +206,8 @@ class EngineLoop:
                                                             "down"))
                 case Crash(text):
                     raise RuntimeError(text)
+                case FlushCache(reply):
+                    reply.set_result(bool(self.sched.flush_cache()))
                 case _:
                     raise TypeError(f"unknown engine loop message {message!r}")
         if messages:
@@ -216,7 +221,8 @@ class EngineLoop:
         try:
             rid = self.sched.add_request(np.asarray(spec.prompt_ids, np.int64),
                                          spec.params.max_new_tokens, list(spec.stop_token_ids),
-                                         True)  # EOS ids are in stop_token_ids
+                                         True,  # EOS ids are in stop_token_ids
+                                         max_cached_tokens=cache_limit(spec))
         except InvalidRequestError as e:
             self._out(spec.sink, RequestError(str(e), _param_of(str(e))))
             return
@@ -276,6 +282,7 @@ class EngineLoop:
             lv = self.live[rid]
             if lv.queue_time is None:
                 lv.queue_time = now - lv.submitted
+        note_cached_tokens(plan, rids, self.live)
         first_live = [self.live[r] for r, f in zip(rids, plan.sample_first.tolist()) if f]
         sampling = self._batch_sampling(first_live) if first_live else None
         lp_rows = LogprobRows.build([lv.top_n() for lv in first_live], self.device)
@@ -415,6 +422,7 @@ class EngineLoop:
             self._out(lv.spec.sink, lv.chunk(text, new, False, None, token_lp))
             return
         del self.live[lv.rid]
+        lv.cached_tokens = int(fin.cached_tokens)
         self._out(lv.spec.sink, lv.chunk(text, new, True, finished(lv.text.matched, fin), token_lp))
 
     def _finish_now(self, rid: int, reason: dict[str, Any]) -> None:
@@ -465,9 +473,8 @@ class EngineLoop:
         if not slots and self._fixed_steps is not None:
             slots = {1: int(self._fixed_steps)}
         self._stats = engine_stats(s, slot_states, fixed_steps=self._fixed_steps,
-                                   prompt_tokens=self._prompt_tokens,
-                                   last_decode=self._last_decode, policy=self._policy,
-                                   goodput=self._goodput_state(),
+                                   prompt_tokens=self._prompt_tokens, policy=self._policy,
+                                   last_decode=self._last_decode, goodput=self._goodput_state(),
                                    verify_lengths=self._verify_lengths.as_dict())
 
     def _goodput_state(self) -> dict[str, Any] | None:

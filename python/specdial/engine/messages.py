@@ -1,10 +1,11 @@
 """The engine loop's messages: what other threads post to :class:`~specdial.engine.loop.EngineLoop`
-(:class:`Submit`, :class:`Cancel`, :class:`Abort`, :class:`Shutdown`, the test hook
-:class:`Crash`), the validated request they carry (:class:`RequestSpec`) and the first item a
+(:class:`Submit`, :class:`Cancel`, :class:`Abort`, :class:`Shutdown`, :class:`FlushCache`,
+the test hook :class:`Crash`), the validated request they carry (:class:`RequestSpec`) and the first item a
 request's sink gets (:class:`Submitted`)."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -77,5 +78,14 @@ class Crash:
     message: str
 
 
+@dataclass(frozen=True, eq=False)
+class FlushCache:
+    """Loop message: run ``Scheduler.flush_cache()`` between iterations and set ``reply`` (a
+    ``concurrent.futures.Future``) to its result (True: flushed; False: requests are live, as
+    SGLang's ``/flush_cache`` refuses), or to a ``RuntimeError`` when the loop has failed."""
+
+    reply: Future[bool]
+
+
 #: What :meth:`EngineLoop.post` takes.
-Message = Submit | Cancel | Abort | Shutdown | Crash
+Message = Submit | Cancel | Abort | Shutdown | Crash | FlushCache

@@ -3,7 +3,7 @@
 :class:`OutputAccumulator` folds the :class:`~specdial.engine.api.StreamChunk` s of one request
 into what SGLang's ``Engine.generate`` / ``async_generate`` return: ``text`` and
 ``output_ids`` (cumulative) and ``meta_info`` with ``prompt_tokens``, ``completion_tokens``,
-``finish_reason`` (None until finished), ``spec_verify_ct``, ``spec_accept_length``,
+``cached_tokens`` (prompt tokens served from the prefix cache, SGLang's), ``finish_reason`` (None until finished), ``spec_verify_ct``, ``spec_accept_length``,
 ``spec_steps_histogram`` and, with ``return_logprob``, SGLang's logprob lists:
 
 - ``output_token_logprobs``: one ``(logprob, token_id, text)`` per output token;
@@ -44,8 +44,8 @@ from specdial.engine.token_align import TokenAligner, TokenBytes
 __all__ = ["META_KEYS", "OutputAccumulator"]
 
 #: ``meta_info`` keys of every result.
-META_KEYS = ("prompt_tokens", "completion_tokens", "finish_reason", "spec_verify_ct",
-             "spec_accept_length", "spec_steps_histogram")
+META_KEYS = ("prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason",
+             "spec_verify_ct", "spec_accept_length", "spec_steps_histogram")
 
 
 class OutputAccumulator:

@@ -37,7 +37,8 @@ __all__ = ["DataParallelEngine", "aggregate_stats"]
 
 _SUMMED = ("running", "queued", "kv_pages_used", "kv_pages_total", "num_drafts",
            "draft_tokens_proposed", "num_accepted_tokens", "step_switches", "preemptions",
-           "requests_finished", "prompt_tokens", "generation_tokens")
+           "requests_finished", "prompt_tokens", "cached_tokens", "cached_pages",
+           "generation_tokens")
 
 
 def aggregate_stats(parts: Sequence[EngineStats]) -> EngineStats:

@@ -18,7 +18,11 @@ flag (origin)                        specdial option              note
 ``--cuda-graph-max-bs`` (SGLang)     ``--cuda-graph-bs``          SGLang's sizes up to N
 ``--speculative-config`` (vLLM)      the speculation options     JSON: ``method``, ``model``,
                                                                    ``num_speculative_tokens``
+``--disable-radix-cache`` (SGLang)   ``--no-enable-prefix-cach``  vLLM's ``--[no-]enable-prefix-
+                                     ``ing``                      caching`` are the option itself
 =================================== ============================ ===================================
+
+The prefix cache's switches and their conflicts: :mod:`specdial.engine.cache_flags`.
 
 ``--chunked-prefill-size`` (one request's prefill chunk) and ``--max-prefill-tokens`` (the
 prefill batch's budget) are separate options with SGLang's meanings, not aliases.
@@ -39,6 +43,8 @@ from __future__ import annotations
 import argparse
 import json
 from typing import Any
+
+from specdial.engine.cache_flags import add_prefix_cache_flags, resolve_prefix_cache_flags
 
 __all__ = ["ALIASES", "DIFFERENT", "add_compat_flags", "resolve_compat"]
 
@@ -102,6 +108,7 @@ def add_compat_flags(parser: argparse.ArgumentParser, *, positional_model: bool 
                         "num_speculative_tokens")
     for flag, instead in DIFFERENT.items():
         parser.add_argument(flag, action=_Different, nargs="?", help=f"refused: {instead}")
+    add_prefix_cache_flags(parser)
 
 
 def _set(args: argparse.Namespace, dest: str, value: Any, flag: str,
@@ -162,6 +169,7 @@ def resolve_compat(args: argparse.Namespace, parser: argparse.ArgumentParser | N
     if spec is not None:
         for dest, value in _speculative_config(spec).items():
             _set(args, dest, value, "--speculative-config", defaults)
+    resolve_prefix_cache_flags(args)
     if getattr(args, "speculative_algorithm", None) == "STANDALONE":
         args.speculative_algorithm = "DRAFT"
     topk = getattr(args, _PREFIX + "eagle_topk", None)

@@ -11,7 +11,10 @@ added at scrape time to whatever the registry holds. Two sources:
 
 Names follow vLLM's where vLLM has one (``vllm:`` -> ``specdial:``), in particular the
 speculation counters; the mean acceptance length is ``1 + accepted_tokens / drafts`` and the draft
-acceptance rate ``accepted_tokens / draft_tokens``:
+acceptance rate ``accepted_tokens / draft_tokens``. The prefix cache has vLLM's two counters
+(``prefix_cache_queries``, ``prefix_cache_hits``: tokens; a windowed hit rate is
+``rate(hits) / rate(queries)``) and SGLang's ``cache_hit_rate`` gauge, here since the engine
+started (SGLang's is per prefill batch):
 
 ==========================================================  =======  ================================
 name                                                        type     meaning
@@ -39,7 +42,16 @@ name                                                        type     meaning
 ``specdial:spec_decode_step_switches_total``                counter  steps changes of the policy
 ``specdial:num_preemptions_total``                          counter  requests preempted
 ``specdial:num_requests_finished_total``                    counter  requests the engine finished
-``specdial:prompt_tokens_total``                            counter  prompt tokens prefilled
+``specdial:prompt_tokens_total``                            counter  prompt tokens of admitted
+                                                                     requests (cached included)
+``specdial:prefix_cache_queries_total``                     counter  prompt tokens looked up in
+                                                                     the prefix cache (vLLM's)
+``specdial:prefix_cache_hits_total``                        counter  prompt tokens served by the
+                                                                     prefix cache (vLLM's)
+``specdial:cache_hit_rate``                                 gauge    hits / queries since start
+                                                                     (SGLang's name; 0 before any)
+``specdial:prefix_cache_pages``                             gauge    KV pages the prefix cache
+                                                                     holds now
 ``specdial:generation_tokens_total``                        counter  tokens generated
 ``specdial:request_success_total{finished_reason}``         counter  server requests by reason
 ``specdial:time_to_first_token_seconds``                    hist.    arrival -> first token
@@ -136,9 +148,11 @@ class EngineCollector:
                  "policy.", s.step_switches),
                 ("num_preemptions", "Requests preempted back to the queue.", s.preemptions),
                 ("num_requests_finished", "Requests the engine finished.", s.requests_finished),
-                ("prompt_tokens", "Prompt tokens prefilled.", s.prompt_tokens),
+                ("prompt_tokens", "Prompt tokens of admitted requests, those served by the "
+                 "prefix cache included.", s.prompt_tokens),
                 ("generation_tokens", "Tokens generated.", s.generation_tokens)):
             yield CounterMetricFamily(f"specdial:{name}", doc, value=value)
+        yield from self._prefix_cache(s)
         per_pos = CounterMetricFamily(
             "specdial:spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted at each draft position (0 = the first draft).",
@@ -154,6 +168,24 @@ class EngineCollector:
             lengths.add_metric([str(v)], n)
         yield lengths
         yield from self._goodput(getattr(s, "goodput", None))
+
+    @staticmethod
+    def _prefix_cache(s: Any) -> Iterable[Metric]:
+        """vLLM's prefix-cache counters, SGLang's hit-rate gauge and the pages held."""
+        hits, queries = int(s.cached_tokens), int(s.prompt_tokens)
+        yield CounterMetricFamily("specdial:prefix_cache_queries",
+                                  "Prefix cache queries, in prompt tokens looked up (vLLM's "
+                                  "name).", value=queries)
+        yield CounterMetricFamily("specdial:prefix_cache_hits",
+                                  "Prefix cache hits, in prompt tokens served from the cache "
+                                  "(vLLM's name).", value=hits)
+        yield GaugeMetricFamily("specdial:cache_hit_rate",
+                                "Prefix cache hit rate since the engine started: hit tokens / "
+                                "queried tokens (SGLang's name).",
+                                value=hits / queries if queries else 0.0)
+        yield GaugeMetricFamily("specdial:prefix_cache_pages",
+                                "KV cache pages the prefix cache holds now.",
+                                value=int(s.cached_pages))
 
     @staticmethod
     def _goodput(g: dict | None) -> Iterable[Metric]:

@@ -15,8 +15,9 @@
 - both: non-streaming JSON, or server-sent events (``stream: true``) in OpenAI's chunk format
   ending with ``data: [DONE]``; ``stream_options.include_usage`` adds a last chunk with empty
   ``choices`` and the ``usage`` (other chunks then carry ``"usage": null``). ``usage`` holds
-  ``prompt_tokens``, ``completion_tokens`` and ``total_tokens``, summed over the choices
-  (bodies: :mod:`specdial.server.openai_responses`).
+  ``prompt_tokens``, ``completion_tokens`` and ``total_tokens``, summed over the choices, and
+  ``prompt_tokens_details.cached_tokens`` (prompt tokens served by the prefix cache; bodies:
+  :mod:`specdial.server.openai_responses`, the usage: :meth:`specdial.server.runs.Run.usage`).
 - ``GET /v1/models`` (and ``/v1/models/{id}``): the one served model (vLLM's card, with
   ``root`` and ``max_model_len``).
 

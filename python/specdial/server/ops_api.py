@@ -1,14 +1,16 @@
 """Operational endpoints (``APIRouter`` :data:`router`): ``GET /health`` (200, or 503 while
-shutting down or once the engine reports a fatal failure: ``ServerState.check_admitting``) and
-``GET /metrics`` (Prometheus text, :mod:`specdial.server.metrics`)."""
+shutting down or once the engine reports a fatal failure: ``ServerState.check_admitting``),
+``GET /metrics`` (Prometheus text, :mod:`specdial.server.metrics`) and SGLang's
+``GET``/``POST /flush_cache`` (:mod:`specdial.server.flush`)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from specdial.server.flush import flush_cache_response
 from specdial.server.metrics import CONTENT_TYPE
 from specdial.server.state import StateDep
 
@@ -35,3 +37,10 @@ async def metrics(state: StateDep) -> Response:
     """The Prometheus exposition (rendered off the event loop)."""
     body = await asyncio.to_thread(state.metrics.render)
     return Response(body, media_type=CONTENT_TYPE)
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request, state: StateDep) -> Response:
+    """SGLang's ``/flush_cache`` (:func:`specdial.server.flush.flush_cache_response`)."""
+    state.check_admitting()
+    return await flush_cache_response(state.engine, request.query_params.get("timeout"))

@@ -240,14 +240,21 @@ class Run:
         return next((c.finish_reason for c in self.choices if is_failure(c.finish_reason)),
                     None)
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         """OpenAI's ``usage``: prompt tokens counted once per prompt, completion tokens summed
-        over the choices."""
-        prompt = sum(int(c.meta.get("prompt_tokens", 0))
-                     for c, j in zip(self.choices, self.jobs) if j.counts_prompt)
+        over the choices, and ``prompt_tokens_details.cached_tokens``: the prompt tokens the
+        engine's prefix cache served (the ``meta_info`` ``cached_tokens`` of the same choices
+        whose prompt tokens are counted, so it never exceeds ``prompt_tokens``; 0 when the
+        engine reports none). OpenAI's API always sends ``prompt_tokens_details``; vLLM and
+        SGLang send it behind a flag (``--enable-prompt-tokens-details``,
+        ``--enable-cache-report``); specdial always does, as OpenAI."""
+        counted = [c for c, j in zip(self.choices, self.jobs) if j.counts_prompt]
+        prompt = sum(int(c.meta.get("prompt_tokens", 0)) for c in counted)
+        cached = sum(int(c.meta.get("cached_tokens", 0) or 0) for c in counted)
         completion = sum(c.completion_tokens for c in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def watch_disconnect(request: Request, run: Run) -> None:

@@ -18,7 +18,9 @@
    ``VLLM_API_KEY``, SGLang's ``--api-key``).
 4. Request bodies (POST, PUT, PATCH) must be ``Content-Type: application/json``, else 415
    ``unsupported_media_type``: a cross-site form or ``text/plain`` POST, which browsers send
-   without a CORS preflight, never reaches a route.
+   without a CORS preflight, never reaches a route. ``/flush_cache`` reads no body and its
+   ``GET`` does the same as its ``POST``, so its ``POST`` takes any content type (SGLang's
+   clients send none; :data:`BODYLESS_PATHS`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 #: Host names allowed by default when the server listens on a loopback address.
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+#: Paths whose POST reads no body: no content type is required.
+BODYLESS_PATHS = frozenset({"/flush_cache"})
 
 
 @dataclass(frozen=True)
@@ -146,7 +150,7 @@ class _Guard:
             if not (hmac.compare_digest(_digest(given), self.key_digest) and given):
                 return APIError(401, "Invalid or missing API key: send 'Authorization: Bearer "
                                 "<key>'", type="invalid_request_error", code="invalid_api_key")
-        if scope["method"] in _BODY_METHODS:
+        if scope["method"] in _BODY_METHODS and scope["path"] not in BODYLESS_PATHS:
             media = (_header(scope, b"content-type") or "").split(";", 1)[0].strip().lower()
             if media != "application/json":
                 return APIError(415, f"Content-Type must be application/json, got "

@@ -7,7 +7,8 @@ their conversion: :mod:`specdial.server.sglang_protocol`.
   prompt), ``stream``, ``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``,
   ``return_text_in_logprobs``, ``rid``. Answers ``{"text", "output_ids", "meta_info"}`` per
   prompt (a list for a list input); ``meta_info`` holds ``id``, ``finish_reason``,
-  ``prompt_tokens``, ``completion_tokens``, ``cached_tokens`` (0: no prefix cache),
+  ``prompt_tokens``, ``completion_tokens``, ``cached_tokens`` (prompt tokens served by the
+  prefix cache; 0 on a miss or with ``--disable-radix-cache``),
   ``spec_verify_ct``, ``spec_accept_length``, ``spec_steps_histogram``, ``e2e_latency``
   (seconds) and, with ``return_logprob``, SGLang's logprob lists
   (:mod:`specdial.engine.output`; the output entries follow the text, as the OpenAI routes'). Streaming: server-sent events of the same object with
@@ -29,7 +30,9 @@ their conversion: :mod:`specdial.server.sglang_protocol`.
   ``internal_states``: one entry (one engine) with ``speculative_num_steps`` (the current steps
   of the slot serving the current batch, or the latest batch when idle), ``avg_spec_accept_length``
   (``1 + accepted drafts / request-verifies with drafts``, since start; None before any),
-  ``slots`` (every slot's state from the engine's ``slot_states``) and the counters.
+  ``slots`` (every slot's state from the engine's ``slot_states``) and the counters, the
+  prefix cache's among them (``cached_tokens``, ``prompt_tokens``, ``cache_hit_rate``,
+  ``cached_pages``: as ``/metrics``).
 - ``GET /get_model_info``; ``POST /tokenize`` (also ``/v1/tokenize``; ``prompt`` or chat
   ``messages``) -> ``{"tokens", "count", "max_model_len"}``; ``POST /detokenize`` (also
   ``/v1/detokenize``) -> ``{"text", "prompt"}`` (SGLang's and vLLM's key for the same text;
@@ -105,6 +108,9 @@ def server_info(state: ServerState) -> dict[str, Any]:
         "kv_pages_used": s.kv_pages_used, "kv_pages_total": s.kv_pages_total,
         "spec_num_drafts": s.num_drafts, "spec_num_accepted_tokens": s.num_accepted_tokens,
         "step_switches": s.step_switches,
+        "cached_tokens": s.cached_tokens, "prompt_tokens": s.prompt_tokens,
+        "cache_hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+        "cached_pages": s.cached_pages,
     }
     return {**state.server_args, "served_model_name": state.model_name,
             "speculative_algorithm": getattr(engine, "speculative_algorithm", None),
@@ -133,7 +139,8 @@ async def generate(request: Request, state: StateDep) -> Response:
 
     def body(i: int) -> dict[str, Any]:
         out = outs[i].result()
-        out["meta_info"].update(id=ids_[i], cached_tokens=0,
+        out["meta_info"].update(id=ids_[i],
+                                cached_tokens=int(outs[i].meta.get("cached_tokens", 0) or 0),
                                 e2e_latency=time.perf_counter() - arrival)
         if not single:
             out["index"] = i

@@ -12,7 +12,11 @@ Layout (``B`` requests, numpy ``int64`` arrays, request after request):
   kv_lens[b]`` of row ``rows[b]`` (a chunk starting at 0 restarts the row); ``input_ids`` and
   ``out_loc`` have ``sum(qo_lens)`` entries (tokens and the KV slots they are written to);
   ``sample_first[b]`` = 1 where the request samples its first token, from the logits at
-  ``logits_indices`` (indices into ``input_ids``, one per such request).
+  ``logits_indices`` (indices into ``input_ids``, one per such request). ``cached_lens[b]``:
+  positions ``0 .. cached_lens[b]`` its admission took from the prefix cache (None: none);
+  a chunk starting there is an admission: the row restarts and those positions' KV slots
+  (``cached_kv``) and token ids (``cached_ids``, ``[sum(cached_lens)]`` each) are filled in,
+  drafter-covered.
 - :class:`DecodeInput`: request ``b`` has ``positions[b]`` = ``L`` KV positions and feeds
   ``input_ids[b]`` at ``L``; ``out_loc`` ``[B * (steps + 1)]`` holds the KV slots of positions
   ``L ..= L + steps`` (the pad KV slot beyond ``steps_per_request[b]``); ``graph_bs`` is the
@@ -49,6 +53,9 @@ class PrefillInput:
     kv_lens: np.ndarray
     sample_first: np.ndarray
     logits_indices: np.ndarray
+    cached_lens: np.ndarray | None = None
+    cached_kv: np.ndarray | None = None
+    cached_ids: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         b, n = len(self.rows), int(self.qo_lens.sum())
@@ -57,6 +64,19 @@ class PrefillInput:
         _check_len("input_ids", self.input_ids, n)
         _check_len("out_loc", self.out_loc, n)
         _check_len("logits_indices", self.logits_indices, int(self.sample_first.sum()))
+        if self.cached_lens is not None:
+            _check_len("cached_lens", self.cached_lens, b)
+            c = int(self.cached_lens.sum())
+            for name in ("cached_kv", "cached_ids"):
+                arr = getattr(self, name)
+                if arr is None:
+                    raise ValueError(f"{name}: required with cached_lens")
+                _check_len(name, arr, c)
+
+    def restarts(self) -> np.ndarray:
+        """``[B]`` bool: the chunks that are admissions (first position == cached length)."""
+        cached = 0 if self.cached_lens is None else self.cached_lens
+        return self.kv_lens - self.qo_lens == cached
 
 
 @dataclass(frozen=True, eq=False)
@@ -85,7 +105,8 @@ def worker_input(plan: Any, pad_slot: int) -> PrefillInput | DecodeInput:
     if plan.is_prefill:
         return PrefillInput(_i64(plan.rows), _i64(plan.input_ids), _i64(plan.out_loc),
                             _i64(plan.qo_lens), _i64(plan.kv_lens), _i64(plan.sample_first),
-                            _i64(plan.logits_indices))
+                            _i64(plan.logits_indices), _i64(plan.cached_lens),
+                            _i64(plan.cached_kv_indices), _i64(plan.cached_ids))
     return DecodeInput(int(plan.steps), None if plan.graph_bs is None else int(plan.graph_bs),
                        _i64(plan.rows), _i64(plan.input_ids), _i64(plan.positions),
                        _i64(plan.out_loc_padded(pad_slot)), _i64(plan.steps_per_request))

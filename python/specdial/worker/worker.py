@@ -250,7 +250,9 @@ class SpecWorker:
         if not isinstance(inp, PrefillInput):
             raise ValueError("prefill: got a decode plan")
         starts = inp.kv_lens - inp.qo_lens
-        rows = self._start_rows(inp.rows, starts)
+        rows = self._start_rows(inp.rows, np.where(inp.restarts(), 0, starts))
+        if inp.cached_lens is not None and inp.cached_lens.any():
+            self._fill_cached(rows, inp)
         self.tables.write(rows, starts, inp.qo_lens, kv_slots=inp.out_loc, ids=inp.input_ids)
         runner = self.states[min(self.states)]
         batch, _ = runner.prepare_ragged(rows, starts, inp.kv_lens)
@@ -271,6 +273,17 @@ class SpecWorker:
             self.drafter_state.catch_up(rows, inp.kv_lens, runner)
         offsets = np.concatenate([[0], np.cumsum(inp.sample_first)]).astype(np.int64)
         return StepOutput(0, tokens, offsets, None, done.get("first"), done.get("prompt"))
+
+    def _fill_cached(self, rows: np.ndarray, inp: PrefillInput) -> None:
+        """Positions ``0 .. cached_lens[b]`` of the admitted rows from the prefix cache's
+        pages (their KV slots and token ids); those pages hold the drafter's KV and the EAGLE
+        features too, so the drafter's valid length starts there."""
+        assert inp.cached_lens is not None and inp.cached_kv is not None
+        hit = inp.cached_lens > 0
+        self.tables.write(rows[hit], np.zeros(int(hit.sum()), np.int64), inp.cached_lens[hit],
+                          kv_slots=inp.cached_kv, ids=inp.cached_ids)
+        if self.drafter_state is not None:
+            self.drafter_state.draft_len[rows[hit]] = inp.cached_lens[hit]
 
     def _sample_first(self, inp: PrefillInput, hidden: torch.Tensor,
                       sampling: BatchSampling | None, generator: torch.Generator | None,

@@ -172,7 +172,8 @@ impl PySchedulerConfig {
     #[new]
     #[pyo3(signature = (*, max_running_requests=64, max_queued_requests=1024, max_prefill_tokens=2048,
                         context_length=2048, num_pages=1024, page_size=16, eos_token_ids=Vec::new(),
-                        record_trace=false, chunked_prefill_size=None, skip_zero_step_draft_extend=true))]
+                        record_trace=false, chunked_prefill_size=None, skip_zero_step_draft_extend=true,
+                        enable_prefix_caching=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         max_running_requests: i64,
@@ -185,6 +186,7 @@ impl PySchedulerConfig {
         record_trace: bool,
         chunked_prefill_size: Option<i64>,
         skip_zero_step_draft_extend: bool,
+        enable_prefix_caching: bool,
     ) -> PyResult<Self> {
         guard(|| {
             let inner = SchedulerConfig {
@@ -200,6 +202,7 @@ impl PySchedulerConfig {
                     .map(|n| u32_field("chunked_prefill_size", n))
                     .transpose()?,
                 skip_zero_step_draft_extend,
+                enable_prefix_caching,
             };
             inner.validate().map_err(core_err)?;
             Ok(Self { inner })
@@ -263,6 +266,13 @@ impl PySchedulerConfig {
     #[getter]
     fn skip_zero_step_draft_extend(&self) -> bool {
         self.inner.skip_zero_step_draft_extend
+    }
+    /// Whether full KV pages are kept in the prefix cache and shared by later requests with the
+    /// same token prefix (SGLang's radix cache, vLLM's ``enable_prefix_caching``; False here,
+    /// the engine's ``EngineConfig.enable_prefix_caching`` defaults to True).
+    #[getter]
+    fn enable_prefix_caching(&self) -> bool {
+        self.inner.enable_prefix_caching
     }
 
     fn __repr__(&self) -> String {
@@ -333,6 +343,9 @@ pub struct PySchedulePlan {
     logits_indices: Py<Int64Array>,
     preempted: Py<Int64Array>,
     draft_prefill: bool,
+    cached_lens: Py<Int64Array>,
+    cached_kv_indices: Py<Int64Array>,
+    cached_ids: Py<Int64Array>,
 }
 
 impl PySchedulePlan {
@@ -358,12 +371,35 @@ impl PySchedulePlan {
             logits_indices: arr(py, p.logits_indices)?,
             preempted: arr(py, p.preempted)?,
             draft_prefill: p.draft_prefill,
+            cached_lens: arr(py, p.cached_lens)?,
+            cached_kv_indices: arr(py, p.cached_kv_indices)?,
+            cached_ids: arr(py, p.cached_ids)?,
         })
     }
 }
 
 #[pymethods]
 impl PySchedulePlan {
+    /// Prefill [B]: KV positions request b takes from the prefix cache at its admission in this
+    /// plan (its chunk starts there), 0 for a chunk continuing an earlier admission. A chunk whose
+    /// first position ``kv_lens[b] - qo_lens[b]`` equals ``cached_lens[b]`` is an admission: the
+    /// worker (re)starts the row and fills positions ``0 .. cached_lens[b]`` from
+    /// ``cached_kv_indices`` / ``cached_ids`` (drafter-covered: the cached pages carry the
+    /// drafter's KV and the EAGLE features). Decode: empty.
+    #[getter]
+    fn cached_lens(&self, py: Python<'_>) -> Py<Int64Array> {
+        self.cached_lens.clone_ref(py)
+    }
+    /// Prefill [sum(cached_lens)]: KV indices of the cached positions, request after request.
+    #[getter]
+    fn cached_kv_indices(&self, py: Python<'_>) -> Py<Int64Array> {
+        self.cached_kv_indices.clone_ref(py)
+    }
+    /// Prefill [sum(cached_lens)]: token ids of the cached positions, request after request.
+    #[getter]
+    fn cached_ids(&self, py: Python<'_>) -> Py<Int64Array> {
+        self.cached_ids.clone_ref(py)
+    }
     /// Prefill: whether the drafter runs over these chunks now (False: the worker leaves them to
     /// the next drafting iteration's catch-up, because decoding runs steps 0 with the zero-step
     /// extend skipped). Decode: True.
@@ -524,8 +560,10 @@ impl PySchedulePlan {
 // ------------------------------------------------------------------------------------- report
 
 /// A request that left the scheduler: ``request_id``, ``reason`` (``"length"``, ``"stop"`` or
-/// ``"abort"``), ``stop_token_id`` (the EOS / stop token that ended it, else None) and
-/// ``output_len`` (output tokens in all, the finishing one included).
+/// ``"abort"``), ``stop_token_id`` (the EOS / stop token that ended it, else None),
+/// ``output_len`` (output tokens in all, the finishing one included) and ``cached_tokens``
+/// (prompt tokens served from the prefix cache at its latest admission; OpenAI's
+/// ``usage.prompt_tokens_details.cached_tokens``).
 #[pyclass(name = "FinishedRequest", module = "specdial._core", frozen, eq)]
 #[derive(Clone, PartialEq)]
 pub struct PyFinishedRequest {
@@ -550,6 +588,10 @@ impl PyFinishedRequest {
     fn output_len(&self) -> u64 {
         self.inner.output_len
     }
+    #[getter]
+    fn cached_tokens(&self) -> u64 {
+        self.inner.cached_tokens
+    }
     fn __repr__(&self) -> String {
         let stop = self
             .inner
@@ -557,10 +599,12 @@ impl PyFinishedRequest {
             .stop_token_id()
             .map_or("None".into(), |t| t.to_string());
         format!(
-            "FinishedRequest(request_id={}, reason={:?}, stop_token_id={stop}, output_len={})",
+            "FinishedRequest(request_id={}, reason={:?}, stop_token_id={stop}, output_len={}, \
+             cached_tokens={})",
             self.inner.request_id,
             self.inner.reason.as_str(),
-            self.inner.output_len
+            self.inner.output_len,
+            self.inner.cached_tokens
         )
     }
 }
@@ -652,8 +696,11 @@ pub struct PySchedulerStats {
     queued: usize,
     /// Of queued, preempted requests waiting to resume.
     queued_preempted: usize,
+    /// Pages held by admitted requests (shared pages once).
     kv_pages_used: u32,
     kv_pages_total: u32,
+    /// Pages the prefix cache holds now, shared with requests or not.
+    cached_pages: u32,
     requests_added: u64,
     /// Finished with reason length or stop.
     requests_finished: u64,
@@ -663,7 +710,14 @@ pub struct PySchedulerStats {
     step_switches: u64,
     /// Output tokens appended.
     tokens_generated: u64,
+    /// Tokens prefilled (cached prefixes excluded).
     prefill_tokens: u64,
+    /// Prompt tokens of requests at their first admission (vLLM's prompt_tokens_total).
+    prompt_tokens: u64,
+    /// Of prompt_tokens, those served from the prefix cache (hit rate = cached / prompt).
+    cached_tokens: u64,
+    /// Cached pages evicted to make room (least recently used first).
+    evicted_pages: u64,
     prefill_iterations: u64,
     decode_iterations: u64,
     /// {steps: decode iterations at those steps}.
@@ -687,6 +741,7 @@ impl From<SchedulerStats> for PySchedulerStats {
             queued_preempted: s.queued_preempted,
             kv_pages_used: s.kv_pages_used,
             kv_pages_total: s.kv_pages_total,
+            cached_pages: s.cached_pages,
             requests_added: s.requests_added,
             requests_finished: s.requests_finished,
             requests_aborted: s.requests_aborted,
@@ -694,6 +749,9 @@ impl From<SchedulerStats> for PySchedulerStats {
             step_switches: s.step_switches,
             tokens_generated: s.tokens_generated,
             prefill_tokens: s.prefill_tokens,
+            prompt_tokens: s.prompt_tokens,
+            cached_tokens: s.cached_tokens,
+            evicted_pages: s.evicted_pages,
             prefill_iterations: s.prefill_iterations,
             decode_iterations: s.decode_iterations,
             decode_iterations_by_steps: s.decode_iterations_by_steps.into_iter().collect(),
@@ -716,6 +774,7 @@ impl PySchedulerStats {
         d.set_item("queued_preempted", self.queued_preempted)?;
         d.set_item("kv_pages_used", self.kv_pages_used)?;
         d.set_item("kv_pages_total", self.kv_pages_total)?;
+        d.set_item("cached_pages", self.cached_pages)?;
         d.set_item("requests_added", self.requests_added)?;
         d.set_item("requests_finished", self.requests_finished)?;
         d.set_item("requests_aborted", self.requests_aborted)?;
@@ -723,6 +782,9 @@ impl PySchedulerStats {
         d.set_item("step_switches", self.step_switches)?;
         d.set_item("tokens_generated", self.tokens_generated)?;
         d.set_item("prefill_tokens", self.prefill_tokens)?;
+        d.set_item("prompt_tokens", self.prompt_tokens)?;
+        d.set_item("cached_tokens", self.cached_tokens)?;
+        d.set_item("evicted_pages", self.evicted_pages)?;
         d.set_item("prefill_iterations", self.prefill_iterations)?;
         d.set_item("decode_iterations", self.decode_iterations)?;
         d.set_item(
@@ -822,18 +884,33 @@ impl PyScheduler {
     /// also stops). ``stop_token_ids``: tokens that stop it (reason "stop"), besides the config's
     /// EOS ids unless ``ignore_eos``. Raises InvalidRequestError (a ValueError) whose message
     /// starts with the field, then QueueFullError (a SchedulerError / RuntimeError).
-    #[pyo3(signature = (prompt_ids, max_new_tokens, stop_token_ids=Vec::new(), ignore_eos=false))]
+    ///
+    /// ``max_cached_tokens``: at most this many KV positions are taken from the prefix cache at
+    /// each admission (None: as many as match; an int >= 0). A request that wants prompt
+    /// log-probabilities from position ``p`` passes ``max(p, 1) - 1`` (SGLang caps its prefix
+    /// match at ``logprob_start_len`` the same way).
+    #[pyo3(signature = (prompt_ids, max_new_tokens, stop_token_ids=Vec::new(), ignore_eos=false,
+                        *, max_cached_tokens=None))]
     fn add_request(
         &mut self,
         prompt_ids: &Bound<'_, PyAny>,
         max_new_tokens: i64,
         stop_token_ids: Vec<i64>,
         ignore_eos: bool,
+        max_cached_tokens: Option<i64>,
     ) -> PyResult<u64> {
         guard(|| {
             let prompt = int_array(prompt_ids, "prompt_ids")?;
+            let limit = match max_cached_tokens {
+                Some(n) if n < 0 => {
+                    return Err(InvalidRequestError::new_err(format!(
+                        "max_cached_tokens: must be >= 0 or None, got {n}"
+                    )))
+                }
+                n => n.map(|n| n as u64),
+            };
             self.inner
-                .add_request(prompt, max_new_tokens, stop_token_ids, ignore_eos)
+                .add_request_limited(prompt, max_new_tokens, stop_token_ids, ignore_eos, limit)
                 .map_err(core_err)
         })
     }
@@ -972,6 +1049,13 @@ impl PyScheduler {
                 .transpose()?;
             self.inner.set_fixed_steps(steps).map_err(core_err)
         })
+    }
+
+    /// Drops every cached KV page no request holds (SGLang's ``/flush_cache``); True when done.
+    /// False, with nothing changed, while any request is live or a plan is in flight (SGLang's
+    /// rule: a flush waits for an idle server).
+    fn flush_cache(&mut self) -> bool {
+        self.inner.flush_cache()
     }
 
     /// Sets (ints >= 1) or clears (None) the captured CUDA-graph batch sizes. Raises ConfigError.

@@ -25,6 +25,8 @@ use crate::id_hash::IdMap;
 
 use thiserror::Error;
 
+mod shared;
+
 type RequestMap = IdMap<PageTable>;
 
 /// A rejected operation on a [`PagePool`]. The pool is unchanged when one is returned.
@@ -84,6 +86,10 @@ pub enum KvError {
         new_len: u64,
         len: u64,
     },
+    /// `add_request_with_prefix` or `cache_page` named a page that is not in the right state:
+    /// not cached (a prefix page), or not held by exactly this request alone (a page to cache).
+    #[error("page {page}: {message}")]
+    BadPage { page: u32, message: &'static str },
     /// The host could not allocate memory for the page table or the slot array.
     #[error("request {request_id}: out of host memory for {what} of {count} entries")]
     HostMemory {
@@ -118,6 +124,12 @@ pub struct PagePool {
     /// Pages `next_fresh..num_pages` have never been allocated and are free.
     next_fresh: u32,
     requests: RequestMap,
+    /// Pages the prefix cache holds, with their holders: the cache plus every request whose
+    /// page table has the page (so always >= 1). A page not in here is held by at most one
+    /// request, or is free. See [`shared`].
+    cached: IdMap<u32>,
+    /// Cached pages no request holds (holders == 1): what eviction may take.
+    cache_only: u32,
 }
 
 impl PagePool {
@@ -144,6 +156,8 @@ impl PagePool {
             free_stack: Vec::new(),
             next_fresh: 0,
             requests: RequestMap::default(),
+            cached: IdMap::default(),
+            cache_only: 0,
         })
     }
 
@@ -162,13 +176,14 @@ impl PagePool {
         u64::from(self.num_pages) * u64::from(self.page_size)
     }
 
-    /// Pages not owned by any request.
+    /// Pages neither a request nor the prefix cache holds.
     pub fn num_free_pages(&self) -> u32 {
         // free_stack only holds pages below next_fresh, each at most once: no overflow.
         self.free_stack.len() as u32 + (self.num_pages - self.next_fresh)
     }
 
-    /// Pages owned by some request. Always `num_free_pages() + num_used_pages() == num_pages()`.
+    /// Pages held by some request or the prefix cache. Always `num_free_pages() +
+    /// num_used_pages() == num_pages()`; without a cache, the pages requests own.
     pub fn num_used_pages(&self) -> u32 {
         self.num_pages - self.num_free_pages()
     }
@@ -338,7 +353,8 @@ impl PagePool {
     }
 
     /// Shortens `request_id` to `new_len` tokens (e.g. dropping rejected draft tokens) and
-    /// returns the number of pages freed: those holding no token below `new_len`.
+    /// returns the number of pages it let go of: those holding no token below `new_len` (a page
+    /// the prefix cache also holds stays with the cache).
     /// `new_len == len` is a no-op.
     ///
     /// Errors (pool unchanged): [`KvError::UnknownRequest`], [`KvError::TruncateBeyondLength`].
@@ -360,13 +376,14 @@ impl PagePool {
         // re-reserving the same request gets the same pages back in the same order.
         while table.pages.len() > keep {
             let page = table.pages.pop().expect("len > keep");
-            self.free_stack.push(page);
+            release(&mut self.cached, &mut self.cache_only, &mut self.free_stack, page);
         }
         table.len = new_len;
         Ok(freed as u32)
     }
 
-    /// Unregisters `request_id` and returns all its pages to the pool; returns how many.
+    /// Unregisters `request_id` and lets go of all its pages; returns how many. A page goes back
+    /// to the free pages unless the prefix cache holds it too.
     ///
     /// Errors: [`KvError::UnknownRequest`] (never added, or freed twice).
     pub fn free_request(&mut self, request_id: u64) -> Result<u32, KvError> {
@@ -375,7 +392,7 @@ impl PagePool {
         };
         let freed = table.pages.len() as u32;
         while let Some(page) = table.pages.pop() {
-            self.free_stack.push(page);
+            release(&mut self.cached, &mut self.cache_only, &mut self.free_stack, page);
         }
         Ok(freed)
     }
@@ -388,6 +405,20 @@ impl PagePool {
 
     fn pages_needed_for(&self, table: &PageTable, n_tokens: u64) -> u64 {
         pages_needed(table, u64::from(self.page_size), n_tokens)
+    }
+}
+
+/// A request lets go of `page`: a cached page loses one holder (the cache keeps it), any other
+/// page is free again.
+fn release(cached: &mut IdMap<u32>, cache_only: &mut u32, free_stack: &mut Vec<u32>, page: u32) {
+    match cached.get_mut(&u64::from(page)) {
+        Some(holders) => {
+            *holders -= 1;
+            if *holders == 1 {
+                *cache_only += 1;
+            }
+        }
+        None => free_stack.push(page),
     }
 }
 

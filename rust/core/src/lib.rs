@@ -31,6 +31,7 @@ pub mod goodput;
 mod id_hash;
 pub mod kv;
 pub mod policy;
+pub mod prefix_cache;
 pub mod scheduler;
 pub mod sim;
 pub mod slot;

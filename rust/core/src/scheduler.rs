@@ -18,7 +18,8 @@
 //! - **KV convention.** A running request with `T` tokens (prompt + output) holds KV for positions
 //!   `0 .. T - 1`: its last token has no KV yet and is the input of its next decode. The target
 //!   and the drafter share KV indices, so one page table serves both.
-//! - **FCFS admission.** Waiting requests are admitted strictly in queue order (no skipping),
+//! - **FCFS admission.** Waiting requests are admitted strictly in queue order (no skipping; the
+//!   prefix cache orders the queue longest cached prefix first, see below),
 //!   while the prefill token budget (`max_prefill_tokens`), the running bound
 //!   (`max_running_requests`, prefilling included) and the pages allow. A request is admitted only
 //!   if, after its chunk, the free pages still cover one decode iteration of every running
@@ -45,10 +46,17 @@
 //!   slot's lower candidates, largest first; adaptive only), and only when even the lowest does
 //!   not fit preempts the most recently admitted request (prefilling or running) and decides
 //!   again for the smaller batch. The plan carries the steps it actually runs.
+//! - **Prefix cache** (`enable_prefix_caching`; rules in `scheduler/cache.rs`). Admission takes
+//!   the longest cached prefix of whole pages (one token left to prefill) and counts only the
+//!   suffix; a request that would recompute a page an earlier request of the same prefill plan
+//!   computes waits for the next plan. After each report a request's committed, drafter-covered
+//!   full pages join the tree (never a rejected verify slot). Pages only the cache holds count as
+//!   free and are evicted (LRU leaves first) before anything is preempted. New waiting requests
+//!   are admitted longest cached prefix first (SGLang's `lpm`) while at most 128 wait, else FCFS.
 //! - **Preemption.** A preempted request frees all its pages and goes back to the *front* of the
 //!   waiting queue (earlier-admitted ones in front), keeping its tokens. It is re-prefilled later
-//!   over `prompt + output[..-1]` (no token is sampled then) and continues where it stopped, so
-//!   its output is unchanged. The plan's `preempted` lists it; `stats().preemptions` counts.
+//!   over `prompt + output[..-1]` (no token is sampled then; with the prefix cache, from the
+//!   pages of its own it cached) and continues where it stopped, so its output is unchanged. The plan's `preempted` lists it; `stats().preemptions` counts.
 //! - **Report.** Emitted tokens are appended one by one; the first EOS (unless `ignore_eos`),
 //!   stop token, `max_new_tokens`-th token or `context_length`-th token finishes the request and
 //!   drops what follows. Unfinished requests keep KV `L ..= L + accepted` (rejected drafts' slots
@@ -70,6 +78,9 @@
 //!   iteration catches the whole batch up, and the policy is told those tokens
 //!   ([`crate::Observation::catch_up_tokens`]) and, when it decides, the batch's pending ones.
 //!
+mod cache;
+#[cfg(test)]
+mod cache_tests;
 mod config;
 mod invariants;
 mod plan;
@@ -91,6 +102,7 @@ pub use stats::SchedulerStats;
 use crate::id_hash::IdMap;
 use crate::kv::PagePool;
 use crate::policy::AdaptiveSpeculativeParams;
+use crate::prefix_cache::{PrefixCache, ROOT};
 use request::Request;
 use stats::Counters;
 
@@ -133,6 +145,8 @@ struct InFlight {
 pub struct Scheduler {
     config: SchedulerConfig,
     pool: PagePool,
+    /// The prefix cache's tree (empty while `enable_prefix_caching` is off).
+    cache: PrefixCache,
     policy: Option<AdaptiveSpeculativeParams>,
     /// Overrides the policy when set.
     fixed_steps: Option<u32>,
@@ -184,6 +198,7 @@ impl Scheduler {
         };
         let free_rows = (0..config.max_running_requests).rev().collect();
         Ok(Scheduler {
+            cache: PrefixCache::new(config.page_size),
             config,
             pool,
             policy,
@@ -305,6 +320,21 @@ impl Scheduler {
         stop_token_ids: Vec<i64>,
         ignore_eos: bool,
     ) -> Result<u64, SchedulerError> {
+        self.add_request_limited(prompt_ids, max_new_tokens, stop_token_ids, ignore_eos, None)
+    }
+
+    /// [`add_request`](Self::add_request) taking at most `max_cached_tokens` KV positions from
+    /// the prefix cache at each admission (`None`: as many as match). A request that wants
+    /// prompt log-probabilities from position `p` passes `p - 1`, so those positions are
+    /// computed (SGLang caps its prefix match at `logprob_start_len` the same way).
+    pub fn add_request_limited(
+        &mut self,
+        prompt_ids: Vec<i64>,
+        max_new_tokens: i64,
+        stop_token_ids: Vec<i64>,
+        ignore_eos: bool,
+        max_cached_tokens: Option<u64>,
+    ) -> Result<u64, SchedulerError> {
         let invalid = |field, message| Err(SchedulerError::InvalidRequest { field, message });
         let ctx = u64::from(self.config.context_length);
         if prompt_ids.is_empty() {
@@ -362,6 +392,11 @@ impl Scheduler {
                 num_preemptions: 0,
                 row: None,
                 draft_lag: 0,
+                cached: 0,
+                max_cached: max_cached_tokens.unwrap_or(u64::MAX),
+                cache_pages: 0,
+                cache_node: ROOT,
+                cache_stopped: false,
             },
         );
         self.waiting.push_back(id);
@@ -414,11 +449,7 @@ impl Scheduler {
             }
         }
         self.count_finish(reason);
-        Some(Finished {
-            request_id,
-            reason,
-            output_len: req.output_len(),
-        })
+        Some(req.finished(request_id, reason))
     }
 
     fn count_finish(&mut self, reason: FinishReason) {

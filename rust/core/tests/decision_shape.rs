@@ -58,6 +58,7 @@ fn scheduler(params: AdaptiveSpeculativeParams, num_pages: u32) -> Scheduler {
         record_trace: false,
         chunked_prefill_size: None,
         skip_zero_step_draft_extend: true,
+        enable_prefix_caching: false,
     };
     Scheduler::new(config, StepsSource::Adaptive(params)).unwrap()
 }

@@ -134,6 +134,9 @@ fn workload() -> impl Strategy<Value = Workload> {
                     // a third of the cases also cap one request's chunk below the budget
                     chunked_prefill_size: (prefill % 3 == 0).then_some(1 + prefill / 3),
                     skip_zero_step_draft_extend: !eos,
+                    // half the cases share prompt pages through the prefix cache (every
+                    // prompt starts the same way, so most admissions hit)
+                    enable_prefix_caching: (max_queued + prefill) % 2 == 0,
                 };
                 let initial_steps = match &adaptive {
                     Some(c) => c.candidate_union()[steps as usize % c.candidate_union().len()],
@@ -218,7 +221,16 @@ fn check_plan(
         prop_assert!(plan.kv_indices.is_empty() && plan.page_table.is_empty());
         prop_assert!(plan.page_table_offsets.is_empty());
     }
+    let caching = cfg.enable_prefix_caching;
+    let ps = i64::from(cfg.page_size);
+    // Written slots are never shared and never in a cached page; without the cache no slot is.
     let mut seen_slots = HashSet::new();
+    prop_assert!(plan
+        .out_loc
+        .iter()
+        .all(|&slot| s.pool().holders((slot / ps) as u32).is_none()));
+    let (mut cached_at, mut written) = (0usize, HashSet::new());
+    prop_assert!(plan.out_loc.iter().all(|&slot| written.insert(slot)), "a slot written twice");
     let (mut kv_at, mut out_at, mut in_at) = (0usize, 0usize, 0usize);
     for i in 0..b {
         let id = plan.request_ids[i] as u64;
@@ -226,7 +238,9 @@ fn check_plan(
         let row = plan.rows[i];
         prop_assert!((0..i64::from(cfg.max_running_requests)).contains(&row));
         prop_assert_eq!(s.row_of(id).map(i64::from), Some(row));
-        if kv_len != qo {
+        let cached = if plan.kind == PlanKind::Prefill { plan.cached_lens[i] as u64 } else { 0 };
+        prop_assert!(caching || cached == 0);
+        if kv_len - qo != cached || plan.kind == PlanKind::Decode {
             // not a (re)start: the row it got at its last start
             prop_assert_eq!(model.rows.get(&id), Some(&row), "request {} changed rows", id);
         }
@@ -244,7 +258,9 @@ fn check_plan(
             &slots[(kv_len - qo) as usize..]
         );
         for &slot in &slots {
-            prop_assert!(seen_slots.insert(slot), "slot {} shared", slot);
+            let shared = !seen_slots.insert(slot);
+            prop_assert!(!shared || caching, "slot {} shared", slot);
+            prop_assert!(!shared || s.pool().holders((slot / ps) as u32).is_some());
         }
         let pages: Vec<i64> = s
             .pool()
@@ -267,6 +283,12 @@ fn check_plan(
         match plan.kind {
             PlanKind::Prefill => {
                 let start = (kv_len - qo) as usize;
+                // the cached prefix: whole pages, at least one token left to prefill
+                let c = cached as usize;
+                prop_assert_eq!(c % ps as usize, 0);
+                prop_assert_eq!(&plan.cached_ids[cached_at..cached_at + c], &tokens[..c]);
+                prop_assert_eq!(&plan.cached_kv_indices[cached_at..cached_at + c], &slots[..c]);
+                cached_at += c;
                 prop_assert_eq!(
                     &plan.input_ids[in_at..in_at + qo as usize],
                     &tokens[start..kv_len as usize]
@@ -313,7 +335,7 @@ fn iteration(
     };
     check_plan(s, &plan, model, cfg)?;
     for b in 0..plan.batch_size() {
-        if plan.kind == PlanKind::Prefill && plan.kv_lens[b] == plan.qo_lens[b] {
+        if plan.kind == PlanKind::Prefill && plan.kv_lens[b] - plan.qo_lens[b] == plan.cached_lens[b] {
             model.rows.insert(plan.request_ids[b] as u64, plan.rows[b]);
         }
     }
@@ -402,7 +424,8 @@ fn check_bounds(s: &Scheduler, cfg: &SchedulerConfig) -> Result<(), TestCaseErro
         (st.queued - st.queued_preempted).saturating_sub(free)
     );
     prop_assert!(st.kv_pages_used <= st.kv_pages_total);
-    prop_assert_eq!(st.kv_pages_used, s.pool().num_used_pages());
+    prop_assert_eq!(st.kv_pages_used, s.pool().num_held_pages());
+    prop_assert_eq!(st.cached_pages, s.pool().num_cached_pages());
     Ok(())
 }
 
@@ -484,6 +507,9 @@ fn run(w: Workload) -> Result<(), TestCaseError> {
         check_bounds(&s, &cfg)?;
     }
     prop_assert!(!s.has_unfinished(), "requests left behind: {:?}", s.stats());
+    // only the cache holds pages now, and a flush frees every one
+    prop_assert_eq!(s.pool().num_used_pages(), s.pool().num_cached_pages(), "page leak");
+    prop_assert!(s.flush_cache());
     prop_assert_eq!(s.pool().num_used_pages(), 0, "page leak");
     prop_assert_eq!(s.pool().num_requests(), 0);
     prop_assert_eq!(s.rows_in_use(), 0, "row leak");
@@ -549,6 +575,7 @@ fn tiny_pool_heavy_preemption() {
         record_trace: true,
         chunked_prefill_size: None,
         skip_zero_step_draft_extend: true,
+        enable_prefix_caching: false,
     };
     let mut ops = vec![];
     for i in 0..12 {

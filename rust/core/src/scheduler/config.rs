@@ -44,11 +44,17 @@ pub struct SchedulerConfig {
     ///
     /// [`Plan::draft_prefill`]: super::Plan::draft_prefill
     pub skip_zero_step_draft_extend: bool,
+    /// Keep full KV pages of finished and running requests in a prefix cache (a radix tree over
+    /// pages, `crate::prefix_cache`) and admit later requests with the same token prefix from
+    /// it (SGLang's RadixAttention, vLLM's automatic prefix caching). Off in this `Default` so
+    /// that the core's own tests see plain page accounting; the engine turns it on by default.
+    pub enable_prefix_caching: bool,
 }
 
 impl Default for SchedulerConfig {
     /// 64 running, 1024 queued, 2048 prefill tokens per iteration, context 2048, 1024 pages of 16
-    /// tokens, no EOS, no trace, zero-step draft extends skipped (the engine's default).
+    /// tokens, no EOS, no trace, zero-step draft extends skipped (the engine's default), no prefix
+    /// cache.
     fn default() -> Self {
         SchedulerConfig {
             max_running_requests: 64,
@@ -61,6 +67,7 @@ impl Default for SchedulerConfig {
             eos_token_ids: Vec::new(),
             record_trace: false,
             skip_zero_step_draft_extend: true,
+            enable_prefix_caching: false,
         }
     }
 }

@@ -105,7 +105,9 @@ impl Scheduler {
         if running != self.num_running {
             return fail("num_running is off".into());
         }
-        if used_pages != u64::from(self.pool.num_used_pages()) {
+        if self.config.enable_prefix_caching {
+            self.check_cache()?;
+        } else if used_pages != u64::from(self.pool.num_used_pages()) {
             return fail(format!(
                 "page tables hold {used_pages} pages, pool says {}",
                 self.pool.num_used_pages()

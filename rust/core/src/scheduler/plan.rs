@@ -92,6 +92,18 @@ pub struct Plan {
     /// zero-step extend skipped; see `SchedulerConfig::skip_zero_step_draft_extend`). Decode:
     /// true.
     pub draft_prefill: bool,
+    /// Prefill `[B]`: KV positions request `b` takes from the prefix cache at its admission in
+    /// this plan (its chunk then starts there: `kv_lens[b] - qo_lens[b] == cached_lens[b]`,
+    /// whole pages), 0 for a chunk continuing an earlier admission. A chunk with
+    /// `kv_lens[b] - qo_lens[b] == cached_lens[b]` is an admission: the worker (re)starts the
+    /// row, fills positions `0 .. cached_lens[b]` from `cached_kv_indices` / `cached_ids`, and
+    /// counts them as drafter-covered (the cached pages carry the drafter's KV and the EAGLE
+    /// features). Decode: empty.
+    pub cached_lens: Vec<i64>,
+    /// Prefill `[sum(cached_lens)]`: KV indices of the cached positions, request after request.
+    pub cached_kv_indices: Vec<i64>,
+    /// Prefill `[sum(cached_lens)]`: token ids of the cached positions, request after request.
+    pub cached_ids: Vec<i64>,
 }
 
 impl Plan {

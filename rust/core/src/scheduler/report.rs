@@ -5,7 +5,7 @@ use crate::policy::Observation;
 use crate::strategies::RequestVerify;
 
 use super::{
-    FinishReason, Finished, InFlight, PlanKind, ReportOutcome, RequestState, Scheduler,
+    FinishReason, InFlight, PlanKind, ReportOutcome, RequestState, Scheduler,
     SchedulerError, TraceRecord,
 };
 
@@ -252,8 +252,11 @@ impl Scheduler {
             let emitted = &tokens[offsets[i] as usize..offsets[i + 1] as usize];
             if let Some(r) = self.requests.get_mut(&id) {
                 let mut finish = None;
+                // KV positions holding accepted tokens (what the prefix cache may take)
+                let committed;
                 match fl.kind {
                     PlanKind::Prefill => {
+                        committed = r.kv_len;
                         if fl.done[i] {
                             debug_assert_eq!(r.state, RequestState::Prefilling);
                             r.state = RequestState::Running;
@@ -278,6 +281,8 @@ impl Scheduler {
                         let (n, f) = r.append(emitted, &self.config.eos_token_ids, ctx);
                         out.new_tokens.extend_from_slice(&emitted[..n]);
                         finish = f;
+                        // the verify slots past the accepted tokens are never committed
+                        committed = (base + emitted.len() as u64).min(r.tokens.len() as u64 - 1);
                         if finish.is_none() {
                             let keep = base + emitted.len() as u64;
                             self.pool
@@ -290,6 +295,7 @@ impl Scheduler {
                 if finish.is_none() && stop_strings.contains(&id) {
                     finish = Some(FinishReason::Stop(None));
                 }
+                self.cache_committed(id, committed);
                 if let Some(reason) = finish {
                     let r = self.requests.remove(&id).expect("present");
                     self.pool
@@ -299,11 +305,7 @@ impl Scheduler {
                         .push(r.row.expect("an admitted request holds a row"));
                     self.num_running -= 1;
                     self.count_finish(reason);
-                    out.finished.push(Finished {
-                        request_id: id,
-                        reason,
-                        output_len: r.output_len(),
-                    });
+                    out.finished.push(r.finished(id, reason));
                 }
             }
             out.new_offsets.push(out.new_tokens.len() as i64);

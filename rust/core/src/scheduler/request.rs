@@ -72,6 +72,9 @@ pub struct Finished {
     pub reason: FinishReason,
     /// Output tokens it produced in all (the finishing token included).
     pub output_len: u64,
+    /// Prompt tokens served from the prefix cache at its latest admission (0 when it was never
+    /// admitted, or the cache is off): OpenAI's `usage.prompt_tokens_details.cached_tokens`.
+    pub cached_tokens: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -94,11 +97,32 @@ pub(crate) struct Request {
     /// steps-0 iterations whose extend was skipped): the catch-up its next drafting iteration
     /// runs. 0 at every admission.
     pub draft_lag: u64,
+    /// KV positions served from the prefix cache at its latest admission (0: none).
+    pub cached: u64,
+    /// Most KV positions an admission may take from the prefix cache (`u64::MAX`: no limit).
+    pub max_cached: u64,
+    /// Its leading pages that are prefix-cache pages (taken at admission or cached since).
+    pub cache_pages: usize,
+    /// The tree node of its last cached page (`prefix_cache::ROOT` when none).
+    pub cache_node: usize,
+    /// Another page with the same tokens was cached first: it caches no more pages.
+    pub cache_stopped: bool,
 }
 
 impl Request {
     pub fn output_len(&self) -> u64 {
         self.tokens.len() as u64 - self.prompt_len
+    }
+
+    /// Its finish record: `output_len` tokens produced, `cached_tokens` the prompt tokens of
+    /// its latest admission's cached prefix.
+    pub fn finished(&self, request_id: u64, reason: FinishReason) -> Finished {
+        Finished {
+            request_id,
+            reason,
+            output_len: self.output_len(),
+            cached_tokens: self.cached.min(self.prompt_len),
+        }
     }
 
     /// Output tokens it may still produce: bounded by `max_new_tokens` and the context end.
@@ -177,6 +201,11 @@ mod tests {
             num_preemptions: 0,
             row: None,
             draft_lag: 0,
+            cached: 0,
+            max_cached: u64::MAX,
+            cache_pages: 0,
+            cache_node: 0,
+            cache_stopped: false,
         }
     }
 

@@ -3,6 +3,7 @@
 
 use super::{InFlight, Plan, PlanKind, RequestState, Scheduler, SchedulerError};
 use crate::config::VerifyMode;
+use crate::prefix_cache::ROOT;
 use crate::decision::VerifyShape;
 
 /// Per-plan array builder shared by prefill and decode.
@@ -18,6 +19,9 @@ struct Arrays {
     kv_indices: Vec<i64>,
     page_table: Vec<i64>,
     page_table_offsets: Vec<i64>,
+    cached_lens: Vec<i64>,
+    cached_kv_indices: Vec<i64>,
+    cached_ids: Vec<i64>,
 }
 
 impl Arrays {
@@ -40,6 +44,9 @@ impl Arrays {
             kv_indices: Vec::with_capacity(n_kv),
             page_table: Vec::new(),
             page_table_offsets,
+            cached_lens: Vec::new(),
+            cached_kv_indices: Vec::new(),
+            cached_ids: Vec::new(),
         }
     }
 }
@@ -143,7 +150,8 @@ impl Scheduler {
         let ctx = u64::from(self.config.context_length);
         let page_size = u64::from(self.config.page_size);
         let smax = self.max_steps();
-        let mut free = u64::from(self.pool.num_free_pages());
+        // Free pages and the cache-only ones eviction can free.
+        let mut free = self.available_pages();
         // Pages one decode iteration of every running request may need at the largest steps.
         let mut reserve = 0u64;
         for id in &self.admitted {
@@ -159,8 +167,8 @@ impl Scheduler {
         let mut budget = u64::from(self.config.max_prefill_tokens);
         // SGLang's chunked_prefill_size: one request's chunk, whatever room the budget has
         let chunk_cap = self.config.chunked_prefill_size.map_or(u64::MAX, u64::from);
-        // (id, start, end, prefill done, samples its first token)
-        let mut chunks: Vec<(u64, u64, u64, bool, bool)> = Vec::new();
+        // (id, start, end, prefill done, samples its first token, admitted now)
+        let mut chunks: Vec<(u64, u64, u64, bool, bool, bool)> = Vec::new();
 
         if let Some(id) = self.partial {
             let r = &self.requests[&id];
@@ -186,40 +194,57 @@ impl Scheduler {
             free -= need_now;
             reserve += need_total - need_now;
             budget -= chunk;
-            chunks.push((id, start, start + chunk, done, done && r.output_len() == 0));
+            chunks.push((id, start, start + chunk, done, done && r.output_len() == 0, false));
             if done {
                 self.partial = None;
             }
         }
         if self.partial.is_none() {
+            self.order_by_cached_prefix();
             while budget > 0 && self.admitted.len() < self.config.max_running_requests as usize {
                 let Some(&id) = self.waiting.front() else {
                     break;
                 };
-                let r = self
-                    .requests
-                    .get_mut(&id)
-                    .expect("waiting request is known");
+                // The cached prefix it would take: pages no longer evictable once taken.
+                let nodes = self.lookup(id);
+                let pages = self.cache.pages(&nodes);
+                let cached = nodes.len() as u64 * page_size;
+                let taken = pages.iter().filter(|&&p| self.pool.holders(p) == Some(1)).count() as u64;
+                let r = &self.requests[&id];
                 let target = r.prefill_target();
-                let chunk = target.min(budget).min(chunk_cap);
-                let done = chunk == target;
+                let chunk = (target - cached).min(budget).min(chunk_cap);
+                let done = cached + chunk == target;
                 let extra = if done {
                     r.decode_tokens_after_prefill(smax, ctx)
                 } else {
                     0
                 };
-                let need_total = (chunk + extra).div_ceil(page_size);
-                let need_now = chunk.div_ceil(page_size);
-                if need_total + reserve > free {
+                let need_total = (cached + chunk + extra).div_ceil(page_size) - nodes.len() as u64;
+                let need_now = (cached + chunk).div_ceil(page_size) - nodes.len() as u64;
+                if need_total + reserve + taken > free
+                    || self.overlaps_plan(&r.tokens[..target as usize], cached, &chunks)
+                {
                     break;
                 }
-                free -= need_now;
+                free -= need_now + taken;
                 reserve += need_total - need_now;
                 budget -= chunk;
                 self.waiting.pop_front();
+                let r = self
+                    .requests
+                    .get_mut(&id)
+                    .expect("waiting request is known");
                 if r.admitted_before {
                     self.waiting_preempted -= 1;
+                } else {
+                    self.counters.prompt_tokens += r.prompt_len;
+                    self.counters.cached_tokens += cached.min(r.prompt_len);
                 }
+                r.cached = cached;
+                r.kv_len = cached;
+                r.cache_pages = nodes.len();
+                r.cache_node = nodes.last().copied().unwrap_or(ROOT);
+                r.cache_stopped = false;
                 r.admitted_before = true;
                 r.state = RequestState::Prefilling;
                 r.row = Some(
@@ -228,10 +253,11 @@ impl Scheduler {
                         .expect("admitted < max_running_requests leaves a free row"),
                 );
                 self.pool
-                    .add_request(id)
-                    .expect("waiting request has no page table");
+                    .add_request_with_prefix(id, &pages)
+                    .expect("waiting request has no page table; its prefix pages are cached");
                 self.admitted.push(id);
-                chunks.push((id, 0, chunk, done, done && r.output_len() == 0));
+                let sample = done && r.output_len() == 0;
+                chunks.push((id, cached, cached + chunk, done, sample, true));
                 if !done {
                     // one partial request at a time (its next chunk comes first next time)
                     self.partial = Some(id);
@@ -252,14 +278,28 @@ impl Scheduler {
         let (mut done_v, mut sample_v) = (Vec::with_capacity(b), Vec::with_capacity(b));
         let mut logits_indices = Vec::new();
         let mut ids = Vec::with_capacity(b);
-        for &(id, start, end, done, sample) in &chunks {
+        let need: u64 = chunks
+            .iter()
+            .map(|c| self.pool.pages_needed(c.0, c.2 - c.1).expect("admitted"))
+            .sum();
+        self.make_free(need);
+        for &(id, start, end, done, sample, admitted) in &chunks {
             let r = self.requests.get_mut(&id).expect("chunk request is known");
             self.pool
                 .reserve_into(id, end - start, &mut a.out_loc)
                 .expect("pages were counted");
             r.kv_len = end;
-            if start == 0 {
-                r.draft_lag = 0; // a (re)start: the drafter's rows start afresh too
+            if admitted {
+                // a (re)start: the drafter's rows start afresh too, with the cached prefix
+                // (whose pages carry the drafter's KV) filled in
+                r.draft_lag = 0;
+                a.cached_lens.push(start as i64);
+                self.pool
+                    .kv_indices_into(id, 0, start, &mut a.cached_kv_indices)
+                    .expect("the cached prefix is in its page table");
+                a.cached_ids.extend_from_slice(&r.tokens[..start as usize]);
+            } else {
+                a.cached_lens.push(0);
             }
             if !draft_prefill {
                 r.draft_lag += end - start;
@@ -322,6 +362,9 @@ impl Scheduler {
             logits_indices,
             preempted: std::mem::take(&mut self.pending_preempted),
             draft_prefill,
+            cached_lens: a.cached_lens,
+            cached_kv_indices: a.cached_kv_indices,
+            cached_ids: a.cached_ids,
         })
     }
 
@@ -331,7 +374,7 @@ impl Scheduler {
         let mut batch: Vec<(u64, u32)> = Vec::with_capacity(self.num_running);
         // Capacity first: the decided steps, else fewer (the slot's lower candidates), else
         // preempt the most recently admitted request and decide again for the smaller batch.
-        let (steps, graph_bs, n_kv, context, lag) = 'fit: loop {
+        let (steps, graph_bs, n_kv, context, lag, need) = 'fit: loop {
             if self.num_running == 0 {
                 return None;
             }
@@ -344,8 +387,8 @@ impl Scheduler {
             let (decided, verify, graph_bs, lower) = self.decide(self.num_running, context, lag);
             for steps in std::iter::once(decided).chain(lower) {
                 let (need, n_kv) = self.decode_batch(steps, &verify, &mut batch);
-                if need <= u64::from(self.pool.num_free_pages()) {
-                    break 'fit (steps, graph_bs, n_kv, context, lag);
+                if need <= self.available_pages() {
+                    break 'fit (steps, graph_bs, n_kv, context, lag, need);
                 }
             }
             self.preempt_last();
@@ -356,6 +399,7 @@ impl Scheduler {
         let n_kv = self.plan_kv_layout.then_some(n_kv as usize);
         let mut a = Arrays::with_capacity(b, n_tokens, b, n_kv);
         let mut steps_per_request = Vec::with_capacity(b);
+        self.make_free(need);
         for &(id, steps_r) in &batch {
             let r = self
                 .requests
@@ -419,6 +463,9 @@ impl Scheduler {
             logits_indices: Vec::new(),
             preempted: std::mem::take(&mut self.pending_preempted),
             draft_prefill: true,
+            cached_lens: Vec::new(),
+            cached_kv_indices: Vec::new(),
+            cached_ids: Vec::new(),
         })
     }
 

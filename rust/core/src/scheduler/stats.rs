@@ -13,8 +13,12 @@ pub struct SchedulerStats {
     pub queued: usize,
     /// Of `queued`, those preempted and waiting to resume.
     pub queued_preempted: usize,
+    /// Pages held by at least one admitted request (shared pages count once).
     pub kv_pages_used: u32,
     pub kv_pages_total: u32,
+    /// Pages held by the prefix cache now, shared with requests or not (those no request holds
+    /// are evicted, least recently used first, before anything is preempted).
+    pub cached_pages: u32,
     /// Requests accepted by `add_request`.
     pub requests_added: u64,
     /// Requests finished with reason length or stop.
@@ -27,8 +31,15 @@ pub struct SchedulerStats {
     pub step_switches: u64,
     /// Output tokens appended (after stop truncation).
     pub tokens_generated: u64,
-    /// Prompt (and re-prefill) tokens scheduled in prefill plans.
+    /// Prompt (and re-prefill) tokens scheduled in prefill plans (cached prefixes excluded).
     pub prefill_tokens: u64,
+    /// Prompt tokens of requests at their first admission (vLLM's `prompt_tokens_total`).
+    pub prompt_tokens: u64,
+    /// Of `prompt_tokens`, those served from the prefix cache at the first admission (hit
+    /// rate = `cached_tokens / prompt_tokens`).
+    pub cached_tokens: u64,
+    /// Cached pages evicted to make room (least recently used first).
+    pub evicted_pages: u64,
     pub prefill_iterations: u64,
     pub decode_iterations: u64,
     /// `(steps, decode iterations reported at those steps)`, ascending by steps.
@@ -53,6 +64,9 @@ pub(super) struct Counters {
     pub(super) step_switches: u64,
     pub(super) tokens_generated: u64,
     pub(super) prefill_tokens: u64,
+    pub(super) prompt_tokens: u64,
+    pub(super) cached_tokens: u64,
+    pub(super) evicted_pages: u64,
     pub(super) prefill_iterations: u64,
     pub(super) decode_iterations: u64,
     pub(super) by_steps: Vec<u64>,
@@ -71,8 +85,9 @@ impl Scheduler {
             prefilling: self.admitted.len() - self.num_running,
             queued: self.waiting.len(),
             queued_preempted: self.waiting_preempted,
-            kv_pages_used: self.pool.num_used_pages(),
+            kv_pages_used: self.pool.num_held_pages(),
             kv_pages_total: self.pool.num_pages(),
+            cached_pages: self.cached_pages(),
             requests_added: c.requests_added,
             requests_finished: c.requests_finished,
             requests_aborted: c.requests_aborted,
@@ -80,6 +95,9 @@ impl Scheduler {
             step_switches: c.step_switches,
             tokens_generated: c.tokens_generated,
             prefill_tokens: c.prefill_tokens,
+            prompt_tokens: c.prompt_tokens,
+            cached_tokens: c.cached_tokens,
+            evicted_pages: c.evicted_pages,
             prefill_iterations: c.prefill_iterations,
             decode_iterations: c.decode_iterations,
             decode_iterations_by_steps: c

@@ -15,6 +15,7 @@ fn config(num_pages: u32, page_size: u32) -> SchedulerConfig {
         record_trace: false,
         chunked_prefill_size: None,
         skip_zero_step_draft_extend: true,
+        enable_prefix_caching: false,
     }
 }
 
