@@ -118,7 +118,8 @@ class EngineStats:
     """A snapshot of the engine for ``/metrics`` and the periodic log line.
 
     Gauges (current values): ``running`` and ``queued`` requests, ``kv_pages_used`` /
-    ``kv_pages_total`` (KV cache pages), ``steps_per_slot`` (slot lower batch-size bound ->
+    ``kv_pages_total`` (KV cache pages; used: held by requests, a shared page once; the pages
+    only the prefix cache holds are evictable and counted in ``cached_pages`` alone), ``steps_per_slot`` (slot lower batch-size bound ->
     current ``speculative_num_steps``). Cumulative counters since the engine started:
     ``num_drafts`` (request-verifies that had drafts), ``draft_tokens_proposed`` (draft tokens
     proposed; vLLM's ``spec_decode_num_draft_tokens`` counter, the Prometheus name kept),
