@@ -9,6 +9,7 @@
 //! ([`run::run_oracle`]).
 
 pub mod curve;
+pub mod oracle;
 pub mod run;
 pub mod workload;
 
@@ -58,17 +59,30 @@ impl SimSpec {
     }
 }
 
-/// `goodput` (specdial's default config), `ema` (SGLang's default), `throughput_aware`
-/// (SGLang's example config).
+/// `goodput` (specdial's default config), `goodput-per-request` (the same with `"verify":
+/// "per_request"`), `ema` (SGLang's default), `throughput_aware` (SGLang's example config).
 pub fn default_policies() -> Vec<(String, AdaptiveConfig)> {
     vec![
         ("goodput".into(), AdaptiveConfig::default_config()),
+        (PER_REQUEST.into(), per_request_config()),
         ("ema".into(), AdaptiveConfig::ema_default()),
         (
             "throughput_aware".into(),
             AdaptiveConfig::from_json(SGLANG_THROUGHPUT_AWARE_EXAMPLE).expect("valid example"),
         ),
     ]
+}
+
+/// Name of the per-request contender in [`default_policies`].
+pub const PER_REQUEST: &str = "goodput-per-request";
+
+/// specdial's default `goodput` config with `"verify": "per_request"`.
+pub fn per_request_config() -> AdaptiveConfig {
+    let mut c = AdaptiveConfig::default_config();
+    if let crate::config::Strategy::Goodput(g) = &mut c.strategy {
+        g.verify = crate::config::VerifyMode::PerRequest;
+    }
+    c
 }
 
 /// One (regime, curve) cell of the report.
@@ -78,6 +92,8 @@ pub struct Case {
     pub steady: bool,
     pub curve: String,
     pub oracle: RunResult,
+    /// The per-request oracle ([`oracle`]): true acceptance per request, a verify length each.
+    pub oracle_per_request: RunResult,
     /// Adaptive contenders, then `fixed-0..fixed-max`.
     pub results: Vec<RunResult>,
 }
@@ -108,10 +124,11 @@ pub fn run_case(spec: &SimSpec, regime: Regime, curve_name: &str, curve: &CostCu
     let w = regime.generate(spec.segments, spec.seed);
     let opts = RunOptions { seed: spec.seed, noise: spec.noise, skip_zero_step_draft_extend: spec.skip_zero_step_draft_extend };
     let (oracle, _) = run_oracle(&w, curve, spec.max_steps, &opts);
+    let oracle_per_request = oracle::run_oracle_per_request(&w, curve, spec.max_steps, &opts);
     let mut results: Vec<RunResult> =
         spec.policies.iter().map(|(name, cfg)| run_adaptive(&w, curve, name, cfg, &opts)).collect();
     results.extend((0..=spec.max_steps).map(|k| run_fixed(&w, curve, k, &opts)));
-    Case { regime: regime.name.into(), steady: regime.steady, curve: curve_name.into(), oracle, results }
+    Case { regime: regime.name.into(), steady: regime.steady, curve: curve_name.into(), oracle, oracle_per_request, results }
 }
 
 /// Every cell of `spec`.

@@ -262,6 +262,11 @@ fn walk(
     tally
 }
 
+/// Runs a contender that only chooses (no report) and tallies it (the oracles).
+pub fn walk_choices(w: &Workload, curve: &CostCurve, name: &str, opts: &RunOptions, choose: impl FnMut(usize) -> Choice) -> RunResult {
+    walk(w, curve, name, opts, choose, |_, _, _, _| {}).finish(0)
+}
+
 /// A fixed steps value for the whole run.
 pub fn run_fixed(w: &Workload, curve: &CostCurve, k: u32, opts: &RunOptions) -> RunResult {
     walk(w, curve, &format!("fixed-{k}"), opts, |_| Choice::uniform(k), |_, _, _, _| {}).finish(0)
