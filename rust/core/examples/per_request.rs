@@ -1,7 +1,7 @@
 //! Issue 28's simulator table (development aid): per-request vs batch-level `goodput`, the
 //! per-request oracle, best fixed and `ema`, per (regime, curve):
 //! `cargo run --release --example per_request [segments] [regimes|all|mixed] [curves]`.
-use specdial_core::sim::{default_policies, run_all, workload::Regime, SimSpec, PER_REQUEST};
+use specdial_core::sim::{default_policies_with_per_request, run_all, workload::Regime, SimSpec, PER_REQUEST};
 
 fn main() {
     let mut spec = SimSpec::standard();
@@ -17,7 +17,7 @@ fn main() {
     if let Some(c) = args.get(3) {
         spec.curves.retain(|(n, _)| c.split(',').any(|x| x == n));
     }
-    spec.policies = default_policies().into_iter().filter(|(n, _)| n != "throughput_aware").collect();
+    spec.policies = default_policies_with_per_request().into_iter().filter(|(n, _)| n != "throughput_aware").collect();
     let t = std::time::Instant::now();
     let cases = run_all(&spec);
     println!("{:14} {:16} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7}", "regime", "curve", "pr/bat", "pr/orPR", "bat/orB", "pr/fix", "ema/bat", "orPR/orB");
@@ -29,11 +29,11 @@ fn main() {
             c.regime,
             c.curve,
             pr.goodput / bat.goodput,
-            pr.goodput / c.oracle_per_request.goodput,
+            pr.goodput / c.oracle_per_request.as_ref().unwrap().goodput,
             bat.goodput / c.oracle.goodput,
             pr.goodput / c.best_fixed().goodput,
             c.get("ema").unwrap().goodput / bat.goodput,
-            c.oracle_per_request.goodput / c.oracle.goodput,
+            c.oracle_per_request.as_ref().unwrap().goodput / c.oracle.goodput,
             pr.verify_histogram,
         );
     }

@@ -6,8 +6,8 @@
 //! on the curve ([`CostCurve::seconds_shape`]: packed verify, requests at 0 not drafting). The
 //! count is searched on a grid of about `GRID` points, then exactly around the best.
 
-use super::curve::CostCurve;
-use super::run::{choice_seconds, choice_tokens, walk_choices, Choice, RunOptions, RunResult};
+use super::curve::{CostCurve, Shape};
+use super::run::{choice_seconds, choice_tokens, padded, walk_choices, Choice, RunOptions, RunResult};
 use super::workload::Workload;
 
 /// Points of the coarse search over the number of admitted draft positions.
@@ -17,6 +17,10 @@ const GRID: usize = 48;
 fn best_at(w: &Workload, curve: &CostCurve, i: usize, d: u32, skip: bool, order: &mut Vec<(f64, usize)>) -> (f64, Choice) {
     let batch = w.batch(i);
     let b = batch.len();
+    if d == 0 {
+        let c = Choice::uniform(0);
+        return (choice_tokens(w, i, &c) / choice_seconds(curve, w, i, &c, 0.0, skip), c);
+    }
     order.clear();
     for (r, &id) in batch.iter().enumerate() {
         let alpha = w.requests[id as usize].alpha_at(i as u32);
@@ -27,16 +31,18 @@ fn best_at(w: &Workload, curve: &CostCurve, i: usize, d: u32, skip: bool, order:
         }
     }
     order.sort_unstable_by(|x, y| y.0.total_cmp(&x.0));
-    let lengths_of = |n: usize| {
-        let mut l = vec![0u32; b];
-        for &(_, r) in &order[..n] {
-            l[r] += 1;
-        }
-        l
-    };
+    // prefix sums: expected tokens and drafting requests with the first n positions admitted
+    let (mut tokens, mut drafting) = (vec![b as f64], vec![0.0]);
+    let mut seen = vec![false; b];
+    for &(s, r) in order.iter() {
+        tokens.push(tokens.last().unwrap() + s);
+        let new = !std::mem::replace(&mut seen[r], true);
+        drafting.push(drafting.last().unwrap() + if new { 1.0 } else { 0.0 });
+    }
+    let (bp, ctx) = (padded(curve, b as u32), w.context(i));
     let score = |n: usize| {
-        let c = Choice { steps: d, lengths: Some(lengths_of(n)) };
-        choice_tokens(w, i, &c) / choice_seconds(curve, w, i, &c, 0.0, skip)
+        let shape = Shape { verified: n as f64, drafting: drafting[n] };
+        tokens[n] / curve.seconds_shape(bp, d, shape, ctx, 0.0)
     };
     let total = order.len();
     let step = (total / GRID).max(1);
@@ -54,7 +60,11 @@ fn best_at(w: &Workload, curve: &CostCurve, i: usize, d: u32, skip: bool, order:
             best = (g, n);
         }
     }
-    (best.0, Choice { steps: d, lengths: Some(lengths_of(best.1)) })
+    let mut l = vec![0u32; b];
+    for &(_, r) in &order[..best.1] {
+        l[r] += 1;
+    }
+    (best.0, Choice { steps: d, lengths: Some(l) })
 }
 
 /// The per-request oracle's choice in segment `i`, depths `0..=max_steps`.

@@ -168,7 +168,8 @@ pub fn choice_tokens(w: &Workload, i: usize, c: &Choice) -> f64 {
     }
 }
 
-fn padded(curve: &CostCurve, b: u32) -> u32 {
+/// The batch size `b` padded to the curve's graph sizes.
+pub(crate) fn padded(curve: &CostCurve, b: u32) -> u32 {
     match curve.graph_sizes() {
         Some(g) => g.get(g.partition_point(|&s| s < b)).copied().unwrap_or(b),
         None => b,
