@@ -73,7 +73,7 @@ pub fn choose(w: &Workload, curve: &CostCurve, i: usize, max_steps: u32, skip: b
     let mut best: Option<(f64, Choice)> = None;
     for d in 0..=max_steps {
         let (g, c) = best_at(w, curve, i, d, skip, &mut order);
-        if best.as_ref().is_none_or(|b| g > b.0) {
+        if best.as_ref().map_or(true, |b| g > b.0) {
             best = Some((g, c));
         }
     }
