@@ -9,11 +9,14 @@
 //! ```
 //!
 //! - `S_r(j)` is request `r`'s survival probability of draft position `j` (all of `1..=j`
-//!   accepted), the product of its conditional rates `alpha_rj = clamp(alpha_j m_r)`: the shared
-//!   per-position estimates ([`super::acceptance`]) times a per-request multiplier `m_r`, the
-//!   request's accepted drafts over the drafts the shared rates expected of it, shrunk toward its
-//!   *draft confidence* by `PRIOR_DRAFTS` pseudo-drafts (so a young request follows the shared
-//!   estimates and, once the drafter has spoken for it, its confidence).
+//!   accepted), the product of its conditional rates `alpha_rj = clamp(rate_r shape_j)`:
+//!   `rate_r` is the request's accepted drafts over the draft positions it reached, shrunk by
+//!   `PRIOR_DRAFTS` pseudo-drafts toward the shared position-1 rate ([`super::acceptance`]) times
+//!   its *draft confidence* (so a young request follows the shared estimates and, once the
+//!   drafter has spoken for it, its confidence); `shape_j` is the shared depth profile
+//!   `alpha_j / alpha_1` where it falls (a shared rate that rises with depth reflects the
+//!   population's surviving, better requests, not this one; [`PerRequest::multiplier`], the
+//!   ratio to what the shared rates expected, is kept for metrics).
 //! - The draft confidence is the lagged signal of DSpark (vLLM PR #47808) and SpecDec++: the
 //!   drafter's probability of each draft token it proposed in the previous iteration
 //!   (`Scheduler::report(draft_probs=)`), mapped through a calibration learned online (acceptance
