@@ -8,7 +8,7 @@ use specdial_core::config::AdaptiveConfig;
 use specdial_core::sim::curve::{CostCurve, CostTable};
 use specdial_core::sim::run::Noise;
 use specdial_core::sim::workload::Regime;
-use specdial_core::sim::{default_policies, run_all, SimSpec};
+use specdial_core::sim::{default_policies_with_per_request, run_all, SimSpec};
 
 use crate::guard;
 
@@ -74,7 +74,7 @@ fn build(spec: Spec) -> PyResult<SimSpec> {
             })
             .collect::<PyResult<_>>()?;
     } else {
-        out.policies = default_policies();
+        out.policies = default_policies_with_per_request();
     }
     if let Some(n) = spec.segments {
         if n == 0 {

@@ -39,6 +39,7 @@ fn offsets(counts: &[i64]) -> Vec<i64> {
 /// where each verified token costs 4 % of a plain decode and each drafted one 1 %.
 fn run(s: &mut Scheduler, accept: impl Fn(usize, i64) -> i64) -> Option<Vec<i64>> {
     let plan = s.schedule().unwrap().expect("work to do");
+    s.check_invariants().unwrap();
     if plan.kind == PlanKind::Prefill {
         let o = offsets(&plan.sample_first);
         s.report(&vec![7; *o.last().unwrap() as usize], &o, None).unwrap();
@@ -85,7 +86,6 @@ fn weak_requests_verify_less_than_strong_ones_in_the_same_batch() {
     let mut last = None;
     for _ in 0..300 {
         if let Some(spr) = run(&mut s, |i, k| if i % 2 == 0 { k } else { 0 }) {
-            if std::env::var("DBG").is_ok() { eprintln!("{spr:?} {:?}", s.policy().unwrap().goodput().unwrap().last_decision().unwrap().candidates); }
             last = Some(spr);
         }
     }

@@ -95,6 +95,11 @@ fn adaptive() -> impl Strategy<Value = Option<AdaptiveConfig>> {
             )
             .unwrap()
         )),
+        // issue 28: a verify length per request (KV reserved for each request's own length)
+        Just(Some(
+            AdaptiveConfig::from_json(r#"{"strategy": "goodput", "verify": "per_request", "1": {"candidate_steps": [0, 1, 3, 5]}}"#)
+                .unwrap()
+        )),
     ]
 }
 

@@ -319,9 +319,16 @@ impl GoodputPolicy {
             steps,
             probe,
         });
-        let i = self.slots[slot].candidates.iter().position(|&k| k == steps);
-        match i.and_then(|i| allocations.into_iter().nth(i)) {
-            Some(a) => Decision { steps, verify: VerifyShape::PerRequest(a.lengths), tree: None },
+        let c = &self.slots[slot].candidates;
+        match c.iter().position(|&k| k == steps).and_then(|i| allocations.into_iter().nth(i)) {
+            // The batch drafts as deep as its longest verify needs (the smallest candidate that
+            // covers it, so the depth keeps a captured graph): drafting deeper would be paid for
+            // nothing.
+            Some(a) => {
+                let longest = a.lengths.iter().copied().max().unwrap_or(0);
+                let depth = c.iter().copied().find(|&k| k >= longest).unwrap_or(steps);
+                Decision { steps: depth, verify: VerifyShape::PerRequest(a.lengths), tree: None }
+            }
             None => Decision::uniform(steps),
         }
     }

@@ -9,11 +9,14 @@
 //! ```
 //!
 //! - `S_r(j)` is request `r`'s survival probability of draft position `j` (all of `1..=j`
-//!   accepted), the product of its conditional rates `alpha_rj = clamp(alpha_j m_r)`: the shared
-//!   per-position estimates ([`super::acceptance`]) times a per-request multiplier `m_r`, the
-//!   request's accepted drafts over the drafts the shared rates expected of it, shrunk toward its
-//!   *draft confidence* by `PRIOR_DRAFTS` pseudo-drafts (so a young request follows the shared
-//!   estimates and, once the drafter has spoken for it, its confidence).
+//!   accepted), the product of its conditional rates `alpha_rj = clamp(rate_r shape_j)`:
+//!   `rate_r` is the request's accepted drafts over the draft positions it reached, shrunk by
+//!   `PRIOR_DRAFTS` pseudo-drafts toward the shared position-1 rate ([`super::acceptance`]) times
+//!   its *draft confidence* (so a young request follows the shared estimates and, once the
+//!   drafter has spoken for it, its confidence); `shape_j` is the shared depth profile
+//!   `alpha_j / alpha_1` where it falls (a shared rate that rises with depth reflects the
+//!   population's surviving, better requests, not this one; [`PerRequest::multiplier`], the
+//!   ratio to what the shared rates expected, is kept for metrics).
 //! - The draft confidence is the lagged signal of DSpark (vLLM PR #47808) and SpecDec++: the
 //!   drafter's probability of each draft token it proposed in the previous iteration
 //!   (`Scheduler::report(draft_probs=)`), mapped through a calibration learned online (acceptance
@@ -62,6 +65,8 @@ struct History {
     accepted: f64,
     /// Drafts the shared rates expected to be accepted among those reached, decayed.
     expected: f64,
+    /// Draft positions reached (verified with all before them accepted), decayed.
+    reached: f64,
     /// Calibrated confidence relative to the mean rate (smoothed), if the drafter spoke.
     confidence: Option<f64>,
     /// Iteration last observed.
@@ -161,6 +166,7 @@ impl PerRequest {
             let expected: f64 = shared.iter().take(reached).sum();
             h.accepted = h.accepted * self.decay + a as f64;
             h.expected = h.expected * self.decay + expected;
+            h.reached = h.reached * self.decay + reached as f64;
             if let Some(c) = confidence {
                 h.confidence = Some(h.confidence.map_or(c, |old| old + CONF_GAIN * (c - old)));
             }
@@ -216,13 +222,29 @@ impl PerRequest {
     /// after request), from the shared conditional rates `shared` (at least `d` of them).
     pub fn survival(&self, ids: &[u64], shared: &[f64], d: usize, out: &mut Vec<f64>) {
         out.clear();
+        let first = shared.first().copied().unwrap_or(0.5).max(RATE_BOUNDS.0);
         for &id in ids {
-            let m = self.multiplier(id);
+            let rate = self.rate(id, first);
             let mut s = 1.0;
             for j in 0..d {
-                let a = shared.get(j).copied().unwrap_or(0.0);
-                s *= (a * m).clamp(RATE_BOUNDS.0, RATE_BOUNDS.1);
+                // the shared depth profile, where it falls: deeper shared rates that rise are the
+                // population's survivors (its better requests), not this request getting better
+                let shape = (shared.get(j).copied().unwrap_or(0.0) / first).min(1.0);
+                s *= (rate * shape).clamp(RATE_BOUNDS.0, RATE_BOUNDS.1);
                 out.push(s);
+            }
+        }
+    }
+
+    /// Request `id`'s acceptance rate per reached draft position: its accepted over reached
+    /// drafts, shrunk by `PRIOR_DRAFTS` pseudo-drafts toward the shared position-1 rate `first`
+    /// times its draft confidence.
+    pub fn rate(&self, id: u64, first: f64) -> f64 {
+        match self.requests.get(&id) {
+            None => first,
+            Some(h) => {
+                let prior = first * h.confidence.unwrap_or(1.0);
+                (h.accepted + PRIOR_DRAFTS * prior) / (h.reached + PRIOR_DRAFTS)
             }
         }
     }

@@ -1,6 +1,6 @@
 //! The scheduler's internal invariants, checked against the pool (for tests).
 
-use super::{RequestState, Scheduler};
+use super::{PlanKind, RequestState, Scheduler};
 
 impl Scheduler {
     /// Checks every internal invariant against the pool (for tests; O(requests)).
@@ -68,9 +68,19 @@ impl Scheduler {
             match r.state {
                 RequestState::Running => {
                     running += 1;
-                    if self.in_flight.is_none() && r.kv_len + 1 != r.tokens.len() as u64 {
+                    // Between iterations the KV covers the tokens but the last; with a decode
+                    // plan in flight, also the request's own verify length (issue 28: KV is
+                    // reserved per request, never for the batch's depth).
+                    let reserved = match &self.in_flight {
+                        None => Some(0),
+                        Some(fl) if fl.kind == PlanKind::Decode => {
+                            fl.ids.iter().position(|x| x == id).map(|i| u64::from(fl.steps_r[i]) + 1)
+                        }
+                        Some(_) => None,
+                    };
+                    if reserved.is_some_and(|n| r.kv_len + 1 != r.tokens.len() as u64 + n) {
                         return fail(format!(
-                            "running {id}: kv_len {} with {} tokens",
+                            "running {id}: kv_len {} with {} tokens and {reserved:?} reserved",
                             r.kv_len,
                             r.tokens.len()
                         ));

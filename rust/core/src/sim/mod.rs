@@ -9,6 +9,7 @@
 //! ([`run::run_oracle`]).
 
 pub mod curve;
+pub mod oracle;
 pub mod run;
 pub mod workload;
 
@@ -71,6 +72,26 @@ pub fn default_policies() -> Vec<(String, AdaptiveConfig)> {
     ]
 }
 
+/// [`default_policies`] with `goodput-per-request` after `goodput` (what `specdial policy
+/// simulate` runs by default).
+pub fn default_policies_with_per_request() -> Vec<(String, AdaptiveConfig)> {
+    let mut p = default_policies();
+    p.insert(1, (PER_REQUEST.into(), per_request_config()));
+    p
+}
+
+/// Name of the per-request contender ([`default_policies_with_per_request`]).
+pub const PER_REQUEST: &str = "goodput-per-request";
+
+/// specdial's default `goodput` config with `"verify": "per_request"`.
+pub fn per_request_config() -> AdaptiveConfig {
+    let mut c = AdaptiveConfig::default_config();
+    if let crate::config::Strategy::Goodput(g) = &mut c.strategy {
+        g.verify = crate::config::VerifyMode::PerRequest;
+    }
+    c
+}
+
 /// One (regime, curve) cell of the report.
 #[derive(Debug, Clone, Serialize)]
 pub struct Case {
@@ -78,6 +99,9 @@ pub struct Case {
     pub steady: bool,
     pub curve: String,
     pub oracle: RunResult,
+    /// The per-request oracle ([`oracle`]): true acceptance per request, a verify length each;
+    /// run only when a contender decides per request.
+    pub oracle_per_request: Option<RunResult>,
     /// Adaptive contenders, then `fixed-0..fixed-max`.
     pub results: Vec<RunResult>,
 }
@@ -108,10 +132,14 @@ pub fn run_case(spec: &SimSpec, regime: Regime, curve_name: &str, curve: &CostCu
     let w = regime.generate(spec.segments, spec.seed);
     let opts = RunOptions { seed: spec.seed, noise: spec.noise, skip_zero_step_draft_extend: spec.skip_zero_step_draft_extend };
     let (oracle, _) = run_oracle(&w, curve, spec.max_steps, &opts);
+    let per_request = spec.policies.iter().any(|(_, c)| {
+        matches!(&c.strategy, crate::config::Strategy::Goodput(g) if g.verify == crate::config::VerifyMode::PerRequest)
+    });
+    let oracle_per_request = per_request.then(|| oracle::run_oracle_per_request(&w, curve, spec.max_steps, &opts));
     let mut results: Vec<RunResult> =
         spec.policies.iter().map(|(name, cfg)| run_adaptive(&w, curve, name, cfg, &opts)).collect();
     results.extend((0..=spec.max_steps).map(|k| run_fixed(&w, curve, k, &opts)));
-    Case { regime: regime.name.into(), steady: regime.steady, curve: curve_name.into(), oracle, results }
+    Case { regime: regime.name.into(), steady: regime.steady, curve: curve_name.into(), oracle, oracle_per_request, results }
 }
 
 /// Every cell of `spec`.

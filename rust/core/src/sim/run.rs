@@ -168,7 +168,8 @@ pub fn choice_tokens(w: &Workload, i: usize, c: &Choice) -> f64 {
     }
 }
 
-fn padded(curve: &CostCurve, b: u32) -> u32 {
+/// The batch size `b` padded to the curve's graph sizes.
+pub(crate) fn padded(curve: &CostCurve, b: u32) -> u32 {
     match curve.graph_sizes() {
         Some(g) => g.get(g.partition_point(|&s| s < b)).copied().unwrap_or(b),
         None => b,
@@ -260,6 +261,11 @@ fn walk(
         x += e / b as f64;
     }
     tally
+}
+
+/// Runs a contender that only chooses (no report) and tallies it (the oracles).
+pub fn walk_choices(w: &Workload, curve: &CostCurve, name: &str, opts: &RunOptions, choose: impl FnMut(usize) -> Choice) -> RunResult {
+    walk(w, curve, name, opts, choose, |_, _, _, _| {}).finish(0)
 }
 
 /// A fixed steps value for the whole run.

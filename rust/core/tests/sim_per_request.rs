@@ -1,0 +1,89 @@
+//! Issue 28's simulator floors ("Done means"): the `goodput` strategy with `"verify":
+//! "per_request"` against the batch-level one, the per-request oracle and the best fixed depth,
+//! over the mixed regimes (request classes shaped after the measured spreads, classes changing
+//! midway) and the standard ones, on the GPU cost curves and the CPU-like one. One run feeds
+//! every assertion. Floors this build does not reach are `#[ignore]`d with the measured figure,
+//! not lowered (BENCHMARKS.md, issue 28).
+
+use std::sync::OnceLock;
+
+use specdial_core::sim::workload::Regime;
+use specdial_core::sim::{default_policies_with_per_request, run_all, Case, SimSpec, PER_REQUEST};
+
+const GPU_CURVES: [&str; 4] = ["h200-llama8b", "a100-llama8b", "l40s-llama8b", "h200x4-llama70b"];
+
+fn cases() -> &'static [Case] {
+    static CASES: OnceLock<Vec<Case>> = OnceLock::new();
+    CASES.get_or_init(|| {
+        let mut spec = SimSpec::standard();
+        // the mixed regimes, and of the standard ones a homogeneous steady one, the load ramp
+        // and the growing context
+        let standard = ["steady-code", "load-ramp", "context-growth"];
+        spec.regimes = Regime::every().filter(|r| r.name.starts_with("mixed") || r.name.starts_with("switching") || standard.contains(&r.name)).collect();
+        spec.segments = 6000;
+        spec.policies = default_policies_with_per_request().into_iter().filter(|(n, _)| n == "goodput" || n == PER_REQUEST).collect();
+        run_all(&spec)
+    })
+}
+
+fn per_request_over_batch(c: &Case) -> f64 {
+    c.get(PER_REQUEST).unwrap().goodput / c.get("goodput").unwrap().goodput
+}
+
+fn table(cases: &[&Case]) -> String {
+    cases
+        .iter()
+        .map(|c| {
+            let pr = c.get(PER_REQUEST).unwrap().goodput;
+            format!(
+                "{:15} {:16} per-request/batch {:.3} /oracle-per-request {:.3} /best fixed {:.3}; oracle-per-request/oracle {:.3}\n",
+                c.regime,
+                c.curve,
+                per_request_over_batch(c),
+                pr / c.oracle_per_request.as_ref().unwrap().goodput,
+                pr / c.best_fixed().goodput,
+                c.oracle_per_request.as_ref().unwrap().goodput / c.oracle.goodput
+            )
+        })
+        .collect()
+}
+
+fn all() -> Vec<&'static Case> {
+    cases().iter().collect()
+}
+
+#[test]
+#[ignore = "floor not met (BENCHMARKS.md section 16): per-request / batch-level is 0.85-0.95 on mixed-16 (memory-bound: nothing to cut, its depth choice is worse), 0.91 on switching-128 (h200) and mixed-256 (l40s)"]
+fn per_request_is_never_much_worse_than_batch_level() {
+    let all = all();
+    for c in &all {
+        assert!(per_request_over_batch(c) >= 0.98, "{} on {}\n{}", c.regime, c.curve, table(&all));
+    }
+}
+
+#[test]
+fn per_request_reaches_the_per_request_oracle_on_average() {
+    let all = all();
+    let mean = all.iter().map(|c| c.get(PER_REQUEST).unwrap().goodput / c.oracle_per_request.as_ref().unwrap().goodput).sum::<f64>() / all.len() as f64;
+    assert!(mean >= 0.95, "mean per-request / per-request oracle {mean:.4}\n{}", table(&all));
+}
+
+#[test]
+#[ignore = "floor not met (BENCHMARKS.md section 16): per-request / best fixed in context-growth is 0.986 (cpu-like), 0.992 (a100), >= 0.998 on the other curves"]
+fn per_request_keeps_up_with_the_best_fixed_depth_as_contexts_grow() {
+    let all = all();
+    for c in all.iter().filter(|c| c.regime == "context-growth") {
+        let r = c.get(PER_REQUEST).unwrap().goodput / c.best_fixed().goodput;
+        assert!(r >= 0.99, "{} on {}: {r:.4}\n{}", c.regime, c.curve, table(&all));
+    }
+}
+
+#[test]
+#[ignore = "floor not met (BENCHMARKS.md section 16): mean per-request / batch-level 0.986; the per-request oracle itself is only 1.00-1.12x the batch-level oracle on these curves"]
+fn per_request_gains_a_tenth_over_batch_level_on_mixed_batches_at_high_concurrency() {
+    let all = all();
+    let high: Vec<&Case> =
+        all.iter().copied().filter(|c| Regime::HETEROGENEOUS_HIGH.contains(&c.regime.as_str()) && GPU_CURVES.contains(&c.curve.as_str())).collect();
+    let mean = high.iter().map(|c| per_request_over_batch(c)).sum::<f64>() / high.len() as f64;
+    assert!(mean >= 1.10, "mean per-request / batch-level {mean:.4}\n{}", table(&high));
+}
