@@ -156,6 +156,7 @@ def test_engine_dp_size_2_from_python(dirs, backend, capfd):
         assert sum(per_replica) == 24 and min(per_replica) > 0, per_replica
         assert two.stats().requests_finished == 24
         assert two.stats().generation_tokens == sum(len(w) for w in want)
+        assert two.flush_cache() is True and two.stats().cached_pages == 0  # every replica's
         got = asyncio.run(two.async_generate(prompts[:4], params))
         assert [o["output_ids"] for o in got] == want[:4]
         chunks = list(two.stream(prompts[0], sampling_params=params))

@@ -23,7 +23,7 @@ def flush_cache(engine: Any) -> bool:
     flushes its own cache; True only when all did). Raises ``RuntimeError`` when the engine is
     shut down or its loop has failed."""
     if engine.data_parallel is not None:
-        return all([flush_cache(r) for r in engine.replicas])
+        return all([r.flush_cache() for r in engine.replicas])  # Engines or replica processes
     reply: Future[bool] = Future()
     engine._post(FlushCache(reply))
     return reply.result()

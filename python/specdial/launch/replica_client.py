@@ -307,13 +307,22 @@ class ReplicaClient:
     def stats(self) -> EngineStats:
         """The replica's ``Engine.stats()``. Raises :class:`ReplicaFailure` once it is dead
         and ``TimeoutError`` after :data:`STATS_TIMEOUT_S` without an answer."""
-        call = self._open(w.STATS, None, None)
+        return self._ask(w.STATS, "stats()")
+
+    def flush_cache(self) -> bool:
+        """The replica's ``Engine.flush_cache()`` (False while it has live requests). Raises
+        as :meth:`stats`."""
+        return self._ask(w.FLUSH, "flush_cache()")
+
+    def _ask(self, op: str, what: str) -> Any:
+        """One call without arguments and its result, waited for on this thread."""
+        call = self._open(op, None, None)
         try:
             try:
                 item = call.inbox.get(timeout=STATS_TIMEOUT_S)
             except queue.Empty:
                 call.done = True
-                raise TimeoutError(f"{self._name()} did not answer stats() within "
+                raise TimeoutError(f"{self._name()} did not answer {what} within "
                                    f"{STATS_TIMEOUT_S:g}s") from None
             return self._value(call, *item)
         finally:

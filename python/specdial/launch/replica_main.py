@@ -107,6 +107,8 @@ class ReplicaServer:
                 self._guarded(cid, lambda rid=payload: self.engine.abort(rid), reply=False)
             elif op == w.STATS:
                 self._guarded(cid, self.engine.stats)
+            elif op == w.FLUSH:
+                self._guarded(cid, self.engine.flush_cache)
             elif op == w.SHUTDOWN:
                 self._stop(bool(payload))
 

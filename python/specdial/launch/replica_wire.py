@@ -14,7 +14,8 @@ message, and the router wakes each waiting event loop once per message, not per 
 - router -> replica, items ``(op, call_id, payload)``: :data:`STREAM` (payload: the keyword
   arguments of ``async_stream``), :data:`GENERATE` (``(args, kwargs)`` of ``async_generate``),
   :data:`CANCEL` (None: the consumer left; the replica cancels that call, which aborts its
-  request), :data:`ABORT` (an engine request id), :data:`STATS`, :data:`SHUTDOWN` (``drain``);
+  request), :data:`ABORT` (an engine request id), :data:`STATS`, :data:`FLUSH` (``flush_cache()``),
+  :data:`SHUTDOWN` (``drain``);
   the first message is the replica's options (a dict of :class:`~specdial.config.EngineConfig`
   fields).
 - replica -> router, items ``(call_id, kind, payload)``: :data:`CHUNK` (a
@@ -34,12 +35,12 @@ from typing import Any
 
 from specdial.engine.api import QueueFullError, RequestError
 
-__all__ = ["ABORT", "CANCEL", "CHUNK", "END", "ERROR", "FAILURE", "GENERATE", "ITEM", "READY",
+__all__ = ["ABORT", "CANCEL", "CHUNK", "END", "ERROR", "FAILURE", "FLUSH", "GENERATE", "ITEM", "READY",
            "RESULT", "SHUTDOWN", "STATS", "STREAM", "decode", "decode_error", "encode",
            "encode_error"]
 
-STREAM, GENERATE, CANCEL, ABORT, STATS, SHUTDOWN = ("stream", "generate", "cancel", "abort",
-                                                    "stats", "shutdown")
+STREAM, GENERATE, CANCEL, ABORT, STATS, FLUSH, SHUTDOWN = (
+    "stream", "generate", "cancel", "abort", "stats", "flush_cache", "shutdown")
 CHUNK, ITEM, RESULT, END, ERROR, READY, FAILURE = ("chunk", "item", "result", "end", "error",
                                                    "ready", "failure")
 
