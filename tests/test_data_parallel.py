@@ -18,6 +18,7 @@ from specdial.launch.data_parallel import DataParallelEngine, aggregate_stats
 from specdial.launch.replica_setup import replica_seed
 from specdial.engine import Engine
 from specdial.engine.api import EngineStats, RequestError
+from specdial.generate_cmd import policy_description
 from specdial.server.config import ServeConfig
 from test_server_cli import save_tiny_model
 from test_server_engine import metric
@@ -147,6 +148,8 @@ def test_engine_dp_size_2_from_python(dirs, backend, capfd):
             # what this process reads of replica 0: tokenizer, limits, policy config
             assert two.tokenizer is not None and two.context_length == COMMON["context_length"]
             assert two.adaptive_config is not None and two.speculative_algorithm == "DRAFT"
+            assert two.target is None and two.vocab_size == one.vocab_size  # bench's random
+            assert policy_description(two).startswith("adaptive ")  # `generate --dp-size`
         else:
             assert two.replicas[0].scheduler is not two.replicas[1].scheduler
             assert [r.config.seed for r in two.replicas] == [0, replica_seed(0, 1)]
@@ -215,3 +218,15 @@ def test_a_failed_replica_is_named_and_skipped_and_all_failed_is_503():
         r = httpx.post(server.url + "/v1/completions", timeout=scaled(10),
                        json={"model": NAME, "prompt": "x", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed"
+
+
+def test_policy_description_of_replica_processes_reads_replica_0():
+    """``specdial generate --dp-size N`` with fixed steps: the serving process has no scheduler
+    (the replicas do), so the description reads replica 0's ready message."""
+    class Replica:
+        info = {"fixed_steps": 3}
+
+    class Front:
+        speculative_algorithm, adaptive_config, scheduler, replicas = "DRAFT", None, None, [Replica]
+
+    assert policy_description(Front()) == "fixed steps 3"

@@ -49,7 +49,8 @@ def policy_description(engine: Any) -> str:
         return "off (plain decoding)"
     config = getattr(engine, "adaptive_config", None)
     if config is None:
-        fixed = engine.scheduler.fixed_steps
+        sched = engine.scheduler  # None in the serving process of replica processes
+        fixed = sched.fixed_steps if sched is not None else engine.replicas[0].info["fixed_steps"]
         return f"fixed steps {fixed}" if fixed is not None else "a test schedule"
     slots = []
     for key, value in json.loads(config.to_json()).items():

@@ -339,7 +339,7 @@ def _requests(cfg: BenchConfig, driver: Any, engine: Any) -> list[Any]:
     from specdial.bench.serving_datasets import random_requests, sharegpt_requests
 
     if cfg.dataset == "random":
-        vocab = cfg.random_vocab_size or (engine.target.config.vocab_size
+        vocab = cfg.random_vocab_size or (engine.vocab_size
                                           if engine is not None else None)
         if vocab is None:
             raise DatasetError("--dataset random with --backend http needs --random-vocab-size")

@@ -88,7 +88,7 @@ def prefix_workload_requests(cfg: Any, driver: Any, engine: Any
     """The requests of ``cfg.dataset`` (one of :data:`PREFIX_DATASETS`) and the runner that
     sends them (None: the default one). Raises :class:`DatasetError`."""
     if cfg.dataset == "generated-shared-prefix":
-        vocab = cfg.random_vocab_size or (engine.target.config.vocab_size
+        vocab = cfg.random_vocab_size or (engine.vocab_size
                                           if engine is not None else None)
         if vocab is None:
             raise DatasetError("--dataset generated-shared-prefix with --backend http needs "

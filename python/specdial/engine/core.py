@@ -244,6 +244,7 @@ class Engine:
     profile_points = _part("profile_points", "The start-up profiling run's points.")
     record_trace = _part("record_trace", "The per-verify trace file's path, or None.")
     sampling_defaults = _part("sampling_defaults", "What unset sampling fields of a request get.")
+    vocab_size = _part("vocab_size", "Token ids taken: ``[0, vocab_size)`` (replicas' too).")
 
     @property
     def _loop(self) -> EngineLoop:
@@ -344,7 +345,7 @@ class Engine:
     def _spec(self, prompt: Any, input_ids: Any, sampling_params: Any, stop: Any,
               label: str = "", logprobs: LogprobOptions | None = None) -> RequestSpec:
         return make_spec(prompt, input_ids, sampling_params, stop, tokenizer=self.tokenizer,
-                         vocab_size=self.target.config.vocab_size,
+                         vocab_size=self.vocab_size,
                          context_length=self.context_length, eos_token_ids=self.eos_token_ids,
                          label=label, logprobs=logprobs, defaults=self.sampling_defaults)
 

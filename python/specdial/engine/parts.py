@@ -32,7 +32,9 @@ class EngineParts:
     of unseeded requests; ``eos_token_ids``; ``profile_points``: the start-up profiling run's
     measurements (empty without one); ``record_trace``: the trace file's path or None;
     ``sampling_defaults``: what a request's unset sampling fields get
-    (:func:`~specdial.engine.sampling_defaults.request_defaults`).
+    (:func:`~specdial.engine.sampling_defaults.request_defaults`); ``vocab_size``: the token
+    ids the engine takes, ``[0, vocab_size)`` (the target's; known without it, as for replica
+    processes).
     """
 
     config: EngineConfig
@@ -52,6 +54,11 @@ class EngineParts:
     profile_points: list[ProfilePoint] = field(default_factory=list)
     record_trace: Path | None = None
     sampling_defaults: Mapping[str, Any] = field(default_factory=request_defaults)
+    vocab_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.vocab_size is None and self.target is not None:
+            self.vocab_size = int(self.target.config.vocab_size)
 
     @property
     def max_running_requests(self) -> int:
@@ -65,7 +72,7 @@ class EngineParts:
 def remote_parts(config: EngineConfig, info: Mapping[str, Any]) -> EngineParts:
     """The parts an Engine whose replicas run in other processes can read here: the
     ``tokenizer``, ``context_length``, ``eos_token_ids``, ``sampling_defaults`` and
-    ``speculative_algorithm`` and ``adaptive_config`` of replica 0 (``info``: its ready message,
+    ``speculative_algorithm``, ``adaptive_config`` and ``vocab_size`` of replica 0 (``info``: its ready message,
     :func:`specdial.launch.replica_main.ready_info`); the models, scheduler, worker and
     generator live in the replicas (None here)."""
     return EngineParts(config=config, target=None, drafter=None,  # type: ignore[arg-type]
@@ -78,4 +85,5 @@ def remote_parts(config: EngineConfig, info: Mapping[str, Any]) -> EngineParts:
                        scheduler=None, worker=None, device=None,  # type: ignore[arg-type]
                        generator=None,  # type: ignore[arg-type]
                        eos_token_ids=frozenset(info["eos_token_ids"]),
-                       sampling_defaults=info["sampling_defaults"])
+                       sampling_defaults=info["sampling_defaults"],
+                       vocab_size=int(info["vocab_size"]))

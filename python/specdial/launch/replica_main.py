@@ -39,13 +39,14 @@ def ready_info(engine: Any) -> dict[str, Any]:
     """What the router needs of a built replica: ``pid``, ``context_length``, ``tokenizer``
     (pickled with the message), ``sampling_defaults``, ``eos_token_ids``,
     ``speculative_algorithm``, ``max_running_requests``, ``vocab_size``, ``policy_cache``
-    (its status), ``adaptive_config`` (its JSON, or None)."""
+    (its status), ``adaptive_config`` (its JSON, or None), ``fixed_steps`` (the scheduler's,
+    None when adaptive)."""
     return {"pid": os.getpid(), "context_length": int(engine.context_length),
             "tokenizer": engine.tokenizer, "sampling_defaults": engine.sampling_defaults,
             "eos_token_ids": engine.eos_token_ids,
             "speculative_algorithm": engine.speculative_algorithm,
             "max_running_requests": engine.max_running_requests,
-            "vocab_size": int(engine.target.config.vocab_size),
+            "vocab_size": int(engine.vocab_size), "fixed_steps": engine.scheduler.fixed_steps,
             "policy_cache": engine.policy_cache.status,
             "adaptive_config": (None if engine.adaptive_config is None
                                 else engine.adaptive_config.to_json())}
