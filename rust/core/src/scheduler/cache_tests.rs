@@ -2,28 +2,15 @@
 
 use super::*;
 
+use super::tests::{fixed, tok};
+
+/// The scheduler tests' config with the cache on, pages of 4 tokens, a 48-token context.
 fn config(num_pages: u32) -> SchedulerConfig {
     SchedulerConfig {
-        max_running_requests: 8,
-        max_queued_requests: 16,
-        max_prefill_tokens: 64,
         context_length: 48,
-        num_pages,
-        page_size: 4,
-        eos_token_ids: vec![],
-        record_trace: false,
-        chunked_prefill_size: None,
-        skip_zero_step_draft_extend: true,
         enable_prefix_caching: true,
+        ..super::tests::config(num_pages, 4)
     }
-}
-
-fn fixed(cfg: SchedulerConfig, steps: u32) -> Scheduler {
-    Scheduler::new(cfg, StepsSource::Fixed(steps)).unwrap()
-}
-
-fn tok(id: i64, pos: i64) -> i64 {
-    1 + (id * 31 + pos * 7) % 97
 }
 
 /// One iteration of the fake model; decode accepts `accept` drafts (capped by the plan).

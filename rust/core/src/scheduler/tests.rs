@@ -3,7 +3,7 @@
 use super::*;
 use crate::config::AdaptiveConfig;
 
-fn config(num_pages: u32, page_size: u32) -> SchedulerConfig {
+pub(super) fn config(num_pages: u32, page_size: u32) -> SchedulerConfig {
     SchedulerConfig {
         max_running_requests: 8,
         max_queued_requests: 16,
@@ -19,12 +19,12 @@ fn config(num_pages: u32, page_size: u32) -> SchedulerConfig {
     }
 }
 
-fn fixed(cfg: SchedulerConfig, steps: u32) -> Scheduler {
+pub(super) fn fixed(cfg: SchedulerConfig, steps: u32) -> Scheduler {
     Scheduler::new(cfg, StepsSource::Fixed(steps)).unwrap()
 }
 
 /// The fake model: the token at position `pos` of request `id` (never 0, which tests use as EOS).
-fn tok(id: i64, pos: i64) -> i64 {
+pub(super) fn tok(id: i64, pos: i64) -> i64 {
     1 + (id * 31 + pos * 7) % 97
 }
 
