@@ -40,6 +40,9 @@ class RequestSpec:
     rid: int | None = None
     logprobs: LogprobOptions | None = None
     min_tokens_ids: tuple[int, ...] = ()
+    #: the compiled grammar's ``Future`` of a structured-output request (None: unconstrained;
+    #: :mod:`specdial.engine.grammar_gate`)
+    grammar: Any = None
 
 
 @dataclass(frozen=True, eq=False)
