@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
-__all__ = ["BatchGrammar", "GrammarStep", "unpack_bitmask"]
+__all__ = ["BatchGrammar", "GrammarStep", "fill_row", "unpack_bitmask"]
 
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 
@@ -49,6 +49,19 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
                                                          device=bitmask.device)
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def fill_row(matcher: Any, bitmask: torch.Tensor, row: int) -> None:
+    """Row ``row`` of an int32 ``bitmask`` ``[B, W]``: ``matcher``'s allowed next tokens; a
+    matcher past its end (a stop token accepted: only reachable with ``ignore_eos``) allows
+    its stop tokens only."""
+    if not matcher.is_terminated():
+        matcher.fill_next_token_bitmask(bitmask, row)
+        return
+    words = np.zeros(bitmask.shape[1], np.uint32)
+    for t in matcher.stop_token_ids:
+        words[t // 32] |= np.uint32(1 << (t % 32))
+    bitmask[row] = torch.from_numpy(words.view(np.int32))
 
 
 class BatchGrammar:
@@ -78,7 +91,7 @@ class BatchGrammar:
         """bool ``[B, V]`` on the device: each row's allowed next tokens now."""
         bm = xgr.allocate_token_bitmask(self.batch_size, self.vocab_size)
         for b, m in zip(self.rows, self.matchers):
-            m.fill_next_token_bitmask(bm, b)
+            fill_row(m, bm, b)
         return unpack_bitmask(bm.to(self.device), self.vocab_size)
 
     def advance(self, counts: np.ndarray, tokens: np.ndarray) -> None:
@@ -117,9 +130,9 @@ class GrammarStep:
         for i, (b, m) in enumerate(zip(g.rows, g.matchers)):
             if not self.ended[i] and not m.is_terminated() and m.accept_token(int(host[i])):
                 self.drafted[i] += 1
-                m.fill_next_token_bitmask(bm, b)
+                fill_row(m, bm, b)
             elif m.is_terminated() and not self.ended[i]:
-                m.fill_next_token_bitmask(bm, b)  # the stop tokens only
+                fill_row(m, bm, b)  # the stop tokens only
             else:
                 self.ended[i] = True  # row stays all-allowed: unreachable columns
         self.masks.append(unpack_bitmask(bm.to(g.device), g.vocab_size))
