@@ -199,3 +199,22 @@ def test_constrained_distribution_is_exact_under_speculation():
 def test_chi_square_detects_an_unmasked_verify():
     counts, expected = _first_emitted(mask_verify=False)
     assert _chi2_p(counts, expected) < 1e-6
+
+
+def test_draft_without_an_allowed_token_proposes_among_the_allowed():
+    """An EAGLE-3 draft vocabulary may miss every allowed token (-inf logits there): the
+    masked drafter then proposes uniformly among the allowed tokens, never a NaN ``q``."""
+    v, allowed = 8, [2, 5]
+    grammar = BatchGrammar([SubsetMatcher(allowed, v), None], v, torch.device("cpu"))
+    step = grammar.step(None)
+    logits = torch.tensor([[0.0, 1.0, -math.inf, 0.5, 0.1, -math.inf, 0.2, 0.3]] * 2)
+    out = step.draft_step(logits, 0, torch.zeros(2, dtype=torch.int64))
+    q = torch.softmax(out, -1)
+    assert not q.isnan().any()
+    assert torch.allclose(q[0], torch.tensor([0, 0, .5, 0, 0, .5, 0, 0]))
+    assert torch.equal(out[1], logits[1])  # the unconstrained row is untouched
+
+
+def test_min_tokens_with_a_constraint_is_refused_naming_both():
+    with pytest.raises(ValueError, match=r"SamplingParams.min_tokens: .*\(regex\)"):
+        SamplingParams.from_dict({"regex": "a+", "min_tokens": 2})

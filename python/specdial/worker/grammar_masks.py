@@ -150,7 +150,12 @@ class GrammarStep:
             logits = self.inner.draft_step(logits, i, input_ids)
         if i >= len(self.masks):
             self._push(input_ids)
-        return logits.masked_fill(~self.masks[i], -math.inf)
+        allowed = self.masks[i]
+        masked = logits.masked_fill(~allowed, -math.inf)
+        # a drafter that gives every allowed token -inf (an EAGLE-3 draft vocabulary without
+        # them) proposes uniformly among the allowed ones instead of a NaN distribution
+        none = torch.isneginf(masked).all(-1, keepdim=True)
+        return torch.where(none & allowed, 0.0, masked)
 
     def verify(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """Verify logits ``[B, n, V]`` over ``input_ids`` ``[B, n]`` (``x_L, d_1..d_k``) ->

@@ -182,6 +182,10 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", normalize_logit_bias(self.logit_bias))
         if self.structured is not None and not isinstance(self.structured, StructuredSpec):
             raise _bad("structured", self.structured, "None or a StructuredSpec")
+        if self.structured is not None and self.min_tokens:
+            raise ValueError(f"SamplingParams.min_tokens: {self.min_tokens} is not allowed with "
+                             f"a structured-output constraint ({self.structured.field}); the "
+                             "grammar decides where the output ends; allowed: 0")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> SamplingParams:
