@@ -109,3 +109,26 @@ def test_unpacked_mask_width_is_the_target_vocabulary(engine):
     b = backend_for(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
     assert b.info.vocab_size == engine.vocab_size
     assert xgr.allocate_token_bitmask(1, b.vocab_size).shape[1] * 32 >= engine.vocab_size
+
+
+def test_tensor_parallel_worker_refuses_a_constraint_naming_the_field():
+    """Under tp_size > 1 the worker's calls are pickled to the other ranks and xgrammar's
+    matchers do not pickle: the request is refused alone (a RequestError naming its field),
+    before it reaches the scheduler, instead of failing its whole batch."""
+    from concurrent.futures import Future
+
+    from specdial.distributed.mirror import Mirrored
+    from specdial.engine.grammar_gate import hold_for_grammar
+    from specdial.engine.messages import RequestSpec
+    from specdial.worker.sampling import SamplingParams
+
+    got = []
+    fut = Future()
+    fut.set_result(object())
+    params = SamplingParams.from_dict({"regex": "a+"})
+    spec = RequestSpec([1], params, (), (), sink=got.append, grammar=fut)
+    posted = []
+    assert hold_for_grammar(spec, posted.append, lambda sink, item: sink(item),
+                            Mirrored.__new__(Mirrored))
+    assert isinstance(got[0], RequestError) and got[0].param == "regex" and not posted
+    assert not hold_for_grammar(spec, posted.append, lambda sink, item: sink(item), None)

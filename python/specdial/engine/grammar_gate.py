@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from specdial.engine.api import RequestError
+from specdial.distributed.mirror import Mirrored
 from specdial.engine.messages import RequestSpec, Submit
 from specdial.worker.batch_sampling import BatchSampling
 from specdial.worker.grammar import GrammarError, backend_for, new_matcher
@@ -42,12 +43,20 @@ def start_compile(structured: StructuredSpec | None, tokenizer: Any, vocab_size:
 
 
 def hold_for_grammar(spec: RequestSpec, post: Callable[[Any], None],
-                     out: Callable[[Any, Any], None]) -> bool:
+                     out: Callable[[Any, Any], None], worker: Any = None) -> bool:
     """True when the loop must not add ``spec`` now: its grammar is compiling (it is posted
-    again, as a :class:`Submit`, when done) or failed (its sink got the error)."""
+    again, as a :class:`Submit`, when done) or failed, or ``worker`` is a tensor-parallel one
+    (:class:`~specdial.distributed.mirror.Mirrored`: its calls are pickled to the other ranks
+    and xgrammar's matchers do not pickle); then its sink got the error."""
     fut = spec.grammar
     if fut is None:
         return False
+    if isinstance(worker, Mirrored):
+        field = spec.params.structured.field
+        out(spec.sink, RequestError(f"{field}: structured outputs are not served with tp_size > "
+                                    "1 yet (the grammar matchers live in rank 0's process); "
+                                    "use tp_size 1 (data parallelism works)", field))
+        return True
     if not fut.done():
         def again(_: Any) -> None:
             try:

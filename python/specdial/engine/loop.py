@@ -212,7 +212,7 @@ class EngineLoop:
         if self._stopping:
             self._out(spec.sink, RuntimeError("Engine is shut down"))
             return
-        if hold_for_grammar(spec, self.post, self._out):  # compiling, or failed to compile
+        if hold_for_grammar(spec, self.post, self._out, self.worker):  # compiling, or refused
             return
         try:
             rid = self.sched.add_request(np.asarray(spec.prompt_ids, np.int64),
