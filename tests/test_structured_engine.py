@@ -132,3 +132,15 @@ def test_tensor_parallel_worker_refuses_a_constraint_naming_the_field():
                             Mirrored.__new__(Mirrored))
     assert isinstance(got[0], RequestError) and got[0].param == "regex" and not posted
     assert not hold_for_grammar(spec, posted.append, lambda sink, item: sink(item), None)
+
+
+def test_ignore_eos_past_the_grammar_end_emits_stop_tokens_only(engine):
+    """With ``ignore_eos`` the request outlives its grammar: after the end only the stop
+    tokens are allowed (xgrammar cannot fill a finished matcher's mask)."""
+    o = engine.generate("x", {"max_new_tokens": 10, "temperature": 1.0, "regex": "ab",
+                              "ignore_eos": True})
+    ids = o["output_ids"]
+    assert len(ids) == 10 and o["text"] == "ab"
+    eos = set(engine.eos_token_ids)
+    first = next(i for i, t in enumerate(ids) if t in eos)
+    assert engine.tokenizer.decode(ids[:first]) == "ab" and set(ids[first:]) <= eos
