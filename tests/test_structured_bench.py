@@ -11,4 +11,5 @@ def test_structured_ab_smoke():
     assert set(rows) == {"none", "schema", "mixed"}
     for row in rows.values():
         assert row["tokens_per_s"] > 0 and row["accept_length"] >= 1
-    assert rows["none"]["ratio"] == 1.0 and result["attach_cost_ns"] > 0
+    assert rows["none"]["ratio"] == 1.0 and rows["none"]["cpu_ratio"] == 1.0
+    assert result["attach_cost_ns"] > 0
