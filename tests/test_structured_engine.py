@@ -163,3 +163,26 @@ def test_preemption_keeps_the_grammar_state(engine):
                                                   for o in engine.generate(prompts, sp)]
     finally:
         small.shutdown()
+
+
+def test_a_request_waits_for_its_grammar_and_a_cancel_meanwhile_drops_it():
+    """The loop holds a request while its grammar compiles (posted again when done, never in
+    the scheduler before); a consumer that left meanwhile (``Cancel`` before admission marks the
+    spec) makes the second submit drop it instead of running it for nobody."""
+    from concurrent.futures import Future
+
+    from specdial.engine.grammar_gate import hold_for_grammar
+    from specdial.engine.messages import RequestSpec, Submit
+    from specdial.worker.sampling import SamplingParams
+
+    got, posted = [], []
+    fut = Future()
+    spec = RequestSpec([1], SamplingParams.from_dict({"regex": "a+"}), (), (),
+                       sink=got.append, grammar=fut)
+    out = lambda sink, item: sink(item)  # noqa: E731
+    assert hold_for_grammar(spec, posted.append, out) and not posted
+    fut.set_result(object())
+    assert len(posted) == 1 and isinstance(posted[0], Submit)
+    assert not hold_for_grammar(spec, posted.append, out)  # ready: the loop adds it
+    spec.cancelled = True
+    assert hold_for_grammar(spec, posted.append, out) and not got

@@ -45,12 +45,15 @@ def start_compile(structured: StructuredSpec | None, tokenizer: Any, vocab_size:
 def hold_for_grammar(spec: RequestSpec, post: Callable[[Any], None],
                      out: Callable[[Any, Any], None], worker: Any = None) -> bool:
     """True when the loop must not add ``spec`` now: its grammar is compiling (it is posted
-    again, as a :class:`Submit`, when done) or failed, or ``worker`` is a tensor-parallel one
+    again, as a :class:`Submit`, when done), was cancelled meanwhile (dropped), or failed, or
+    ``worker`` is a tensor-parallel one
     (:class:`~specdial.distributed.mirror.Mirrored`: its calls are pickled to the other ranks
     and xgrammar's matchers do not pickle); then its sink got the error."""
     fut = spec.grammar
     if fut is None:
         return False
+    if spec.cancelled:  # its consumer left while the grammar compiled: nobody to answer
+        return True
     if isinstance(worker, Mirrored):
         field = spec.params.structured.field
         out(spec.sink, RequestError(f"{field}: structured outputs are not served with tp_size > "

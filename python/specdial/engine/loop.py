@@ -189,6 +189,8 @@ class EngineLoop:
                 case Cancel(spec):
                     if spec.rid is not None and spec.rid in self.live:
                         self._finish_now(spec.rid, aborted("aborted: the client stopped reading"))
+                    elif spec.rid is None and spec.grammar is not None:  # still compiling
+                        spec.cancelled = True
                 case Abort(rid):
                     if rid in self.live:
                         self._finish_now(rid, aborted("aborted by request"))
