@@ -25,6 +25,7 @@ first out beyond ``cache_size``; a failed compile is not cached.
 
 from __future__ import annotations
 
+import re
 import threading
 import weakref
 from collections import OrderedDict
@@ -36,6 +37,9 @@ import xgrammar as xgr
 from specdial.worker.grammar_spec import StructuredSpec
 
 __all__ = ["GrammarBackend", "GrammarError", "backend_for", "new_matcher"]
+
+
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
 
 
 class GrammarError(ValueError):
@@ -90,6 +94,7 @@ class GrammarBackend:
             return c.compile_grammar(spec.text)
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            first = _LOG_PREFIX.sub("", first)  # xgrammar's "[time] file.cc:line: "
             raise GrammarError(spec.field, f"invalid {spec.kind}: {first}") from None
 
     def submit(self, spec: StructuredSpec) -> Future:
