@@ -342,7 +342,6 @@ UNSUPPORTED = [
     ("/v1/completions", "best_of", 2), ("/v1/completions", "suffix", "x"),
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("/v1/chat/completions", "tool_choice", "auto"),
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
 ]
 
 

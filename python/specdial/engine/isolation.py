@@ -17,7 +17,14 @@ from typing import Callable, TypeVar
 
 from specdial.worker.sampling import SamplingParams
 
-__all__ = ["sampling_isolated"]
+__all__ = ["param_of", "sampling_isolated"]
+
+
+def param_of(message: str) -> str | None:
+    """The field an InvalidRequestError / SamplingParams message starts with."""
+    head = message.split(":", 1)[0].strip()
+    head = head.removeprefix("SamplingParams.").split()[0] if head else ""
+    return head or None
 
 _B = TypeVar("_B")
 Build = Callable[[list[SamplingParams], list[int], list[tuple[int, ...]]], _B]

@@ -43,6 +43,8 @@ class LiveRequest:
     prompt_top: tuple[np.ndarray, np.ndarray] | None = None
     prompt_done: bool = False
     prompt_sent: bool = False
+    # structured outputs: the request's grammar matcher (None: unconstrained)
+    grammar: Any = None
 
     def meta(self) -> dict[str, Any]:
         n = len(self.output)

@@ -49,7 +49,8 @@ from specdial._core import InvalidRequestError, QueueFullError
 from specdial.detokenize import IncrementalText
 from specdial.engine.api import POLICY_REFRESH_S, EngineStats, RequestError
 from specdial.engine.ends import aborted, failed, finished, shut_down
-from specdial.engine.isolation import sampling_isolated
+from specdial.engine.grammar_gate import attach_grammar, hold_for_grammar, matcher_of
+from specdial.engine.isolation import param_of, sampling_isolated
 from specdial.engine.loop_stats import VerifyLengths, engine_stats, log_progress
 from specdial.engine.cache_ops import cache_limit, note_cached_tokens
 from specdial.engine.live import LiveRequest, prompt_plan, store_prompt_logprobs
@@ -64,13 +65,6 @@ logger = logging.getLogger("specdial.engine")
 
 __all__ = ["Abort", "Cancel", "Crash", "EngineLoop", "Message", "RequestSpec", "Shutdown",
            "StepsSchedule", "Submit", "Submitted"]
-
-
-def _param_of(message: str) -> str | None:
-    """The field an InvalidRequestError / SamplingParams message starts with."""
-    head = message.split(":", 1)[0].strip()
-    head = head.removeprefix("SamplingParams.").split()[0] if head else ""
-    return head or None
 
 
 class EngineLoop:
@@ -195,6 +189,8 @@ class EngineLoop:
                 case Cancel(spec):
                     if spec.rid is not None and spec.rid in self.live:
                         self._finish_now(spec.rid, aborted("aborted: the client stopped reading"))
+                    elif spec.rid is None and spec.grammar is not None:  # still compiling
+                        spec.cancelled = True
                 case Abort(rid):
                     if rid in self.live:
                         self._finish_now(rid, aborted("aborted by request"))
@@ -218,13 +214,15 @@ class EngineLoop:
         if self._stopping:
             self._out(spec.sink, RuntimeError("Engine is shut down"))
             return
+        if hold_for_grammar(spec, self.post, self._out, self.worker):  # compiling, or refused
+            return
         try:
             rid = self.sched.add_request(np.asarray(spec.prompt_ids, np.int64),
                                          spec.params.max_new_tokens, list(spec.stop_token_ids),
                                          True,  # EOS ids are in stop_token_ids
                                          max_cached_tokens=cache_limit(spec))
         except InvalidRequestError as e:
-            self._out(spec.sink, RequestError(str(e), _param_of(str(e))))
+            self._out(spec.sink, RequestError(str(e), param_of(str(e))))
             return
         except QueueFullError as e:
             self._out(spec.sink, e)
@@ -237,7 +235,8 @@ class EngineLoop:
         p = spec.params
         self.live[rid] = LiveRequest(spec, rid, IncrementalText(
             self.tokenizer, spec.stop, skip_special_tokens=p.skip_special_tokens,
-            include_stop=p.include_stop_str_in_output, min_tokens=p.min_tokens))
+            include_stop=p.include_stop_str_in_output, min_tokens=p.min_tokens),
+            grammar=matcher_of(spec))
         self._prompt_tokens += len(spec.prompt_ids)
         self._out(spec.sink, Submitted(rid))
 
@@ -328,7 +327,7 @@ class EngineLoop:
                          live[i].rid, error)
             self._finish_now(live[i].rid, failed(
                 f"its sampling options could not be applied: {type(error).__name__}: {error}"))
-        return sampling
+        return attach_grammar(sampling, [lv.grammar for lv in live], self.worker)
 
     def _sampling_for(self, rids: list[int]) -> BatchSampling:
         key = tuple(rids)

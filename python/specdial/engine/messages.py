@@ -40,6 +40,11 @@ class RequestSpec:
     rid: int | None = None
     logprobs: LogprobOptions | None = None
     min_tokens_ids: tuple[int, ...] = ()
+    #: the compiled grammar's ``Future`` of a structured-output request (None: unconstrained;
+    #: :mod:`specdial.engine.grammar_gate`)
+    grammar: Any = None
+    #: its consumer went away while the grammar compiled (never added to the scheduler then)
+    cancelled: bool = False
 
 
 @dataclass(frozen=True, eq=False)

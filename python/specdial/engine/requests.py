@@ -24,6 +24,7 @@ from typing import Any, AsyncGenerator, Callable, Iterator, Mapping
 from specdial._core import QueueFullError
 from specdial.engine.api import LogprobOptions, RequestError, StreamChunk
 from specdial.engine.bounds import check_vocab_bounds
+from specdial.engine.grammar_gate import start_compile
 from specdial.engine.messages import Message, RequestSpec, Submit, Submitted
 from specdial.engine.output import OutputAccumulator
 from specdial.engine.sampling_defaults import request_defaults, with_defaults
@@ -174,7 +175,9 @@ def make_spec(prompt: Any, input_ids: Any, sampling_params: Any, stop: Any, *, t
     stop_ids = params.stop_token_ids + (() if params.ignore_eos else tuple(sorted(eos_token_ids)))
     return RequestSpec(ids, params, stop_ids, stops, sink=lambda _: None,
                        logprobs=_check_logprobs(logprobs, len(ids), label),
-                       min_tokens_ids=_min_tokens_ids(params, eos_token_ids, vocab_size, label))
+                       min_tokens_ids=_min_tokens_ids(params, eos_token_ids, vocab_size, label),
+                       grammar=start_compile(params.structured, tokenizer, vocab_size,
+                                             eos_token_ids, label))
 
 
 def _min_tokens_ids(params: SamplingParams, eos_token_ids: frozenset[int], vocab_size: int,

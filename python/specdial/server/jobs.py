@@ -26,6 +26,7 @@ from specdial.server.limits import check_prompt_chars
 from specdial.server.protocol import (SAMPLING_EXTRAS, ChatCompletionRequest, CompletionRequest,
                                       bad_request, choice_seed)
 from specdial.server.runs import Job
+from specdial.server.structured import structured_sampling
 from specdial.server.state import ServerState
 
 __all__ = ["DEFAULT_COMPLETION_MAX_TOKENS", "choices", "encode",
@@ -116,6 +117,7 @@ def openai_sampling(req: CompletionRequest | ChatCompletionRequest) -> dict[str,
         value = getattr(req, name)
         if value is not None:
             params[name] = value
+    params.update(structured_sampling(req))  # response_format, guided_*, structured_outputs
     return params
 
 

@@ -115,7 +115,6 @@ UNSUPPORTED_CHAT_FIELDS: dict[str, tuple[Any, ...]] = {
     "parallel_tool_calls": (None,),
     "functions": (None,),
     "function_call": (None,),
-    "response_format": (None, {"type": "text"}),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
@@ -136,7 +135,6 @@ INSTEAD: dict[str, str] = {
     "suffix": "no fill-in-the-middle: send the prefix as 'prompt'",
     "service_tier": _OMIT, "tools": _NO_TOOLS, "tool_choice": _NO_TOOLS,
     "parallel_tool_calls": _NO_TOOLS, "functions": _NO_TOOLS, "function_call": _NO_TOOLS,
-    "response_format": "ask for the format in the messages (no constrained decoding)",
     "audio": "text only", "modalities": "text only ([\"text\"])",
     "prediction": "omit it: speculative decoding is built in",
     "reasoning_effort": _OMIT, "store": _OMIT, "metadata": _OMIT,
@@ -190,6 +188,13 @@ class _CommonRequest(_Strict):
     # OpenAI's token id (a decimal string) -> bias in [-100, 100]; the engine checks the entries
     # (specdial.worker.logit_bias) and the ids against the vocabulary
     logit_bias: dict[str, Any] | None = None
+    # structured outputs (OpenAI's, and vLLM's extras): specdial.server.structured checks them
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: Any = None
     # validated as neutral by _check_fields; here so that extra="forbid" lets them through
     service_tier: Any = None
 
@@ -255,7 +260,6 @@ class ChatCompletionRequest(_CommonRequest):
     parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None

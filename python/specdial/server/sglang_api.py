@@ -24,8 +24,9 @@ their conversion: :mod:`specdial.server.sglang_protocol`.
   ``index``; a seeded request's sample ``j`` uses
   :func:`~specdial.server.protocol.choice_seed` ``(seed, j)`` as ``/v1/completions`` does, and
   its ``rid`` becomes ``rid-j``). SGLang keys without an implementation are accepted at their
-  neutral value only (``spaces_between_special_tokens: true``, no constrained decoding) and are
-  otherwise a 400 naming what to use instead.
+  neutral value only (``spaces_between_special_tokens: true``) and are otherwise a 400 naming
+  what to use instead; the structured-output keys ``json_schema``, ``regex`` and ``ebnf`` are
+  served (:mod:`specdial.worker.grammar_spec`).
 - ``GET /server_info`` (also ``/get_server_info``): the server's options, ``version`` and
   ``internal_states``: one entry (one engine) with ``speculative_num_steps`` (the current steps
   of the slot serving the current batch, or the latest batch when idle), ``avg_spec_accept_length``

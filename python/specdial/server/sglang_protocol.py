@@ -33,15 +33,12 @@ DEFAULT_MAX_NEW_TOKENS = 128
 # SGLang sampling keys without an implementation -> (neutral values, what to use instead)
 _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "spaces_between_special_tokens": ((True,), "detokenize output_ids yourself"),
-    "regex": ((None,), "no constrained decoding is implemented"),
-    "json_schema": ((None,), "no constrained decoding is implemented"),
-    "ebnf": ((None,), "no constrained decoding is implemented"),
     "custom_params": ((None,), "no custom logit processors are implemented"),
 }
 _SAMPLING = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
              "presence_penalty", "repetition_penalty", "min_new_tokens", "stop",
              "stop_token_ids", "ignore_eos", "skip_special_tokens", "no_stop_trim",
-             "sampling_seed", "seed", "logit_bias"}
+             "sampling_seed", "seed", "logit_bias", "json_schema", "regex", "ebnf"}
 #: SGLang names -> the engine's (:class:`~specdial.worker.sampling.SamplingParams`)
 _RENAMED = {"min_new_tokens": "min_tokens", "no_stop_trim": "include_stop_str_in_output",
             "sampling_seed": "seed"}

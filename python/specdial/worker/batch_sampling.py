@@ -11,6 +11,7 @@ sync.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -65,6 +66,9 @@ class BatchSampling:
     min_p: torch.Tensor | None = None
     any_min_p: bool = False
     processors: BatchProcessors | None = None
+    #: the constrained rows' matchers (:class:`~specdial.worker.grammar_masks.BatchGrammar`),
+    #: set by the engine; None when no row has a structured-output constraint
+    grammar: Any = None
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device: torch.device | str = "cpu", *,

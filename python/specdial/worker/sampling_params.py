@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 import torch
 
+from specdial.worker.grammar_spec import StructuredSpec, structured_from_sampling
 from specdial.worker.logit_bias import normalize_logit_bias
 
 __all__ = ["MAX_ABS_PENALTY", "MAX_REPETITION_PENALTY", "MAX_TEMPERATURE", "MAX_TOP_K",
@@ -108,6 +109,11 @@ class SamplingParams:
       decoding draws with these keys, so they depend only on its prompt, seed and these
       options, not on the other requests of the batch, the drafter or the steps. Ignored for
       greedy requests.
+    - ``structured``: ``None`` (default) or a
+      :class:`~specdial.worker.grammar_spec.StructuredSpec`: the output is constrained to a
+      JSON schema, regex, EBNF grammar or choice (structured outputs; masks applied to the
+      drafts and every verify position, :mod:`specdial.worker.grammar_masks`). ``from_dict``
+      builds it from SGLang's ``json_schema`` / ``regex`` / ``ebnf`` keys (one at most).
 
     ``from_dict`` also takes SGLang's names ``min_new_tokens`` (= ``min_tokens``) and
     ``no_stop_trim`` (= ``include_stop_str_in_output``). Raises ``ValueError`` naming the
@@ -131,6 +137,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     seed: int | None = None
     logit_bias: Any = ()
+    structured: StructuredSpec | None = None
 
     def _real(self, name: str, low: float, high: float, allowed: str) -> None:
         v = getattr(self, name)
@@ -173,6 +180,12 @@ class SamplingParams:
         if v is not None and (not _is_int(v) or not 0 <= v <= _MAX_SEED):
             raise _bad("seed", v, "None or int in [0, 2**64 - 1]")
         object.__setattr__(self, "logit_bias", normalize_logit_bias(self.logit_bias))
+        if self.structured is not None and not isinstance(self.structured, StructuredSpec):
+            raise _bad("structured", self.structured, "None or a StructuredSpec")
+        if self.structured is not None and self.min_tokens:
+            raise ValueError(f"SamplingParams.min_tokens: {self.min_tokens} is not allowed with "
+                             f"a structured-output constraint ({self.structured.field}); the "
+                             "grammar decides where the output ends; allowed: 0")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> SamplingParams:
@@ -194,6 +207,7 @@ class SamplingParams:
                     raise ValueError(f"SamplingParams.{name}: given twice, as {name!r} and as "
                                      f"its SGLang name {alias!r}; allowed: one of them")
                 d[name] = d.pop(alias)
+        d["structured"] = structured_from_sampling(d)  # SGLang's json_schema / regex / ebnf
         for key in d:
             if key not in allowed:
                 raise ValueError(f"SamplingParams: unknown key {key!r}; "

@@ -304,12 +304,17 @@ class SpecWorker:
         first_logits = self.target.compute_logits(hidden[idx])
         processing = (None if positions is None
                       else self._processing(sampling, inp.rows[firsts], ends, positions))
+        if sampling.grammar is not None:  # structured outputs: the first token's mask
+            processing = sampling.grammar.step(processing)
         first = sample(first_logits if processing is None else processing.first(first_logits),
                        sampling, generator, positions)
         if logprobs is not None:
             pending.append(("first", token_logprobs(first_logits[:, None], first[:, None],
                                                     logprobs).to_host()))
-        return first.cpu().numpy().astype(np.int64)
+        host = first.cpu().numpy().astype(np.int64)
+        if sampling.grammar is not None:
+            sampling.grammar.advance(np.ones(len(host), np.int64), host[:, None])
+        return host
 
     # ----------------------------------------------------------------- decode
     @torch.inference_mode()
@@ -358,6 +363,8 @@ class SpecWorker:
                      if sampling.any_seeded or sampling.processors is not None else None)
         processing = (None if first_pos is None
                       else self._processing(sampling, rows, target_len, first_pos))
+        if sampling.grammar is not None:  # structured outputs: per-position masks
+            processing = sampling.grammar.step(processing)
         return DecodeStep(inp, runner, rows, batches, first_pos, processing)
 
     def draft(self, step: DecodeStep, sampling: BatchSampling,
@@ -413,6 +420,8 @@ class SpecWorker:
         host = host.cpu().numpy()  # the one sync
         lp_host = None if lp_pending is None else lp_pending()
         n = step.steps + 1
+        if sampling.grammar is not None:  # the emitted tokens advance the matchers once
+            sampling.grammar.advance(host[:, 0] + 1, host[:, 1:n + 1])
         return Accepted(host[:, 0].astype(np.int64), host[:, 1:n + 1],
                         lp_host, packed_draft_probs(host[:, n + 1:], budgets))
 
