@@ -181,6 +181,8 @@ class TreeExpansion:
         self.topk, self.depth, self.level = topk, depth, 0
         self._cand: list[tuple[torch.Tensor, ...]] = []  # (tokens, scores, parents, depths)
         self._count = 0
+        #: candidate indices of the frontiers fed so far, ``[B, K]`` per level (feeding order)
+        self.fed: list[torch.Tensor] = []
 
     def _add(self, tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor) -> None:
         self.level += 1
@@ -209,6 +211,7 @@ class TreeExpansion:
         """The next level from the frontier's ``[B, K, V]`` log-probabilities."""
         if not 1 <= self.level < self.depth:
             raise ValueError(f"draft tree: level {self.level + 1} outside 2..{self.depth}")
+        self.fed.append(self.frontier_cand)
         tokens, scores, parent = expand_level(logprobs, self.frontier_scores, self.topk)
         offset = self._count
         self._add(tokens, scores, self.frontier_cand.gather(1, parent))

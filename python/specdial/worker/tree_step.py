@@ -1,0 +1,164 @@
+"""The worker's draft-tree iteration (issue 29): draft a tree, verify it, accept, copy, extend.
+
+:func:`run_tree_iteration` runs one decode plan whose ``tree_topk > 1`` on a
+:class:`~specdial.worker.worker.SpecWorker` (eager passes; CUDA graphs for trees are not
+captured yet). The plan's contract (shared with the Rust scheduler's side, issue 29):
+
+- ``steps = D`` (the tree's depth), ``tree_topk = K``, ``num_draft_tokens = N``;
+- ``out_loc`` ``[B * (D + 1)]``: chain slots of positions ``L .. L + D`` (request-major);
+- ``scratch_loc`` ``[B * N]``: scratch slots of the tree's nodes (target KV, EAGLE features),
+  freed by the core when the report comes in; the drafter's fed frontier nodes (``K`` per
+  level ``2 .. D``) use the first ``K * (D - 1)`` of them in the drafter's own pool, so the
+  plan needs ``K * (D - 1) <= N`` unless it carries ``draft_loc`` ``[B * K * (D - 1)]``;
+- ``rows``, ``input_ids`` (``x_L``), ``positions`` (``L``) as for a chain.
+
+Steps: the drafter's catch-up to ``L``; :func:`~specdial.worker.tree_draft.draft_tree`; one
+target forward over ``[x_L, nodes]`` at positions ``L, L + depth`` with the tree mask
+(:func:`~specdial.worker.tree.ancestor_mask`), node KV into the scratch slots;
+:func:`~specdial.worker.tree_accept.tree_accept`; the accepted path's target KV, EAGLE
+features and (draft model) drafter KV copied into the chain slots of ``L + 1 .. L + a``
+(:mod:`specdial.worker.tree_kv`); then the report is a chain's (``accepted[b] = a <= D``,
+``a + 1`` tokens) and the draft extend covers the accepted path only (invariant 3). The
+iteration's one host copy carries the accepted counts, the emitted tokens and the fed-path
+lengths. Penalties and ``min_tokens`` (``BatchSampling.processors``) are refused with
+``ValueError`` (their per-path histories are not wired yet); logprobs are not produced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from specdial.models.batch import ForwardBatch
+from specdial.worker.batch_sampling import BatchSampling
+from specdial.worker.drafters import run_target
+from specdial.worker.stages import StepOutput
+from specdial.worker.tree import ancestor_mask, tree_positions
+from specdial.worker.tree_accept import tree_accept
+from specdial.worker.tree_draft import TreeDraft, draft_tree
+from specdial.worker.tree_kv import copy_rows, copy_slots, tree_kv_indices
+
+__all__ = ["TreePlan", "run_tree_iteration"]
+
+
+@dataclass
+class TreePlan:
+    """A tree decode plan's fields (host int64 arrays; see the module docstring). Raises
+    ``ValueError`` naming the field whose size does not fit."""
+
+    rows: np.ndarray
+    input_ids: np.ndarray
+    positions: np.ndarray
+    out_loc: np.ndarray
+    scratch_loc: np.ndarray
+    steps: int
+    tree_topk: int
+    num_draft_tokens: int
+    draft_loc: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        b, d, k, n = len(self.rows), self.steps, self.tree_topk, self.num_draft_tokens
+        if d < 1 or k < 1 or not d <= n <= 64:
+            raise ValueError(f"tree plan: steps (depth) >= 1, tree_topk >= 1 and steps <= "
+                             f"num_draft_tokens <= 64 required, got {d}, {k}, {n}")
+        for name, size in (("input_ids", b), ("positions", b), ("out_loc", b * (d + 1)),
+                           ("scratch_loc", b * n)):
+            if len(getattr(self, name)) != size:
+                raise ValueError(f"tree plan: {name} has {len(getattr(self, name))} entries, "
+                                 f"expected {size}")
+        need = b * k * (d - 1)
+        if self.draft_loc is None and k * (d - 1) > n:
+            raise ValueError(f"tree plan: the drafter needs tree_topk * (steps - 1) = "
+                             f"{k * (d - 1)} draft slots per request, more than "
+                             f"num_draft_tokens = {n}; pass draft_loc")
+        if self.draft_loc is not None and len(self.draft_loc) != need:
+            raise ValueError(f"tree plan: draft_loc has {len(self.draft_loc)} entries, "
+                             f"expected {need}")
+
+
+def run_tree_iteration(worker: Any, plan: TreePlan, sampling: BatchSampling,
+                       generator: torch.Generator | None) -> StepOutput:
+    """One tree iteration on ``worker`` (a :class:`~specdial.worker.worker.SpecWorker` with a
+    drafter) for ``plan``; returns the chain-shaped :class:`StepOutput`. Raises
+    ``ValueError`` without a drafter or with penalties / ``min_tokens`` in ``sampling``."""
+    ds, drafter = worker.drafter_state, worker.drafter
+    if ds is None or drafter is None:
+        raise ValueError("a draft tree needs a drafter")
+    if sampling.processors is not None:
+        raise ValueError("draft trees do not support penalties or min_tokens yet "
+                         "(speculative_eagle_topk 1 does)")
+    b, d, k, n = len(plan.rows), plan.steps, plan.tree_topk, plan.num_draft_tokens
+    dev, tables = worker.device, worker.tables
+    rows, lens = plan.rows, plan.positions
+    if len(rows) and (rows.min() < 0 or rows.max() >= worker.max_bs):
+        raise ValueError(f"tree plan: rows {rows.tolist()} outside 0..{worker.max_bs - 1}")
+    tables.write(rows, lens, np.full(b, d + 1, np.int64), kv_slots=plan.out_loc)
+    tables.write(rows, lens, np.ones(b, np.int64), ids=plan.input_ids)
+    runner = worker.states[min(worker.states)]
+    ds.catch_up(rows, lens, runner)
+    rows_d = torch.from_numpy(rows).to(dev)
+    lens_d = torch.from_numpy(lens).to(dev)
+    root = torch.from_numpy(plan.input_ids).to(dev)
+    chain = torch.from_numpy(plan.out_loc).to(dev).view(b, d + 1)
+    scratch = torch.from_numpy(plan.scratch_loc).to(dev).view(b, n)
+    draft_loc = (scratch[:, : k * (d - 1)] if plan.draft_loc is None
+                 else torch.from_numpy(plan.draft_loc).to(dev).view(b, -1))
+    first_hidden = None
+    if ds.features is not None:
+        first_hidden = ds.features[tables.req_to_token[rows_d, (lens_d - 1).clamp(min=0)]]
+        first_hidden = torch.where((lens_d > 0)[:, None], first_hidden, 0)
+    td = draft_tree(drafter, worker.backend, tables, rows_d, lens, root, first_hidden,
+                    draft_loc, topk=k, depth=d, num_nodes=n)
+    logits = _verify(worker, td, rows_d, lens, root, chain[:, 0], scratch)
+    acc, path, out = tree_accept(td.tree, logits, sampling, generator, lens_d + 1)
+    fed = _copy_path(worker, td, path, chain[:, 1:], scratch)
+    tables.req_to_ids[rows_d[:, None], lens_d[:, None] + 1 + torch.arange(d + 1, device=dev)] \
+        = out
+    host = torch.cat([acc[:, None], fed[:, None], out], 1).cpu().numpy()  # the one sync
+    accepted, fed_h = host[:, 0].astype(np.int64), host[:, 1].astype(np.int64)
+    ds.after_verify(rows, lens, fed_h + 1, accepted)
+    ds.catch_up(rows, lens + accepted + 1, runner)
+    keep = np.arange(d + 1)[None, :] <= accepted[:, None]
+    tokens = host[:, 2:][keep].astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(accepted + 1)]).astype(np.int64)
+    return StepOutput(d, tokens, offsets, accepted)
+
+
+def _verify(worker: Any, td: TreeDraft, rows: torch.Tensor, lens: np.ndarray,
+            root: torch.Tensor, root_loc: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """The target over ``[x_L, nodes]`` with the tree mask; logits ``[B, N + 1, V]``."""
+    tree = td.tree
+    b, n = tree.tokens.shape
+    extra = torch.cat([root_loc[:, None], scratch], 1)  # [B, N + 1]
+    kv_idx, kv_lens = tree_kv_indices(worker.tables, rows, lens, extra)
+    qo = torch.full((b,), n + 1, dtype=torch.int64, device=root.device)
+    meta = worker.backend.plan(qo, kv_lens, kv_idx, tree_mask=ancestor_mask(tree.parents))
+    pos = tree_positions(torch.from_numpy(lens).to(root.device), tree.depths)
+    ids = torch.cat([root[:, None], tree.tokens], 1)
+    batch = ForwardBatch(ids.reshape(-1), pos.reshape(-1), extra.reshape(-1), meta)
+    hidden, feats = run_target(worker.target, worker.drafter, batch, worker.kv, worker.backend)
+    worker.drafter_state.store_features(batch.out_loc, feats)
+    return worker.target.compute_logits(hidden).view(b, n + 1, -1)
+
+
+def _copy_path(worker: Any, td: TreeDraft, path: torch.Tensor, dst: torch.Tensor,
+               scratch: torch.Tensor) -> torch.Tensor:
+    """The accepted path's target KV and EAGLE features (scratch slots) and the draft model's
+    KV (draft slots of fed nodes) into the chain slots ``dst`` ``[B, D]`` of ``L + 1 ..``;
+    returns the fed-path length ``[B]`` (leading accepted nodes with true drafter KV)."""
+    valid = path >= 0
+    node = (path - 1).clamp(min=0)
+    src = scratch.gather(1, node)
+    copy_slots(worker.kv, src, dst, valid)
+    ds, drafter = worker.drafter_state, worker.drafter
+    if ds.features is not None:
+        copy_rows(ds.features, src, dst, valid, worker.num_kv_slots)
+    if drafter.needs_target_hidden:  # EAGLE: nodes were fed approximate features
+        return torch.zeros(path.shape[0], dtype=torch.int64, device=path.device)
+    fed = td.node_fed.gather(1, node)
+    ok = valid & (fed >= 0)
+    copy_slots(drafter.kv, fed, dst, ok)
+    return ok.to(torch.int64).cumprod(1).sum(1)

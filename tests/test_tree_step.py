@@ -1,0 +1,137 @@
+"""The worker's draft-tree iteration (issue 29) end to end on tiny models, driven by a
+plan-like :class:`TreePlan` from a small slot allocator standing in for the scheduler: greedy
+tokens equal target-only greedy for the draft model and EAGLE, across tree-shape changes, and
+after the iterations the target's KV (the draft model's KV, EAGLE's features) at the chain
+slots equals a fresh prefill of the emitted tokens (the accepted path's KV was copied from the scratch slots)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import PROMPTS
+from specdial.attention import TorchAttentionBackend
+from specdial.models.batch import ForwardBatch
+from specdial.worker.batch_sampling import BatchSampling
+from specdial.worker.drafters import make_drafter
+from specdial.worker.inputs import PrefillInput
+from specdial.worker.sampling_params import SamplingParams
+from specdial.worker.tree_step import TreePlan, run_tree_iteration
+from specdial.worker.worker import SpecWorker
+
+NEW = 20
+SLOTS = 1024
+SHAPES = [(2, 3, 4), (4, 3, 8), (1, 3, 3), (3, 4, 12), (8, 2, 8), (2, 7, 12), (4, 4, 8),
+          (5, 5, 40)]
+
+
+def greedy(b):
+    return BatchSampling.from_params([SamplingParams()] * b)
+
+
+class Slots:
+    """The scheduler's part: a free list and each request's position -> slot list."""
+
+    def __init__(self):
+        self.free = list(range(SLOTS))[::-1]
+
+    def take(self, n):
+        return [self.free.pop() for _ in range(n)]
+
+    def give(self, slots):
+        self.free.extend(slots)
+
+
+def reference_greedy(target, prompt, n):
+    seq = list(prompt)
+    for _ in range(n):
+        logits = _forward(target, seq)[0][-1]
+        seq.append(int(logits.argmax()))
+    return seq[len(prompt):]
+
+
+def _forward(model, seq, pool=None):
+    t = len(seq)
+    pool = pool if pool is not None else model.make_kv_pool(t)
+    idx = torch.arange(t)
+    meta = TorchAttentionBackend().plan(torch.tensor([t]), torch.tensor([t]), idx)
+    h = model(ForwardBatch(torch.tensor(seq), idx, idx, meta), pool, TorchAttentionBackend())
+    return model.compute_logits(h), h
+
+
+def run(target, module, shapes):
+    drafter = make_drafter(module, target, max_steps=7)
+    worker = SpecWorker(target, drafter, SLOTS, max_running_requests=3, context_length=96,
+                        step_values=range(8))
+    alloc = Slots()
+    b = len(PROMPTS)
+    chain = [alloc.take(len(p)) for p in PROMPTS]
+    lens = np.array([len(p) for p in PROMPTS], np.int64)
+    inp = PrefillInput(np.arange(b), np.concatenate(PROMPTS).astype(np.int64),
+                       np.concatenate(chain).astype(np.int64), lens, lens.copy(),
+                       np.ones(b, np.int64), np.cumsum(lens) - 1)
+    with torch.inference_mode():
+        first = worker.prefill(inp, greedy(b), None)
+        out = [[int(t)] for t in first.tokens]
+        it = 0
+        while min(len(o) for o in out) < NEW:
+            k, d, n = shapes[it % len(shapes)]
+            L = np.array([len(c) for c in chain], np.int64)
+            new = [alloc.take(d + 1) for _ in range(b)]
+            scratch = [alloc.take(n) for _ in range(b)]
+            extra = [alloc.take(k * (d - 1)) for _ in range(b)] if k * (d - 1) > n else None
+            plan = TreePlan(np.arange(b), np.array([o[-1] for o in out], np.int64), L,
+                            np.concatenate(new).astype(np.int64),
+                            np.concatenate(scratch).astype(np.int64), d, k, n,
+                            None if extra is None else np.concatenate(extra).astype(np.int64))
+            res = run_tree_iteration(worker, plan, greedy(b), None)
+            for r in range(b):
+                a = int(res.accepted[r])
+                out[r].extend(res.tokens_of(r).tolist())
+                chain[r].extend(new[r][: a + 1])
+                alloc.give(new[r][a + 1:] + scratch[r] + (extra[r] if extra else []))
+            it += 1
+    return worker, chain, out
+
+
+@pytest.mark.parametrize("name", ["draft", "eagle"])
+def test_tree_iterations_give_target_greedy_and_chain_kv(request, name):
+    fx = request.getfixturevalue("tiny" if name == "draft" else "tiny1")
+    target = fx.target
+    module = fx.draft_noisy if name == "draft" else fx.eagle_noisy
+    worker, chain, out = run(target, module, SHAPES)
+    accepted_any = False
+    for r, prompt in enumerate(PROMPTS):
+        want = reference_greedy(target, prompt, len(out[r]))
+        assert out[r] == want
+        seq = list(prompt) + out[r][:-1]  # positions 0 .. L - 1 hold KV
+        assert len(chain[r]) == len(seq)
+        accepted_any |= len(out[r]) > 1
+        fresh = target.make_kv_pool(len(seq))
+        _, hidden = _forward(target, seq, fresh)
+        slots = torch.tensor(chain[r])
+        torch.testing.assert_close(worker.kv.k_buffer[:, slots], fresh.k_buffer[:, :len(seq)],
+                                   atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(worker.kv.v_buffer[:, slots], fresh.v_buffer[:, :len(seq)],
+                                   atol=2e-5, rtol=1e-4)
+        assert int(worker.draft_len[r]) == len(seq)
+        if name == "eagle":  # EAGLE-1's features (the target's final hidden states) moved too
+            torch.testing.assert_close(worker.hidden[slots], hidden, atol=2e-5, rtol=1e-4)
+        if name == "draft":  # the drafter's KV: a fresh drafter prefill of the same tokens
+            dl = len(seq)
+            dfresh = module.make_kv_pool(dl)
+            _forward(module, seq, dfresh)
+            torch.testing.assert_close(worker.drafter.kv.k_buffer[:, slots[:dl]],
+                                       dfresh.k_buffer[:, :dl], atol=2e-5, rtol=1e-4)
+    assert accepted_any
+
+
+def test_tree_plan_errors_name_the_field():
+    z = np.zeros(2, np.int64)
+    with pytest.raises(ValueError, match="scratch_loc has 3 entries, expected 8"):
+        TreePlan(z, z, z, np.zeros(8, np.int64), np.zeros(3, np.int64), 3, 2, 4)
+    with pytest.raises(ValueError, match="pass draft_loc"):
+        TreePlan(z, z, z, np.zeros(10, np.int64), np.zeros(8, np.int64), 4, 4, 4)
+    with pytest.raises(ValueError, match="num_draft_tokens <= 64"):
+        TreePlan(z, z, z, np.zeros(8, np.int64), np.zeros(130, np.int64), 3, 8, 65)
