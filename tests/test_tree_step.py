@@ -15,9 +15,10 @@ from specdial.attention import TorchAttentionBackend
 from specdial.models.batch import ForwardBatch
 from specdial.worker.batch_sampling import BatchSampling
 from specdial.worker.drafters import make_drafter
-from specdial.worker.inputs import PrefillInput
+from specdial.worker.inputs import DecodeInput, PrefillInput
+from specdial.worker.logprobs import LogprobRows
 from specdial.worker.sampling_params import SamplingParams
-from specdial.worker.tree_step import TreePlan, run_tree_iteration
+from specdial.worker.tree_step import TreePlan
 from specdial.worker.worker import SpecWorker
 
 NEW = 20
@@ -60,7 +61,10 @@ def _forward(model, seq, pool=None):
     return model.compute_logits(h), h
 
 
-def run(target, module, shapes):
+def run(target, module, shapes, sampling=None, logprobs=None):
+    """Prefill, then tree iterations of ``shapes`` (None: plain decoding, steps 0, through
+    ``SpecWorker.decode``) until every request has ``NEW`` tokens."""
+    sampling = sampling or greedy(len(PROMPTS))
     drafter = make_drafter(module, target, max_steps=7)
     worker = SpecWorker(target, drafter, SLOTS, max_running_requests=3, context_length=96,
                         step_values=range(8))
@@ -72,27 +76,37 @@ def run(target, module, shapes):
                        np.concatenate(chain).astype(np.int64), lens, lens.copy(),
                        np.ones(b, np.int64), np.cumsum(lens) - 1)
     with torch.inference_mode():
-        first = worker.prefill(inp, greedy(b), None)
+        first = worker.prefill(inp, sampling, None)
         out = [[int(t)] for t in first.tokens]
+        lps = [[] for _ in range(b)]
         it = 0
         while min(len(o) for o in out) < NEW:
-            k, d, n = shapes[it % len(shapes)]
+            k, d, n = shapes[it % len(shapes)] if shapes else (1, 0, 0)
             L = np.array([len(c) for c in chain], np.int64)
             new = [alloc.take(d + 1) for _ in range(b)]
             scratch = [alloc.take(n) for _ in range(b)]
             extra = [alloc.take(k * (d - 1)) for _ in range(b)] if k * (d - 1) > n else None
-            plan = TreePlan(np.arange(b), np.array([o[-1] for o in out], np.int64), L,
+            if d == 0:
+                plan = DecodeInput(0, None, np.arange(b), np.array([o[-1] for o in out]), L,
+                                   np.concatenate(new).astype(np.int64), np.zeros(b, np.int64))
+                scratch = [[] for _ in range(b)]
+            else:
+                plan = TreePlan(np.arange(b), np.array([o[-1] for o in out], np.int64), L,
                             np.concatenate(new).astype(np.int64),
-                            np.concatenate(scratch).astype(np.int64), d, k, n,
-                            None if extra is None else np.concatenate(extra).astype(np.int64))
-            res = run_tree_iteration(worker, plan, greedy(b), None)
+                                np.concatenate(scratch).astype(np.int64), d, k, n,
+                                None if extra is None
+                                else np.concatenate(extra).astype(np.int64))
+            res = worker.decode(plan, sampling, None, logprobs)
             for r in range(b):
                 a = int(res.accepted[r])
                 out[r].extend(res.tokens_of(r).tolist())
+                if logprobs is not None and r in logprobs.rows_np:
+                    i = int(np.searchsorted(logprobs.rows_np, r))
+                    lps[r].extend(res.logprobs.logprob[i, : a + 1].tolist())
                 chain[r].extend(new[r][: a + 1])
                 alloc.give(new[r][a + 1:] + scratch[r] + (extra[r] if extra else []))
             it += 1
-    return worker, chain, out
+    return worker, chain, out, lps
 
 
 @pytest.mark.parametrize("name", ["draft", "eagle"])
@@ -100,7 +114,7 @@ def test_tree_iterations_give_target_greedy_and_chain_kv(request, name):
     fx = request.getfixturevalue("tiny" if name == "draft" else "tiny1")
     target = fx.target
     module = fx.draft_noisy if name == "draft" else fx.eagle_noisy
-    worker, chain, out = run(target, module, SHAPES)
+    worker, chain, out, _ = run(target, module, SHAPES)
     accepted_any = False
     for r, prompt in enumerate(PROMPTS):
         want = reference_greedy(target, prompt, len(out[r]))
@@ -135,3 +149,29 @@ def test_tree_plan_errors_name_the_field():
         TreePlan(z, z, z, np.zeros(10, np.int64), np.zeros(8, np.int64), 4, 4, 4)
     with pytest.raises(ValueError, match="num_draft_tokens <= 64"):
         TreePlan(z, z, z, np.zeros(8, np.int64), np.zeros(130, np.int64), 3, 8, 65)
+
+
+def test_processors_seeds_and_logprobs_follow_each_path(tiny):
+    """Penalties, min_tokens and logit_bias on greedy and seeded rows: tree iterations emit
+    exactly plain decoding's tokens (steps 0 through SpecWorker.decode) with the same raw
+    log-probabilities, whatever the tree shapes."""
+    params = [SamplingParams(repetition_penalty=1.8, logit_bias={5: 1.0}, max_new_tokens=64),
+              SamplingParams(temperature=0.9, seed=7, frequency_penalty=1.0, min_tokens=12,
+                             logit_bias={9: 6.0}, max_new_tokens=64),
+              SamplingParams(temperature=1.0, seed=123, presence_penalty=1.5,
+                             max_new_tokens=64)]
+    sampling = BatchSampling.from_params(params, prompt_lens=[len(p) for p in PROMPTS],
+                                         min_tokens_ids=[(), (9,), ()])
+    lp = LogprobRows.build([0, None, 2], "cpu")
+    module = tiny.draft_noisy
+    _, _, plain, plain_lp = run(tiny.target, module, None, sampling, lp)
+    for shapes in ([(2, 3, 4), (4, 3, 8)], [(3, 4, 12), (1, 3, 3), (2, 7, 12)]):
+        _, _, got, got_lp = run(tiny.target, module, shapes, sampling, lp)
+        for r in range(len(PROMPTS)):
+            n = min(len(plain[r]), len(got[r]))
+            assert got[r][:n] == plain[r][:n]
+            m = min(len(plain_lp[r]), len(got_lp[r]), n - 1)
+            assert (m > 10) == (r != 1)
+            np.testing.assert_allclose(got_lp[r][:m], plain_lp[r][:m], atol=1e-4)
+    # min_tokens holds the heavily biased token 9 back for 12 outputs, then it comes
+    assert 9 not in plain[1][:12] and 9 in plain[1][12:15]

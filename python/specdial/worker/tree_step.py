@@ -20,8 +20,9 @@ features and (draft model) drafter KV copied into the chain slots of ``L + 1 .. 
 (:mod:`specdial.worker.tree_kv`); then the report is a chain's (``accepted[b] = a <= D``,
 ``a + 1`` tokens) and the draft extend covers the accepted path only (invariant 3). The
 iteration's one host copy carries the accepted counts, the emitted tokens and the fed-path
-lengths. Penalties and ``min_tokens`` (``BatchSampling.processors``) are refused with
-``ValueError`` (their per-path histories are not wired yet); logprobs are not produced.
+lengths. Penalties, ``min_tokens`` and ``logit_bias`` process each verify column with its own
+path (:mod:`specdial.worker.tree_processing`); log-probabilities are the raw target logits of
+the columns that decided the emitted tokens (the root, then the accepted path), as for a chain.
 """
 
 from __future__ import annotations
@@ -35,13 +36,15 @@ import torch
 from specdial.models.batch import ForwardBatch
 from specdial.worker.batch_sampling import BatchSampling
 from specdial.worker.drafters import run_target
+from specdial.worker.logprobs import LogprobRows, token_logprobs
 from specdial.worker.stages import StepOutput
 from specdial.worker.tree import ancestor_mask, tree_positions
-from specdial.worker.tree_accept import tree_accept
+from specdial.worker.tree_accept import path_columns, tree_accept
 from specdial.worker.tree_draft import TreeDraft, draft_tree
 from specdial.worker.tree_kv import copy_rows, copy_slots, tree_kv_indices
+from specdial.worker.tree_processing import process_tree_columns, step_histories
 
-__all__ = ["TreePlan", "run_tree_iteration"]
+__all__ = ["TreePlan", "is_tree_plan", "run_tree_iteration"]
 
 
 @dataclass
@@ -79,17 +82,37 @@ class TreePlan:
                              f"expected {need}")
 
 
+    @classmethod
+    def from_plan(cls, plan: Any) -> "TreePlan":
+        """The fields of a scheduler plan with ``tree_topk > 1`` (issue 29's contract:
+        ``steps``, ``tree_topk``, ``num_draft_tokens``, ``scratch_loc``, ``out_loc``, and
+        ``draft_loc`` when the plan has one)."""
+        def i64(x: Any) -> np.ndarray:
+            return np.ascontiguousarray(np.asarray(x), np.int64)
+
+        draft = getattr(plan, "draft_loc", None)
+        return cls(i64(plan.rows), i64(plan.input_ids), i64(plan.positions), i64(plan.out_loc),
+                   i64(plan.scratch_loc), int(plan.steps), int(plan.tree_topk),
+                   int(plan.num_draft_tokens), None if draft is None else i64(draft))
+
+
+def is_tree_plan(plan: Any) -> bool:
+    """Whether a decode plan runs the tree iteration: a :class:`TreePlan`, or a plan with
+    ``tree_topk > 1`` (a chain's plans have ``tree_topk`` 1 or no such field, and keep the
+    chain path unchanged)."""
+    return isinstance(plan, TreePlan) or int(getattr(plan, "tree_topk", 1) or 1) > 1
+
+
 def run_tree_iteration(worker: Any, plan: TreePlan, sampling: BatchSampling,
-                       generator: torch.Generator | None) -> StepOutput:
+                       generator: torch.Generator | None,
+                       logprobs: LogprobRows | None = None) -> StepOutput:
     """One tree iteration on ``worker`` (a :class:`~specdial.worker.worker.SpecWorker` with a
-    drafter) for ``plan``; returns the chain-shaped :class:`StepOutput`. Raises
-    ``ValueError`` without a drafter or with penalties / ``min_tokens`` in ``sampling``."""
+    drafter) for ``plan``; returns the chain-shaped :class:`StepOutput` (``logprobs``: as
+    :meth:`SpecWorker.decode <specdial.worker.worker.SpecWorker.decode>`'s). Raises
+    ``ValueError`` without a drafter."""
     ds, drafter = worker.drafter_state, worker.drafter
     if ds is None or drafter is None:
         raise ValueError("a draft tree needs a drafter")
-    if sampling.processors is not None:
-        raise ValueError("draft trees do not support penalties or min_tokens yet "
-                         "(speculative_eagle_topk 1 does)")
     b, d, k, n = len(plan.rows), plan.steps, plan.tree_topk, plan.num_draft_tokens
     dev, tables = worker.device, worker.tables
     rows, lens = plan.rows, plan.positions
@@ -112,19 +135,30 @@ def run_tree_iteration(worker: Any, plan: TreePlan, sampling: BatchSampling,
         first_hidden = torch.where((lens_d > 0)[:, None], first_hidden, 0)
     td = draft_tree(drafter, worker.backend, tables, rows_d, lens, root, first_hidden,
                     draft_loc, topk=k, depth=d, num_nodes=n)
-    logits = _verify(worker, td, rows_d, lens, root, chain[:, 0], scratch)
+    raw = _verify(worker, td, rows_d, lens, root, chain[:, 0], scratch)
+    logits = raw
+    if sampling.processors is not None:
+        base, seen = step_histories(worker, sampling.processors, rows, lens)
+        logits = process_tree_columns(raw, sampling.processors, td.tree, root, lens_d + 1,
+                                      base, seen)
     acc, path, out = tree_accept(td.tree, logits, sampling, generator, lens_d + 1)
+    lp_pending = None
+    if logprobs is not None:
+        cols = path_columns(path)
+        lp_pending = token_logprobs(raw.gather(1, cols[:, :, None].expand(-1, -1, raw.shape[2])),
+                                    out, logprobs).to_host()
     fed = _copy_path(worker, td, path, chain[:, 1:], scratch)
     tables.req_to_ids[rows_d[:, None], lens_d[:, None] + 1 + torch.arange(d + 1, device=dev)] \
         = out
     host = torch.cat([acc[:, None], fed[:, None], out], 1).cpu().numpy()  # the one sync
+    lp_host = None if lp_pending is None else lp_pending()
     accepted, fed_h = host[:, 0].astype(np.int64), host[:, 1].astype(np.int64)
     ds.after_verify(rows, lens, fed_h + 1, accepted)
     ds.catch_up(rows, lens + accepted + 1, runner)
     keep = np.arange(d + 1)[None, :] <= accepted[:, None]
     tokens = host[:, 2:][keep].astype(np.int64)
     offsets = np.concatenate([[0], np.cumsum(accepted + 1)]).astype(np.int64)
-    return StepOutput(d, tokens, offsets, accepted)
+    return StepOutput(d, tokens, offsets, accepted, lp_host)
 
 
 def _verify(worker: Any, td: TreeDraft, rows: torch.Tensor, lens: np.ndarray,
