@@ -61,18 +61,18 @@ def _forward(model, seq, pool=None):
     return model.compute_logits(h), h
 
 
-def run(target, module, shapes, sampling=None, logprobs=None):
+def run(target, module, shapes, sampling=None, logprobs=None, prompts=PROMPTS):
     """Prefill, then tree iterations of ``shapes`` (None: plain decoding, steps 0, through
     ``SpecWorker.decode``) until every request has ``NEW`` tokens."""
-    sampling = sampling or greedy(len(PROMPTS))
+    sampling = sampling or greedy(len(prompts))
     drafter = make_drafter(module, target, max_steps=7)
     worker = SpecWorker(target, drafter, SLOTS, max_running_requests=3, context_length=96,
                         step_values=range(8))
     alloc = Slots()
-    b = len(PROMPTS)
-    chain = [alloc.take(len(p)) for p in PROMPTS]
-    lens = np.array([len(p) for p in PROMPTS], np.int64)
-    inp = PrefillInput(np.arange(b), np.concatenate(PROMPTS).astype(np.int64),
+    b = len(prompts)
+    chain = [alloc.take(len(p)) for p in prompts]
+    lens = np.array([len(p) for p in prompts], np.int64)
+    inp = PrefillInput(np.arange(b), np.concatenate(prompts).astype(np.int64),
                        np.concatenate(chain).astype(np.int64), lens, lens.copy(),
                        np.ones(b, np.int64), np.cumsum(lens) - 1)
     with torch.inference_mode():
@@ -175,3 +175,22 @@ def test_processors_seeds_and_logprobs_follow_each_path(tiny):
             np.testing.assert_allclose(got_lp[r][:m], plain_lp[r][:m], atol=1e-4)
     # min_tokens holds the heavily biased token 9 back for 12 outputs, then it comes
     assert 9 not in plain[1][:12] and 9 in plain[1][12:15]
+
+
+def test_eagle3_tree_iterations_give_target_greedy():
+    """An EAGLE-3 head drafting over 6 of 8 target tokens (its trees' scores are -inf on the
+    other two): greedy tokens and the target's KV as for a chain."""
+    from test_eagle3_sampling import eagle3_head
+    from test_engine_sampling import tiny_model
+
+    target = tiny_model(0, layers=3)
+    prompts = [[1, 2, 3], [7, 7, 0, 5, 4]]
+    worker, chain, out, _ = run(target, eagle3_head(target), [(3, 3, 6), (6, 2, 12), (8, 4, 20),
+                                                              (1, 5, 5)], prompts=prompts)
+    for r, prompt in enumerate(prompts):
+        assert out[r] == reference_greedy(target, prompt, len(out[r]))
+        seq = list(prompt) + out[r][:-1]
+        fresh = target.make_kv_pool(len(seq))
+        _forward(target, seq, fresh)
+        torch.testing.assert_close(worker.kv.k_buffer[:, torch.tensor(chain[r])],
+                                   fresh.k_buffer[:, :len(seq)], atol=2e-5, rtol=1e-4)
