@@ -147,6 +147,8 @@ def test_tree_plan_errors_name_the_field():
         TreePlan(z, z, z, np.zeros(8, np.int64), np.zeros(3, np.int64), 3, 2, 4)
     with pytest.raises(ValueError, match="pass draft_loc"):
         TreePlan(z, z, z, np.zeros(10, np.int64), np.zeros(8, np.int64), 4, 4, 4)
+    with pytest.raises(ValueError, match="above the 6 nodes"):
+        TreePlan(z, z, z, np.zeros(6, np.int64), np.zeros(14, np.int64), 2, 2, 7)
     with pytest.raises(ValueError, match="num_draft_tokens <= 64"):
         TreePlan(z, z, z, np.zeros(8, np.int64), np.zeros(130, np.int64), 3, 8, 65)
 

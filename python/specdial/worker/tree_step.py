@@ -72,6 +72,11 @@ class TreePlan:
             if len(getattr(self, name)) != size:
                 raise ValueError(f"tree plan: {name} has {len(getattr(self, name))} entries, "
                                  f"expected {size}")
+        cands = k + (d - 1) * k * k
+        if n > cands:
+            raise ValueError(f"tree plan: num_draft_tokens {n} above the {cands} nodes a tree "
+                             f"of tree_topk {k} and depth {d} can hold (topk + (depth - 1) * "
+                             "topk**2)")
         need = b * k * (d - 1)
         if self.draft_loc is None and k * (d - 1) > n:
             raise ValueError(f"tree plan: the drafter needs tree_topk * (steps - 1) = "
@@ -115,6 +120,10 @@ def run_tree_iteration(worker: Any, plan: TreePlan, sampling: BatchSampling,
         raise ValueError("a draft tree needs a drafter")
     b, d, k, n = len(plan.rows), plan.steps, plan.tree_topk, plan.num_draft_tokens
     dev, tables = worker.device, worker.tables
+    if d > drafter.max_steps or (b and int((plan.positions + d + 1).max()) >= tables.width):
+        raise ValueError(f"tree plan: depth {d} above the drafter's max_steps "
+                         f"{drafter.max_steps} or past the request tables' {tables.width} "
+                         "positions")
     rows, lens = plan.rows, plan.positions
     if len(rows) and (rows.min() < 0 or rows.max() >= worker.max_bs):
         raise ValueError(f"tree plan: rows {rows.tolist()} outside 0..{worker.max_bs - 1}")
