@@ -12,7 +12,9 @@ for the Rust scheduler (the tree's plan fields are not wired to it yet), so no p
 the figures compare fixed shapes. Repetitions alternate the configurations (config order
 rotated each repetition); reported per configuration: median tokens/s over the repetitions,
 its ratio to the median of ``nospec`` and of the best chain, acceptance length (tokens emitted
-per verify) and ms per iteration, with the load average beside them.
+per verify) and ms per iteration, with the load average beside them; then the target's
+forward cost at 1 .. 64 new tokens (``--cost-tokens``), the curve that decides whether a
+tree's larger verify pays off on this hardware.
 """
 
 from __future__ import annotations
@@ -88,6 +90,30 @@ def generate(worker: SpecWorker, prompt: list[int], shape: tuple[int, int, int],
     return len(out) - 1, verifies, time.perf_counter() - start
 
 
+def cost_curve(model, tokens: list[int], reps: int, context: int = 256) -> dict[int, float]:
+    """Median ms of one forward of ``model`` over ``n`` new tokens after ``context`` cached
+    ones, per ``n`` in ``tokens`` (alternating the sizes each repetition): the cost a tree's
+    verify (``N + 1`` tokens) pays against a chain's (``steps + 1``)."""
+    from specdial.attention import TorchAttentionBackend
+    from specdial.models.batch import ForwardBatch
+
+    backend = TorchAttentionBackend()
+    pool = model.make_kv_pool(context + max(tokens))
+    ids = torch.randint(0, model.config.vocab_size, (context + max(tokens),))
+    times: dict[int, list[float]] = {n: [] for n in tokens}
+    with torch.inference_mode():
+        for _ in range(reps + 1):  # the first round warms up
+            for n in tokens:
+                kv = torch.arange(context + n)
+                meta = backend.plan(torch.tensor([n]), torch.tensor([context + n]), kv)
+                pos = torch.arange(context, context + n)
+                t0 = time.perf_counter()
+                model.compute_logits(model(ForwardBatch(ids[pos], pos, pos, meta), pool,
+                                           backend))
+                times[n].append(time.perf_counter() - t0)
+    return {n: 1000 * statistics.median(v[1:]) for n, v in times.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--drafters", default="DRAFT")
@@ -97,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--cost-tokens", default="1,2,4,8,16,32,64",
+                    help="token counts of the target's forward cost curve ('' to skip)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -143,9 +171,12 @@ def main(argv: list[str] | None = None) -> int:
                     "vs_best_chain": med[c] / max(chains) if chains else None,
                     "accept_length": st["tokens"] / st["verifies"],
                     "ms_per_iter": 1000 * st["secs"] / st["verifies"]})
+    curve = (cost_curve(target, [int(x) for x in args.cost_tokens.split(",")], args.reps)
+             if args.cost_tokens else {})
     load = os.getloadavg()
     if args.json:
-        print(json.dumps({"rows": rows, "loadavg": load, "reps": args.reps}))
+        print(json.dumps({"rows": rows, "loadavg": load, "reps": args.reps,
+                          "target_forward_ms": curve}))
     else:
         print(f"reps {args.reps}, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
         for r in rows:
@@ -153,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['tokens_per_s']:8.1f} tok/s  x{r['vs_nospec'] or 0:.2f} nospec  "
                   f"x{r['vs_best_chain'] or 0:.2f} best chain  accept {r['accept_length']:.2f}"
                   f"  {r['ms_per_iter']:.1f} ms/iter")
+        if curve:
+            one = curve[min(curve)]
+            print("target forward (context 256), ms and ratio to the smallest: " + ", ".join(
+                f"{n}: {ms:.1f} (x{ms / one:.2f})" for n, ms in curve.items()))
     return 0
 
 
