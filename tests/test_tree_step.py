@@ -34,8 +34,8 @@ def greedy(b):
 class Slots:
     """The scheduler's part: a free list and each request's position -> slot list."""
 
-    def __init__(self):
-        self.free = list(range(SLOTS))[::-1]
+    def __init__(self, n):
+        self.free = list(range(n))[::-1]
 
     def take(self, n):
         return [self.free.pop() for _ in range(n)]
@@ -61,14 +61,15 @@ def _forward(model, seq, pool=None):
     return model.compute_logits(h), h
 
 
-def run(target, module, shapes, sampling=None, logprobs=None, prompts=PROMPTS):
+def run(target, module, shapes, sampling=None, logprobs=None, prompts=PROMPTS, new_tokens=NEW):
     """Prefill, then tree iterations of ``shapes`` (None: plain decoding, steps 0, through
     ``SpecWorker.decode``) until every request has ``NEW`` tokens."""
     sampling = sampling or greedy(len(prompts))
     drafter = make_drafter(module, target, max_steps=7)
-    worker = SpecWorker(target, drafter, SLOTS, max_running_requests=3, context_length=96,
-                        step_values=range(8))
-    alloc = Slots()
+    slots = max(SLOTS, 96 * len(prompts))
+    worker = SpecWorker(target, drafter, slots, max_running_requests=len(prompts),
+                        context_length=96, step_values=range(8))
+    alloc = Slots(slots)
     b = len(prompts)
     chain = [alloc.take(len(p)) for p in prompts]
     lens = np.array([len(p) for p in prompts], np.int64)
@@ -80,7 +81,7 @@ def run(target, module, shapes, sampling=None, logprobs=None, prompts=PROMPTS):
         out = [[int(t)] for t in first.tokens]
         lps = [[] for _ in range(b)]
         it = 0
-        while min(len(o) for o in out) < NEW:
+        while min(len(o) for o in out) < new_tokens:
             k, d, n = shapes[it % len(shapes)] if shapes else (1, 0, 0)
             L = np.array([len(c) for c in chain], np.int64)
             new = [alloc.take(d + 1) for _ in range(b)]
@@ -196,3 +197,25 @@ def test_eagle3_tree_iterations_give_target_greedy():
         _forward(target, seq, fresh)
         torch.testing.assert_close(worker.kv.k_buffer[:, torch.tensor(chain[r])],
                                    fresh.k_buffer[:, :len(seq)], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 4), (3, 2, 6)])
+def test_unseeded_sampling_through_tree_iterations_keeps_the_target_distribution(shape):
+    """Temperature 1, no seed: the 2nd and 3rd tokens (decided by tree iterations) of 3000
+    copies of one prompt follow the exact target-only marginals (chi-square, df 7, alpha
+    1e-3), with a random draft model on an 8-token vocabulary."""
+    from test_engine_sampling import (CRITICAL_DF7_ALPHA_1E3, PROMPT, V, chi2, exact_marginals,
+                                      tiny_model)
+
+    target, draft = tiny_model(0, layers=2), tiny_model(1, layers=1)
+    sp = {"temperature": 1.0}
+    m2, m3 = exact_marginals(target, sp)
+    rows = 3000
+    sampling = BatchSampling.from_params([SamplingParams(temperature=1.0)] * rows)
+    torch.manual_seed(5)
+    _, _, out, _ = run(target, draft, [shape], sampling, prompts=[PROMPT] * rows,
+                       new_tokens=3)
+    ids = np.array([o[:3] for o in out])
+    for col, m in ((1, m2), (2, m3)):
+        stat = chi2(np.bincount(ids[:, col], minlength=V), m)
+        assert stat < CRITICAL_DF7_ALPHA_1E3, (col, stat)
