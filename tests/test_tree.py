@@ -153,3 +153,20 @@ def test_tree_attention_matches_reference():
         tree_key_mask(torch.tensor([5, 4, 5]), kv, tm, int(kv.max()))
     with pytest.raises(ValueError, match="kv_len >= t"):
         tree_key_mask(qo, torch.tensor([3, 9, 9]), tm, 9)
+
+
+def test_flashinfer_packed_custom_mask_layout():
+    """The flattened custom_mask flashinfer's prefill wrapper takes (request, query, key;
+    computed without flashinfer, which the CPU image lacks) against a loop."""
+    from specdial.attention.flashinfer_backend import packed_custom_mask
+
+    g = torch.Generator().manual_seed(3)
+    qo, kv = torch.tensor([3, 3]), torch.tensor([5, 9])
+    tm = torch.rand(2, 3, 4, generator=g) < 0.5
+    got = packed_custom_mask(qo, kv, tm, "cpu")
+    want = []
+    for r in range(2):
+        pre = int(kv[r]) - 4
+        for i in range(3):
+            want += [j < pre or bool(tm[r, i, j - pre]) for j in range(int(kv[r]))]
+    assert got.dtype == torch.bool and got.tolist() == want

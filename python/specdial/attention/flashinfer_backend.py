@@ -96,6 +96,19 @@ class FlashInferMetadata(AttentionMetadata):
     wrappers: dict[HeadKey, Any] = field(default_factory=dict)
 
 
+def packed_custom_mask(qo_lens: torch.Tensor, kv_lens: torch.Tensor, tree_mask: torch.Tensor,
+                       device: torch.device | str) -> torch.Tensor:
+    """flashinfer's ``custom_mask`` for a tree mask (:mod:`specdial.attention.base`): bool
+    ``[sum(qo_len * kv_len)]`` on ``device``, request after request, each request's
+    ``[qo_len, kv_len]`` visibility flattened row-major (query, then key), as
+    ``BatchPrefillWithPagedKVCacheWrapper.plan(custom_mask=...)`` takes it. ``qo_lens`` /
+    ``kv_lens``: host int64 ``[B]``. Raises ``ValueError`` as :func:`tree_key_mask`."""
+    max_kv = int(kv_lens.max()) if kv_lens.numel() else 0
+    dense = tree_key_mask(qo_lens, kv_lens, tree_mask.to(device), max_kv)  # [B, n, max_kv]
+    valid = (torch.arange(max_kv)[None, :] < kv_lens[:, None]).to(device)
+    return dense[valid[:, None, :].expand_as(dense)]
+
+
 class FlashInferAttentionBackend(AttentionBackend):
     """flashinfer paged attention (page size 1, ``NHD``) behind :class:`AttentionBackend`.
 
@@ -139,12 +152,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         kv_indices = kv_indices.to(self.device, torch.int64).contiguous()
         AttentionMetadata.check_lens(qo, kv, kv_indices)
         qo_indptr, kv_indptr = indptr(qo), indptr(kv)
-        custom = None
-        if tree_mask is not None:
-            max_kv = int(kv.max()) if kv.numel() else 0
-            dense = tree_key_mask(qo, kv, tree_mask.to(self.device), max_kv)  # [B, n, max_kv]
-            valid = (torch.arange(max_kv)[None, :] < kv[:, None]).to(self.device)
-            custom = dense[valid[:, None, :].expand_as(dense)]  # request, query, key order
+        custom = None if tree_mask is None else packed_custom_mask(qo, kv, tree_mask,
+                                                                   self.device)
         return FlashInferMetadata(
             qo_lens=qo, kv_lens=kv, kv_indices=kv_indices, qo_indptr=qo_indptr,
             kv_indptr=kv_indptr, custom_mask=custom,
