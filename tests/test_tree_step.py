@@ -24,7 +24,7 @@ from specdial.worker.worker import SpecWorker
 NEW = 20
 SLOTS = 1024
 SHAPES = [(2, 3, 4), (4, 3, 8), (1, 3, 3), (3, 4, 12), (8, 2, 8), (2, 7, 12), (4, 4, 8),
-          (5, 5, 40)]
+          (3, 1, 3), (5, 5, 40)]
 
 
 def greedy(b):
@@ -140,6 +140,19 @@ def test_tree_iterations_give_target_greedy_and_chain_kv(request, name):
             torch.testing.assert_close(worker.drafter.kv.k_buffer[:, slots[:dl]],
                                        dfresh.k_buffer[:, :dl], atol=2e-5, rtol=1e-4)
     assert accepted_any
+
+
+def test_only_tree_plans_take_the_tree_path():
+    """A chain's plan (no tree_topk, or tree_topk 1) keeps the chain stages unchanged."""
+    from types import SimpleNamespace
+
+    from specdial.worker.tree_step import is_tree_plan
+
+    z = np.zeros(1, np.int64)
+    assert not is_tree_plan(DecodeInput(2, None, z, z, z, np.zeros(3, np.int64), z + 2))
+    assert not is_tree_plan(SimpleNamespace(tree_topk=1))
+    assert is_tree_plan(SimpleNamespace(tree_topk=4))
+    assert is_tree_plan(TreePlan(z, z, z, np.zeros(3, np.int64), np.zeros(2, np.int64), 2, 1, 2))
 
 
 def test_tree_plan_errors_name_the_field():
