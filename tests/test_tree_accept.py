@@ -169,3 +169,18 @@ def test_seeded_tokens_do_not_depend_on_the_tree():
         got = _decode(target, drafter, shapes, sampling, prev, last, steps, start_pos=start,
                       generator=gen)
         assert torch.equal(got[: b - 1], ref)
+
+
+def test_child_table_orders_children_and_checks_the_bound():
+    from specdial.worker.tree import DraftTree
+    from specdial.worker.tree_accept import child_table
+
+    parents = torch.tensor([[-1, -1, 0, 0, 1, -1]])
+    tree = DraftTree(torch.arange(6)[None], parents, torch.tensor([[1, 1, 2, 2, 2, 1]]),
+                     torch.zeros(1, 6), depth=2, topk=3)
+    assert child_table(tree, check=True).tolist() == [[[1, 2, 6], [3, 4, -1], [5, -1, -1],
+                                                        [-1, -1, -1], [-1, -1, -1],
+                                                        [-1, -1, -1], [-1, -1, -1]]]
+    tree.topk = 2
+    with pytest.raises(ValueError, match="more than topk=2 children"):
+        child_table(tree, check=True)

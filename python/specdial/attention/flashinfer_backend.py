@@ -105,8 +105,10 @@ def packed_custom_mask(qo_lens: torch.Tensor, kv_lens: torch.Tensor, tree_mask: 
     ``kv_lens``: host int64 ``[B]``. Raises ``ValueError`` as :func:`tree_key_mask`."""
     max_kv = int(kv_lens.max()) if kv_lens.numel() else 0
     dense = tree_key_mask(qo_lens, kv_lens, tree_mask.to(device), max_kv)  # [B, n, max_kv]
-    valid = (torch.arange(max_kv)[None, :] < kv_lens[:, None]).to(device)
-    return dense[valid[:, None, :].expand_as(dense)]
+    # the flat positions of the valid keys, found on the host (no device sync), then gathered
+    valid = (torch.arange(max_kv)[None, :] < kv_lens[:, None])[:, None, :].expand(dense.shape)
+    flat = valid.reshape(-1).nonzero().squeeze(1).to(device, non_blocking=True)
+    return dense.reshape(-1)[flat]
 
 
 class FlashInferAttentionBackend(AttentionBackend):

@@ -52,21 +52,23 @@ I64 = torch.int64
 RESIDUAL_EPS = 1e-6
 
 
-def child_table(tree: DraftTree) -> torch.Tensor:
+def child_table(tree: DraftTree, check: bool = False) -> torch.Tensor:
     """``[B, N + 1, K]`` int64: the verify columns of each column's children in node order
-    (decreasing draft probability), ``-1`` where it has fewer than ``K = tree.topk``. Raises
-    ``ValueError`` (one host check) if some column has more than ``K`` children."""
+    (decreasing draft probability), ``-1`` where it has fewer than ``K = tree.topk``. Trees
+    from :func:`~specdial.worker.tree.build_tree` never have more than ``K`` children per
+    node (tested); ``check=True`` verifies it for other trees (``ValueError``; one host
+    sync, so not on the hot path)."""
     pcol, _ = tree.columns()
     b, cols = pcol.shape
     k = tree.topk
     node = torch.arange(cols, device=pcol.device)
     same = (pcol[:, :, None] == pcol[:, None, :]) & (node[None, None, :] < node[None, :, None])
     rank = same.sum(-1)  # siblings before each column
-    if cols > 1 and bool((rank[:, 1:] >= k).any()):
+    if check and cols > 1 and bool((rank[:, 1:] >= k).any()):
         raise ValueError(f"tree_accept: a node has more than topk={k} children")
     table = torch.full((b, cols, k + 1), -1, dtype=I64, device=pcol.device)
     parent = pcol.clamp(min=0)
-    slot = torch.where(pcol < 0, k, rank.clamp(max=k))  # the root goes to a spill column
+    slot = torch.where(pcol < 0, k, rank.clamp(max=k))  # the root (and overflow) spill
     table.view(b, -1).scatter_(1, parent * (k + 1) + slot, node.expand(b, cols))
     return table[:, :, :k]
 
