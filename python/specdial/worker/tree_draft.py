@@ -78,7 +78,7 @@ def draft_tree(drafter: Any, backend: Any, tables: RequestTables, rows: torch.Te
     # level 1: x_L at L, causal over 0..L (a chain's first draft step)
     root_loc = tables.req_to_token[rows, lens]
     kv_idx, kv_lens = tree_kv_indices(tables, rows, target_len, root_loc[:, None])
-    ones = torch.ones(b, dtype=torch.int64, device=dev)
+    ones = torch.ones(b, dtype=torch.int64)  # host lengths: planning never waits
     batch = ForwardBatch(root_ids, lens, root_loc, backend.plan(ones, kv_lens, kv_idx))
     h = drafter.extend(batch, backend, hidden_states=first_hidden, kv_only=False)
     front = exp.first(_logprobs(drafter, h))
@@ -86,7 +86,7 @@ def draft_tree(drafter: Any, backend: Any, tables: RequestTables, rows: torch.Te
         fed = draft_loc[:, : topk * (level - 1)]
         loc = fed[:, -topk:]
         kv_idx, kv_lens = tree_kv_indices(tables, rows, target_len + 1, fed)
-        qo = torch.full((b,), topk, dtype=torch.int64, device=dev)
+        qo = torch.full((b,), topk, dtype=torch.int64)
         meta = backend.plan(qo, kv_lens, kv_idx, tree_mask=exp.feed_mask())
         pos = (lens + level - 1)[:, None].expand(b, topk)
         batch = ForwardBatch(front.reshape(-1), pos.reshape(-1), loc.reshape(-1), meta)

@@ -27,8 +27,9 @@ def tree_kv_indices(tables: RequestTables, rows: torch.Tensor, prefix_lens: np.n
     """Keys of ``B`` requests: the chain slots of positions ``0 .. prefix_lens[b] - 1`` of
     ``rows[b]`` (the tables), then ``extra[b]`` (``[B, t]`` int64 slots, e.g. the root's
     chain slot and the nodes' scratch slots). ``rows`` ``[B]`` device int64; ``prefix_lens``
-    host int64 ``[B]``. Returns ``(kv_indices [sum(prefix_lens) + B * t], kv_lens [B])``,
-    both int64 on the device, request after request."""
+    host int64 ``[B]``. Returns ``(kv_indices [sum(prefix_lens) + B * t] int64 on the device,
+    request after request; kv_lens [B] int64 on the host)``: host lengths, so an attention
+    plan reading them never waits for the device."""
     b, t = extra.shape
     dev = extra.device
     prefix = torch.from_numpy(np.ascontiguousarray(prefix_lens, np.int64)).to(dev)
@@ -38,7 +39,8 @@ def tree_kv_indices(tables: RequestTables, rows: torch.Tensor, prefix_lens: np.n
     pos = torch.arange(total, device=dev) - (torch.cumsum(kv_lens, 0) - kv_lens)[req]
     chain = tables.req_to_token[rows[req], pos.clamp(max=tables.width - 1)]
     tree = extra[req, (pos - prefix[req]).clamp(min=0, max=max(t - 1, 0))] if t else chain
-    return torch.where(pos < prefix[req], chain, tree), kv_lens
+    host = torch.from_numpy(np.ascontiguousarray(prefix_lens, np.int64) + t)
+    return torch.where(pos < prefix[req], chain, tree), host
 
 
 def copy_slots(pool: KVPool, src: torch.Tensor, dst: torch.Tensor,

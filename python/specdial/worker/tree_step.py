@@ -177,7 +177,7 @@ def _verify(worker: Any, td: TreeDraft, rows: torch.Tensor, lens: np.ndarray,
     b, n = tree.tokens.shape
     extra = torch.cat([root_loc[:, None], scratch], 1)  # [B, N + 1]
     kv_idx, kv_lens = tree_kv_indices(worker.tables, rows, lens, extra)
-    qo = torch.full((b,), n + 1, dtype=torch.int64, device=root.device)
+    qo = torch.full((b,), n + 1, dtype=torch.int64)  # host lengths, as tree_kv_indices's
     meta = worker.backend.plan(qo, kv_lens, kv_idx, tree_mask=ancestor_mask(tree.parents))
     pos = tree_positions(torch.from_numpy(lens).to(root.device), tree.depths)
     ids = torch.cat([root[:, None], tree.tokens], 1)
