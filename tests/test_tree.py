@@ -170,3 +170,18 @@ def test_flashinfer_packed_custom_mask_layout():
         for i in range(3):
             want += [j < pre or bool(tm[r, i, j - pre]) for j in range(int(kv[r]))]
     assert got.dtype == torch.bool and got.tolist() == want
+
+
+def test_expand_level_normalizes_raw_logits():
+    from specdial.worker.tree import expand_level
+
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(2, 3, 20, generator=g) * 3
+    logits[0, 1, :5] = -math.inf  # an EAGLE-3 style hole in the vocabulary
+    parent = torch.randn(2, 3, generator=g)
+    raw = expand_level(logits, parent, 4)
+    norm = expand_level(logits.log_softmax(-1), parent, 4)
+    assert torch.equal(raw[0], norm[0]) and torch.equal(raw[2], norm[2])
+    torch.testing.assert_close(raw[1], norm[1])
+    with pytest.raises(ValueError, match="topk must be in 1..20"):
+        expand_level(logits, parent, 21)

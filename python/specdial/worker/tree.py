@@ -73,7 +73,8 @@ def expand_level(logprobs: torch.Tensor, parent_scores: torch.Tensor,
                  topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One EAGLE-2 expansion: the ``topk`` children of each of ``F`` frontier nodes.
 
-    ``logprobs`` ``[B, F, V]`` float32: the drafter's log-probabilities at each frontier node;
+    ``logprobs`` ``[B, F, V]``: the drafter's log-probabilities at each frontier node (or its
+    raw logits: they are normalized here);
     ``parent_scores`` ``[B, F]`` float32: their cumulative log-probabilities (zeros for the
     root). Returns ``(tokens [B, F * K] int64, scores [B, F * K] float32, parent [B, F * K]
     int64 = the frontier index 0..F-1)``, frontier-major, each parent's children in decreasing
@@ -82,7 +83,10 @@ def expand_level(logprobs: torch.Tensor, parent_scores: torch.Tensor,
     b, f, v = logprobs.shape
     if not 1 <= topk <= v:
         raise ValueError(f"expand_level: topk must be in 1..{v} (the vocabulary), got {topk}")
-    lp, tok = logprobs.float().topk(topk, dim=-1)  # [B, F, K], sorted
+    x = logprobs.float()
+    top, tok = x.topk(topk, dim=-1)  # [B, F, K], sorted
+    # normalized here: raw logits work too, with no [B, F, V] log-softmax written
+    lp = top - torch.logsumexp(x, -1, keepdim=True)
     scores = parent_scores.float()[:, :, None] + lp
     parent = torch.arange(f, device=logprobs.device)[None, :, None].expand(b, f, topk)
     return tok.reshape(b, -1), scores.reshape(b, -1), parent.reshape(b, -1)

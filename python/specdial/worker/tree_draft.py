@@ -102,8 +102,9 @@ def draft_tree(drafter: Any, backend: Any, tables: RequestTables, rows: torch.Te
 
 
 def _logprobs(drafter: Any, h: torch.Tensor) -> torch.Tensor:
-    """The drafter's log-probabilities over the target vocabulary, float32 ``[T, V]``."""
-    return drafter.to_target_logits(drafter.compute_logits(h)).float().log_softmax(-1)
+    """The drafter's logits over the target vocabulary ``[T, V]`` (``-inf`` outside an
+    EAGLE-3 draft vocabulary); :func:`~specdial.worker.tree.expand_level` normalizes them."""
+    return drafter.to_target_logits(drafter.compute_logits(h))
 
 
 def _fed_slots(exp: TreeExpansion, sel: torch.Tensor, draft_loc: torch.Tensor) -> torch.Tensor:
