@@ -125,3 +125,16 @@ def test_prefix_cache_ab_smoke():
         assert all(run["cached_tokens"] == 0 for run in off)  # the cache off: no hit
         assert r["ttft_ratio_off_on"] > 0 and r["throughput_ratio_on_off"] > 0
     assert rows[0]["runs"]["on"][0]["ttft_per_turn_ms"]  # multi-turn: TTFT per turn
+
+
+def test_tree_worker_bench_smoke():
+    """benches/tree_worker.py (issue 29): chains and trees decode through the worker and the
+    figures come back per configuration (no speed asserted)."""
+    out = run_json_bench("tree_worker.py", "--reps", "1", "--num-prompts", "1",
+                         "--max-new-tokens", "6", "--datasets", "code",
+                         "--configs", "nospec,chain-2,tree-2x2x3", "--cost-tokens", "1,4")
+    rows = out["rows"]
+    assert [r["config"] for r in rows] == ["nospec", "chain-2", "tree-2x2x3"]
+    assert rows[0]["accept_length"] == 1.0
+    assert all(r["tokens_per_s"] > 0 and r["accept_length"] >= 1.0 for r in rows)
+    assert set(out["target_forward_ms"]) == {"1", "4"}

@@ -438,6 +438,7 @@ class _FakeWrapper:
         qo, kv, idx = self.qo_indptr.tolist(), self.kv_indptr.tolist(), self.kv_indices
         heads, kv_heads = q.shape[1], k_cache.shape[2]
         out = torch.empty_like(q)
+        mask, off = getattr(self, "custom_mask", None), 0
         for r in range(len(kv) - 1):
             slots = idx[kv[r]:kv[r + 1]].long()
             k = k_cache[slots, 0].float().repeat_interleave(heads // kv_heads, 1)
@@ -445,16 +446,22 @@ class _FakeWrapper:
             n_q, n_kv = qo[r + 1] - qo[r], len(slots)
             for i in range(n_q):
                 s = torch.einsum("hd,khd->hk", q[qo[r] + i].float(), k) * self.sm_scale
-                if self.causal:  # bottom-right aligned: query i sits at n_kv - n_q + i
+                if mask is not None:  # custom_mask: request-major, then query, then key
+                    row = mask[off + i * n_kv: off + (i + 1) * n_kv]
+                    s[:, ~row] = -math.inf
+                elif self.causal:  # bottom-right aligned: query i sits at n_kv - n_q + i
                     s[:, n_kv - n_q + i + 1:] = -math.inf
                 out[qo[r] + i] = torch.einsum("hk,khd->hd", s.softmax(-1), v).to(q.dtype)
+            off += n_q * n_kv
         return out
 
 
 class FakePrefill(_FakeWrapper):
     def plan(self, qo_indptr, kv_indptr, kv_indices, last_page_len, heads, kv_heads, head_dim,
-             page_size, *, causal=False, sm_scale=None, q_data_type=None, kv_data_type=None):
+             page_size, *, causal=False, sm_scale=None, q_data_type=None, kv_data_type=None,
+             custom_mask=None):
         assert qo_indptr.device.type == "cpu" and qo_indptr.dtype == torch.int32
+        self.custom_mask = custom_mask
         assert kv_indptr.dtype == torch.int32 and kv_indices.dtype == torch.int32
         assert last_page_len.dtype == torch.int32 and bool((last_page_len == 1).all())
         assert page_size == 1
@@ -528,6 +535,29 @@ def test_flashinfer_eager_plan_arguments_and_outputs(fake_flashinfer):
     with pytest.raises(TypeError, match="float32"):
         backend.forward(torch.randn(2, 8, 16), 0, pool, backend.plan(
             torch.tensor([1, 1]), torch.tensor([2, 2]), torch.arange(4)), 0.25)
+
+
+def test_flashinfer_tree_mask_through_custom_mask(fake_flashinfer):
+    """Draft trees (issue 29): a tree mask becomes the prefill wrapper's custom_mask (never
+    the decode wrapper, causal off) and attends as the torch backend's tree mask does."""
+    backend = fb.FlashInferAttentionBackend("cpu", workspace_bytes=1 << 12)
+    pool = _pool_and_layout(1, heads=8, kv_heads=2, d=16, dtype=torch.bfloat16)
+    torch_backend = TorchAttentionBackend()
+    qo, kv = torch.tensor([4, 4]), torch.tensor([6, 11])
+    tm = torch.eye(4, dtype=torch.bool).expand(2, 4, 4).clone()
+    tm[:, :, 0] = True  # every node sees the root
+    tm[1, 3, 2] = True
+    idx = torch.randperm(64)[: int(kv.sum())]
+    meta = backend.plan(qo, kv, idx, tree_mask=tm)
+    assert not meta.decode and meta.custom_mask.numel() == 4 * 6 + 4 * 11
+    q = torch.randn(8, 8, 16, dtype=torch.bfloat16)
+    out = backend.forward(q, 0, pool, meta, 0.25)
+    ref = torch_backend.forward(q, 0, pool, torch_backend.plan(qo, kv, idx, tree_mask=tm), 0.25)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0.02, atol=0.02)
+    assert _FakeWrapper.log[-1].causal is False
+    one = backend.plan(torch.tensor([1]), torch.tensor([3]), idx[:3],
+                       tree_mask=torch.ones(1, 1, 1, dtype=torch.bool))
+    assert not one.decode  # the decode wrapper takes no mask
 
 
 def test_flashinfer_static_metadata_replans_fixed_buffers(fake_flashinfer):

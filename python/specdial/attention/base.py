@@ -6,6 +6,13 @@ are written to the pool before attention runs). ``kv_indices`` lists, request af
 the slot of each cached token at positions ``0 .. kv_len - 1`` in order. Query ``i`` of
 request ``b`` sits at position ``kv_lens[b] - qo_lens[b] + i`` and attends causally to all
 positions ``<=`` its own. Queries are packed: ``q`` is ``[sum(qo_lens), H, D]`` in request order.
+
+Tree attention (draft trees, issue 29): ``plan(..., tree_mask=m)`` with ``m`` ``[B, n, t]`` bool
+replaces the causal rule. Every request then has ``qo_len == n`` queries and ``t <= kv_len``;
+its first ``kv_len - t`` keys (the prefix) are visible to every query, and key
+``kv_len - t + j`` is visible to query ``i`` iff ``m[b, i, j]`` (a node sees itself and its
+ancestors; :func:`tree_key_mask`). Positions then come from the forward batch (siblings share
+one), not from the layout.
 """
 
 from __future__ import annotations
@@ -75,6 +82,28 @@ class AttentionMetadata:
         return AttentionMetadata(qo_lens, kv_lens, kv_indices, indptr(qo_lens), indptr(kv_lens))
 
 
+def tree_key_mask(qo_lens: torch.Tensor, kv_lens: torch.Tensor, tree_mask: torch.Tensor,
+                  max_kv: int) -> torch.Tensor:
+    """Dense visibility ``[B, n, max_kv]`` bool (on ``tree_mask``'s device) of a tree mask
+    ``[B, n, t]`` over host int64 ``qo_lens`` / ``kv_lens`` ``[B]``: key ``j < kv_len - t``
+    visible to all, key ``kv_len - t + c`` iff ``tree_mask[b, i, c]``, keys ``>= kv_len``
+    never. Raises ``ValueError`` naming the bound when ``qo_lens != n`` or ``t > kv_len``."""
+    if tree_mask.dim() != 3 or tree_mask.shape[0] != qo_lens.numel():
+        raise ValueError(f"tree_mask must be [B={qo_lens.numel()}, n, t] bool, got "
+                         f"{list(tree_mask.shape)}")
+    b, n, t = tree_mask.shape
+    if bool((qo_lens != n).any()) or bool((kv_lens < t).any()):
+        raise ValueError(f"tree_mask [B, n={n}, t={t}] needs qo_len == n and kv_len >= t for "
+                         f"every request, got qo_lens {qo_lens.tolist()}, "
+                         f"kv_lens {kv_lens.tolist()}")
+    dev = tree_mask.device
+    kv = kv_lens.to(dev)
+    j = torch.arange(max_kv, device=dev)[None, :]
+    rel = j - (kv[:, None] - t)  # [B, max_kv]: index into the tree part
+    tree_part = tree_mask.bool().gather(2, rel.clamp(0, t - 1)[:, None, :].expand(b, n, max_kv))
+    return torch.where((rel < 0)[:, None, :], True, tree_part) & (j < kv[:, None])[:, None, :]
+
+
 class AttentionBackend(abc.ABC):
     """Runs paged attention for every layer of a forward batch.
 
@@ -84,10 +113,12 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def plan(self, qo_lens: torch.Tensor, kv_lens: torch.Tensor,
-             kv_indices: torch.Tensor) -> AttentionMetadata:
-        """Precompute the batch layout. Inputs: int64 ``[B]``, ``[B]``, ``[sum(kv_lens)]``.
+             kv_indices: torch.Tensor, tree_mask: torch.Tensor | None = None
+             ) -> AttentionMetadata:
+        """Precompute the batch layout. Inputs: int64 ``[B]``, ``[B]``, ``[sum(kv_lens)]``;
+        ``tree_mask`` ``[B, n, t]`` bool or None (causal; see the module docstring).
 
-        Raises ``ValueError`` on inconsistent lengths.
+        Raises ``ValueError`` on inconsistent lengths or a tree mask that does not fit them.
         """
 
     @abc.abstractmethod

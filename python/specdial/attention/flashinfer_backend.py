@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from specdial.attention.base import (AttentionBackend, AttentionMetadata, indptr,
-                                     check_static_plan,
+                                     check_static_plan, tree_key_mask,
                                      expand_kv_indices)  # noqa: F401 (re-exported)
 from specdial.kv_pool import KVPool
 
@@ -88,9 +88,27 @@ class FlashInferMetadata(AttentionMetadata):
     kv_indptr_i32: torch.Tensor
     last_page_len_i32: torch.Tensor
     kv_indices_i32: torch.Tensor
+    #: draft trees: flashinfer's ``custom_mask`` (bool ``[sum(qo_len * kv_len)]``, request
+    #: by request, row-major; the prefill wrapper then ignores ``causal``), or None (causal)
+    custom_mask: torch.Tensor | None = None
     static: "FlashInferStaticAttention | None" = None
     graph_bs: int = 0
     wrappers: dict[HeadKey, Any] = field(default_factory=dict)
+
+
+def packed_custom_mask(qo_lens: torch.Tensor, kv_lens: torch.Tensor, tree_mask: torch.Tensor,
+                       device: torch.device | str) -> torch.Tensor:
+    """flashinfer's ``custom_mask`` for a tree mask (:mod:`specdial.attention.base`): bool
+    ``[sum(qo_len * kv_len)]`` on ``device``, request after request, each request's
+    ``[qo_len, kv_len]`` visibility flattened row-major (query, then key), as
+    ``BatchPrefillWithPagedKVCacheWrapper.plan(custom_mask=...)`` takes it. ``qo_lens`` /
+    ``kv_lens``: host int64 ``[B]``. Raises ``ValueError`` as :func:`tree_key_mask`."""
+    max_kv = int(kv_lens.max()) if kv_lens.numel() else 0
+    dense = tree_key_mask(qo_lens, kv_lens, tree_mask.to(device), max_kv)  # [B, n, max_kv]
+    # the flat positions of the valid keys, found on the host (no device sync), then gathered
+    valid = (torch.arange(max_kv)[None, :] < kv_lens[:, None])[:, None, :].expand(dense.shape)
+    flat = valid.reshape(-1).nonzero().squeeze(1).to(device, non_blocking=True)
+    return dense.reshape(-1)[flat]
 
 
 class FlashInferAttentionBackend(AttentionBackend):
@@ -126,16 +144,22 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ planning
     def plan(self, qo_lens: torch.Tensor, kv_lens: torch.Tensor,
-             kv_indices: torch.Tensor) -> FlashInferMetadata:
-        """Record the layout (host lens, int32 CSR); the wrapper plans at the first forward."""
+             kv_indices: torch.Tensor, tree_mask: torch.Tensor | None = None
+             ) -> FlashInferMetadata:
+        """Record the layout (host lens, int32 CSR); the wrapper plans at the first forward.
+        A ``tree_mask`` (draft trees) becomes flashinfer's packed-by-request ``custom_mask``
+        and always uses the prefill wrapper (the decode wrapper takes no mask)."""
         qo = qo_lens.to("cpu", torch.int64)
         kv = kv_lens.to("cpu", torch.int64)
         kv_indices = kv_indices.to(self.device, torch.int64).contiguous()
         AttentionMetadata.check_lens(qo, kv, kv_indices)
         qo_indptr, kv_indptr = indptr(qo), indptr(kv)
+        custom = None if tree_mask is None else packed_custom_mask(qo, kv, tree_mask,
+                                                                   self.device)
         return FlashInferMetadata(
             qo_lens=qo, kv_lens=kv, kv_indices=kv_indices, qo_indptr=qo_indptr,
-            kv_indptr=kv_indptr, decode=bool(qo.numel()) and bool((qo == 1).all()),
+            kv_indptr=kv_indptr, custom_mask=custom,
+            decode=custom is None and bool(qo.numel()) and bool((qo == 1).all()),
             qo_indptr_i32=qo_indptr.to(torch.int32), kv_indptr_i32=kv_indptr.to(torch.int32),
             last_page_len_i32=torch.ones(qo.numel(), dtype=torch.int32),
             kv_indices_i32=kv_indices.to(torch.int32))
@@ -190,9 +214,11 @@ class FlashInferAttentionBackend(AttentionBackend):
                          heads, kv_heads, head_dim, 1, sm_scale=scale, q_data_type=q_dtype,
                          kv_data_type=kv_dtype)
         else:
+            tree = {} if meta.custom_mask is None else {"custom_mask": meta.custom_mask}
             wrapper.plan(meta.qo_indptr_i32, meta.kv_indptr_i32, meta.kv_indices_i32,
-                         meta.last_page_len_i32, heads, kv_heads, head_dim, 1, causal=True,
-                         sm_scale=scale, q_data_type=q_dtype, kv_data_type=kv_dtype)
+                         meta.last_page_len_i32, heads, kv_heads, head_dim, 1,
+                         causal=meta.custom_mask is None, sm_scale=scale, q_data_type=q_dtype,
+                         kv_data_type=kv_dtype, **tree)
 
     def _wrapper_for(self, meta: FlashInferMetadata, key: HeadKey):
         if meta.static is not None:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from specdial.attention.base import (AttentionBackend, AttentionMetadata, indptr,
-                                     check_static_plan, expand_kv_indices)
+                                     check_static_plan, expand_kv_indices, tree_key_mask)
 from specdial.kv_pool import KVPool
 
 
@@ -45,7 +45,8 @@ class TorchAttentionBackend(AttentionBackend):
         self.device = torch.device(device) if device is not None else None
 
     def plan(self, qo_lens: torch.Tensor, kv_lens: torch.Tensor,
-             kv_indices: torch.Tensor) -> TorchAttentionMetadata:
+             kv_indices: torch.Tensor, tree_mask: torch.Tensor | None = None
+             ) -> TorchAttentionMetadata:
         dev = self.device if self.device is not None else kv_indices.device
         qo = qo_lens.to("cpu", torch.int64)
         kv = kv_lens.to("cpu", torch.int64)
@@ -68,6 +69,8 @@ class TorchAttentionBackend(AttentionBackend):
         q_pos = (kv - qo)[:, None] + torch.arange(max_q)[None, :]  # [B, max_q]
         # padded query rows (i >= qo_len) see every valid key: no all-masked rows, no NaNs
         mask = kv_valid[:, None, :] & (j[None, None, :] <= q_pos[:, :, None])
+        if tree_mask is not None:  # draft trees: prefix + ancestors (base module docstring)
+            mask = tree_key_mask(qo, kv, tree_mask.to("cpu"), max_kv)
 
         return TorchAttentionMetadata(
             qo_lens=qo.to(dev), kv_lens=kv.to(dev), kv_indices=kv_indices,

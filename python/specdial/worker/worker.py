@@ -75,6 +75,7 @@ from specdial.worker.sampling import sample, speculative_accept
 from specdial.worker.stages import (Accepted, DecodeStep, Drafts, StepOutput, Verified,
                                     float_bits, packed_draft_probs)
 from specdial.worker.step_runner import StepRunner, build_runners
+from specdial.worker.tree_step import TreePlan, is_tree_plan, run_tree_iteration
 
 __all__ = ["SpecWorker", "StepOutput"]
 
@@ -332,6 +333,9 @@ class SpecWorker:
         host copy rides on the step's one synchronization). Raises ``ValueError`` for a
         prefill plan or a steps value without a runtime state.
         """
+        if is_tree_plan(plan):  # draft trees (issue 29): worker/tree_step.py
+            return run_tree_iteration(self, TreePlan.from_plan(plan), sampling, generator,
+                                      logprobs)
         step = self.prepare(plan, sampling)
         drafts = self.draft(step, sampling, generator)
         verified = self.verify(step)

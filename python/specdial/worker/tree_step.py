@@ -1,0 +1,207 @@
+"""The worker's draft-tree iteration (issue 29): draft a tree, verify it, accept, copy, extend.
+
+:func:`run_tree_iteration` runs one decode plan whose ``tree_topk > 1`` on a
+:class:`~specdial.worker.worker.SpecWorker` (eager passes; CUDA graphs for trees are not
+captured yet). The plan's contract (shared with the Rust scheduler's side, issue 29):
+
+- ``steps = D`` (the tree's depth), ``tree_topk = K``, ``num_draft_tokens = N``;
+- ``out_loc`` ``[B * (D + 1)]``: chain slots of positions ``L .. L + D`` (request-major);
+- ``scratch_loc`` ``[B * N]``: scratch slots of the tree's nodes (target KV, EAGLE features),
+  freed by the core when the report comes in; the drafter's fed frontier nodes (``K`` per
+  level ``2 .. D``) use the first ``K * (D - 1)`` of them in the drafter's own pool, so the
+  plan needs ``K * (D - 1) <= N`` unless it carries ``draft_loc`` ``[B * K * (D - 1)]``;
+- ``rows``, ``input_ids`` (``x_L``), ``positions`` (``L``) as for a chain.
+
+Steps: the drafter's catch-up to ``L``; :func:`~specdial.worker.tree_draft.draft_tree`; one
+target forward over ``[x_L, nodes]`` at positions ``L, L + depth`` with the tree mask
+(:func:`~specdial.worker.tree.ancestor_mask`), node KV into the scratch slots;
+:func:`~specdial.worker.tree_accept.tree_accept`; the accepted path's target KV, EAGLE
+features and (draft model) drafter KV copied into the chain slots of ``L + 1 .. L + a``
+(:mod:`specdial.worker.tree_kv`); then the report is a chain's (``accepted[b] = a <= D``,
+``a + 1`` tokens) and the draft extend covers the accepted path only (invariant 3). The
+iteration's one host copy carries the accepted counts, the emitted tokens and the fed-path
+lengths. Penalties, ``min_tokens`` and ``logit_bias`` process each verify column with its own
+path (:mod:`specdial.worker.tree_processing`); log-probabilities are the raw target logits of
+the columns that decided the emitted tokens (the root, then the accepted path), as for a chain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from specdial.models.batch import ForwardBatch
+from specdial.worker.batch_sampling import BatchSampling
+from specdial.worker.drafters import run_target
+from specdial.worker.logprobs import LogprobRows, token_logprobs
+from specdial.worker.stages import StepOutput
+from specdial.worker.tree import ancestor_mask, tree_positions
+from specdial.worker.tree_accept import path_columns, tree_accept
+from specdial.worker.tree_draft import TreeDraft, draft_tree
+from specdial.worker.tree_kv import copy_rows, copy_slots, tree_kv_indices
+from specdial.worker.tree_processing import process_tree_columns, step_histories
+
+__all__ = ["TreePlan", "is_tree_plan", "run_tree_iteration"]
+
+
+@dataclass
+class TreePlan:
+    """A tree decode plan's fields (host int64 arrays; see the module docstring). Raises
+    ``ValueError`` naming the field whose size does not fit."""
+
+    rows: np.ndarray
+    input_ids: np.ndarray
+    positions: np.ndarray
+    out_loc: np.ndarray
+    scratch_loc: np.ndarray
+    steps: int
+    tree_topk: int
+    num_draft_tokens: int
+    draft_loc: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        b, d, k, n = len(self.rows), self.steps, self.tree_topk, self.num_draft_tokens
+        if d < 1 or k < 1 or not d <= n <= 64:
+            raise ValueError(f"tree plan: steps (depth) >= 1, tree_topk >= 1 and steps <= "
+                             f"num_draft_tokens <= 64 required, got {d}, {k}, {n}")
+        for name, size in (("input_ids", b), ("positions", b), ("out_loc", b * (d + 1)),
+                           ("scratch_loc", b * n)):
+            if len(getattr(self, name)) != size:
+                raise ValueError(f"tree plan: {name} has {len(getattr(self, name))} entries, "
+                                 f"expected {size}")
+        cands = k + (d - 1) * k * k
+        if n > cands:
+            raise ValueError(f"tree plan: num_draft_tokens {n} above the {cands} nodes a tree "
+                             f"of tree_topk {k} and depth {d} can hold (topk + (depth - 1) * "
+                             "topk**2)")
+        need = b * k * (d - 1)
+        if self.draft_loc is None and k * (d - 1) > n:
+            raise ValueError(f"tree plan: the drafter needs tree_topk * (steps - 1) = "
+                             f"{k * (d - 1)} draft slots per request, more than "
+                             f"num_draft_tokens = {n}; pass draft_loc")
+        if self.draft_loc is not None and len(self.draft_loc) != need:
+            raise ValueError(f"tree plan: draft_loc has {len(self.draft_loc)} entries, "
+                             f"expected {need}")
+
+
+    @classmethod
+    def from_plan(cls, plan: Any) -> "TreePlan":
+        """The fields of a scheduler plan with ``tree_topk > 1`` (issue 29's contract:
+        ``steps``, ``tree_topk``, ``num_draft_tokens``, ``scratch_loc``, ``out_loc``, and
+        ``draft_loc`` when the plan has one)."""
+        def i64(x: Any) -> np.ndarray:
+            return np.ascontiguousarray(np.asarray(x), np.int64)
+
+        draft = getattr(plan, "draft_loc", None)
+        return cls(i64(plan.rows), i64(plan.input_ids), i64(plan.positions), i64(plan.out_loc),
+                   i64(plan.scratch_loc), int(plan.steps), int(plan.tree_topk),
+                   int(plan.num_draft_tokens), None if draft is None else i64(draft))
+
+
+def is_tree_plan(plan: Any) -> bool:
+    """Whether a decode plan runs the tree iteration: a :class:`TreePlan`, or a plan with
+    ``tree_topk > 1`` (a chain's plans have ``tree_topk`` 1 or no such field, and keep the
+    chain path unchanged)."""
+    return isinstance(plan, TreePlan) or int(getattr(plan, "tree_topk", 1) or 1) > 1
+
+
+def run_tree_iteration(worker: Any, plan: TreePlan, sampling: BatchSampling,
+                       generator: torch.Generator | None,
+                       logprobs: LogprobRows | None = None) -> StepOutput:
+    """One tree iteration on ``worker`` (a :class:`~specdial.worker.worker.SpecWorker` with a
+    drafter) for ``plan``; returns the chain-shaped :class:`StepOutput` (``logprobs``: as
+    :meth:`SpecWorker.decode <specdial.worker.worker.SpecWorker.decode>`'s). Raises
+    ``ValueError`` without a drafter."""
+    ds, drafter = worker.drafter_state, worker.drafter
+    if ds is None or drafter is None:
+        raise ValueError("a draft tree needs a drafter")
+    b, d, k, n = len(plan.rows), plan.steps, plan.tree_topk, plan.num_draft_tokens
+    dev, tables = worker.device, worker.tables
+    if d > drafter.max_steps or (b and int((plan.positions + d + 1).max()) >= tables.width):
+        raise ValueError(f"tree plan: depth {d} above the drafter's max_steps "
+                         f"{drafter.max_steps} or past the request tables' {tables.width} "
+                         "positions")
+    rows, lens = plan.rows, plan.positions
+    if len(rows) and (rows.min() < 0 or rows.max() >= worker.max_bs):
+        raise ValueError(f"tree plan: rows {rows.tolist()} outside 0..{worker.max_bs - 1}")
+    tables.write(rows, lens, np.full(b, d + 1, np.int64), kv_slots=plan.out_loc)
+    tables.write(rows, lens, np.ones(b, np.int64), ids=plan.input_ids)
+    runner = worker.states[min(worker.states)]
+    ds.catch_up(rows, lens, runner)
+    rows_d = torch.from_numpy(rows).to(dev)
+    lens_d = torch.from_numpy(lens).to(dev)
+    root = torch.from_numpy(plan.input_ids).to(dev)
+    chain = torch.from_numpy(plan.out_loc).to(dev).view(b, d + 1)
+    scratch = torch.from_numpy(plan.scratch_loc).to(dev).view(b, n)
+    draft_loc = (scratch[:, : k * (d - 1)] if plan.draft_loc is None
+                 else torch.from_numpy(plan.draft_loc).to(dev).view(b, -1))
+    first_hidden = None
+    if ds.features is not None:
+        first_hidden = ds.features[tables.req_to_token[rows_d, (lens_d - 1).clamp(min=0)]]
+        first_hidden = torch.where((lens_d > 0)[:, None], first_hidden, 0)
+    td = draft_tree(drafter, worker.backend, tables, rows_d, lens, root, first_hidden,
+                    draft_loc, topk=k, depth=d, num_nodes=n)
+    raw = _verify(worker, td, rows_d, lens, root, chain[:, 0], scratch)
+    logits = raw
+    if sampling.processors is not None:
+        base, seen = step_histories(worker, sampling.processors, rows, lens)
+        logits = process_tree_columns(raw, sampling.processors, td.tree, root, lens_d + 1,
+                                      base, seen)
+    acc, path, out = tree_accept(td.tree, logits, sampling, generator, lens_d + 1)
+    lp_pending = None
+    if logprobs is not None:
+        cols = path_columns(path)
+        lp_pending = token_logprobs(raw.gather(1, cols[:, :, None].expand(-1, -1, raw.shape[2])),
+                                    out, logprobs).to_host()
+    fed = _copy_path(worker, td, path, chain[:, 1:], scratch)
+    tables.req_to_ids[rows_d[:, None], lens_d[:, None] + 1 + torch.arange(d + 1, device=dev)] \
+        = out
+    host = torch.cat([acc[:, None], fed[:, None], out], 1).cpu().numpy()  # the one sync
+    lp_host = None if lp_pending is None else lp_pending()
+    accepted, fed_h = host[:, 0].astype(np.int64), host[:, 1].astype(np.int64)
+    ds.after_verify(rows, lens, fed_h + 1, accepted)
+    ds.catch_up(rows, lens + accepted + 1, runner)
+    keep = np.arange(d + 1)[None, :] <= accepted[:, None]
+    tokens = host[:, 2:][keep].astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(accepted + 1)]).astype(np.int64)
+    return StepOutput(d, tokens, offsets, accepted, lp_host)
+
+
+def _verify(worker: Any, td: TreeDraft, rows: torch.Tensor, lens: np.ndarray,
+            root: torch.Tensor, root_loc: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """The target over ``[x_L, nodes]`` with the tree mask; logits ``[B, N + 1, V]``."""
+    tree = td.tree
+    b, n = tree.tokens.shape
+    extra = torch.cat([root_loc[:, None], scratch], 1)  # [B, N + 1]
+    kv_idx, kv_lens = tree_kv_indices(worker.tables, rows, lens, extra)
+    qo = torch.full((b,), n + 1, dtype=torch.int64)  # host lengths, as tree_kv_indices's
+    meta = worker.backend.plan(qo, kv_lens, kv_idx, tree_mask=ancestor_mask(tree.parents))
+    pos = tree_positions(torch.from_numpy(lens).to(root.device), tree.depths)
+    ids = torch.cat([root[:, None], tree.tokens], 1)
+    batch = ForwardBatch(ids.reshape(-1), pos.reshape(-1), extra.reshape(-1), meta)
+    hidden, feats = run_target(worker.target, worker.drafter, batch, worker.kv, worker.backend)
+    worker.drafter_state.store_features(batch.out_loc, feats)
+    return worker.target.compute_logits(hidden).view(b, n + 1, -1)
+
+
+def _copy_path(worker: Any, td: TreeDraft, path: torch.Tensor, dst: torch.Tensor,
+               scratch: torch.Tensor) -> torch.Tensor:
+    """The accepted path's target KV and EAGLE features (scratch slots) and the draft model's
+    KV (draft slots of fed nodes) into the chain slots ``dst`` ``[B, D]`` of ``L + 1 ..``;
+    returns the fed-path length ``[B]`` (leading accepted nodes with true drafter KV)."""
+    valid = path >= 0
+    node = (path - 1).clamp(min=0)
+    src = scratch.gather(1, node)
+    copy_slots(worker.kv, src, dst, valid)
+    ds, drafter = worker.drafter_state, worker.drafter
+    if ds.features is not None:
+        copy_rows(ds.features, src, dst, valid, worker.num_kv_slots)
+    if drafter.needs_target_hidden:  # EAGLE: nodes were fed approximate features
+        return torch.zeros(path.shape[0], dtype=torch.int64, device=path.device)
+    fed = td.node_fed.gather(1, node)
+    ok = valid & (fed >= 0)
+    copy_slots(drafter.kv, fed, dst, ok)
+    return ok.to(torch.int64).cumprod(1).sum(1)
