@@ -149,13 +149,36 @@ impl Scheduler {
     /// the trees its strategy returns (`Decision::tree`), and admission reserves scratch slots
     /// for `N` nodes per request either way. Takes effect at the next plan.
     ///
-    /// Errors: those of [`validate_tree`] (the scheduler is unchanged).
+    /// Errors: those of [`validate_tree`], and [`SchedulerError::InvalidConfig`] naming
+    /// `speculative_num_draft_tokens` when one request of `context_length` tokens and its `N`
+    /// scratch slots do not fit the pool together (the scheduler is unchanged).
     pub fn set_draft_tree(
         &mut self,
         topk: u32,
         num_draft_tokens: Option<u32>,
     ) -> Result<(), SchedulerError> {
-        self.tree = validate_tree(self.max_steps(), topk, num_draft_tokens)?;
+        let tree = validate_tree(self.max_steps(), topk, num_draft_tokens)?;
+        // One request of context_length tokens and its scratch slots must fit the pool alone,
+        // or admission could wait for pages forever.
+        let ps = u64::from(self.config.page_size);
+        let n = tree.map_or(0, |t| u64::from(t.num_draft_tokens));
+        let pages = u64::from(self.config.context_length).div_ceil(ps) + n.div_ceil(ps);
+        if pages > u64::from(self.config.num_pages) {
+            return Err(invalid(
+                "speculative_num_draft_tokens",
+                format!(
+                    "{} tree nodes need {} KV pages of scratch besides the {} pages of one \
+                     request of context_length {}, more than num_pages = {}: enlarge the KV \
+                     cache or pass fewer tokens",
+                    n,
+                    n.div_ceil(ps),
+                    u64::from(self.config.context_length).div_ceil(ps),
+                    self.config.context_length,
+                    self.config.num_pages
+                ),
+            ));
+        }
+        self.tree = tree;
         Ok(())
     }
 

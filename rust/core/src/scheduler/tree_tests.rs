@@ -59,7 +59,18 @@ fn tree_checks_name_the_field_and_count_the_root_as_sglang() {
         ],
         [4, 10, 5]
     );
-    // The scheduler refuses and stays unchanged.
+    // One request of context_length 64 (16 pages of 4) and 8 scratch slots need 18 pages.
+    let mut small = fixed(
+        SchedulerConfig {
+            context_length: 64,
+            ..config(17, 4)
+        },
+        3,
+    );
+    let e = small.set_draft_tree(4, Some(9)).unwrap_err();
+    assert!(e.to_string().contains("more than num_pages = 17"), "{e}");
+    small.set_draft_tree(4, Some(5)).unwrap(); // 4 nodes: one page
+                                               // The scheduler refuses and stays unchanged.
     let mut s = fixed(config(64, 4), 3);
     assert!(s.set_draft_tree(2, Some(3)).is_err());
     assert_eq!((s.draft_tree(), s.draft_tree_flags()), (None, (1, 4)));
@@ -173,7 +184,15 @@ fn admission_reserves_scratch_pages_for_every_decoding_request() {
     // 16 pages of 4; 7-token requests (3-token prompts + the first decode at steps 3) take 2
     // pages each: 8 fit as chains, 4 with 8 scratch slots (2 pages) each.
     let admitted = |topk: u32, m: u32| {
-        let mut s = tree(config(16, 4), 3, topk, m);
+        let mut s = tree(
+            SchedulerConfig {
+                context_length: 32,
+                ..config(16, 4)
+            },
+            3,
+            topk,
+            m,
+        );
         for i in 0..8 {
             s.add_request(vec![i + 1; 3], 30, vec![], false).unwrap();
         }
