@@ -41,6 +41,12 @@
 //!   tokens (by `max_new_tokens` and the context end), gets `steps_r = min(steps, rem - 1)`
 //!   drafts, so one iteration never emits more than it may keep, and reserves exactly
 //!   `steps_r + 1` slots (positions `L ..= L + steps_r`).
+//! - **Draft trees** (issue 29; rules in `scheduler/tree.rs`). With a tree configured
+//!   ([`Scheduler::set_draft_tree`], SGLang's `speculative_eagle_topk` /
+//!   `speculative_num_draft_tokens`), a decode iteration at steps `D > 0` (fixed steps, or a
+//!   strategy's `Decision::tree`) reserves KV as a chain of `D` steps plus `N` scratch slots per
+//!   request (`Plan::scratch_loc`), freed at its report; admission counts the scratch pages of
+//!   every request that will decode, so the decode after an admission never preempts for them.
 //! - **Capacity first.** The pages the iteration needs at the chosen steps are counted before
 //!   anything is reserved. While they exceed the free pages, the plan first runs fewer steps (the
 //!   slot's lower candidates, largest first; adaptive only), and only when even the lowest does
