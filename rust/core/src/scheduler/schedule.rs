@@ -117,7 +117,7 @@ impl Scheduler {
                 // A strategy's tree (issue 29, H4's entry): `Decision { tree: Some(..) }` with
                 // `steps == depth`, within the configured tree (admission reserved for its N).
                 let tree = d.tree.filter(|_| d.steps > 0);
-                debug_assert!(tree.is_none_or(|t| t.depth == d.steps
+                debug_assert!(tree.map_or(true, |t| t.depth == d.steps
                     && self.tree.is_some_and(|c| t.topk <= c.topk && t.num_draft_tokens <= c.num_draft_tokens)));
                 (d.steps, d.verify, graph, lower, tree)
             }
