@@ -9,6 +9,10 @@
 //! - `plan_only/256/steps=K`: `schedule()` alone, to split the cost.
 //! - `plan_report_kv_layout/256/steps=3`: with `plan_kv_layout` on, as for a backend that plans
 //!   from the scheduler's page tables (`kv_indices` then has ~66k entries).
+//! - `plan_report_tree/256/depth=D,topk=K,nodes=N` (issue 29): a draft-tree iteration, which
+//!   also reserves `N` scratch KV slots per request (`scratch_loc`, `256 * N` slots from the page
+//!   pool) and frees them at the report; (3, 4, 8) against `steps=3` is the cost of the scratch
+//!   slots, (7, 8, 64) the largest tree.
 
 use std::time::{Duration, Instant};
 
@@ -144,6 +148,16 @@ fn bench(c: &mut Criterion) {
     let plan = base.clone().schedule().unwrap().unwrap();
     assert!(plan.kv_indices.len() > 60_000);
     bench_plan_report(&mut group, format!("plan_report_kv_layout/{BATCH}/steps=3"), &base, &plan);
+    for (depth, topk, count) in [(3u32, 4u32, 9u32), (7, 8, 65)] {
+        let mut base = running_state(depth, false);
+        base.set_draft_tree(topk, Some(count)).unwrap();
+        let plan = base.clone().schedule().unwrap().unwrap();
+        let nodes = count - 1;
+        assert_eq!((plan.steps, plan.tree_topk, plan.num_draft_tokens), (depth, topk, nodes));
+        assert_eq!(plan.scratch_loc.len(), BATCH * nodes as usize);
+        let name = format!("plan_report_tree/{BATCH}/depth={depth},topk={topk},nodes={nodes}");
+        bench_plan_report(&mut group, name, &base, &plan);
+    }
     group.finish();
 }
 

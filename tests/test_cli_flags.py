@@ -67,9 +67,8 @@ def test_speculative_config_json():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--speculative-num-steps", "3", "--speculative-num-draft-tokens", "5"],
-     "must equal --speculative-num-steps + 1 = 4"),
-    (["--speculative-eagle-topk", "4"], "only 1 is accepted"),
+    # --speculative-num-draft-tokens / --speculative-eagle-topk are options of their own now,
+    # checked with the engine's options: tests/test_draft_tree_config.py
     (["--model", "/a", "--model-path", "/b"], "conflicts with --model-path"),
     (["--max-num-seqs", "4", "--max-running-requests", "8"], "give one of them"),
     (["--speculative-config", '{"method": "ngram"}'], "method 'ngram' is not supported"),

@@ -257,6 +257,10 @@ def test_server_info_reports_the_serving_slot(server):
     bs = state["last_decode_batch_size"]
     serving = [s for s in slots if s["lower_bound"] <= bs][-1]
     assert state["speculative_num_steps"] == serving["steps"]
+    # SGLang's draft-tree fields (issue 29): a chain verifies its steps + 1 tokens
+    assert (state["speculative_eagle_topk"], state["speculative_num_draft_tokens"]) == (
+        1, state["speculative_num_steps"] + 1)
+    assert info["speculative_eagle_topk"] == 1
     assert state["avg_spec_accept_length"] >= 1.0
     assert info["model_path"] and info["version"]
     assert httpx.get(server.url + "/get_server_info", timeout=TIMEOUT).json()[

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdial._core import ConfigError
+from specdial._core import ConfigError, validate_draft_tree
 from specdial.config.cuda_graph import normalize_graph_bs
 from specdial.config.parallel import ParallelOptions
 
@@ -126,6 +126,17 @@ class EngineConfig:
     dtype: Any = _opt("model dtype: auto (on CUDA the checkpoint's torch_dtype, bfloat16 for a "
                       "float32 checkpoint, vLLM's rule; float32 on the CPU), float32 (float), "
                       "bfloat16, float16 (half)", default=AUTO, choices=DTYPES, type=str)
+    speculative_eagle_topk: int = _opt(
+        "draft tree width (SGLang's flag): children kept per frontier node, 1 = one chain per "
+        "request; above 1 every drafting iteration verifies an EAGLE-2 tree of depth "
+        "--speculative-num-steps (with --speculative-adaptive: the largest tree the policy may "
+        "choose)", default=1, metavar="K")
+    speculative_num_draft_tokens: int | None = _opt(
+        "tokens verified per request per iteration, SGLang's counting: the last token (the "
+        "tree's root) plus the draft tokens, so a chain's is --speculative-num-steps + 1 (given "
+        "alone it sets the steps) and a tree's is 1 + its nodes, in steps + 1 .. "
+        "min(K + (steps - 1) * K**2, 64) + 1 at top-k K; required when "
+        "--speculative-eagle-topk > 1", metavar="N")
     max_running_requests: int = _opt(
         "most requests decoded together (the batch capacity, prefilling included)", default=32,
         metavar="N")
@@ -235,6 +246,7 @@ class EngineConfig:
                      or self.speculative_initial_steps < 0)):
             raise ConfigError(f"speculative_initial_steps must be None or an int >= 0, "
                               f"got {self.speculative_initial_steps!r}")
+        self._check_draft_tree()
         check_choice("dtype", str(self.dtype).removeprefix("torch."), DTYPES)
         for name in ("max_running_requests", "max_queued_requests", "page_size",
                      "max_prefill_tokens", "drafter_max_steps"):
@@ -270,6 +282,25 @@ class EngineConfig:
             raise ValueError("dp_size > 1 with tp_size > 1 needs data_parallel_backend='mp': "
                              "in-process replicas share one process, which holds one "
                              "tensor-parallel group")
+
+    def _check_draft_tree(self) -> None:
+        """SGLang's rules for ``speculative_eagle_topk`` / ``speculative_num_draft_tokens``
+        (:func:`specdial._core.validate_draft_tree`, the Rust scheduler's own check) against the
+        steps when they are known here; with adaptive steps left to the policy's config the
+        scheduler checks its largest candidate when the engine builds. A chain's count alone
+        sets the steps (``speculative_num_draft_tokens - 1``, as SGLang's flags read)."""
+        _positive("speculative_eagle_topk", self.speculative_eagle_topk)
+        _positive("speculative_num_draft_tokens", self.speculative_num_draft_tokens,
+                  optional=True)
+        steps = self.speculative_num_steps
+        if steps is None and self.speculative_eagle_topk == 1:
+            if self.speculative_num_draft_tokens is not None:
+                self.speculative_num_steps = steps = self.speculative_num_draft_tokens - 1
+        if steps is None and not self.speculative_adaptive:
+            steps = FIXED_DEFAULT_STEPS
+        if steps is not None:
+            validate_draft_tree(steps, self.speculative_eagle_topk,
+                                self.speculative_num_draft_tokens)
 
     def parallel_options(self) -> ParallelOptions:
         """The validated :class:`~specdial.config.parallel.ParallelOptions` of ``tp_size``,

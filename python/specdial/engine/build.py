@@ -136,6 +136,19 @@ def modules_config(target: LlamaForCausalLM, drafter: Any, kwargs: dict[str, Any
     return cfg, wrapped, inferred
 
 
+def refuse_draft_trees_until_the_tree_worker(scheduler: Scheduler) -> None:
+    """Issue 29's one guard: the scheduler plans draft trees (``speculative_eagle_topk > 1``)
+    but this worker drafts and verifies chains only, so a tree configuration is refused here
+    rather than run as chains. Remove this function and its call when the tree worker
+    (``specdial.worker.tree*``) is merged. Raises :class:`ConfigError` naming the option."""
+    topk, num_draft_tokens = scheduler.draft_tree
+    if topk > 1:
+        raise ConfigError(
+            f"speculative_eagle_topk={topk} (speculative_num_draft_tokens={num_draft_tokens}): "
+            "draft trees are planned by the scheduler but this build's worker drafts chains "
+            "only; use speculative_eagle_topk=1")
+
+
 def build_parts(target: LlamaForCausalLM, drafter: Any, tokenizer: Any,
                 algorithm: str | None, cfg: EngineConfig,
                 loaded_config: AdaptiveConfig | None) -> EngineParts:
@@ -162,7 +175,12 @@ def build_parts(target: LlamaForCausalLM, drafter: Any, tokenizer: Any,
         page_size=cfg.page_size, eos_token_ids=[], record_trace=cfg.record_trace is not None,
         skip_zero_step_draft_extend=cfg.skip_zero_step_draft_extend and drafter is not None,
         enable_prefix_caching=cfg.enable_prefix_caching),
-        cuda_graph_bs=graph_bs, **policy)
+        cuda_graph_bs=graph_bs, **policy, speculative_eagle_topk=cfg.speculative_eagle_topk,
+        # a chain's count was checked against speculative_num_steps (EngineConfig); the policy's
+        # largest candidate may be below that bound
+        speculative_num_draft_tokens=(cfg.speculative_num_draft_tokens
+                                      if cfg.speculative_eagle_topk > 1 else None))
+    refuse_draft_trees_until_the_tree_worker(scheduler)
     worker = SpecWorker(target, drafter, scheduler.num_slots,
                         max_running_requests=cfg.max_running_requests, context_length=ctx,
                         step_values=step_values or scheduler.candidate_steps,

@@ -84,6 +84,7 @@ class Engine:
     - ``speculative_num_steps``: adaptive: the upper bound of adaptation, never exceeded
       (candidates above it removed from every slot; :mod:`specdial.engine.policy_setup`);
       fixed: the steps (default 3). ``ConfigError`` above the drafter's ``max_steps``.
+    - ``speculative_eagle_topk``, ``speculative_num_draft_tokens``: SGLang's tree (EngineConfig).
     - ``speculative_adaptive`` / ``speculative_adaptive_config`` (an ``AdaptiveConfig``, a
       dict, a JSON file path, or None for the default). A given config is loaded and validated
       (``ConfigError``) even when it is not used (adaptive off, or no drafter).
@@ -102,8 +103,7 @@ class Engine:
       before any model loads.
     - keyword-only: ``max_running_requests`` (requests admitted at once, prefilling included),
       ``max_queued_requests`` (new requests waiting beyond the free running slots; beyond it
-      submissions raise :class:`~specdial.engine.api.QueueFullError`; ``generate`` waits
-      instead),
+      submissions raise :class:`~specdial.engine.api.QueueFullError`; ``generate`` waits instead),
       ``kv_cache_tokens`` (KV slots; default ``max_running_requests * context_length`` capped
       at 65536), ``page_size``, ``context_length`` (an int >= 1; default the target's
       ``max_position_embeddings``, cut to the KV cache with a warning when that is smaller),

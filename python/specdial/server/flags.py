@@ -13,8 +13,6 @@ flag (origin)                        specdial option              note
 ``--max-total-tokens`` (SGLang)      ``--kv-cache-tokens``
 ``--tensor-parallel-size`` (vLLM)    ``--tp-size``
 ``--data-parallel-size`` (vLLM)      ``--dp-size``
-``--speculative-num-draft-tokens``   ``--speculative-num-steps``  must be steps + 1 (chain drafts)
-``--speculative-eagle-topk``         (none)                       must be 1: specdial drafts chains
 ``--cuda-graph-max-bs`` (SGLang)     ``--cuda-graph-bs``          SGLang's sizes up to N
 ``--speculative-config`` (vLLM)      the speculation options     JSON: ``method``, ``model``,
                                                                    ``num_speculative_tokens``
@@ -23,6 +21,8 @@ flag (origin)                        specdial option              note
 =================================== ============================ ===================================
 
 The prefix cache's switches and their conflicts: :mod:`specdial.engine.cache_flags`.
+SGLang's ``--speculative-eagle-topk`` and ``--speculative-num-draft-tokens`` are options of
+their own with SGLang's meaning (:class:`~specdial.config.EngineConfig`, issue 29), not aliases.
 
 ``--chunked-prefill-size`` (one request's prefill chunk) and ``--max-prefill-tokens`` (the
 prefill batch's budget) are separate options with SGLang's meanings, not aliases.
@@ -92,13 +92,6 @@ def add_compat_flags(parser: argparse.ArgumentParser, *, positional_model: bool 
         parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                             help="model directory (vLLM's `vllm serve MODEL`): same as "
                             "--model-path")
-    parser.add_argument("--speculative-num-draft-tokens", dest=_PREFIX + "num_draft_tokens",
-                        type=int, default=None, metavar="N",
-                        help="SGLang's tokens verified per request: must be "
-                        "--speculative-num-steps + 1 (sets the steps when they are not given)")
-    parser.add_argument("--speculative-eagle-topk", dest=_PREFIX + "eagle_topk", type=int,
-                        default=None, metavar="K",
-                        help="SGLang's draft tree width: must be 1 (specdial drafts chains)")
     parser.add_argument("--cuda-graph-max-bs", dest=_PREFIX + "cuda_graph_max_bs", type=int,
                         default=None, metavar="N",
                         help="capture SGLang's default CUDA-graph batch sizes up to N")
@@ -172,21 +165,13 @@ def resolve_compat(args: argparse.Namespace, parser: argparse.ArgumentParser | N
     resolve_prefix_cache_flags(args)
     if getattr(args, "speculative_algorithm", None) == "STANDALONE":
         args.speculative_algorithm = "DRAFT"
-    topk = getattr(args, _PREFIX + "eagle_topk", None)
-    if topk is not None and topk != 1:
-        raise ValueError(f"--speculative-eagle-topk {topk}: specdial drafts one chain per "
-                         "request (no draft trees), so only 1 is accepted")
-    n = getattr(args, _PREFIX + "num_draft_tokens", None)
-    if n is not None:
-        steps = getattr(args, "speculative_num_steps", None)
-        if steps is None:
-            if n < 1:
-                raise ValueError(f"--speculative-num-draft-tokens {n}: must be >= 1 (steps + 1)")
-            args.speculative_num_steps = n - 1
-        elif n != steps + 1:
-            raise ValueError(f"--speculative-num-draft-tokens {n} must equal "
-                             f"--speculative-num-steps + 1 = {steps + 1}: with chain drafting "
-                             "each request verifies its last token plus its drafts")
+    # SGLang's chain count alone sets the steps (the rules: EngineConfig, which checks them)
+    n = getattr(args, "speculative_num_draft_tokens", None)
+    if (n is not None and getattr(args, "speculative_num_steps", None) is None
+            and getattr(args, "speculative_eagle_topk", 1) == 1):
+        if n < 1:
+            raise ValueError(f"--speculative-num-draft-tokens {n}: must be >= 1 (steps + 1)")
+        args.speculative_num_steps = n - 1
     max_bs = getattr(args, _PREFIX + "cuda_graph_max_bs", None)
     if max_bs is not None:
         if getattr(args, "cuda_graph_bs", None) is not None:

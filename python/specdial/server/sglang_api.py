@@ -33,7 +33,10 @@ their conversion: :mod:`specdial.server.sglang_protocol`.
   (``1 + accepted drafts / request-verifies with drafts``, since start; None before any),
   ``slots`` (every slot's state from the engine's ``slot_states``) and the counters, the
   prefix cache's among them (``cached_tokens``, ``prompt_tokens``, ``cache_hit_rate``,
-  ``cached_pages``: as ``/metrics``).
+  ``cached_pages``: as ``/metrics``). ``speculative_eagle_topk`` and
+  ``speculative_num_draft_tokens`` (SGLang's counting, the root included: the configured tree's,
+  or ``speculative_num_steps + 1`` of the current steps for chains) are reported at the top level
+  and in the entry.
 - ``GET /get_model_info``; ``POST /tokenize`` (also ``/v1/tokenize``; ``prompt`` or chat
   ``messages``) -> ``{"tokens", "count", "max_model_len"}``; ``POST /detokenize`` (also
   ``/v1/detokenize``) -> ``{"text", "prompt"}`` (SGLang's and vLLM's key for the same text;
@@ -92,14 +95,27 @@ def _slot_steps(stats: Any) -> int:
     return int(next(iter(stats.steps_per_slot.values()), 0))
 
 
+def _draft_tree(state: ServerState, steps: int) -> dict[str, int]:
+    """``speculative_eagle_topk`` and ``speculative_num_draft_tokens`` (SGLang's counting) of
+    the engine's options: a tree's as configured, a chain's ``steps + 1``."""
+    options = getattr(state.engine, "config", None)
+    get = ((lambda k: getattr(options, k, None)) if options is not None
+           else state.server_args.get)
+    topk = get("speculative_eagle_topk") or 1
+    count = get("speculative_num_draft_tokens") if topk > 1 else None
+    return {"speculative_eagle_topk": int(topk),
+            "speculative_num_draft_tokens": int(count) if count is not None else steps + 1}
+
+
 def server_info(state: ServerState) -> dict[str, Any]:
     """The ``/server_info`` body (module docstring)."""
     from specdial import __version__
 
     s = state.engine.stats()
     engine = state.engine
+    tree = _draft_tree(state, _slot_steps(s))
     internal = {
-        "speculative_num_steps": _slot_steps(s),
+        "speculative_num_steps": _slot_steps(s), **tree,
         "avg_spec_accept_length": (1 + s.num_accepted_tokens / s.num_drafts
                                    if s.num_drafts else None),
         "slots": [dict(d) for d in s.slot_states],
@@ -113,7 +129,7 @@ def server_info(state: ServerState) -> dict[str, Any]:
         "cache_hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
         "cached_pages": s.cached_pages,
     }
-    return {**state.server_args, "served_model_name": state.model_name,
+    return {**state.server_args, **tree, "served_model_name": state.model_name,
             "speculative_algorithm": getattr(engine, "speculative_algorithm", None),
             "context_length": int(engine.context_length), "version": __version__,
             "internal_states": [internal]}

@@ -9,7 +9,7 @@
 use pyo3::buffer::{Element, PyBuffer};
 use pyo3::exceptions::{PyOverflowError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyTuple};
 
 use specdial_core::scheduler::{
     FinishReason, Finished, Plan, PlanKind, ReportExtras, ReportOutcome, Scheduler, SchedulerConfig,
@@ -311,7 +311,11 @@ impl PySchedulerConfig {
 /// ``out_loc`` holds the slots of positions ``L ..= L+steps_per_request[b]``
 /// (``qo_lens[b] = steps_per_request[b] + 1``), already reserved. ``input_ids`` and ``positions``
 /// have ``B`` entries. ``steps`` and ``graph_bs`` (padded CUDA-graph batch size or None) form the
-/// ``graph_key``.
+/// ``graph_key``. A draft-tree iteration (issue 29; ``tree_topk > 1``, ``steps`` = the tree's
+/// depth) lays ``out_loc`` out the same way (``steps_per_request[b]`` caps request ``b``'s
+/// accepted drafts) and adds ``num_draft_tokens`` (``N``, tree nodes without the root) scratch
+/// slots per request in ``scratch_loc`` (``[B * N]``, request-major), freed when its report
+/// comes in; its ``graph_key`` is ``(depth, topk, N, graph_bs or batch_size)``.
 ///
 /// Both: ``rows[b]`` = the worker row request ``b`` holds (assigned by the scheduler at
 /// admission, unique among admitted requests, freed at finish / abort / preemption; a prefill
@@ -346,6 +350,9 @@ pub struct PySchedulePlan {
     cached_lens: Py<Int64Array>,
     cached_kv_indices: Py<Int64Array>,
     cached_ids: Py<Int64Array>,
+    tree_topk: u32,
+    num_draft_tokens: u32,
+    scratch_loc: Py<Int64Array>,
 }
 
 impl PySchedulePlan {
@@ -374,6 +381,9 @@ impl PySchedulePlan {
             cached_lens: arr(py, p.cached_lens)?,
             cached_kv_indices: arr(py, p.cached_kv_indices)?,
             cached_ids: arr(py, p.cached_ids)?,
+            tree_topk: p.tree_topk,
+            num_draft_tokens: p.num_draft_tokens,
+            scratch_loc: arr(py, p.scratch_loc)?,
         })
     }
 }
@@ -438,10 +448,35 @@ impl PySchedulePlan {
     fn graph_bs(&self) -> Option<u32> {
         self.graph_bs
     }
-    /// ``(steps, graph_bs or batch_size)``: which runtime state / CUDA graph serves it.
+    /// Which runtime state / CUDA graph serves it: ``(steps, graph_bs or batch_size)`` for a
+    /// chain, ``(depth, tree_topk, num_draft_tokens, graph_bs or batch_size)`` for a draft tree.
     #[getter]
-    fn graph_key(&self) -> (u32, u32) {
-        (self.steps, self.graph_bs.unwrap_or(self.batch_size as u32))
+    fn graph_key<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        let bs = self.graph_bs.unwrap_or(self.batch_size as u32);
+        if self.tree_topk > 1 {
+            PyTuple::new(py, [self.steps, self.tree_topk, self.num_draft_tokens, bs])
+        } else {
+            PyTuple::new(py, [self.steps, bs])
+        }
+    }
+    /// Decode: children per frontier node of the draft tree (``speculative_eagle_topk``), 1 for
+    /// a chain. Prefill: 1.
+    #[getter]
+    fn tree_topk(&self) -> u32 {
+        self.tree_topk
+    }
+    /// Decode: draft tokens per request without the root: the tree's nodes ``N`` (SGLang's
+    /// ``speculative_num_draft_tokens - 1``), ``steps`` for a chain. Prefill: 0.
+    #[getter]
+    fn num_draft_tokens(&self) -> u32 {
+        self.num_draft_tokens
+    }
+    /// Decode tree [B * N] int64: KV slots of the tree nodes, request ``b`` at
+    /// ``b*N .. (b+1)*N``; the core frees them when this plan's report comes in (or it is
+    /// abandoned). Chain and prefill: empty.
+    #[getter]
+    fn scratch_loc(&self, py: Python<'_>) -> Py<Int64Array> {
+        self.scratch_loc.clone_ref(py)
     }
     /// [B] request ids.
     #[getter]
@@ -840,7 +875,8 @@ pub struct PyScheduler {
 #[pymethods]
 impl PyScheduler {
     #[new]
-    #[pyo3(signature = (config, *, speculative_num_steps, adaptive=true, adaptive_config=None, cuda_graph_bs=None, plan_kv_layout=false))]
+    #[pyo3(signature = (config, *, speculative_num_steps, adaptive=true, adaptive_config=None, cuda_graph_bs=None, plan_kv_layout=false, speculative_eagle_topk=1, speculative_num_draft_tokens=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         config: PyRef<'_, PySchedulerConfig>,
         speculative_num_steps: i64,
@@ -848,6 +884,8 @@ impl PyScheduler {
         adaptive_config: Option<&Bound<'_, PyAny>>,
         cuda_graph_bs: Option<Vec<i64>>,
         plan_kv_layout: bool,
+        speculative_eagle_topk: i64,
+        speculative_num_draft_tokens: Option<i64>,
     ) -> PyResult<Self> {
         guard(|| {
             let steps = u32::try_from(speculative_num_steps).map_err(|_| {
@@ -873,6 +911,8 @@ impl PyScheduler {
                 .set_cuda_graph_bs(cuda_graph_bs.as_deref())
                 .map_err(core_err)?;
             inner.set_plan_kv_layout(plan_kv_layout);
+            let (topk, m) = tree_args(speculative_eagle_topk, speculative_num_draft_tokens)?;
+            inner.set_draft_tree(topk, m).map_err(core_err)?;
             Ok(Self { inner })
         })
     }
@@ -1256,6 +1296,23 @@ impl PyScheduler {
         self.inner.fixed_steps()
     }
 
+    /// ``(speculative_eagle_topk, speculative_num_draft_tokens)`` in SGLang's counting (the
+    /// root included): ``(1, largest steps + 1)`` for chains.
+    #[getter]
+    fn draft_tree(&self) -> (u32, u32) {
+        self.inner.draft_tree_flags()
+    }
+
+    /// Sets the draft tree (SGLang's ``speculative_eagle_topk`` and
+    /// ``speculative_num_draft_tokens``, the root included; top-k 1 is chains), checked against
+    /// the largest steps; takes effect at the next plan. Raises ConfigError naming the field and
+    /// the allowed values (the scheduler is then unchanged).
+    #[pyo3(signature = (speculative_eagle_topk, speculative_num_draft_tokens=None))]
+    fn set_draft_tree(&mut self, speculative_eagle_topk: i64, speculative_num_draft_tokens: Option<i64>) -> PyResult<()> {
+        let (topk, m) = tree_args(speculative_eagle_topk, speculative_num_draft_tokens)?;
+        self.inner.set_draft_tree(topk, m).map_err(core_err)
+    }
+
     /// The config (a SchedulerConfig).
     #[getter]
     fn config(&self) -> PySchedulerConfig {
@@ -1286,6 +1343,39 @@ impl PyScheduler {
     }
 }
 
+/// SGLang's ``speculative_eagle_topk`` / ``speculative_num_draft_tokens`` as the core's `u32`s
+/// (a negative or huge value is out of range: ConfigError naming it, with the allowed values).
+fn tree_args(topk: i64, m: Option<i64>) -> PyResult<(u32, Option<u32>)> {
+    let topk = u32::try_from(topk).map_err(|_| {
+        ConfigError::new_err(format!("speculative_eagle_topk: must be in 1..={}, got {topk}", specdial_core::scheduler::MAX_TREE_NODES))
+    })?;
+    let m = m
+        .map(|m| {
+            u32::try_from(m).map_err(|_| {
+                ConfigError::new_err(format!("speculative_num_draft_tokens: must be an int >= 1 (the root plus the tree's nodes) or None, got {m}"))
+            })
+        })
+        .transpose()?;
+    Ok((topk, m))
+}
+
+/// Checks SGLang's ``speculative_eagle_topk`` and ``speculative_num_draft_tokens`` (the root
+/// included; None: ``steps + 1`` at top-k 1, required above) against ``speculative_num_steps``
+/// (the tree's depth: the fixed steps, or the adaptive policy's largest) and returns the tree's
+/// ``(topk, nodes without the root)``, or None for a chain. Rules: top-k in 1..=64; at top-k 1
+/// the count must be steps + 1; above, steps >= 1 and steps + 1 <= count <=
+/// min(topk + (steps - 1) * topk**2, 64) + 1 (EAGLE-2's candidates, SGLang's tree). Raises
+/// ConfigError naming the field and the allowed values.
+#[pyfunction]
+#[pyo3(signature = (speculative_num_steps, speculative_eagle_topk, speculative_num_draft_tokens=None))]
+pub fn validate_draft_tree(speculative_num_steps: i64, speculative_eagle_topk: i64, speculative_num_draft_tokens: Option<i64>) -> PyResult<Option<(u32, u32)>> {
+    let steps = u32::try_from(speculative_num_steps)
+        .map_err(|_| ConfigError::new_err(format!("speculative_num_steps: must be in 0..=32, got {speculative_num_steps}")))?;
+    let (topk, m) = tree_args(speculative_eagle_topk, speculative_num_draft_tokens)?;
+    let tree = specdial_core::scheduler::validate_tree(steps, topk, m).map_err(core_err)?;
+    Ok(tree.map(|t| (t.topk, t.num_draft_tokens)))
+}
+
 /// Adds the scheduler classes and exceptions to the module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -1298,5 +1388,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyReportResult>()?;
     m.add_class::<PySchedulerStats>()?;
     m.add_class::<PyScheduler>()?;
+    m.add_function(wrap_pyfunction!(validate_draft_tree, m)?)?;
     Ok(())
 }

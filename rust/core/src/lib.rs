@@ -42,6 +42,8 @@ pub use config::{AdaptiveConfig, GoodputConfig, SlotConfig, Strategy, Throughput
 pub use decision::{Decision, TreeShape, VerifyShape};
 pub use error::{ConfigError, PolicyError};
 pub use policy::{AdaptiveSpeculativeParams, Observation, SlotState, StepDecision};
-pub use scheduler::{Plan, PlanKind, ReportExtras, Scheduler, SchedulerConfig, SchedulerError, StepsSource};
+pub use scheduler::{
+    GraphKey, Plan, PlanKind, ReportExtras, Scheduler, SchedulerConfig, SchedulerError, StepsSource, TreeConfig,
+};
 pub use slot::AdaptiveStepSlot;
 pub use strategies::StepStrategy;

@@ -41,6 +41,12 @@
 //!   tokens (by `max_new_tokens` and the context end), gets `steps_r = min(steps, rem - 1)`
 //!   drafts, so one iteration never emits more than it may keep, and reserves exactly
 //!   `steps_r + 1` slots (positions `L ..= L + steps_r`).
+//! - **Draft trees** (issue 29; rules in `scheduler/tree.rs`). With a tree configured
+//!   ([`Scheduler::set_draft_tree`], SGLang's `speculative_eagle_topk` /
+//!   `speculative_num_draft_tokens`), a decode iteration at steps `D > 0` (fixed steps, or a
+//!   strategy's `Decision::tree`) reserves KV as a chain of `D` steps plus `N` scratch slots per
+//!   request (`Plan::scratch_loc`), freed at its report; admission counts the scratch pages of
+//!   every request that will decode, so the decode after an admission never preempts for them.
 //! - **Capacity first.** The pages the iteration needs at the chosen steps are counted before
 //!   anything is reserved. While they exceed the free pages, the plan first runs fewer steps (the
 //!   slot's lower candidates, largest first; adaptive only), and only when even the lowest does
@@ -90,14 +96,18 @@ mod schedule;
 mod stats;
 #[cfg(test)]
 mod tests;
+mod tree;
+#[cfg(test)]
+mod tree_tests;
 
 use std::collections::VecDeque;
 
 pub use config::{SchedulerConfig, SchedulerError};
-pub use plan::{Plan, PlanKind, ReportOutcome, TraceRecord};
+pub use plan::{GraphKey, Plan, PlanKind, ReportOutcome, TraceRecord};
 pub use request::{FinishReason, Finished, RequestState};
 pub use report::ReportExtras;
 pub use stats::SchedulerStats;
+pub use tree::{max_tree_nodes, validate_tree, TreeConfig, MAX_TREE_NODES};
 
 use crate::id_hash::IdMap;
 use crate::kv::PagePool;
@@ -138,6 +148,8 @@ struct InFlight {
     /// Decode: the drafter catch-up tokens of the batch (the sum of their `draft_lag`) when the
     /// iteration drafts, else 0.
     catch_up: u64,
+    /// Decode: the draft tree run (its scratch slots are held until the report), `None`: a chain.
+    tree: Option<crate::decision::TreeShape>,
 }
 
 /// The continuous-batching scheduler. See the [module docs](self) for the rules.
@@ -150,6 +162,8 @@ pub struct Scheduler {
     policy: Option<AdaptiveSpeculativeParams>,
     /// Overrides the policy when set.
     fixed_steps: Option<u32>,
+    /// The configured draft tree (`None`: chains); see `scheduler/tree.rs`.
+    tree: Option<TreeConfig>,
     graph_bs: Option<Vec<u32>>,
     requests: RequestMap,
     waiting: VecDeque<u64>,
@@ -203,6 +217,7 @@ impl Scheduler {
             pool,
             policy,
             fixed_steps,
+            tree: None,
             graph_bs: None,
             requests: RequestMap::default(),
             waiting: VecDeque::new(),
@@ -258,7 +273,9 @@ impl Scheduler {
     /// Fixes the steps (`Some(k)`, 0..=32) or returns to the adaptive policy (`None`). Takes
     /// effect at the next decode plan; the policy is not fed while fixed steps are in force.
     ///
-    /// Errors: [`SchedulerError::InvalidConfig`] for `k > 32`, or `None` without a policy.
+    /// Errors: [`SchedulerError::InvalidConfig`] for `k > 32`, `None` without a policy, or
+    /// (naming `speculative_num_draft_tokens`) a draft tree whose node count does not fit the new
+    /// largest steps (see [`validate_tree`]).
     pub fn set_fixed_steps(&mut self, steps: Option<u32>) -> Result<(), SchedulerError> {
         match steps {
             Some(k) => config::validate_fixed_steps(k)?,
@@ -270,6 +287,16 @@ impl Scheduler {
                 })
             }
             None => {}
+        }
+        if let Some(t) = self.tree {
+            let max = match (steps, &self.policy) {
+                (Some(k), _) => k,
+                (None, p) => p.as_ref().and_then(|p| p.candidate_steps().last().copied()).unwrap_or(0),
+            };
+            // steps 0 runs no tree; any other depth must still fit the configured tree
+            if max > 0 {
+                validate_tree(max, t.topk, Some(t.num_draft_tokens + 1))?;
+            }
         }
         self.fixed_steps = steps;
         Ok(())
@@ -471,6 +498,7 @@ impl Scheduler {
     /// Errors: [`SchedulerError::NoPlanInFlight`].
     pub fn abandon_plan(&mut self) -> Result<Vec<Finished>, SchedulerError> {
         let fl = self.in_flight.take().ok_or(SchedulerError::NoPlanInFlight)?;
+        self.release_scratch();
         let finished: Vec<Finished> = fl
             .ids
             .iter()

@@ -23,7 +23,9 @@ impl Scheduler {
         if self.requests.len() != self.waiting.len() + self.admitted.len() {
             return fail("requests are not exactly the waiting plus the admitted".into());
         }
-        if self.pool.num_requests() != self.admitted.len() {
+        let scratch_pages = self.check_scratch()?;
+        let scratch_owner = usize::from(scratch_pages > 0);
+        if self.pool.num_requests() != self.admitted.len() + scratch_owner {
             return fail(format!(
                 "pool has {} requests, {} admitted",
                 self.pool.num_requests(),
@@ -48,7 +50,7 @@ impl Scheduler {
             return fail("waiting_preempted count is off".into());
         }
         let mut running = 0;
-        let mut used_pages = 0u64;
+        let mut used_pages = scratch_pages;
         for id in &self.admitted {
             let r = self
                 .requests

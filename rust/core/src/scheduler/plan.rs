@@ -104,6 +104,25 @@ pub struct Plan {
     pub cached_kv_indices: Vec<i64>,
     /// Prefill `[sum(cached_lens)]`: token ids of the cached positions, request after request.
     pub cached_ids: Vec<i64>,
+    /// Decode: children per frontier node of the draft tree (`speculative_eagle_topk`), 1 for a
+    /// chain. Prefill: 1.
+    pub tree_topk: u32,
+    /// Decode: draft tokens per request, the root excluded: the tree's nodes `N` (SGLang's
+    /// `speculative_num_draft_tokens - 1`), `steps` for a chain. Prefill: 0.
+    pub num_draft_tokens: u32,
+    /// Decode tree `[B * N]`: KV slots for the tree nodes, request `b` at `b * N .. (b + 1) * N`,
+    /// reserved besides `out_loc` (which a tree iteration lays out as a chain of
+    /// `steps_per_request[b]` steps, its acceptance cap) and freed by the core when this plan's
+    /// report comes in (`scheduler/tree.rs`). Chain and prefill: empty.
+    pub scratch_loc: Vec<i64>,
+}
+
+/// Which captured CUDA graph a decode iteration replays: `Chain(steps, padded batch size)`, or
+/// `Tree(depth, topk, N, padded batch size)` for a draft tree (`N` = `Plan::num_draft_tokens`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GraphKey {
+    Chain(u32, u32),
+    Tree(u32, u32, u32, u32),
 }
 
 impl Plan {
@@ -111,13 +130,15 @@ impl Plan {
         self.request_ids.len()
     }
 
-    /// The graph key `(steps, padded batch size)`; the padded size is the batch size when no
-    /// graph fits.
-    pub fn graph_key(&self) -> (u32, u32) {
-        (
-            self.steps,
-            self.graph_bs.unwrap_or(self.request_ids.len() as u32),
-        )
+    /// The graph key: `(steps, padded batch size)` for a chain, `(depth, topk, N, padded batch
+    /// size)` for a tree; the padded size is the batch size when no graph fits.
+    pub fn graph_key(&self) -> GraphKey {
+        let bs = self.graph_bs.unwrap_or(self.request_ids.len() as u32);
+        if self.tree_topk > 1 {
+            GraphKey::Tree(self.steps, self.tree_topk, self.num_draft_tokens, bs)
+        } else {
+            GraphKey::Chain(self.steps, bs)
+        }
     }
 
     /// Decode: `out_loc` laid out as `[B, steps + 1]`, the slots beyond a request's

@@ -233,6 +233,7 @@ impl Scheduler {
             }
         }
         let fl = self.in_flight.take().expect("checked above");
+        self.release_scratch(); // a tree's scratch slots (scheduler/tree.rs)
         if fl.kind == PlanKind::Decode {
             self.observe_verify(&fl, offsets, seconds, draft_probs);
         }

@@ -4,7 +4,7 @@
 use super::{InFlight, Plan, PlanKind, RequestState, Scheduler, SchedulerError};
 use crate::config::VerifyMode;
 use crate::prefix_cache::ROOT;
-use crate::decision::VerifyShape;
+use crate::decision::{TreeShape, VerifyShape};
 
 /// Per-plan array builder shared by prefill and decode.
 #[derive(Default)]
@@ -75,7 +75,7 @@ impl Scheduler {
     }
 
     /// Largest steps a decode plan can choose now (for admission's page reserve).
-    fn max_steps(&self) -> u32 {
+    pub(super) fn max_steps(&self) -> u32 {
         match (self.fixed_steps, &self.policy) {
             (Some(k), _) => k,
             (None, Some(p)) => p.candidate_steps().last().copied().unwrap_or(0),
@@ -84,17 +84,17 @@ impl Scheduler {
     }
 
     /// `(steps, per-request verify lengths, padded graph batch size, lower steps to fall back to
-    /// when pages run short)` for a decode batch of `b >= 1` requests with `context` tokens of
+    /// when pages run short (as chains), the draft tree)` for a decode batch of `b >= 1` requests with `context` tokens of
     /// context and `catch_up` drafter catch-up tokens pending. Asks the policy's `decide` (which
     /// records the steps as its pending decision) unless fixed steps are in force (then every
-    /// request runs them).
-    fn decide(&mut self, b: usize, context: u64, catch_up: u64) -> (u32, VerifyShape, Option<u32>, Vec<u32>) {
+    /// request runs them, as the configured tree when there is one).
+    fn decide(&mut self, b: usize, context: u64, catch_up: u64) -> (u32, VerifyShape, Option<u32>, Vec<u32>, Option<TreeShape>) {
         let graph = self
             .graph_bs
             .as_ref()
             .and_then(|g| g.get(g.partition_point(|&s| (s as usize) < b)).copied());
         match (self.fixed_steps, &mut self.policy) {
-            (Some(k), _) => (k, VerifyShape::Uniform, graph, Vec::new()),
+            (Some(k), _) => (k, VerifyShape::Uniform, graph, Vec::new(), self.tree.and_then(|t| t.at_depth(k))),
             (None, Some(p)) => {
                 // A per-request decision keys each request's history by its id (batch order:
                 // the running requests in admission order, as `decode_batch` lays them out).
@@ -114,7 +114,12 @@ impl Scheduler {
                     .copied()
                     .filter(|&k| k < d.steps)
                     .collect();
-                (d.steps, d.verify, graph, lower)
+                // A strategy's tree (issue 29, H4's entry): `Decision { tree: Some(..) }` with
+                // `steps == depth`, within the configured tree (admission reserved for its N).
+                let tree = d.tree.filter(|_| d.steps > 0);
+                debug_assert!(tree.map_or(true, |t| t.depth == d.steps
+                    && self.tree.is_some_and(|c| t.topk <= c.topk && t.num_draft_tokens <= c.num_draft_tokens)));
+                (d.steps, d.verify, graph, lower, tree)
             }
             (None, None) => unreachable!("a scheduler has fixed steps or a policy"),
         }
@@ -164,6 +169,9 @@ impl Scheduler {
                     .expect("admitted request has a page table");
             }
         }
+        // Scratch slots of a tree iteration for them and each request whose prefill ends now.
+        let mut decoders = self.num_running as u64;
+        reserve += self.scratch_pages(decoders);
         let mut budget = u64::from(self.config.max_prefill_tokens);
         // SGLang's chunked_prefill_size: one request's chunk, whatever room the budget has
         let chunk_cap = self.config.chunked_prefill_size.map_or(u64::MAX, u64::from);
@@ -180,11 +188,12 @@ impl Scheduler {
             } else {
                 0
             };
+            let scratch = if done { self.scratch_pages(decoders + 1) - self.scratch_pages(decoders) } else { 0 };
             let need_total = self
                 .pool
                 .pages_needed(id, chunk + extra)
                 .expect("partial request has a page table");
-            if need_total + reserve > free {
+            if need_total + scratch + reserve > free {
                 return None;
             }
             let need_now = self
@@ -192,7 +201,8 @@ impl Scheduler {
                 .pages_needed(id, chunk)
                 .expect("partial request has a page table");
             free -= need_now;
-            reserve += need_total - need_now;
+            reserve += need_total - need_now + scratch;
+            decoders += u64::from(done);
             budget -= chunk;
             chunks.push((id, start, start + chunk, done, done && r.output_len() == 0, false));
             if done {
@@ -221,13 +231,15 @@ impl Scheduler {
                 };
                 let need_total = (cached + chunk + extra).div_ceil(page_size) - nodes.len() as u64;
                 let need_now = (cached + chunk).div_ceil(page_size) - nodes.len() as u64;
-                if need_total + reserve + taken > free
+                let scratch = if done { self.scratch_pages(decoders + 1) - self.scratch_pages(decoders) } else { 0 };
+                if need_total + scratch + reserve + taken > free
                     || self.overlaps_plan(&r.tokens[..target as usize], cached, &chunks)
                 {
                     break;
                 }
                 free -= need_now + taken;
-                reserve += need_total - need_now;
+                reserve += need_total - need_now + scratch;
+                decoders += u64::from(done);
                 budget -= chunk;
                 self.waiting.pop_front();
                 let r = self
@@ -341,6 +353,7 @@ impl Scheduler {
             done: done_v.iter().map(|&d| d == 1).collect(),
             sample: sample_v.iter().map(|&s| s == 1).collect(),
             catch_up: 0,
+            tree: None,
         });
         Some(Plan {
             kind: PlanKind::Prefill,
@@ -365,6 +378,9 @@ impl Scheduler {
             cached_lens: a.cached_lens,
             cached_kv_indices: a.cached_kv_indices,
             cached_ids: a.cached_ids,
+            tree_topk: 1,
+            num_draft_tokens: 0,
+            scratch_loc: Vec::new(),
         })
     }
 
@@ -374,7 +390,7 @@ impl Scheduler {
         let mut batch: Vec<(u64, u32)> = Vec::with_capacity(self.num_running);
         // Capacity first: the decided steps, else fewer (the slot's lower candidates), else
         // preempt the most recently admitted request and decide again for the smaller batch.
-        let (steps, graph_bs, n_kv, context, lag, need) = 'fit: loop {
+        let (steps, graph_bs, n_kv, context, lag, need, tree) = 'fit: loop {
             if self.num_running == 0 {
                 return None;
             }
@@ -384,11 +400,13 @@ impl Scheduler {
                 .map(|id| &self.requests[id])
                 .filter(|r| r.state == RequestState::Running)
                 .fold((0u64, 0u64), |(c, l), r| (c + r.kv_len, l + r.draft_lag));
-            let (decided, verify, graph_bs, lower) = self.decide(self.num_running, context, lag);
-            for steps in std::iter::once(decided).chain(lower) {
+            let (decided, verify, graph_bs, lower, tree) = self.decide(self.num_running, context, lag);
+            let trees = std::iter::once(tree).chain(std::iter::repeat(None));
+            for (steps, tree) in std::iter::once(decided).chain(lower).zip(trees) {
                 let (need, n_kv) = self.decode_batch(steps, &verify, &mut batch);
+                let need = need + self.scratch_pages_for(tree, batch.len());
                 if need <= self.available_pages() {
-                    break 'fit (steps, graph_bs, n_kv, context, lag, need);
+                    break 'fit (steps, graph_bs, n_kv, context, lag, need, tree);
                 }
             }
             self.preempt_last();
@@ -429,6 +447,8 @@ impl Scheduler {
             }
             steps_per_request.push(i64::from(steps_r));
         }
+        let mut scratch_loc = Vec::new();
+        self.reserve_scratch(tree, b, &mut scratch_loc);
         self.in_flight = Some(InFlight {
             kind: PlanKind::Decode,
             ids: batch.iter().map(|&(id, _)| id).collect(),
@@ -442,6 +462,7 @@ impl Scheduler {
             done: Vec::new(),
             sample: Vec::new(),
             catch_up: if steps > 0 { lag } else { 0 },
+            tree,
         });
         Some(Plan {
             kind: PlanKind::Decode,
@@ -466,6 +487,9 @@ impl Scheduler {
             cached_lens: Vec::new(),
             cached_kv_indices: Vec::new(),
             cached_ids: Vec::new(),
+            tree_topk: tree.map_or(1, |t| t.topk),
+            num_draft_tokens: tree.map_or(steps, |t| t.num_draft_tokens),
+            scratch_loc,
         })
     }
 

@@ -29,7 +29,7 @@ pub(super) fn tok(id: i64, pos: i64) -> i64 {
 }
 
 /// Runs one iteration with the fake model; decode accepts `accept(id, steps_r)` drafts.
-fn step(
+pub(super) fn step(
     s: &mut Scheduler,
     accept: &mut dyn FnMut(i64, i64) -> i64,
 ) -> Option<(Plan, ReportOutcome)> {
@@ -58,12 +58,12 @@ fn step(
     Some((plan, out))
 }
 
-fn full(_: i64, steps_r: i64) -> i64 {
+pub(super) fn full(_: i64, steps_r: i64) -> i64 {
     steps_r
 }
 
 /// Runs until nothing is left; returns every finished record.
-fn run_all(s: &mut Scheduler, accept: &mut dyn FnMut(i64, i64) -> i64) -> Vec<Finished> {
+pub(super) fn run_all(s: &mut Scheduler, accept: &mut dyn FnMut(i64, i64) -> i64) -> Vec<Finished> {
     let mut finished = vec![];
     for _ in 0..10_000 {
         match step(s, accept) {
@@ -327,7 +327,7 @@ fn decode_plan_layout_and_truncation() {
     assert_eq!(plan.kind, PlanKind::Decode);
     assert_eq!(
         (plan.steps, plan.graph_bs, plan.graph_key()),
-        (3, None, (3, 2))
+        (3, None, GraphKey::Chain(3, 2))
     );
     assert_eq!(plan.input_ids, vec![tok(0, 5), tok(1, 2)]);
     assert_eq!(plan.positions, vec![5, 2]);
@@ -821,10 +821,10 @@ fn graph_batch_size_is_padded() {
     }
     step(&mut s, &mut full).unwrap();
     let (plan, _) = step(&mut s, &mut full).unwrap();
-    assert_eq!((plan.graph_bs, plan.graph_key()), (Some(4), (1, 4)));
+    assert_eq!((plan.graph_bs, plan.graph_key()), (Some(4), GraphKey::Chain(1, 4)));
     s.set_cuda_graph_bs(Some(&[2])).unwrap();
     let (plan, _) = step(&mut s, &mut full).unwrap();
-    assert_eq!((plan.graph_bs, plan.graph_key()), (None, (1, 3)));
+    assert_eq!((plan.graph_bs, plan.graph_key()), (None, GraphKey::Chain(1, 3)));
 }
 
 #[test]
