@@ -2,7 +2,7 @@
 ``speculative_num_draft_tokens`` (root included) as Engine options, command-line flags and
 ``/server_info`` fields, their errors naming the field and the allowed values, the Rust
 scheduler's tree plans (``tree_topk``, ``num_draft_tokens`` without the root, ``scratch_loc``,
-the tree graph key), and the one guard refusing trees until the tree worker is merged."""
+the tree graph key), and fixed trees run end to end through the tree worker."""
 
 from __future__ import annotations
 
@@ -148,9 +148,38 @@ def test_server_info_reports_the_tree_options():
     assert _draft_tree(front, 3)["speculative_num_draft_tokens"] == 5
 
 
-def test_an_engine_refuses_trees_until_the_tree_worker_is_merged(tiny):
-    """The guard ``engine.build.refuse_draft_trees_until_the_tree_worker``: remove with it."""
-    with pytest.raises(ConfigError, match="speculative_eagle_topk=4.*chains only"):
-        Engine.from_modules(tiny.target, tiny.draft_noisy, speculative_adaptive=False,
-                            speculative_num_steps=3, speculative_eagle_topk=4,
-                            speculative_num_draft_tokens=9, log_interval_s=None)
+def test_adaptive_trees_and_trees_without_a_drafter_are_refused(tiny):
+    """The adaptive policy does not choose tree shapes in this build (engine.build's
+    ``check_draft_tree``): refused naming the option rather than run as chains."""
+    with pytest.raises(ConfigError, match="speculative_eagle_topk=4.*adaptive policy"):
+        Engine.from_modules(tiny.target, tiny.draft_noisy, speculative_num_steps=3,
+                            speculative_eagle_topk=4, speculative_num_draft_tokens=9,
+                            log_interval_s=None)
+
+
+@pytest.mark.parametrize("drafter,topk,tokens,steps", [
+    ("draft_noisy", 4, 9, 3), ("draft_random", 2, 5, 2), ("eagle_random", 8, 16, 4),
+    ("draft_noisy", 3, 3, 2)])
+def test_an_engine_with_a_fixed_tree_emits_target_only_greedy(tiny, drafter, topk, tokens, steps):
+    """Scheduler tree plans through the tree worker, end to end: greedy output identical to
+    target-only, every KV page (scratch included) free afterwards, acceptance counted as a
+    chain's (``accepted <= depth``)."""
+    prompts = [[1, 5, 9, 2], [7, 7, 3], [4, 8, 15, 16, 23, 42], [11]]
+    sp = {"temperature": 0.0, "max_new_tokens": 20}
+    kw = dict(max_running_requests=4, kv_cache_tokens=1024, page_size=4, log_interval_s=None)
+    ref = Engine.from_modules(tiny.target, None, **kw)
+    want = [o["output_ids"] for o in ref.generate(input_ids=prompts, sampling_params=sp)]
+    ref.shutdown()
+    eng = Engine.from_modules(tiny.target, getattr(tiny, drafter), speculative_adaptive=False,
+                              speculative_num_steps=steps, speculative_eagle_topk=topk,
+                              speculative_num_draft_tokens=tokens, **kw)
+    try:
+        out = eng.generate(input_ids=prompts, sampling_params=sp)
+        assert [o["output_ids"] for o in out] == want
+        stats = eng.stats()
+        assert stats.kv_pages_used == 0 and stats.running == 0, stats
+        for o in out:
+            hist = o["meta_info"]["spec_steps_histogram"]
+            assert set(hist) <= {0, steps}, hist
+    finally:
+        eng.shutdown()

@@ -159,7 +159,8 @@ def test_tree_plan_errors_name_the_field():
     z = np.zeros(2, np.int64)
     with pytest.raises(ValueError, match="scratch_loc has 3 entries, expected 8"):
         TreePlan(z, z, z, np.zeros(8, np.int64), np.zeros(3, np.int64), 3, 2, 4)
-    with pytest.raises(ValueError, match="pass draft_loc"):
+    # the scratch is max(N, K (D - 1)) = 12 slots a request: the drafter's frontier needs more
+    with pytest.raises(ValueError, match="scratch_loc has 8 entries, expected 24"):
         TreePlan(z, z, z, np.zeros(10, np.int64), np.zeros(8, np.int64), 4, 4, 4)
     with pytest.raises(ValueError, match="above the 6 nodes"):
         TreePlan(z, z, z, np.zeros(6, np.int64), np.zeros(14, np.int64), 2, 2, 7)

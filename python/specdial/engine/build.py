@@ -136,17 +136,23 @@ def modules_config(target: LlamaForCausalLM, drafter: Any, kwargs: dict[str, Any
     return cfg, wrapped, inferred
 
 
-def refuse_draft_trees_until_the_tree_worker(scheduler: Scheduler) -> None:
-    """Issue 29's one guard: the scheduler plans draft trees (``speculative_eagle_topk > 1``)
-    but this worker drafts and verifies chains only, so a tree configuration is refused here
-    rather than run as chains. Remove this function and its call when the tree worker
-    (``specdial.worker.tree*``) is merged. Raises :class:`ConfigError` naming the option."""
+def check_draft_tree(scheduler: Scheduler, drafter: Any, adaptive: bool) -> None:
+    """Draft trees (issue 29, ``speculative_eagle_topk > 1``) run with a drafter and a fixed
+    steps schedule (``speculative_adaptive=False`` or a ``steps_schedule``): the tree worker
+    (``specdial.worker.tree_step``) drafts and verifies them. The adaptive policy does not
+    choose tree shapes in this build, so adaptation with a tree is refused rather than run as
+    chains. Raises :class:`ConfigError` naming the option."""
     topk, num_draft_tokens = scheduler.draft_tree
-    if topk > 1:
-        raise ConfigError(
-            f"speculative_eagle_topk={topk} (speculative_num_draft_tokens={num_draft_tokens}): "
-            "draft trees are planned by the scheduler but this build's worker drafts chains "
-            "only; use speculative_eagle_topk=1")
+    if topk <= 1:
+        return
+    what = f"speculative_eagle_topk={topk} (speculative_num_draft_tokens={num_draft_tokens})"
+    if drafter is None:
+        raise ConfigError(f"{what}: a draft tree needs a drafter (speculative_draft_model_path "
+                          "or an EAGLE head); use speculative_eagle_topk=1")
+    if adaptive:
+        raise ConfigError(f"{what}: the adaptive policy does not choose tree shapes in this "
+                          "build; pass speculative_adaptive=False with speculative_num_steps "
+                          "(a fixed tree) or speculative_eagle_topk=1")
 
 
 def build_parts(target: LlamaForCausalLM, drafter: Any, tokenizer: Any,
@@ -180,7 +186,7 @@ def build_parts(target: LlamaForCausalLM, drafter: Any, tokenizer: Any,
         # largest candidate may be below that bound
         speculative_num_draft_tokens=(cfg.speculative_num_draft_tokens
                                       if cfg.speculative_eagle_topk > 1 else None))
-    refuse_draft_trees_until_the_tree_worker(scheduler)
+    check_draft_tree(scheduler, drafter, bool(policy.get("adaptive")))
     worker = SpecWorker(target, drafter, scheduler.num_slots,
                         max_running_requests=cfg.max_running_requests, context_length=ctx,
                         step_values=step_values or scheduler.candidate_steps,

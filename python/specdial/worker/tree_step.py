@@ -6,10 +6,12 @@ captured yet). The plan's contract (shared with the Rust scheduler's side, issue
 
 - ``steps = D`` (the tree's depth), ``tree_topk = K``, ``num_draft_tokens = N``;
 - ``out_loc`` ``[B * (D + 1)]``: chain slots of positions ``L .. L + D`` (request-major);
-- ``scratch_loc`` ``[B * N]``: scratch slots of the tree's nodes (target KV, EAGLE features),
-  freed by the core when the report comes in; the drafter's fed frontier nodes (``K`` per
-  level ``2 .. D``) use the first ``K * (D - 1)`` of them in the drafter's own pool, so the
-  plan needs ``K * (D - 1) <= N`` unless it carries ``draft_loc`` ``[B * K * (D - 1)]``;
+- ``scratch_loc`` ``[B * S]``, ``S = max(N, K * (D - 1))`` (the core's
+  ``scratch_per_request``): scratch slots, freed by the core when the report comes in; the
+  tree's nodes (target KV, EAGLE features) use the first ``N`` of each request's, the
+  drafter's fed frontier nodes (``K`` per level ``2 .. D``) the first ``K * (D - 1)`` in the
+  drafter's own pool (or ``draft_loc`` ``[B * K * (D - 1)]`` when a plan carries one, with
+  ``S = N``);
 - ``rows``, ``input_ids`` (``x_L``), ``positions`` (``L``) as for a chain.
 
 Steps: the drafter's catch-up to ``L``; :func:`~specdial.worker.tree_draft.draft_tree`; one
@@ -61,14 +63,24 @@ class TreePlan:
     tree_topk: int
     num_draft_tokens: int
     draft_loc: np.ndarray | None = None
+    #: ``[B]`` int64, each ``<= steps``: a request the core capped near its end
+    #: (``max_new_tokens``, the context) accepts at most this many drafts; ``out_loc`` then
+    #: holds ``sum(steps_per_request + 1)`` chain slots. None: every request ``steps``.
+    steps_per_request: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         b, d, k, n = len(self.rows), self.steps, self.tree_topk, self.num_draft_tokens
+        spr = self.steps_per_request
+        if spr is not None and (len(spr) != b or (b and (spr.min() < 0 or spr.max() > d))):
+            raise ValueError(f"tree plan: steps_per_request must hold {b} values in 0..{d}, "
+                             f"got {np.asarray(spr).tolist()}")
         if d < 1 or k < 1 or not d <= n <= 64:
             raise ValueError(f"tree plan: steps (depth) >= 1, tree_topk >= 1 and steps <= "
                              f"num_draft_tokens <= 64 required, got {d}, {k}, {n}")
-        for name, size in (("input_ids", b), ("positions", b), ("out_loc", b * (d + 1)),
-                           ("scratch_loc", b * n)):
+        width = n if self.draft_loc is not None else max(n, k * (d - 1))
+        chain = b * (d + 1) if spr is None else int((spr + 1).sum())
+        for name, size in (("input_ids", b), ("positions", b), ("out_loc", chain),
+                           ("scratch_loc", b * width)):
             if len(getattr(self, name)) != size:
                 raise ValueError(f"tree plan: {name} has {len(getattr(self, name))} entries, "
                                  f"expected {size}")
@@ -78,10 +90,6 @@ class TreePlan:
                              f"of tree_topk {k} and depth {d} can hold (topk + (depth - 1) * "
                              "topk**2)")
         need = b * k * (d - 1)
-        if self.draft_loc is None and k * (d - 1) > n:
-            raise ValueError(f"tree plan: the drafter needs tree_topk * (steps - 1) = "
-                             f"{k * (d - 1)} draft slots per request, more than "
-                             f"num_draft_tokens = {n}; pass draft_loc")
         if self.draft_loc is not None and len(self.draft_loc) != need:
             raise ValueError(f"tree plan: draft_loc has {len(self.draft_loc)} entries, "
                              f"expected {need}")
@@ -96,9 +104,11 @@ class TreePlan:
             return np.ascontiguousarray(np.asarray(x), np.int64)
 
         draft = getattr(plan, "draft_loc", None)
+        spr = getattr(plan, "steps_per_request", None)
         return cls(i64(plan.rows), i64(plan.input_ids), i64(plan.positions), i64(plan.out_loc),
                    i64(plan.scratch_loc), int(plan.steps), int(plan.tree_topk),
-                   int(plan.num_draft_tokens), None if draft is None else i64(draft))
+                   int(plan.num_draft_tokens), None if draft is None else i64(draft),
+                   None if spr is None else i64(spr))
 
 
 def is_tree_plan(plan: Any) -> bool:
@@ -127,16 +137,18 @@ def run_tree_iteration(worker: Any, plan: TreePlan, sampling: BatchSampling,
     rows, lens = plan.rows, plan.positions
     if len(rows) and (rows.min() < 0 or rows.max() >= worker.max_bs):
         raise ValueError(f"tree plan: rows {rows.tolist()} outside 0..{worker.max_bs - 1}")
-    tables.write(rows, lens, np.full(b, d + 1, np.int64), kv_slots=plan.out_loc)
+    limit = np.full(b, d, np.int64) if plan.steps_per_request is None else plan.steps_per_request
+    tables.write(rows, lens, limit + 1, kv_slots=plan.out_loc)
     tables.write(rows, lens, np.ones(b, np.int64), ids=plan.input_ids)
     runner = worker.states[min(worker.states)]
     ds.catch_up(rows, lens, runner)
     rows_d = torch.from_numpy(rows).to(dev)
     lens_d = torch.from_numpy(lens).to(dev)
     root = torch.from_numpy(plan.input_ids).to(dev)
-    chain = torch.from_numpy(plan.out_loc).to(dev).view(b, d + 1)
-    scratch = torch.from_numpy(plan.scratch_loc).to(dev).view(b, n)
-    draft_loc = (scratch[:, : k * (d - 1)] if plan.draft_loc is None
+    chain = _padded_chain(plan.out_loc, limit, d, worker.pad_kv_slot).to(dev)
+    scratch_all = torch.from_numpy(plan.scratch_loc).to(dev).view(b, -1)
+    scratch = scratch_all[:, :n]
+    draft_loc = (scratch_all[:, : k * (d - 1)] if plan.draft_loc is None
                  else torch.from_numpy(plan.draft_loc).to(dev).view(b, -1))
     first_hidden = None
     if ds.features is not None:
@@ -151,6 +163,10 @@ def run_tree_iteration(worker: Any, plan: TreePlan, sampling: BatchSampling,
         logits = process_tree_columns(raw, sampling.processors, td.tree, root, lens_d + 1,
                                       base, seen)
     acc, path, out = tree_accept(td.tree, logits, sampling, generator, lens_d + 1)
+    if plan.steps_per_request is not None:  # cap: the emitted prefix of a lossless draw
+        cap = torch.from_numpy(limit).to(dev)
+        acc = torch.minimum(acc, cap)
+        path = torch.where(torch.arange(d, device=dev)[None, :] < cap[:, None], path, -1)
     lp_pending = None
     if logprobs is not None:
         cols = path_columns(path)
@@ -168,6 +184,16 @@ def run_tree_iteration(worker: Any, plan: TreePlan, sampling: BatchSampling,
     tokens = host[:, 2:][keep].astype(np.int64)
     offsets = np.concatenate([[0], np.cumsum(accepted + 1)]).astype(np.int64)
     return StepOutput(d, tokens, offsets, accepted, lp_host)
+
+
+def _padded_chain(out_loc: np.ndarray, limit: np.ndarray, d: int, pad: int) -> torch.Tensor:
+    """``[B, D + 1]`` chain slots from the ragged ``out_loc`` (``limit[b] + 1`` slots of
+    request ``b``), ``pad`` past each request's own: never written, since its accepted path
+    is capped at ``limit[b]``."""
+    b = len(limit)
+    chain = np.full((b, d + 1), pad, np.int64)
+    chain[np.arange(d + 1)[None, :] <= limit[:, None]] = out_loc
+    return torch.from_numpy(chain)
 
 
 def _verify(worker: Any, td: TreeDraft, rows: torch.Tensor, lens: np.ndarray,

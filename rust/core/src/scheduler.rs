@@ -107,7 +107,7 @@ pub use plan::{GraphKey, Plan, PlanKind, ReportOutcome, TraceRecord};
 pub use request::{FinishReason, Finished, RequestState};
 pub use report::ReportExtras;
 pub use stats::SchedulerStats;
-pub use tree::{max_tree_nodes, validate_tree, TreeConfig, MAX_TREE_NODES};
+pub use tree::{max_tree_nodes, scratch_per_request, validate_tree, TreeConfig, MAX_TREE_NODES};
 
 use crate::id_hash::IdMap;
 use crate::kv::PagePool;

@@ -208,9 +208,15 @@ fn check_plan(
 ) -> Result<(), TestCaseError> {
     let b = plan.batch_size();
     prop_assert!(b >= 1);
-    // a draft tree's scratch slots: B * N, none of them a slot the plan writes as a chain
+    // a draft tree's scratch slots: B * max(N, K (D - 1)), none of them a slot the plan writes
+    // as a chain
     if plan.tree_topk > 1 {
-        prop_assert_eq!(plan.scratch_loc.len(), b * plan.num_draft_tokens as usize);
+        let per = specdial_core::scheduler::scratch_per_request(
+            plan.steps,
+            plan.tree_topk,
+            plan.num_draft_tokens,
+        );
+        prop_assert_eq!(plan.scratch_loc.len() as u64, b as u64 * per);
         let chain: std::collections::HashSet<i64> = plan.out_loc.iter().copied().collect();
         prop_assert!(plan.scratch_loc.iter().all(|x| !chain.contains(x)));
     } else {

@@ -24,7 +24,8 @@
 //!
 //! A tree iteration reserves KV as a chain of `steps_per_request[b]` steps (positions
 //! `L ..= L + steps_r`, `Plan::out_loc`) **plus** `N` scratch slots per request
-//! (`Plan::scratch_loc`, `[B * N]`, request-major), taken from the page pool as one batch-wide
+//! (`Plan::scratch_loc`, `[B * S]`, request-major, `S = max(N, K (D - 1))`: see
+//! [`scratch_per_request`]), taken from the page pool as one batch-wide
 //! page run held by a reserved pool owner ([`SCRATCH_OWNER`]), so the pool's accounting sees
 //! them and admission counts them (`ceil(R * N / page_size)` pages for `R` running requests).
 //! The worker writes tree nodes' KV there, copies the accepted path into the chain slots, and
@@ -51,6 +52,14 @@ pub struct TreeConfig {
     pub topk: u32,
     /// Tree nodes per request, the root excluded (`speculative_num_draft_tokens - 1`).
     pub num_draft_tokens: u32,
+}
+
+/// Scratch slots one request of a tree iteration holds: its `N` nodes' target KV and the
+/// drafter's fed frontier nodes (`K` per level `2..=D`, in the drafter's own pool at the same
+/// slot indices), so `max(N, K (D - 1))`. The worker uses the first `N` for the nodes and the
+/// first `K (D - 1)` for the drafter (`worker/tree_step.py`).
+pub fn scratch_per_request(depth: u32, topk: u32, num_draft_tokens: u32) -> u64 {
+    u64::from(num_draft_tokens).max(u64::from(topk) * u64::from(depth.saturating_sub(1)))
 }
 
 /// Candidate nodes of an EAGLE-2 tree of `depth >= 1` and `topk`: `topk + (depth - 1) topk^2`.
@@ -161,13 +170,15 @@ impl Scheduler {
         // One request of context_length tokens and its scratch slots must fit the pool alone,
         // or admission could wait for pages forever.
         let ps = u64::from(self.config.page_size);
-        let n = tree.map_or(0, |t| u64::from(t.num_draft_tokens));
+        let n = tree.map_or(0, |t| {
+            scratch_per_request(self.max_steps(), t.topk, t.num_draft_tokens)
+        });
         let pages = u64::from(self.config.context_length).div_ceil(ps) + n.div_ceil(ps);
         if pages > u64::from(self.config.num_pages) {
             return Err(invalid(
                 "speculative_num_draft_tokens",
                 format!(
-                    "{} tree nodes need {} KV pages of scratch besides the {} pages of one \
+                    "{} scratch slots (tree nodes and drafter frontier) need {} KV pages of scratch besides the {} pages of one \
                      request of context_length {}, more than num_pages = {}: enlarge the KV \
                      cache or pass fewer tokens",
                     n,
@@ -199,13 +210,17 @@ impl Scheduler {
     /// Scratch pages `running` requests need for one tree iteration of the configured tree
     /// (0 for chains): what admission reserves besides the chains' pages.
     pub(super) fn scratch_pages(&self, running: u64) -> u64 {
-        let n = self.tree.map_or(0, |t| u64::from(t.num_draft_tokens));
+        let n = self.tree.map_or(0, |t| {
+            scratch_per_request(self.max_steps(), t.topk, t.num_draft_tokens)
+        });
         (running * n).div_ceil(u64::from(self.config.page_size))
     }
 
     /// Scratch pages of a tree iteration over `b` requests (0 for a chain).
     pub(super) fn scratch_pages_for(&self, tree: Option<TreeShape>, b: usize) -> u64 {
-        let n = tree.map_or(0, |t| u64::from(t.num_draft_tokens));
+        let n = tree.map_or(0, |t| {
+            scratch_per_request(t.depth, t.topk, t.num_draft_tokens)
+        });
         (b as u64 * n).div_ceil(u64::from(self.config.page_size))
     }
 
@@ -222,7 +237,11 @@ impl Scheduler {
             .add_request(SCRATCH_OWNER)
             .expect("no scratch is held between iterations");
         self.pool
-            .reserve_into(SCRATCH_OWNER, b as u64 * u64::from(t.num_draft_tokens), out)
+            .reserve_into(
+                SCRATCH_OWNER,
+                b as u64 * scratch_per_request(t.depth, t.topk, t.num_draft_tokens),
+                out,
+            )
             .expect("scratch pages were counted");
     }
 
@@ -239,8 +258,9 @@ impl Scheduler {
     /// tree plan is in flight, `B * N` of them. Returns the pages held.
     pub(super) fn check_scratch(&self) -> Result<u64, String> {
         let expected = self.in_flight.as_ref().and_then(|fl| {
-            fl.tree
-                .map(|t| fl.ids.len() as u64 * u64::from(t.num_draft_tokens))
+            fl.tree.map(|t| {
+                fl.ids.len() as u64 * scratch_per_request(t.depth, t.topk, t.num_draft_tokens)
+            })
         });
         let held = self
             .pool

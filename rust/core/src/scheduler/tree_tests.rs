@@ -69,8 +69,14 @@ fn tree_checks_name_the_field_and_count_the_root_as_sglang() {
     );
     let e = small.set_draft_tree(4, Some(9)).unwrap_err();
     assert!(e.to_string().contains("more than num_pages = 17"), "{e}");
-    small.set_draft_tree(4, Some(5)).unwrap(); // 4 nodes: one page
-                                               // The scheduler refuses and stays unchanged.
+    // 4 nodes but top-k 4 at depth 3 feeds the drafter 4 * 2 = 8 frontier nodes: the scratch
+    // is max(N, K (D - 1)) = 8 slots, two pages, so it does not fit either.
+    let e = small.set_draft_tree(4, Some(5)).unwrap_err();
+    assert!(e.to_string().contains("more than num_pages = 17"), "{e}");
+    small.set_draft_tree(2, Some(5)).unwrap(); // max(4, 2 * 2) = 4 slots: one page
+    assert_eq!(scratch_per_request(3, 4, 4), 8);
+    assert_eq!(scratch_per_request(3, 2, 6), 6);
+    // The scheduler refuses and stays unchanged.
     let mut s = fixed(config(64, 4), 3);
     assert!(s.set_draft_tree(2, Some(3)).is_err());
     assert_eq!((s.draft_tree(), s.draft_tree_flags()), (None, (1, 4)));
