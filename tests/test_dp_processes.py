@@ -55,8 +55,11 @@ def test_replica_seeds_and_options():
     assert replica_options(cfg, 0, on_cpu=False)["cpu_threads"] is None
     assert replica_options(cfg.replace(cpu_threads=3), 0, on_cpu=True)["cpu_threads"] == 3
     assert replica_options(EngineConfig(dp_size=2), 1, True)["dist_init_addr"] is None
-    with pytest.raises(ValueError, match="steps_schedule: a callable cannot be sent"):
+    with pytest.raises(ValueError, match="steps_schedule: .* cannot be pickled by reference"):
         replica_options(EngineConfig(dp_size=2, steps_schedule=lambda i, b: 0), 0, True)
+    v6 = EngineConfig(dp_size=2, tp_size=2, dist_init_addr="[::1]:5000")
+    assert [replica_options(v6, i, True)["dist_init_addr"] for i in range(2)] == [
+        "[::1]:5000", "[::1]:5001"]
 
 
 def test_router_strategies():
