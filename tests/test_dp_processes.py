@@ -16,7 +16,6 @@ import specdial
 from specdial.config import EngineConfig
 from specdial.engine.api import QueueFullError, RequestError
 from specdial.launch import replica_wire as w
-from specdial.launch import replica_main
 from specdial.launch.replica_main import ReplicaServer
 from specdial.launch.replica_setup import (replica_devices, replica_options, replica_seed,
                                            visible_devices)
@@ -127,36 +126,6 @@ def test_replica_batches_one_iterations_items_in_one_message():
 
     assert asyncio.run(main()) == [[(1, "chunk", "chunk of 1"), (2, "chunk", "chunk of 2"),
                                     (3, "chunk", "chunk of 3")], [(4, "result", "later")]]
-
-
-def test_replica_coalesces_trickling_chunks_while_several_calls_run(monkeypatch):
-    """With several calls in flight, chunks that arrive over several event-loop passes (as the
-    engine loop hands an iteration's chunks over one by one) within FLUSH_WINDOW_S leave as one
-    message; a later batch is a second message. (The window is widened to 1 s here so that a
-    busy machine cannot split the passes.)"""
-    monkeypatch.setattr(replica_main, "FLUSH_WINDOW_S", 1.0)
-    window = replica_main.FLUSH_WINDOW_S
-    sent: list[bytes] = []
-
-    class Conn:
-        def send_bytes(self, data: bytes) -> None:
-            sent.append(data)
-
-    async def main():
-        server = ReplicaServer(engine=None, conn=Conn())
-        server.loop = asyncio.get_running_loop()
-        server.calls = {1: None, 2: None}
-        for cid in (1, 2):
-            server._out(cid, w.CHUNK, f"chunk of {cid}")
-            await asyncio.sleep(0)  # another pass: the old flush-on-next-pass sent it alone
-        assert sent == []
-        await asyncio.sleep(window * 1.5)
-        server._out(1, w.CHUNK, "next")
-        await asyncio.sleep(window * 1.5)
-        return [w.decode(m) for m in sent]
-
-    assert asyncio.run(main()) == [[(1, "chunk", "chunk of 1"), (2, "chunk", "chunk of 2")],
-                                   [(1, "chunk", "next")]]
 
 
 # --------------------------------------------------------------------------- real replicas

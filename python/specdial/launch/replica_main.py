@@ -38,13 +38,6 @@ __all__ = ["ReplicaServer", "main", "ready_info"]
 
 #: Seconds between checks of the engine's ``failure`` (sent once to the router when set).
 FAILURE_POLL_S = 0.5
-#: Seconds a message waits for more items while several calls are in flight. The engine loop
-#: hands over an iteration's chunks one by one (a thread-safe wake-up of this loop each, which
-#: lets this thread run between them), so flushing on the next loop pass sent about one message
-#: per chunk (108 messages for 16 iterations of 8 streams); this window makes it about one per
-#: iteration (24), each message costing a pickle and a send here and a receive, an unpickle and
-#: a wake-up in the router. With one call in flight nothing is waited for (no latency added).
-FLUSH_WINDOW_S = 0.0005
 
 
 def ready_info(engine: Any) -> dict[str, Any]:
@@ -190,14 +183,10 @@ class ReplicaServer:
 
     # ----------------------------------------------------------------- outgoing
     def _out(self, cid: int, kind: str, payload: Any) -> None:
-        """Queue one item; the first item of a batch schedules the flush: after
-        :data:`FLUSH_WINDOW_S` while several calls are in flight (so one engine iteration's
-        chunks go in one message), else after the callbacks and task steps already ready."""
+        """Queue one item; the first item of a batch schedules the flush after the callbacks
+        and task steps already ready (so one engine iteration's chunks go in one message)."""
         if not self._outbox:
-            if len(self.calls) > 1:
-                self.loop.call_later(FLUSH_WINDOW_S, self._flush)
-            else:
-                self.loop.call_soon(self._flush)
+            self.loop.call_soon(self._flush)
         self._outbox.append((cid, kind, payload))
 
     def _flush(self) -> None:
