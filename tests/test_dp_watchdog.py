@@ -36,6 +36,18 @@ def _local_stall(i: int, running: int) -> int:
 
 
 # --------------------------------------------------------------------------- rules
+def test_loop_turns_move_with_work_and_rest_while_idle():
+    """``Engine.loop_turns`` (the heartbeat's progress count) moves at least once per
+    iteration while a request runs, and not at all while the loop waits idle."""
+    with specdial.Engine(model_path=TARGET, log_interval_s=None) as engine:
+        before = engine.loop_turns
+        engine.generate(PROMPTS[0], {"max_new_tokens": 4, "temperature": 0})
+        after = engine.loop_turns
+        assert after >= before + 4  # a prefill and 3 decode iterations, one per turn at most
+        time.sleep(0.3)
+        assert engine.loop_turns == after
+
+
 def test_progress_counts_only_a_busy_loop_that_does_not_turn():
     p = Progress(now=0.0)
     assert p.stalled_s(5, busy=True, now=1.0) == 0.0  # first sight of the count
