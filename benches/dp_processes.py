@@ -2,8 +2,13 @@
 dp 2 (one process per replica, one torch thread each), 16 concurrent greedy short-prompt
 requests (the Python-heavy case), built-in models (7M target + EAGLE head, adaptive steps).
 
-Configurations: ``dp1_1thread`` and ``dp1_2threads`` (one engine, ``cpu_threads`` 1 or 2) and
-``dp2_processes`` (``dp_size=2``, each replica one thread). Each configuration runs in its own
+Configurations: ``dp1_1thread`` and ``dp1_2threads`` (one engine, ``cpu_threads`` 1 or 2),
+``dp2_processes`` (``dp_size=2``, each replica one thread) and ``dp1_half_batch`` (one engine,
+one thread, half the requests: what each dp 2 replica runs, so its CPU per token is what dp 2
+would cost if the process split added nothing; ``split_cpu_over_half_batch`` is dp 2's CPU per
+token over it). ``--baseline DIR`` adds ``dp2_baseline``: dp 2 with ``PYTHONPATH=DIR`` (another
+checkout's ``python`` directory, its ``_core`` module built), for a paired before/after of a
+change to the replica path. Each configuration runs in its own
 process, started once and kept warm, so that the repetitions can alternate: repetition ``r``
 runs every configuration in turn (order rotated each repetition), ``--repeats`` times; the
 median tokens/s per configuration is reported with the ratio of dp 2 to the best dp 1. Two
@@ -39,7 +44,9 @@ from pathlib import Path
 PROMPTS = ["def fibonacci(n):", "import os\nimport", "class Stack:\n    def", "for i in range(",
            "def add(a, b):\n    return", "# parse the arguments\n", "with open(path) as f:",
            "try:\n    import"]
-CONFIGS = {"dp1_1thread": (1, 1), "dp1_2threads": (1, 2), "dp2_processes": (2, None)}
+#: name -> (dp_size, cpu_threads, share of the requests)
+CONFIGS = {"dp1_1thread": (1, 1, 1.0), "dp1_2threads": (1, 2, 1.0), "dp2_processes": (2, None, 1.0),
+           "dp1_half_batch": (1, 1, 0.5)}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -91,12 +98,12 @@ class EngineRun:
     """A runner process for one configuration (the ``engine`` path)."""
 
     def __init__(self, dp: int, threads: int | None, requests: int,
-                 steps: int | None) -> None:
+                 steps: int | None, env: dict | None = None) -> None:
         argv = [sys.executable, __file__, "--runner", "--dp", str(dp), "--requests",
                 str(requests)] + ([] if threads is None else ["--threads", str(threads)])
         argv += [] if steps is None else ["--fixed-steps", str(steps)]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True)
+                                     text=True, env=env)
         json.loads(self.proc.stdout.readline())
 
     def run(self, tokens: int) -> dict:
@@ -122,7 +129,7 @@ class HttpRun:
     """A ``specdial serve`` process for one configuration (the ``http`` path)."""
 
     def __init__(self, dp: int, threads: int | None, requests: int,
-                 steps: int | None) -> None:
+                 steps: int | None, env: dict | None = None) -> None:
         import httpx
 
         self.port = _free_port()
@@ -132,7 +139,7 @@ class HttpRun:
         argv += [] if threads is None else ["--cpu-threads", str(threads)]
         argv += [] if steps is None else ["--no-speculative-adaptive",
                                           "--speculative-num-steps", str(steps)]
-        self.proc = subprocess.Popen(argv)
+        self.proc = subprocess.Popen(argv, env=env)
         self.url, self.requests = f"http://127.0.0.1:{self.port}", requests
         deadline = time.monotonic() + 900
         while True:
@@ -170,8 +177,14 @@ class HttpRun:
 def measure(path: str, ns: argparse.Namespace) -> dict:
     """Alternating repetitions of every configuration on ``path``; medians and ratios."""
     cls = EngineRun if path == "engine" else HttpRun
-    runs = {name: cls(dp, threads, ns.requests, ns.fixed_steps)
-            for name, (dp, threads) in CONFIGS.items()}
+    configs = dict(CONFIGS)
+    env = None
+    if ns.baseline:
+        configs["dp2_baseline"] = (2, None, 1.0)
+        env = {**os.environ, "PYTHONPATH": ns.baseline}
+    runs = {name: cls(dp, threads, max(1, int(ns.requests * share)), ns.fixed_steps,
+                      env if name == "dp2_baseline" else None)
+            for name, (dp, threads, share) in configs.items()}
     try:
         outputs = {name: r.run(8)["ids"] for name, r in runs.items()}  # warm-up
         tps: dict[str, list[float]] = {name: [] for name in runs}
@@ -187,9 +200,12 @@ def measure(path: str, ns: argparse.Namespace) -> dict:
             r.close()
     med = {name: statistics.median(v) for name, v in tps.items()}
     best = max(med["dp1_1thread"], med["dp1_2threads"])
+    cpu = {n: statistics.median(v) for n, v in cpu_ms.items()}
+    half = min(len(v) for v in outputs.values())  # the half batch runs the first prompts
     return {"median_tps": med, "all_tps": tps, "dp2_over_best_dp1": med["dp2_processes"] / best,
-            "median_cpu_ms_per_token": {n: statistics.median(v) for n, v in cpu_ms.items()},
-            "identical": len({json.dumps(v) for v in outputs.values()}) == 1}
+            "median_cpu_ms_per_token": cpu, "all_cpu_ms_per_token": cpu_ms,
+            "split_cpu_over_half_batch": cpu["dp2_processes"] / cpu["dp1_half_batch"],
+            "identical": len({json.dumps(v[:half]) for v in outputs.values()}) == 1}
 
 
 def main() -> None:
@@ -201,6 +217,9 @@ def main() -> None:
     p.add_argument("--fixed-steps", type=int, default=None,
                    help="fixed speculative_num_steps instead of the adaptive policy (each "
                    "replica adapts on its own timings, which differ on a loaded machine)")
+    p.add_argument("--baseline", default=None, metavar="DIR",
+                   help="also run dp 2 with PYTHONPATH=DIR (another checkout's python/ with its "
+                   "_core built) as dp2_baseline, alternating with the others")
     p.add_argument("--out", default=None)
     p.add_argument("--runner", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dp", type=int, default=1, help=argparse.SUPPRESS)
@@ -216,7 +235,8 @@ def main() -> None:
         print(f"[{path}] " + "  ".join(f"{k} {v:.1f} tok/s" for k, v in r["median_tps"].items())
               + f"  dp2/best dp1 x{r['dp2_over_best_dp1']:.2f}  identical {r['identical']}"
               + "\n  CPU ms per output token (all processes): " + "  ".join(
-                  f"{k} {v:.2f}" for k, v in r["median_cpu_ms_per_token"].items()), flush=True)
+                  f"{k} {v:.2f}" for k, v in r["median_cpu_ms_per_token"].items())
+              + f"  dp2 / half batch x{r['split_cpu_over_half_batch']:.2f}", flush=True)
     result["load_after"] = os.getloadavg()
     print(f"load average before {result['load_before']}, after {result['load_after']}")
     if ns.out:

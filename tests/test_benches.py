@@ -87,7 +87,9 @@ def test_dp_processes_bench_smoke(tmp_path):
         capture_output=True, text=True, timeout=scaled(900))
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())["engine"]
-    assert set(result["median_tps"]) == {"dp1_1thread", "dp1_2threads", "dp2_processes"}
+    assert set(result["median_tps"]) == {"dp1_1thread", "dp1_2threads", "dp2_processes",
+                                         "dp1_half_batch"}
+    assert result["split_cpu_over_half_batch"] > 0
     assert result["identical"] is True and result["dp2_over_best_dp1"] > 0
 
 

@@ -55,8 +55,11 @@ def test_replica_seeds_and_options():
     assert replica_options(cfg, 0, on_cpu=False)["cpu_threads"] is None
     assert replica_options(cfg.replace(cpu_threads=3), 0, on_cpu=True)["cpu_threads"] == 3
     assert replica_options(EngineConfig(dp_size=2), 1, True)["dist_init_addr"] is None
-    with pytest.raises(ValueError, match="steps_schedule: a callable cannot be sent"):
+    with pytest.raises(ValueError, match="steps_schedule: .* cannot be pickled by reference"):
         replica_options(EngineConfig(dp_size=2, steps_schedule=lambda i, b: 0), 0, True)
+    v6 = EngineConfig(dp_size=2, tp_size=2, dist_init_addr="[::1]:5000")
+    assert [replica_options(v6, i, True)["dist_init_addr"] for i in range(2)] == [
+        "[::1]:5000", "[::1]:5001"]
 
 
 def test_router_strategies():
@@ -186,14 +189,28 @@ def test_killed_replica_fails_its_request_others_serve_health_names_it():
         engine.shutdown(drain=False)
 
 
+def _ipv6_loopback_addr() -> dict:
+    """``dist_init_addr`` ``[::1]:<free port>`` where this host has an IPv6 loopback, else
+    nothing (the default IPv4 address)."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+            return {"dist_init_addr": f"[::1]:{s.getsockname()[1]}"}
+    except OSError:
+        return {}
+
+
 def test_tp2_x_dp2_greedy_equals_tp1_x_dp1():
-    """Two replica processes, each a tensor-parallel group of 2 gloo ranks on its own port,
+    """Two replica processes, each a tensor-parallel group of 2 gloo ranks on its own port
+    (bracketed IPv6 ``--dist-init-addr`` ``[::1]:p`` and ``p+1`` where the host has ::1),
     give the greedy tokens of one unsharded engine, prompts spread over both."""
     common = dict(model_path=TARGET, draft_model_path=EAGLE, speculative_adaptive=False,
                   speculative_num_steps=3, log_interval_s=None)
     with specdial.Engine(**common) as one:
         want = [o["output_ids"] for o in one.generate(PROMPTS, GREEDY)]
-    with specdial.Engine(tp_size=2, dp_size=2, **common) as four:
+    with specdial.Engine(tp_size=2, dp_size=2, **_ipv6_loopback_addr(), **common) as four:
         got = [o["output_ids"] for o in four.generate(PROMPTS, GREEDY)]
         per_replica = [s.requests_finished for s in four.data_parallel.replica_stats()]
         assert four.failure is None and four.degraded is None

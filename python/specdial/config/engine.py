@@ -188,6 +188,11 @@ class EngineConfig:
         "how --dp-size replicas run (vLLM's flag): mp = one process per replica behind a "
         "router in this process; inprocess = threads of this process (they share one GIL)",
         default="mp", choices=DP_BACKENDS)
+    watchdog_timeout: float = _opt(
+        "seconds a data-parallel replica process (--dp-size > 1, --data-parallel-backend mp) "
+        "may go without progress (its engine loop stuck with requests in flight, or nothing "
+        "heard from it) before the router kills it, fails its requests and stops routing to it "
+        "(SGLang's flag and default)", default=300.0, metavar="SECONDS")
     nnodes: int = _opt("nodes the --tp-size ranks spread over (SGLang)", default=1,
                        metavar="N")
     node_rank: int = _opt(
@@ -278,6 +283,10 @@ class EngineConfig:
         self.parallel_options()  # ValueError naming the parallel option
         check_choice("load_balance_method", self.load_balance_method, LOAD_BALANCE_METHODS)
         check_choice("data_parallel_backend", self.data_parallel_backend, DP_BACKENDS)
+        if isinstance(self.watchdog_timeout, bool) or not isinstance(
+                self.watchdog_timeout, (int, float)) or not self.watchdog_timeout > 0:
+            raise ValueError(f"watchdog_timeout must be a positive number of seconds, "
+                             f"got {self.watchdog_timeout!r}")
         if self.dp_size > 1 and self.tp_size > 1 and self.data_parallel_backend != "mp":
             raise ValueError("dp_size > 1 with tp_size > 1 needs data_parallel_backend='mp': "
                              "in-process replicas share one process, which holds one "

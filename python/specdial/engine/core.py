@@ -245,6 +245,7 @@ class Engine:
     record_trace = _part("record_trace", "The per-verify trace file's path, or None.")
     sampling_defaults = _part("sampling_defaults", "What unset sampling fields of a request get.")
     vocab_size = _part("vocab_size", "Token ids taken: ``[0, vocab_size)`` (replicas' too).")
+    loop_turns = property(lambda self: self._loop.turns, doc="Engine loop turns so far (progress).")
 
     @property
     def _loop(self) -> EngineLoop:

@@ -98,7 +98,7 @@ class EngineLoop:
         self._sampling: BatchSampling | None = None
         self._lp_rows: LogprobRows | None = None
         self._last_decode: tuple[int, int] | None = None  # (steps, padded batch size)
-        self._decode_iters = 0
+        self._decode_iters = self.turns = 0  # turns: of _main's loop (Engine.loop_turns)
         self._prompt_tokens = 0  # submitted (the scheduler's also counts startup profiling's)
         self._verify_reqs = self._verify_tokens = 0
         self._verify_lengths = VerifyLengths()  # per-request verify budgets, cumulative
@@ -136,7 +136,7 @@ class EngineLoop:
         try:
             with torch.inference_mode():
                 while True:
-                    busy = self._unfinished > 0
+                    self.turns, busy = self.turns + 1, self._unfinished > 0
                     if not busy and self._stopping:
                         break
                     self._handle_inbox(block=not busy)

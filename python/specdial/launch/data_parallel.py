@@ -10,7 +10,8 @@ process (``"inprocess"``). Each request goes to the replica the router picks
 outstanding work: prompt tokens plus ``max_new_tokens`` of the requests in flight there), ties
 broken round-robin. A request never moves once routed.
 
-Faults: a replica whose ``failure`` is set (its process died, its engine failed) is not routed
+Faults: a replica whose ``failure`` is set (its process died, its engine failed, or it hung for
+``watchdog_timeout`` seconds and was killed: :mod:`specdial.launch.replica_watch`) is not routed
 to again; its requests in flight end with an error (the replica's doing). The others keep
 serving: :attr:`DataParallelEngine.failure` stays None (``/health`` answers 200) while one
 replica is well, and :attr:`DataParallelEngine.degraded` names the failed ones.

@@ -14,7 +14,11 @@ out of memory), :attr:`ReplicaClient.failure` names the replica, its pid and how
 every call in flight ends at once: a stream with a last chunk of finish reason ``error``
 (``status_code`` 503, :mod:`specdial.engine.ends`), a ``generate`` with
 :class:`ReplicaFailure`. The replica's own engine failing (e.g. its tensor-parallel rank died)
-is reported by the replica and also sets :attr:`ReplicaClient.failure`. A failed replica is not
+is reported by the replica and also sets :attr:`ReplicaClient.failure`. A replica that is alive
+but **hung** (its engine loop stalled with requests in flight, or nothing heard from it, for
+``watchdog_timeout`` seconds: :mod:`specdial.launch.replica_watch`) is treated the same way:
+its calls end at once with an error naming it and the hang, then its process is killed. A failed
+replica is not
 restarted: the router stops sending to it (:class:`~specdial.launch.routing.Router`) and the
 server's ``/health`` names it; restarting means restarting ``specdial serve``.
 """
@@ -39,8 +43,11 @@ from typing import Any
 from specdial.engine.api import EngineStats, LogprobOptions, StreamChunk
 from specdial.engine.ends import failed
 from specdial.launch import replica_wire as w
+from specdial.launch.replica_watch import Watchdog
 
 __all__ = ["DEAD", "ReplicaClient", "ReplicaFailure"]
+
+logger = logging.getLogger("specdial.launch")
 
 #: Item kind delivered to the calls of a replica that died (payload: the message).
 DEAD = "dead"
@@ -70,13 +77,15 @@ def _put_all(entries: list[tuple[_Call, tuple[str, Any]]]) -> None:
 
 class ReplicaClient:
     """Replica process ``dp_rank`` (module docstring). ``options``: its ``Engine`` keyword
-    arguments (:func:`~specdial.launch.replica_setup.replica_options`); ``env``: its
-    environment (None: this one's). Returns once the process has started; call
-    :meth:`wait_ready` before serving. Raises ``OSError`` when the process cannot start."""
+    arguments (:func:`~specdial.launch.replica_setup.replica_options`; its
+    ``watchdog_timeout``, default 300 s, is the hang timeout); ``env``: its environment (None:
+    this one's). Returns once the process has started; call :meth:`wait_ready` before
+    serving. Raises ``OSError`` when the process cannot start."""
 
     def __init__(self, dp_rank: int, options: dict[str, Any],
                  env: dict[str, str] | None = None) -> None:
         self.dp_rank = dp_rank
+        self.watchdog = Watchdog(options.get("watchdog_timeout", 300.0))
         mine, theirs = socket.socketpair()
         try:
             self.proc = subprocess.Popen(
@@ -95,7 +104,7 @@ class ReplicaClient:
         self.dead: str | None = None
         self.engine_failure: str | None = None
         self.info: dict[str, Any] = {}
-        self.conn.send_bytes(w.encode([options]))
+        self.conn.send_bytes(w.encode([list(sys.path), w.encode(options)]))
 
     # ----------------------------------------------------------------- start-up
     def wait_ready(self, timeout_s: float) -> None:
@@ -119,6 +128,7 @@ class ReplicaClient:
         self.tokenizer = payload["tokenizer"]
         self.context_length = payload["context_length"]
         self.policy_cache = types.SimpleNamespace(status=payload["policy_cache"])
+        self.watchdog.heard_from(time.monotonic())
         threading.Thread(target=self._read, name=f"specdial-dp{self.dp_rank}-read",
                          daemon=True).start()
 
@@ -134,23 +144,47 @@ class ReplicaClient:
 
     # ----------------------------------------------------------------- incoming
     def _read(self) -> None:
+        dog, conn = self.watchdog, self.conn
         try:
             while True:
-                self._deliver(w.decode(self.conn.recv_bytes()))
+                if not conn.poll(dog.check_s):
+                    self._check(dog.verdict(time.monotonic()))
+                    continue
+                items = w.decode(conn.recv_bytes())
+                dog.heard_from(time.monotonic())
+                self._deliver(items)
+                if dog.stalled:
+                    self._check(dog.verdict(time.monotonic()))
         except (EOFError, OSError):
             pass
         why = "shut down" if self._closing else f"{self._name()} {self._exit_text(2.0)}"
+        self._fail_calls(why)
+
+    def _fail_calls(self, why: str) -> None:
+        """Mark the replica dead (the first reason stays) and end every call in flight."""
         with self._lock:
-            self.dead = why
+            self.dead = self.dead or why
             calls, self._calls = list(self._calls.values()), {}
-        self._deliver_to(calls, (DEAD, why))
+        self._deliver_to(calls, (DEAD, self.dead))
+
+    def _check(self, hang: str | None) -> None:
+        """The watchdog's ``hang`` verdict (None: well): fail the calls, kill the process (its
+        connection then closes and the reader ends)."""
+        if hang is None or self._closing or self.dead is not None:
+            return
+        why = f"{self._name()} hung: {hang}; killed"
+        logger.error("%s", why)
+        self._fail_calls(why)
+        self.proc.kill()
 
     def _deliver(self, items: list[tuple[int, str, Any]]) -> None:
         per_loop: dict[Any, list[tuple[_Call, tuple[str, Any]]]] = {}
         with self._lock:
             for cid, kind, payload in items:
                 if cid == 0:
-                    if kind == w.FAILURE:
+                    if kind == w.BEAT:
+                        self.watchdog.beat(payload)
+                    elif kind == w.FAILURE:
                         self.engine_failure = f"{self._name()}: {payload}"
                     continue
                 call = self._calls.get(cid)

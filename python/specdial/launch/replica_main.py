@@ -11,7 +11,10 @@ the router's calls on an asyncio loop: each call is the engine's own ``async_str
 replica, beside its engine loop; the router only counts prompt tokens to route. Outgoing items
 are batched (:mod:`specdial.launch.replica_wire`). The replica shuts down (aborting its
 requests) when the router says so or when the router's end of the connection closes (the router
-process died). SIGINT is ignored: Ctrl-C is the router's to handle.
+process died). SIGINT is ignored: Ctrl-C is the router's to handle. Every
+:func:`~specdial.launch.replica_watch.beat_interval` seconds it sends a heartbeat saying how
+long its engine loop has not turned while calls were in flight
+(:mod:`specdial.launch.replica_watch`), which the router's watchdog judges.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
 from specdial.launch import replica_wire as w
+from specdial.launch.replica_watch import Progress, beat_interval
 
 __all__ = ["ReplicaServer", "main", "ready_info"]
 
@@ -53,10 +58,14 @@ def ready_info(engine: Any) -> dict[str, Any]:
 
 
 class ReplicaServer:
-    """Serves the router's calls on ``engine`` over ``conn`` (see the module docstring)."""
+    """Serves the router's calls on ``engine`` over ``conn`` (see the module docstring);
+    ``watchdog_timeout_s`` sets the heartbeat's period (``engine.loop_turns`` is its progress
+    count)."""
 
-    def __init__(self, engine: Any, conn: Connection) -> None:
+    def __init__(self, engine: Any, conn: Connection, watchdog_timeout_s: float = 300.0) -> None:
         self.engine, self.conn = engine, conn
+        self.beat_s = beat_interval(watchdog_timeout_s)
+        self.progress = Progress()
         self.calls: dict[int, asyncio.Task] = {}
         self._outbox: list[tuple[int, str, Any]] = []
         self._send_lock = threading.Lock()
@@ -67,8 +76,10 @@ class ReplicaServer:
         self._stopped: asyncio.Future = self.loop.create_future()
         threading.Thread(target=self._read, name="specdial-replica-read", daemon=True).start()
         watch = self.loop.create_task(self._watch_failure())
+        beat = self.loop.create_task(self._beat())
         drain = await self._stopped
         watch.cancel()
+        beat.cancel()
         if drain is None:  # the router is gone: nobody reads the answers
             for task in list(self.calls.values()):
                 task.cancel()
@@ -159,6 +170,17 @@ class ReplicaServer:
                 return
             await asyncio.sleep(FAILURE_POLL_S)
 
+    async def _beat(self) -> None:
+        """The heartbeat: the engine loop's stall (seconds) every ``beat_s``."""
+        while True:
+            await asyncio.sleep(self.beat_s)
+            self._out(0, w.BEAT, self.stall())
+
+    def stall(self) -> float:
+        """Seconds the engine loop has not turned while calls were in flight (0.0 else)."""
+        return self.progress.stalled_s(int(self.engine.loop_turns), bool(self.calls),
+                                       time.monotonic())
+
     # ----------------------------------------------------------------- outgoing
     def _out(self, cid: int, kind: str, payload: Any) -> None:
         """Queue one item; the first item of a batch schedules the flush after the callbacks
@@ -178,11 +200,26 @@ class ReplicaServer:
             self._stop(None)  # the router is gone
 
 
-def _build(conn: Connection) -> Any:
+def _options(conn: Connection) -> dict[str, Any]:
+    """The first message (:mod:`specdial.launch.replica_wire`): the router's ``sys.path``
+    entries this interpreter lacks are appended, then the options are decoded. Raises
+    ``ValueError`` naming ``steps_schedule`` when they cannot be (its function could not be
+    imported here)."""
+    sys_path, blob = w.decode(conn.recv_bytes())
+    sys.path.extend(p for p in sys_path if p not in sys.path)
+    try:
+        return w.decode(blob)
+    except Exception as e:  # noqa: BLE001 - only a steps_schedule function can fail here
+        raise ValueError(f"steps_schedule: the replica process could not import the function "
+                         f"(pickled by module and name): {type(e).__name__}: {e}") from e
+
+
+def _build(conn: Connection) -> tuple[Any, float]:
+    """The replica's Engine and its ``watchdog_timeout``."""
     from specdial.engine import Engine
 
-    options = w.decode(conn.recv_bytes())[0]
-    return Engine(**options)
+    options = _options(conn)
+    return Engine(**options), float(options.get("watchdog_timeout", 300.0))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                         "%(levelname)s %(name)s: %(message)s")
     conn = Connection(ns.fd)
     try:
-        engine = _build(conn)
+        engine, watchdog_timeout_s = _build(conn)
         conn.send_bytes(w.encode([(0, w.READY, ready_info(engine))]))
         logging.getLogger("specdial.launch").info("data-parallel replica %d ready (pid %d)",
                                                   ns.dp_rank, os.getpid())
@@ -210,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         except OSError:
             pass
         return 1
-    return asyncio.run(ReplicaServer(engine, conn).serve())
+    return asyncio.run(ReplicaServer(engine, conn, watchdog_timeout_s).serve())
 
 
 if __name__ == "__main__":

@@ -10,21 +10,32 @@ Replica ``i`` of ``dp_size`` (its ``dp_rank``) runs one :class:`specdial.Engine`
   own. Replica 0 keeps ``seed`` (so dp 1 is replica 0 of dp N); the others get independent
   streams from :class:`numpy.random.SeedSequence` (``seed``, spawn key ``i``);
 - **rendezvous** (:func:`replica_options`): with ``tp_size > 1`` each replica's
-  tensor-parallel group has its own port: a free one, or ``dist_init_addr``'s port ``+ i``;
+  tensor-parallel group has its own port: a free one, or ``dist_init_addr``'s port ``+ i``
+  (an IPv6 host stays bracketed, ``[::1]:5000`` -> ``[::1]:5001``, as SGLang writes it);
 - **threads**: on the CPU, unless ``cpu_threads`` is given, one torch thread per replica
   (N replicas each using every core would oversubscribe the machine; BENCHMARKS.md shows one
   thread fastest for small models at small batches).
+
+A callable ``steps_schedule`` (the test hook) reaches the replicas **by reference**: pickle
+writes its module and qualified name, and the replica imports it (with the router's
+``sys.path``, :mod:`specdial.launch.replica_wire`). So a module-level function works; a lambda,
+a closure, a bound method of a local object or a function of the ``__main__`` script (the
+replica's ``__main__`` is another module) cannot be sent, and :func:`replica_options` refuses
+them with a ``ValueError`` naming ``steps_schedule`` (``data_parallel_backend='inprocess'``
+takes any callable).
 """
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import numpy as np
 
 from specdial.config import EngineConfig, parse_addr
 
-__all__ = ["replica_devices", "replica_options", "replica_seed", "visible_devices"]
+__all__ = ["check_sendable", "format_addr", "replica_devices", "replica_options", "replica_seed",
+           "visible_devices"]
 
 
 def visible_devices(env_value: str | None, device_count: int) -> list[str]:
@@ -58,20 +69,45 @@ def replica_seed(seed: int, dp_rank: int) -> int:
     return int(state[0] % (2 ** 63))
 
 
+def format_addr(host: str, port: int) -> str:
+    """``host:port``, the host bracketed when it is an IPv6 address (``[::1]:5000``); the
+    inverse of :func:`~specdial.config.parse_addr`."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def check_sendable(steps_schedule: Any) -> None:
+    """Raise ``ValueError`` naming ``steps_schedule`` when it is a callable a replica process
+    cannot import by reference (module docstring); sequences and None pass."""
+    if not callable(steps_schedule):
+        return
+    why = None
+    if getattr(steps_schedule, "__module__", None) == "__main__":
+        why = ("it is defined in the __main__ script, which a replica process does not run; "
+               "move it into an importable module")
+    else:
+        try:
+            pickle.dumps(steps_schedule, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:  # noqa: BLE001 - pickle raises several types for this
+            why = (f"it cannot be pickled by reference ({type(e).__name__}: {e}); use a "
+                   "module-level function, not a lambda, closure or local object")
+    if why:
+        raise ValueError(f"steps_schedule: a callable is sent to data-parallel replica "
+                         f"processes by its module and name, but {why} (or pass a sequence, "
+                         "or use data_parallel_backend='inprocess')")
+
+
 def replica_options(cfg: EngineConfig, dp_rank: int, on_cpu: bool) -> dict[str, Any]:
     """The ``Engine`` keyword arguments of replica ``dp_rank`` of ``cfg`` (module docstring).
-    Raises ``ValueError`` naming ``steps_schedule`` when it is a callable (it cannot be sent
-    to another process; ``data_parallel_backend='inprocess'`` takes one)."""
-    if callable(cfg.steps_schedule):
-        raise ValueError("steps_schedule: a callable cannot be sent to replica processes; pass "
-                         "a sequence, or use data_parallel_backend='inprocess'")
+    Raises ``ValueError`` naming ``steps_schedule`` for a callable that cannot be sent by
+    reference (:func:`check_sendable`)."""
+    check_sendable(cfg.steps_schedule)
     options = cfg.to_dict()
     options.update(dp_size=1, seed=replica_seed(cfg.seed, dp_rank))
     if on_cpu and cfg.cpu_threads is None:
         options["cpu_threads"] = 1
     if cfg.tp_size > 1 and cfg.dist_init_addr is not None:
         host, port = parse_addr(cfg.dist_init_addr)
-        options["dist_init_addr"] = f"{host}:{port + dp_rank}"
+        options["dist_init_addr"] = format_addr(host, port + dp_rank)
     if cfg.record_trace is not None and dp_rank > 0:
         options["record_trace"] = f"{cfg.record_trace}.dp{dp_rank}"
     return options

@@ -16,14 +16,19 @@ message, and the router wakes each waiting event loop once per message, not per 
   :data:`CANCEL` (None: the consumer left; the replica cancels that call, which aborts its
   request), :data:`ABORT` (an engine request id), :data:`STATS`, :data:`FLUSH` (``flush_cache()``),
   :data:`SHUTDOWN` (``drain``);
-  the first message is the replica's options (a dict of :class:`~specdial.config.EngineConfig`
-  fields).
+  the first message is ``[sys_path, options]``: the router's ``sys.path`` (the replica adds
+  the entries it lacks) and the replica's options, a dict of
+  :class:`~specdial.config.EngineConfig` fields pickled on their own (:func:`encode`), decoded
+  only after the path is extended, so that a ``steps_schedule`` function pickled by reference
+  (module and name) imports from where the router found it.
 - replica -> router, items ``(call_id, kind, payload)``: :data:`CHUNK` (a
   :class:`~specdial.engine.api.StreamChunk`), :data:`ITEM` (a dict of a streamed
   ``generate``), :data:`RESULT` (a call's return value), :data:`END` (a streamed ``generate``
   ended), :data:`ERROR` (an exception as :func:`encode_error`); call id 0 carries
-  :data:`READY` (what the router needs of the replica: :func:`ready_info`) and
-  :data:`FAILURE` (the replica's engine failed: its message).
+  :data:`READY` (what the router needs of the replica: :func:`ready_info`),
+  :data:`FAILURE` (the replica's engine failed: its message) and :data:`BEAT` (the heartbeat,
+  :mod:`specdial.launch.replica_watch`: seconds the replica's engine loop has made no
+  progress while calls were in flight, 0.0 when it progresses or is idle).
 
 Pickle is safe here: both ends are this package, on one host, over a socket nobody else holds.
 """
@@ -35,14 +40,14 @@ from typing import Any
 
 from specdial.engine.api import QueueFullError, RequestError
 
-__all__ = ["ABORT", "CANCEL", "CHUNK", "END", "ERROR", "FAILURE", "FLUSH", "GENERATE", "ITEM", "READY",
-           "RESULT", "SHUTDOWN", "STATS", "STREAM", "decode", "decode_error", "encode",
-           "encode_error"]
+__all__ = ["ABORT", "BEAT", "CANCEL", "CHUNK", "END", "ERROR", "FAILURE", "FLUSH", "GENERATE",
+           "ITEM", "READY", "RESULT", "SHUTDOWN", "STATS", "STREAM", "decode", "decode_error",
+           "encode", "encode_error"]
 
 STREAM, GENERATE, CANCEL, ABORT, STATS, FLUSH, SHUTDOWN = (
     "stream", "generate", "cancel", "abort", "stats", "flush_cache", "shutdown")
-CHUNK, ITEM, RESULT, END, ERROR, READY, FAILURE = ("chunk", "item", "result", "end", "error",
-                                                   "ready", "failure")
+CHUNK, ITEM, RESULT, END, ERROR, READY, FAILURE, BEAT = (
+    "chunk", "item", "result", "end", "error", "ready", "failure", "beat")
 
 
 def encode(items: list[Any]) -> bytes:
