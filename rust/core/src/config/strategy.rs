@@ -10,11 +10,12 @@ use crate::error::ConfigError;
 pub const STRATEGY_NAMES: [&str; 3] = ["ema", "goodput", "throughput_aware"];
 
 /// Global keys of the `goodput` strategy (besides `strategy` and slot keys).
-pub const GOODPUT_KEYS: [&str; 11] = [
+pub const GOODPUT_KEYS: [&str; 12] = [
     "acceptance_window",
     "cost_window",
     "max_profile_run_batch_size",
     "min_dwell",
+    "min_survival",
     "probe_budget",
     "profile_run_batch_sizes",
     "profile_run_n_measure",
@@ -173,6 +174,26 @@ pub struct GoodputConfig {
     /// Whether the strategy chooses one steps value for the batch (`"batch"`, the default) or
     /// also a verify length per request (`"per_request"`, issue 28; [`crate::goodput::per_request`]).
     pub verify: VerifyMode,
+    /// The confidence stop (issue 28; [`crate::decision::ConfidenceStop`]): `None` (the default,
+    /// key `null`) verifies every drafted position; a number in (0, 1) stops each request's
+    /// verify at the first draft position whose cumulative draft probability is below it.
+    /// (`"auto"`, the per-request policy choosing it each iteration, is not in this build: the
+    /// key rejects it with that message.)
+    pub min_survival: Option<f32>,
+}
+
+fn parse_min_survival(v: &ConfigValue) -> Result<Option<f32>, ConfigError> {
+    let allowed = "null (no rule), a number in (0, 1) (a fixed threshold) or \"auto\"";
+    match v {
+        ConfigValue::Null => Ok(None),
+        ConfigValue::Int(_) | ConfigValue::Float(_) => {
+            number_in(Scope::Global, "min_survival", v, |x| x > 0.0 && x < 1.0, "in (0, 1)").map(|x| Some(x as f32))
+        }
+        ConfigValue::Str(s) if s == "auto" => Err(ConfigError::new(
+            "min_survival \"auto\" (chosen each iteration by the per-request policy) is not available in this build; use null or a number in (0, 1)".to_string(),
+        )),
+        other => Err(ConfigError::new(format!("min_survival must be {allowed}, got {other}"))),
+    }
 }
 
 /// The `goodput` strategy's `verify` key: what it decides per decode iteration.
@@ -210,6 +231,7 @@ impl Default for GoodputConfig {
             probe_budget: 0.03,
             profile: None,
             verify: VerifyMode::Batch,
+            min_survival: None,
         }
     }
 }
@@ -228,6 +250,7 @@ impl GoodputConfig {
                 self.probe_budget = number_in(g, key, v, |x| (0.0..=0.5).contains(&x), "in [0, 0.5]")?
             }
             "verify" => self.verify = VerifyMode::parse(v)?,
+            "min_survival" => self.min_survival = parse_min_survival(v)?,
             k if PROFILE_KEYS.contains(&k) => {
                 return self.profile.get_or_insert_with(ProfileConfig::default).apply(key, v)
             }
