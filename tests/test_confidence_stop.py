@@ -8,6 +8,8 @@ equal to the target accepts every verified draft after skips (invariant 3)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -193,3 +195,63 @@ def test_decode_input_checks_the_new_fields():
     with pytest.raises(ValueError, match="min_survival must be in"):
         DecodeInput(**base, min_survival=1.0)
     DecodeInput(**base, skip_extend=i64([0, 1]), min_survival=0.5)
+
+
+def test_replay_uses_the_recorded_per_request_lengths(tmp_path):
+    """``specdial policy replay`` bounds each request by what it verified: at chosen steps above
+    a request's recorded length, one that accepted all of it is censored (not fed, its recorded
+    tokens counted), one that rejected inside it replays exactly; bad lengths are refused."""
+    from specdial._core import AdaptiveConfig
+    from specdial.replay import TraceError, parse_line, replay
+
+    cfg = AdaptiveConfig.from_dict({"1": {"candidate_steps": [3]}})
+    lines = [{"batch_size": 3, "accepted": [1, 0, 3], "steps": 3, "steps_per_request": [3, 2, 3],
+              "min_survival": 0.4, "verified": [1, 2, 3]}] * 4
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps(x) for x in lines))
+    s = replay(cfg, trace, initial_steps=3)
+    # request 0 verified 1 and accepted it: censored at steps 3; request 1 rejected at 1 of 2
+    assert (s.censored, s.stopped, s.verifies) == (4, 4, 4)
+    assert s.emitted_tokens == 4 * (2 + 1 + 4)
+    assert s.to_dict()["censored_observations"] == 4
+    plain = tmp_path / "p.jsonl"
+    plain.write_text("\n".join(json.dumps({k: x[k] for k in ("batch_size", "accepted", "steps")})
+                               for x in lines))
+    assert replay(cfg, plain, initial_steps=3).censored == 0
+    for bad, msg in [({"verified": [4, 0, 3]}, "verified"), ({"verified": [0, 0, 3]}, "exceeds"),
+                     ({"steps_per_request": [3, 2]}, "steps_per_request must be a list of 3"),
+                     ({"min_survival": 1.5}, "min_survival must be a number in")]:
+        with pytest.raises(TraceError, match=msg):
+            parse_line(json.dumps({**lines[0], **bad}), "t:1")
+
+
+@pytest.mark.parametrize("name", ["draft", "eagle"])
+def test_engine_with_the_stop_is_lossless_and_its_trace_replays(request, name, tmp_path, capsys):
+    """Through the engine (goodput per-request with a fixed ``min_survival``): greedy output
+    equals target-only, every page comes back, the trace records the cut and replays."""
+    from greedy import greedy
+    from specdial.cli import main as cli_main
+    from specdial.engine import Engine
+    from test_engine_greedy import assert_no_leak
+
+    fixture, attr = {"draft": ("tiny", "draft_noisy"), "eagle": ("tiny1", "eagle_noisy")}[name]
+    models = request.getfixturevalue(fixture)
+    kw = dict(max_running_requests=4, kv_cache_tokens=2048, page_size=8)
+    cfg = {"strategy": "goodput", "verify": "per_request", "min_survival": 0.3,
+           "1": {"candidate_steps": [0, 1, 2, 3, 4]}}
+    with Engine.from_modules(models.target, None, **kw) as plain:
+        want = [o["output_ids"] for o in plain.generate(input_ids=PROMPTS,
+                                                        sampling_params=greedy(24))]
+    trace = tmp_path / "trace.jsonl"
+    with Engine.from_modules(models.target, getattr(models, attr), record_trace=str(trace),
+                             speculative_adaptive_config=cfg, **kw) as engine:
+        got = [o["output_ids"] for o in engine.generate(input_ids=PROMPTS * 2,
+                                                         sampling_params=greedy(24))]
+        assert_no_leak(engine)
+    assert got == want * 2
+    rows = [json.loads(x) for x in trace.read_text().splitlines()]
+    cut = [r for r in rows if "verified" in r]
+    assert cut and all(r["min_survival"] == pytest.approx(0.3) for r in cut)
+    assert all(len(r["verified"]) == r["batch_size"] for r in cut)
+    assert cli_main(["policy", "replay", "--trace", str(trace), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["confidence_stop_verifies"] == len(cut)
