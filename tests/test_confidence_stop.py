@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import PROMPTS
-from specdial.worker.confidence_stop import cut_lengths
+from specdial.worker.confidence_stop import cut_lengths, stop_confidence
 from specdial.worker.inputs import DecodeInput, PrefillInput
 from specdial.worker.sampling import BatchSampling, SamplingParams
 from specdial.worker.worker import SpecWorker
@@ -255,3 +255,63 @@ def test_engine_with_the_stop_is_lossless_and_its_trace_replays(request, name, t
     assert all(len(r["verified"]) == r["batch_size"] for r in cut)
     assert cli_main(["policy", "replay", "--trace", str(trace), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["confidence_stop_verifies"] == len(cut)
+
+
+def test_a_cut_that_depends_on_the_drafts_keeps_sampling_exact():
+    """Rejection sampling with verify lengths from the stop rule still emits the target's
+    distribution (docs/design.md invariant 2) when the factor at position ``j`` does not depend
+    on ``d_j`` (:func:`stop_confidence`'s ``max q_j`` for unseeded rows): the first emitted
+    token follows ``p_0``; the second (emitted now, or by the next plain step for rows that
+    stopped after one) follows ``p_1`` (the target here does not depend on the prefix). With
+    the drafted tokens' own ``q(d)`` as the factor (the shared contract's text) it does not:
+    the rule then keeps ``d_1`` only where ``q(d_1)`` is high, and the first token is biased."""
+    from specdial.worker.sampling import speculative_accept
+    from test_sampling import assert_fits, gen
+
+    v, rows = 5, 30000
+    p = torch.tensor([[0.1, 0.2, 0.3, 0.25, 0.15], [0.3, 0.1, 0.1, 0.2, 0.3],
+                      [0.2, 0.2, 0.2, 0.2, 0.2]])
+    q = torch.tensor([[0.05, 0.05, 0.6, 0.2, 0.1], [0.4, 0.3, 0.1, 0.1, 0.1]])
+    drafts = torch.stack([torch.multinomial(q[i], rows, True, generator=gen(10 + i))
+                          for i in range(2)], 1)
+    draft_probs = q[None].expand(rows, 2, v).contiguous()
+    conf = q.gather(1, drafts.T).T  # [rows, 2]: q(d) of each drafted token
+    target = torch.log(p)[None].expand(rows, 3, v).contiguous()
+    sampling = BatchSampling.from_params([SamplingParams(temperature=1.0)] * rows)
+    budgets = torch.full((rows,), 2)
+    biased = cut_lengths(conf, budgets, 0.12)  # the contract's factor, q(d_j)
+    acc, out = speculative_accept(drafts, draft_probs, target, sampling, gen(5), limits=biased)
+    with pytest.raises(AssertionError, match="chi2"):
+        assert_fits("first token, factor q(d_j)", out[:, 0], p[0])
+    unseeded = torch.ones(rows, dtype=torch.bool)
+    # max q = 0.6 then 0.4: cumulative 0.6, 0.24; a threshold between cuts after one draft
+    for ms, want in ((0.3, 1), (0.7, 0), (0.2, 2)):
+        lens = cut_lengths(stop_confidence(conf, draft_probs, unseeded), budgets, ms)
+        assert bool((lens == want).all())
+    # a prefix-dependent factor: position 2 is verified only where q(d_1) is high
+    factor = torch.stack([q[0].max().expand(rows), conf[:, 0]], 1)
+    lens = cut_lengths(factor, budgets, 0.2)
+    assert 0 < int((lens == 1).sum()) and 0 < int((lens == 2).sum())
+    acc, out = speculative_accept(drafts, draft_probs, target, sampling, gen(5), limits=lens)
+    assert bool((acc <= lens).all())
+    assert_fits("first token under the stop rule", out[:, 0], p[0])
+    one = acc == 0  # these emitted one token: their second comes from a plain step at p_1
+    nxt = torch.multinomial(p[1], int(one.sum()), True, generator=gen(6))
+    second = out[:, 1].clone()
+    second[one] = nxt
+    assert_fits("second token under the stop rule", second, p[1])
+
+
+def test_unseeded_sampling_rows_cut_by_their_distributions_confidence(tiny):
+    """A batch mixing greedy, seeded and unseeded sampling rows runs the stop (the unseeded rows
+    with ``max q``); the greedy row's tokens stay target-only's."""
+    params = [SamplingParams(), SamplingParams(temperature=1.0, seed=3),
+              SamplingParams(temperature=1.0), SamplingParams(temperature=0.7)][:len(PROMPTS)]
+    assert len(params) >= 3
+    worker = make_worker(tiny.target, tiny.draft_noisy)
+    cut = []
+    with torch.inference_mode():
+        got = run_stop(worker, PROMPTS, params, 0.3,
+                       record=lambda dec, v, live: cut.append(int((dec.verified < v).sum())))
+    assert got[0] == target_tokens(tiny.target)[0]
+    assert sum(cut) > 0

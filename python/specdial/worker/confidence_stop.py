@@ -8,11 +8,20 @@ Request ``b`` with verify budget ``v_b`` (``steps_per_request``) and draft confi
 
     ``u_b = min(v_b, #{j : prod_{i <= j} c_b[i] >= min_survival, leading})``
 
-drafts (0 allowed: a plain decode through verify). The cut is lossless: whether position ``j`` is
-verified depends only on drafts ``1..j`` (already drawn), and a request verified to ``u_b``
-emits exactly what a batch at ``k = u_b`` emits (:func:`~specdial.worker.sampling._capped`),
-so greedy output equals target-only and a seeded request's draws (keyed by sequence position,
-:mod:`specdial.worker.seeded_noise`) do not change. The KV slots the plan reserved beyond
+drafts (0 allowed: a plain decode through verify). A request verified to ``u_b`` emits exactly
+what a batch at ``k = u_b`` emits (:func:`~specdial.worker.sampling._capped`), so greedy output
+equals target-only, and a seeded request's tokens (the target's own coupled draws, keyed by
+sequence position, :mod:`specdial.worker.seeded_noise`) do not change.
+
+One deviation from the shared contract, for losslessness: in a row that samples without a seed
+(rejection sampling, Leviathan et al. 2023), whether position ``j`` is verified must not depend
+on the token drawn there. If it did, the verified ``d_j`` would follow ``q_j`` restricted to the
+tokens the rule keeps, not ``q_j``, and accepting with ``min(1, p/q)`` would no longer emit
+``p`` (``tests/test_confidence_stop.py`` measures the bias: a chi-square of ~2000 on five
+tokens). Such rows use :func:`stop_confidence`'s factor ``max_x q_j(x)``, the drafter's
+confidence in its distribution at ``j``, a function of the drafts before ``j`` only (a
+stopping rule in SpecDec++'s sense, which keeps the emitted tokens exact). Greedy rows'
+factor, the probability of the argmax, is already of that kind; seeded rows keep ``q(d)``. The KV slots the plan reserved beyond
 ``u_b + accepted`` are freed by the scheduler's report like rejected ones (it truncates each
 request to ``L + accepted + 1``).
 
@@ -35,7 +44,19 @@ from specdial.worker.runtime import DecodeBatches
 from specdial.worker.step_runner import StepRunner
 from specdial.worker.verify_budgets import PackedVerify
 
-__all__ = ["cut_lengths", "repack_verify"]
+__all__ = ["cut_lengths", "repack_verify", "stop_confidence"]
+
+
+def stop_confidence(conf: torch.Tensor, probs: torch.Tensor | None,
+                    unseeded: torch.Tensor | None) -> torch.Tensor:
+    """The per-position factors of the stop rule ``[B, k]`` float32: ``conf`` (the drafts'
+    probabilities, :class:`~specdial.worker.stages.Drafts`), except in the rows that sample
+    without a seed (``unseeded`` ``[B]`` bool, or None: none), which take ``max_x q_j(x)`` from
+    ``probs`` ``[B, k, V]`` (the distributions the drafts were drawn from) so the decision to
+    verify position ``j`` does not depend on the token drawn there (module docstring)."""
+    if probs is None or unseeded is None:
+        return conf
+    return torch.where(unseeded[:, None], probs.amax(-1).to(conf.dtype), conf)
 
 
 def cut_lengths(conf: torch.Tensor, budgets: torch.Tensor, min_survival: float) -> torch.Tensor:

@@ -61,7 +61,7 @@ from specdial.attention.base import AttentionBackend
 from specdial.attention.select import select_backend
 from specdial.models.llama import LlamaForCausalLM
 from specdial.worker.batch_sampling import BatchSampling
-from specdial.worker.confidence_stop import cut_lengths, repack_verify
+from specdial.worker.confidence_stop import cut_lengths, repack_verify, stop_confidence
 from specdial.worker.cpu_malloc import keep_freed_memory
 from specdial.worker.drafter_state import DrafterState
 from specdial.worker.drafters import Drafter, run_target
@@ -383,9 +383,11 @@ class SpecWorker:
             conf_out=conf)
         batches.verify_ids[:, 1:] = tokens
         # the copy: a replayed draft graph's output is only valid until the next replay
-        return Drafts(batches.verify_ids[:, 1:], probs, conf, self._confidence_stop(step, conf))
+        return Drafts(batches.verify_ids[:, 1:], probs, conf,
+                      self._confidence_stop(step, conf, probs, sampling))
 
-    def _confidence_stop(self, step: DecodeStep, conf: torch.Tensor) -> torch.Tensor | None:
+    def _confidence_stop(self, step: DecodeStep, conf: torch.Tensor, probs: torch.Tensor | None,
+                         sampling: BatchSampling) -> torch.Tensor | None:
         """The plan's confidence stop (:mod:`specdial.worker.confidence_stop`): ``[B]`` device
         verify lengths, None without a rule. On a CPU device an eager batch's verify is
         re-packed over them (reading them there is no sync)."""
@@ -393,7 +395,12 @@ class SpecWorker:
         if not ms:
             return None
         budgets = torch.from_numpy(step.inp.steps_per_request).to(self.device)
-        lens = cut_lengths(conf, budgets, ms)
+        unseeded = None
+        if sampling.any_unseeded and not sampling.all_greedy:
+            unseeded = ~sampling.greedy_mask
+            if sampling.seeded_mask is not None:
+                unseeded = unseeded & ~sampling.seeded_mask
+        lens = cut_lengths(stop_confidence(conf, probs, unseeded), budgets, ms)
         if self.device.type == "cpu" and step.batches.layout is None:
             step.batches = repack_verify(step.runner, step.batches, step.target_len,
                                          lens.numpy())
