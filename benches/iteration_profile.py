@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 import torch
 
+from specdial.builtin import builtin_model_path
 from specdial.engine import Engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/
@@ -51,6 +52,12 @@ CONFIGS = {
     # the CPU-tuned candidates of examples/cpu_adaptive_config.json (see BENCHMARKS.md)
     "adaptive-cpu": {"speculative_adaptive": True, "speculative_adaptive_config": str(
         Path(__file__).resolve().parents[1] / "examples" / "cpu_adaptive_config.json")},
+    # issue 28's arms (benches/verify_budgets_ab.py --issue28-arms): goodput over 0..7, batch-level,
+    # per-request, and per-request with the confidence stop at a fixed min_survival
+    **{name: {"speculative_adaptive_config": {"strategy": "goodput", "1": {
+        "candidate_steps": list(range(8))}, **extra}} for name, extra in (
+        ("goodput-batch", {}), ("goodput-per-request", {"verify": "per_request"}),
+        ("goodput-per-request+ms0.3", {"verify": "per_request", "min_survival": 0.3}))},
 }
 
 
@@ -130,15 +137,18 @@ def instrument(engine: Engine) -> tuple[Clock, dict[str, Any]]:
     return clock, totals
 
 
-def run(config: str, concurrency: int, prompts: list[str], max_new_tokens: int) -> dict[str, Any]:
+def run(config: str, concurrency: int, prompts: list[str], max_new_tokens: int,
+        drafter: str | None = None) -> dict[str, Any]:
+    draft = {} if drafter is None else {"draft_model_path": str(builtin_model_path(drafter))}
     with Engine(model_path=None, max_running_requests=concurrency, context_length=512,
-                log_interval_s=None, **CONFIGS[config]) as engine:
+                log_interval_s=None, **draft, **CONFIGS[config]) as engine:
         sp = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
         engine.generate(prompts[:2], sampling_params=sp)  # warm-up, not timed
         clock, totals = instrument(engine)
         t0 = time.perf_counter()
         outs = engine.generate(prompts, sampling_params=sp)
         wall = time.perf_counter() - t0
+        st = engine.stats()
     tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     it_s = totals["seconds"]
     dr = clock.seconds.get("drafter", 0.0)
@@ -153,7 +163,8 @@ def run(config: str, concurrency: int, prompts: list[str], max_new_tokens: int) 
             "other_share": round(1 - (fw + sc) / it_s, 3),
             "scheduler_us_per_call": round(1e6 * sc / max(clock.calls.get("scheduler", 1), 1), 1),
             "scheduler_crossings_per_iteration": round(
-                totals["sched"].crossings / max(totals["iterations"], 1), 2)}
+                totals["sched"].crossings / max(totals["iterations"], 1), 2),
+            "verify_lengths": dict(st.verify_length_histogram)}
 
 
 def main() -> None:
@@ -164,6 +175,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--output-json", type=Path)
+    ap.add_argument("--drafter", default=None,
+                    help="a built-in drafter (e.g. eagle-weak; default: the engine's)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = read_jsonl(REPO_PROMPTS / "code.jsonl")
@@ -171,7 +184,7 @@ def main() -> None:
     for c in (int(x) for x in args.concurrency.split(",")):
         prompts = [r["prompt"] for r in pick(rows, 2 * c + 2)]
         for config in args.configs.split(","):
-            res = run(config, c, prompts, args.max_new_tokens)
+            res = run(config, c, prompts, args.max_new_tokens, args.drafter)
             print(json.dumps(res), flush=True)
             results.append(res)
     print()

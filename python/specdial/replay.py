@@ -14,6 +14,17 @@ With greedy chain drafting, a request that accepted ``a`` drafts out of ``K`` wo
 recorded at the largest candidate steps therefore replay exactly for every config; a value above
 the recorded ``steps`` is an error. The summary counts how many observations were capped.
 
+Per-request decisions (issue 28): ``steps_per_request`` (each request's verify budget, recorded
+when they differ from ``steps``), ``min_survival`` (the confidence stop's threshold) and
+``verified`` (the drafts each request verified after the cut, recorded with ``min_survival``)
+bound what the trace knows of each request: request ``r`` verified ``u_r`` drafts (``verified``,
+else ``steps_per_request``, else ``steps``). A chosen ``k <= u_r``, or a request that rejected
+within its ``u_r`` (``a_r < u_r``), replays exactly as ``min(a_r, k)``; a request that accepted
+all its ``u_r`` drafts at a chosen ``k > u_r`` is *censored* (what it would have accepted beyond
+``u_r`` is unknown): it emits its recorded ``a_r + 1`` tokens and is not fed to the policy, as
+the live scheduler feeds the batch-level policy only the requests that verified the batch's
+steps. The summary counts censored observations and the verifies recorded under a stop rule.
+
 Seconds: with a cost table (``--cost-table``, the JSON of :class:`specdial._core.CostTable`, which
 ``specdial policy simulate`` also reads) every verify costs what the table says for the batch
 size, the chosen steps and the context, and the summary reports the replayed tokens per second;
@@ -48,6 +59,10 @@ class Verify:
     steps: int | None = None
     context_tokens: int | None = None
     seconds: float | None = None
+    #: ``[batch_size]`` int64: the drafts each request verified (``verified``, else
+    #: ``steps_per_request``), None when the record has neither
+    verified: np.ndarray | None = None
+    min_survival: float | None = None
 
 
 def _int(v: Any) -> bool:
@@ -83,7 +98,37 @@ def parse_line(text: str, where: str) -> Verify | None:
                              or not math.isfinite(secs) or secs <= 0):
         raise TraceError(f"{where}: seconds must be a finite number > 0, got {secs!r}")
     return Verify(bs, np.asarray(acc, dtype=np.int64), steps, ctx,
-                  None if secs is None else float(secs))
+                  None if secs is None else float(secs), *_per_request(obj, acc, steps, where))
+
+
+def _lengths(obj: dict, key: str, n: int, top: list[int] | int | None, where: str) -> list | None:
+    """``obj[key]``: ``n`` integers in ``0..top`` (per entry when ``top`` is a list), or None."""
+    v = obj.get(key)
+    if v is None:
+        return None
+    tops = top if isinstance(top, list) else [top] * n
+    if not isinstance(v, list) or len(v) != n or not all(_int(x) and x >= 0 for x in v):
+        raise TraceError(f"{where}: {key} must be a list of {n} integers >= 0, got {v!r}")
+    if any(t is not None and x > t for x, t in zip(v, tops)):
+        raise TraceError(f"{where}: {key} {v} exceeds {top}")
+    return v
+
+
+def _per_request(obj: dict, acc: list[int], steps: int | None,
+                 where: str) -> tuple[np.ndarray | None, float | None]:
+    """The record's per-request lengths (``verified`` or ``steps_per_request``, checked against
+    ``steps`` and ``accepted``) and ``min_survival``."""
+    spr = _lengths(obj, "steps_per_request", len(acc), steps, where)
+    ver = _lengths(obj, "verified", len(acc), spr if spr is not None else steps, where)
+    ms = obj.get("min_survival")
+    if ms is not None and (isinstance(ms, bool) or not isinstance(ms, (int, float))
+                           or not 0 < ms < 1):
+        raise TraceError(f"{where}: min_survival must be a number in (0, 1), got {ms!r}")
+    lens = ver if ver is not None else spr
+    if lens is not None and any(a > u for a, u in zip(acc, lens)):
+        raise TraceError(f"{where}: accepted {acc} exceeds the verified lengths {lens}")
+    return (None if lens is None else np.asarray(lens, np.int64),
+            None if ms is None else float(ms))
 
 
 @dataclass
@@ -95,6 +140,11 @@ class ReplaySummary:
     emitted_tokens: int = 0
     verifies: int = 0
     capped: int = 0
+    #: observations past a request's recorded verify length that accepted all of it (unknown:
+    #: not fed to the policy)
+    censored: int = 0
+    #: verifies recorded under a confidence stop (``min_survival``)
+    stopped: int = 0
     #: Seconds of the replayed verifies (with a cost table; None without one).
     seconds: float | None = None
     strategy: str = "ema"
@@ -113,6 +163,8 @@ class ReplaySummary:
             "tokens_per_second": self.tokens_per_second,
             "probes": self.probes,
             "capped_observations": self.capped,
+            "censored_observations": self.censored,
+            "confidence_stop_verifies": self.stopped,
             "switches": [dict(zip(("line", "slot", "batch_size", "old_steps", "new_steps"), s)) for s in self.switches],
             "iterations_per_steps": {str(b): {str(k): v for k, v in sorted(c.items())} for b, c in self.iterations.items()},
         }
@@ -150,9 +202,15 @@ def replay(
             steps, bound = decision.steps, bounds[decision.slot]
             observed = np.minimum(v.accepted, steps)
             summary.capped += int(np.count_nonzero(observed != v.accepted))
+            known = np.ones(v.batch_size, bool)
+            if v.verified is not None:  # a request that accepted its whole length < k
+                known = (v.accepted < v.verified) | (steps <= v.verified)
+                summary.censored += int(np.count_nonzero(~known))
+            summary.stopped += v.min_survival is not None
             summary.iterations[bound][steps] += 1
             summary.verifies += 1
             summary.emitted_tokens += int(observed.sum()) + v.batch_size
+            observed = observed[known]
             seconds = v.seconds if v.steps == steps else None
             if cost_table is not None:
                 seconds = cost_table.seconds(v.batch_size, steps, float(v.context_tokens or 0))
@@ -181,6 +239,9 @@ def format_summary(s: ReplaySummary) -> str:
     ]
     if s.strategy == "goodput":
         lines.append(f"{s.probes} probes (goodput strategy)")
+    if s.censored or s.stopped:
+        lines.append(f"{s.censored} observations censored at a request's recorded verify length, "
+                     f"{s.stopped} verifies recorded under a confidence stop")
     if s.seconds is not None:
         lines.append(f"{s.seconds:.3f} s by the cost table: {s.tokens_per_second:.1f} tokens/s")
     lines.append("slot  iterations per steps")

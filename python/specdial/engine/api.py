@@ -147,8 +147,9 @@ class EngineStats:
     (``"loaded"``, ``"none"``, ``"ignored: <why>"``, ``"off"``, ``"n/a: <why>"``; see
     :mod:`specdial.engine.policy_cache`). ``verify_length_histogram``: cumulative
     ``{verify length: request-iterations}`` over decode iterations, each request counted at
-    its own verify budget (``steps_per_request``, drafts verified; 0 = a plain decode), which
-    differs from the batch's steps under per-request budgets (issue 28).
+    its own verify budget (``steps_per_request``, drafts verified; 0 = a plain decode), or at
+    the length it verified after a confidence stop (``min_survival``), which differs from the
+    batch's steps under per-request budgets (issue 28).
     """
 
     running: int = 0

@@ -303,9 +303,9 @@ class EngineLoop:
         seconds = time.perf_counter() - started
         stops = check_stop_strings(self.live, rids, out.tokens, out.offsets)
         res = self.sched.report(out.tokens, out.offsets, out.accepted, seconds=seconds,
-                                stop_strings=stops.stopped, draft_probs=out.draft_probs)
+                                stop_strings=stops.stopped, **out.decode_extras())
         self._decode_iters += 1
-        self._verify_lengths.add(plan.steps_per_request)
+        self._verify_lengths.add(plan.steps_per_request if out.verified is None else out.verified)
         self._last_decode = (int(plan.steps), int(plan.graph_bs or plan.batch_size))
         return out, res, stops
 

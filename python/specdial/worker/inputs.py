@@ -20,7 +20,9 @@ Layout (``B`` requests, numpy ``int64`` arrays, request after request):
 - :class:`DecodeInput`: request ``b`` has ``positions[b]`` = ``L`` KV positions and feeds
   ``input_ids[b]`` at ``L``; ``out_loc`` ``[B * (steps + 1)]`` holds the KV slots of positions
   ``L ..= L + steps`` (the pad KV slot beyond ``steps_per_request[b]``); ``graph_bs`` is the
-  padded CUDA-graph batch size (None: eager).
+  padded CUDA-graph batch size (None: eager); ``skip_extend[b]`` = 1 where the request (verify
+  budget 0) skips the draft extend (None: none does); ``min_survival`` the confidence stop's
+  threshold in ``[0, 1)`` (0: no rule; :mod:`specdial.worker.confidence_stop`).
 """
 
 from __future__ import annotations
@@ -91,12 +93,22 @@ class DecodeInput:
     positions: np.ndarray
     out_loc: np.ndarray
     steps_per_request: np.ndarray
+    skip_extend: np.ndarray | None = None
+    min_survival: float = 0.0
 
     def __post_init__(self) -> None:
         b = len(self.rows)
         for name in ("input_ids", "positions", "steps_per_request"):
             _check_len(name, getattr(self, name), b)
         _check_len("out_loc", self.out_loc, b * (self.steps + 1))
+        if self.skip_extend is not None:
+            _check_len("skip_extend", self.skip_extend, b)
+            if ((self.skip_extend != 0) & (self.steps_per_request != 0)).any():
+                raise ValueError("skip_extend: only a request at verify budget 0 may skip its "
+                                 "draft extend")
+        if not 0.0 <= self.min_survival < 1.0:
+            raise ValueError(f"min_survival must be in [0, 1) (0: no confidence stop), got "
+                             f"{self.min_survival}")
 
 
 def worker_input(plan: Any, pad_slot: int) -> PrefillInput | DecodeInput:
@@ -109,4 +121,5 @@ def worker_input(plan: Any, pad_slot: int) -> PrefillInput | DecodeInput:
                             _i64(plan.cached_kv_indices), _i64(plan.cached_ids))
     return DecodeInput(int(plan.steps), None if plan.graph_bs is None else int(plan.graph_bs),
                        _i64(plan.rows), _i64(plan.input_ids), _i64(plan.positions),
-                       _i64(plan.out_loc_padded(pad_slot)), _i64(plan.steps_per_request))
+                       _i64(plan.out_loc_padded(pad_slot)), _i64(plan.steps_per_request),
+                       _i64(plan.skip_extend), float(plan.min_survival))

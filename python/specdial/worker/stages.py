@@ -47,8 +47,10 @@ class StepOutput:
     ``offsets`` count; prefill: ``[R, 1]`` over the ``sample_first`` requests); None when no
     row asked. ``prompt_logprobs``: the prefill's prompt positions of a
     :class:`~specdial.worker.logprobs.PromptLogprobPlan` (``[1, N]``), or None.
+    ``verified`` (decode with a confidence stop, else None): ``[B]`` the drafts each request
+    verified after the cut (``Scheduler.report(..., verified=)``).
     ``draft_probs`` (decode; None for prefill): float32 ``[sum(steps_per_request)]``, request
-    after request, the drafter's probability of each draft token the request verified
+    after request, the drafter's probability of each draft token the request drafted
     (``softmax`` of the draft logits at a greedy draft, ``q(d)`` at a sampled one; issue 28's
     confidence signal for the goodput policy, ``Scheduler.report(..., draft_probs=)``),
     copied in the iteration's one device sync.
@@ -61,6 +63,12 @@ class StepOutput:
     logprobs: HostLogprobs | None = None
     prompt_logprobs: HostLogprobs | None = None
     draft_probs: np.ndarray | None = None
+    verified: np.ndarray | None = None
+
+    def decode_extras(self) -> dict:
+        """``{"draft_probs", "verified"}``: the keyword arguments of
+        ``Scheduler.report`` this decode output carries besides the tokens."""
+        return {"draft_probs": self.draft_probs, "verified": self.verified}
 
     def tokens_of(self, b: int) -> np.ndarray:
         return self.tokens[self.offsets[b]:self.offsets[b + 1]]
@@ -99,11 +107,15 @@ class Drafts:
     """``tokens`` ``[B, k]`` int64 (a view of the verify input ids: ``[B, 0]`` at steps 0);
     ``probs`` ``[B, k, V]`` float32, the distributions sampled drafts were drawn from, or None
     (greedy drafts: one-hot); ``conf`` ``[B, k]`` float32: the drafter's probability of each
-    draft (zero at levels a request did not draft)."""
+    draft (zero at levels a request did not draft); ``verify_lens`` ``[B]`` int64 device: the
+    drafts each request verifies after the plan's confidence stop
+    (:mod:`specdial.worker.confidence_stop`), None without one (every request verifies its
+    budget)."""
 
     tokens: torch.Tensor
     probs: torch.Tensor | None
     conf: torch.Tensor
+    verify_lens: torch.Tensor | None = None
 
 
 @dataclass
@@ -121,12 +133,14 @@ class Accepted:
     """Host copy of the acceptance: ``accepted`` ``[B]`` int64 (accepted drafts, at most the
     request's own ``steps_per_request``), ``tokens`` ``[B, n]`` int64 (row ``b`` emitted its
     first ``accepted[b] + 1``; later entries are stale), ``logprobs`` of the rows that asked,
-    ``draft_probs`` float32 ``[sum(steps_per_request)]`` (:attr:`StepOutput.draft_probs`)."""
+    ``draft_probs`` float32 ``[sum(steps_per_request)]`` (:attr:`StepOutput.draft_probs`),
+    ``verified`` ``[B]`` int64 or None (:attr:`StepOutput.verified`)."""
 
     accepted: np.ndarray
     tokens: np.ndarray
     logprobs: HostLogprobs | None
     draft_probs: np.ndarray | None = None
+    verified: np.ndarray | None = None
 
     def output(self, steps: int) -> StepOutput:
         """The :class:`StepOutput` of a decode at ``steps``."""
@@ -134,7 +148,7 @@ class Accepted:
         emitted = np.arange(n)[None, :] <= self.accepted[:, None]
         offsets = np.concatenate([[0], np.cumsum(self.accepted + 1)]).astype(np.int64)
         return StepOutput(steps, self.tokens[emitted].astype(np.int64), offsets, self.accepted,
-                          self.logprobs, draft_probs=self.draft_probs)
+                          self.logprobs, draft_probs=self.draft_probs, verified=self.verified)
 
 
 def float_bits(x: torch.Tensor) -> torch.Tensor:

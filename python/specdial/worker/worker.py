@@ -61,6 +61,7 @@ from specdial.attention.base import AttentionBackend
 from specdial.attention.select import select_backend
 from specdial.models.llama import LlamaForCausalLM
 from specdial.worker.batch_sampling import BatchSampling
+from specdial.worker.confidence_stop import cut_lengths, repack_verify, stop_confidence
 from specdial.worker.cpu_malloc import keep_freed_memory
 from specdial.worker.drafter_state import DrafterState
 from specdial.worker.drafters import Drafter, run_target
@@ -381,7 +382,11 @@ class SpecWorker:
             return Drafts(batches.verify_ids[:, 1:], None, no_conf)  # [B, 0]
         ds = self.drafter_state
         assert ds is not None
-        ds.catch_up(step.rows, step.target_len, step.runner, batches)
+        # a request at budget 0 drafts nothing now: it needs no catch-up (issue 28)
+        budgets = step.inp.steps_per_request
+        lagging = np.minimum(ds.draft_len[step.rows], step.target_len)
+        ds.catch_up(step.rows, np.where(budgets > 0, step.target_len, lagging), step.runner,
+                    batches)
         conf = torch.zeros(len(step.rows), step.steps, dtype=torch.float32, device=self.device)
         tokens, probs = step.runner.run_draft(
             batches, first_hidden=ds.first_hidden(self.tables, batches), sampling=sampling,
@@ -389,7 +394,28 @@ class SpecWorker:
             conf_out=conf)
         batches.verify_ids[:, 1:] = tokens
         # the copy: a replayed draft graph's output is only valid until the next replay
-        return Drafts(batches.verify_ids[:, 1:], probs, conf)
+        return Drafts(batches.verify_ids[:, 1:], probs, conf,
+                      self._confidence_stop(step, conf, probs, sampling))
+
+    def _confidence_stop(self, step: DecodeStep, conf: torch.Tensor, probs: torch.Tensor | None,
+                         sampling: BatchSampling) -> torch.Tensor | None:
+        """The plan's confidence stop (:mod:`specdial.worker.confidence_stop`): ``[B]`` device
+        verify lengths, None without a rule. On a CPU device an eager batch's verify is
+        re-packed over them (reading them there is no sync)."""
+        ms = step.inp.min_survival
+        if not ms:
+            return None
+        budgets = torch.from_numpy(step.inp.steps_per_request).to(self.device)
+        unseeded = None
+        if sampling.any_unseeded and not sampling.all_greedy:
+            unseeded = ~sampling.greedy_mask
+            if sampling.seeded_mask is not None:
+                unseeded = unseeded & ~sampling.seeded_mask
+        lens = cut_lengths(stop_confidence(conf, probs, unseeded), budgets, ms)
+        if self.device.type == "cpu" and step.batches.layout is None:
+            step.batches = repack_verify(step.runner, step.batches, step.target_len,
+                                         lens.numpy())
+        return lens
 
     def verify(self, step: DecodeStep) -> Verified:
         """One target forward over ``[x_L, d_1..d_k]`` per request; keeps the drafter's target
@@ -413,6 +439,8 @@ class SpecWorker:
         budgets = step.inp.steps_per_request
         limits = (torch.from_numpy(budgets).to(self.device)
                   if step.steps and bool((budgets < step.steps).any()) else None)
+        if drafts.verify_lens is not None:  # the confidence stop's cut, at most the budgets
+            limits = drafts.verify_lens
         accepted, out = speculative_accept(drafts.tokens, drafts.probs, verified.target,
                                            sampling, generator, step.first_pos, limits)
         batches = step.batches
@@ -420,25 +448,37 @@ class SpecWorker:
         self.tables.req_to_ids[batches.rows[:, None], batches.verify_positions + 1] = out
         lp_pending = (None if logprobs is None
                       else token_logprobs(verified.logits, out, logprobs).to_host())
-        host = torch.cat([accepted[:, None], out, float_bits(drafts.conf)], 1)
-        host = host.cpu().numpy()  # the one sync
+        parts = [accepted[:, None], out, float_bits(drafts.conf)]
+        if drafts.verify_lens is not None:
+            parts.append(drafts.verify_lens[:, None])
+        host = torch.cat(parts, 1).cpu().numpy()  # the one sync
         lp_host = None if lp_pending is None else lp_pending()
         n = step.steps + 1
         if sampling.grammar is not None:  # the emitted tokens advance the matchers once
             sampling.grammar.advance(host[:, 0] + 1, host[:, 1:n + 1])
+        verified = None if drafts.verify_lens is None else host[:, -1].astype(np.int64)
         return Accepted(host[:, 0].astype(np.int64), host[:, 1:n + 1],
-                        lp_host, packed_draft_probs(host[:, n + 1:], budgets))
+                        lp_host, packed_draft_probs(host[:, n + 1:n + 1 + step.steps], budgets),
+                        verified)
 
     def extend(self, step: DecodeStep, accepted: Accepted) -> None:
         """The draft extend over the newly accepted tokens, up to the new target length
-        ``L + accepted + 1`` (skipped at steps 0 with ``skip_zero_step_draft_extend``)."""
+        ``L + accepted + 1`` (skipped at steps 0 with ``skip_zero_step_draft_extend``, and for
+        the requests the plan's ``skip_extend`` marks)."""
         ds = self.drafter_state
         if ds is None:
             return
-        if step.steps:  # each request drafted (and wrote true drafter KV for) its own budget
-            ds.after_verify(step.rows, step.target_len, step.inp.steps_per_request,
-                            accepted.accepted)
         if step.steps == 0 and self.skip_zero_step_draft_extend:
             return
-        ds.catch_up(step.rows, step.target_len + accepted.accepted + 1, step.runner,
-                    step.batches)
+        budgets = step.inp.steps_per_request
+        drafted = budgets > 0
+        if step.steps:  # each request drafted (and wrote true drafter KV for) its own budget;
+            # one at budget 0 drafted nothing and keeps its drafter length (it may lag)
+            rows = step.rows[drafted]
+            ds.after_verify(rows, step.target_len[drafted], budgets[drafted],
+                            accepted.accepted[drafted])
+        ends = step.target_len + accepted.accepted + 1
+        skip = step.inp.skip_extend
+        if skip is not None and skip.any():  # the plan's budget-0 requests skip (issue 28)
+            ends = np.where(skip != 0, np.minimum(ds.draft_len[step.rows], ends), ends)
+        ds.catch_up(step.rows, ends, step.runner, step.batches)

@@ -347,6 +347,8 @@ pub struct PySchedulePlan {
     logits_indices: Py<Int64Array>,
     preempted: Py<Int64Array>,
     draft_prefill: bool,
+    skip_extend: Py<Int64Array>,
+    min_survival: f32,
     cached_lens: Py<Int64Array>,
     cached_kv_indices: Py<Int64Array>,
     cached_ids: Py<Int64Array>,
@@ -378,6 +380,8 @@ impl PySchedulePlan {
             logits_indices: arr(py, p.logits_indices)?,
             preempted: arr(py, p.preempted)?,
             draft_prefill: p.draft_prefill,
+            skip_extend: arr(py, p.skip_extend)?,
+            min_survival: p.min_survival,
             cached_lens: arr(py, p.cached_lens)?,
             cached_kv_indices: arr(py, p.cached_kv_indices)?,
             cached_ids: arr(py, p.cached_ids)?,
@@ -416,6 +420,21 @@ impl PySchedulePlan {
     #[getter]
     fn draft_prefill(&self) -> bool {
         self.draft_prefill
+    }
+    /// Decode [B] (issue 28): 1 where the request skips the draft extend after this verify
+    /// (verify budget 0 with ``skip_zero_step_draft_extend``; the drafter catches it up before it
+    /// next drafts), else 0; a request at budget 0 is also left out of the catch-up before
+    /// drafting. Prefill: empty.
+    #[getter]
+    fn skip_extend(&self, py: Python<'_>) -> Py<Int64Array> {
+        self.skip_extend.clone_ref(py)
+    }
+    /// Decode (issue 28's confidence stop): the worker stops each request's verify at the first
+    /// draft position whose cumulative draft probability is below this and reports the lengths
+    /// it verified (``report(..., verified=)``); 0.0 = no rule (always for prefill and steps 0).
+    #[getter]
+    fn min_survival(&self) -> f32 {
+        self.min_survival
     }
 
     /// ``"prefill"`` or ``"decode"``.
@@ -983,10 +1002,14 @@ impl PyScheduler {
     /// of each draft token the plan verified, request after request in plan order
     /// (``sum(steps_per_request)`` floats in [0, 1], float32/float64 buffer or list); the
     /// ``goodput`` strategy with ``"verify": "per_request"`` uses them as the next decision's
-    /// draft confidence. Raises SchedulerError with no plan in flight, ValueError naming tokens /
-    /// offsets / accepted / seconds / stop_strings / draft_probs when they do not match the plan
-    /// (which then stays in flight, unchanged).
-    #[pyo3(signature = (tokens, offsets, accepted=None, *, seconds=None, stop_strings=Vec::new(), draft_probs=None))]
+    /// draft confidence. ``verified`` (decode plans only, optional; issue 28's confidence stop):
+    /// the draft tokens each request verified, ``0 <= verified[b] <= steps_per_request[b]`` and
+    /// ``accepted[b] <= verified[b]`` (None: ``steps_per_request``); acceptance statistics, the
+    /// policy and the trace then count only verified positions. Raises SchedulerError with no
+    /// plan in flight, ValueError naming tokens / offsets / accepted / seconds / stop_strings /
+    /// draft_probs / verified when they do not match the plan (which then stays in flight,
+    /// unchanged).
+    #[pyo3(signature = (tokens, offsets, accepted=None, *, seconds=None, stop_strings=Vec::new(), draft_probs=None, verified=None))]
     #[allow(clippy::too_many_arguments)]
     fn report(
         &mut self,
@@ -997,6 +1020,7 @@ impl PyScheduler {
         seconds: Option<&Bound<'_, PyAny>>,
         stop_strings: Vec<u64>,
         draft_probs: Option<&Bound<'_, PyAny>>,
+        verified: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyReportResult> {
         guard(|| {
             let seconds = crate::policy::observation(seconds, None, None)?.seconds;
@@ -1010,7 +1034,16 @@ impl PyScheduler {
                 Some(q) if !q.is_none() => Some(float_array(q, "draft_probs")?),
                 _ => None,
             };
-            let extras = ReportExtras { seconds, stop_strings: &stop_strings, draft_probs: draft_probs.as_deref() };
+            let verified = match verified {
+                Some(v) if !v.is_none() => Some(int_array(v, "verified")?),
+                _ => None,
+            };
+            let extras = ReportExtras {
+                seconds,
+                stop_strings: &stop_strings,
+                draft_probs: draft_probs.as_deref(),
+                verified: verified.as_deref(),
+            };
             let out = self
                 .inner
                 .report_with(&tokens, &offsets, accepted.as_deref(), extras)

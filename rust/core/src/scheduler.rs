@@ -145,11 +145,15 @@ struct InFlight {
     done: Vec<bool>,
     /// Prefill: the request samples its first token.
     sample: Vec<bool>,
-    /// Decode: the drafter catch-up tokens of the batch (the sum of their `draft_lag`) when the
-    /// iteration drafts, else 0.
+    /// Decode: the drafter catch-up tokens this iteration runs (the `draft_lag` of the requests
+    /// that draft or extend now) when the iteration drafts, else 0.
     catch_up: u64,
     /// Decode: the draft tree run (its scratch slots are held until the report), `None`: a chain.
     tree: Option<crate::decision::TreeShape>,
+    /// Decode: the request skips its draft extend (`Plan::skip_extend`). Prefill: empty.
+    skip: Vec<bool>,
+    /// Decode: the plan's `min_survival` (0: no confidence stop).
+    min_survival: f32,
 }
 
 /// The continuous-batching scheduler. See the [module docs](self) for the rules.

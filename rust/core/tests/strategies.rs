@@ -51,9 +51,18 @@ fn every_goodput_key_changes_behaviour() {
     ] {
         assert!(!same(&run(&with(swept, key, value)), &sweep), "{key} = {value} changed nothing");
     }
+    // `min_survival` acts in the worker, after drafting (the simulator draws no draft
+    // confidences): it changes the decision the plan carries.
+    let stop = |cfg: &str| {
+        let mut p = AdaptiveSpeculativeParams::new(2, AdaptiveConfig::from_json(cfg).unwrap());
+        p.decide(4, Some(100)).unwrap().confidence_stop.map(|c| c.min_survival)
+    };
+    assert_eq!(stop(&format!("{{{base}}}")), None);
+    assert_eq!(stop(&with(base, "min_survival", "0.4")), Some(0.4));
     // The list above covers every key the strategy takes.
     let mut covered: Vec<&str> = changes.iter().map(|c| c.0).collect();
     covered.extend(["max_profile_run_batch_size", "profile_run_n_warmup", "profile_run_n_measure", "profile_run_seq_len"]);
+    covered.push("min_survival");
     covered.sort_unstable();
     assert_eq!(covered, specdial_core::config::GOODPUT_KEYS.to_vec());
 }

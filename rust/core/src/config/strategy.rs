@@ -3,18 +3,21 @@
 
 use serde::Serialize;
 
-use super::value::{integer, number_in, optional_integer, optional_integer_list, ConfigValue, Scope};
+use super::value::{
+    integer, number_in, optional_integer, optional_integer_list, ConfigValue, Scope,
+};
 use crate::error::ConfigError;
 
 /// Strategy names accepted by the `strategy` key.
 pub const STRATEGY_NAMES: [&str; 3] = ["ema", "goodput", "throughput_aware"];
 
 /// Global keys of the `goodput` strategy (besides `strategy` and slot keys).
-pub const GOODPUT_KEYS: [&str; 11] = [
+pub const GOODPUT_KEYS: [&str; 12] = [
     "acceptance_window",
     "cost_window",
     "max_profile_run_batch_size",
     "min_dwell",
+    "min_survival",
     "probe_budget",
     "profile_run_batch_sizes",
     "profile_run_n_measure",
@@ -64,7 +67,9 @@ impl Strategy {
     pub(crate) fn from_name(v: &ConfigValue) -> Result<Strategy, ConfigError> {
         match v {
             ConfigValue::Str(s) if s == "ema" => Ok(Strategy::Ema),
-            ConfigValue::Str(s) if s == "goodput" => Ok(Strategy::Goodput(GoodputConfig::default())),
+            ConfigValue::Str(s) if s == "goodput" => {
+                Ok(Strategy::Goodput(GoodputConfig::default()))
+            }
             ConfigValue::Str(s) if s == "throughput_aware" => {
                 Ok(Strategy::ThroughputAware(ThroughputAwareConfig::default()))
             }
@@ -137,8 +142,12 @@ impl ProfileConfig {
     fn apply(&mut self, key: &str, v: &ConfigValue) -> Result<bool, ConfigError> {
         let g = Scope::Global;
         match key {
-            "profile_run_batch_sizes" => self.profile_run_batch_sizes = optional_integer_list(g, key, v, 1)?,
-            "max_profile_run_batch_size" => self.max_profile_run_batch_size = optional_integer(g, key, v, 1)?,
+            "profile_run_batch_sizes" => {
+                self.profile_run_batch_sizes = optional_integer_list(g, key, v, 1)?
+            }
+            "max_profile_run_batch_size" => {
+                self.max_profile_run_batch_size = optional_integer(g, key, v, 1)?
+            }
             "profile_run_n_warmup" => self.profile_run_n_warmup = integer(g, key, v, 0)?,
             "profile_run_n_measure" => self.profile_run_n_measure = integer(g, key, v, 1)?,
             "profile_run_seq_len" => self.profile_run_seq_len = optional_integer(g, key, v, 1)?,
@@ -173,6 +182,28 @@ pub struct GoodputConfig {
     /// Whether the strategy chooses one steps value for the batch (`"batch"`, the default) or
     /// also a verify length per request (`"per_request"`, issue 28; [`crate::goodput::per_request`]).
     pub verify: VerifyMode,
+    /// The confidence stop (issue 28; [`crate::decision::ConfidenceStop`]): `None` (the default,
+    /// key `null`) verifies every drafted position; a number in (0, 1) stops each request's
+    /// verify at the first draft position whose cumulative draft probability is below it.
+    /// (`"auto"`, the per-request policy choosing it each iteration, is not in this build: the
+    /// key rejects it with that message.)
+    pub min_survival: Option<f32>,
+}
+
+fn parse_min_survival(v: &ConfigValue) -> Result<Option<f32>, ConfigError> {
+    let allowed = "null (no rule), a number in (0, 1) (a fixed threshold) or \"auto\"";
+    match v {
+        ConfigValue::Null => Ok(None),
+        ConfigValue::Int(_) | ConfigValue::Float(_) => {
+            // checked as the f32 it is stored as (1e-300 would round to 0)
+            number_in(Scope::Global, "min_survival", v, |x| (x as f32) > 0.0 && (x as f32) < 1.0, "in (0, 1)")
+                .map(|x| Some(x as f32))
+        }
+        ConfigValue::Str(s) if s == "auto" => Err(ConfigError::new(
+            "min_survival \"auto\" (chosen each iteration by the per-request policy) is not available in this build; use null or a number in (0, 1)".to_string(),
+        )),
+        other => Err(ConfigError::new(format!("min_survival must be {allowed}, got {other}"))),
+    }
 }
 
 /// The `goodput` strategy's `verify` key: what it decides per decode iteration.
@@ -195,7 +226,9 @@ impl VerifyMode {
         match v {
             ConfigValue::Str(s) if s == "batch" => Ok(VerifyMode::Batch),
             ConfigValue::Str(s) if s == "per_request" => Ok(VerifyMode::PerRequest),
-            other => Err(ConfigError::new(format!("verify must be one of \"batch\", \"per_request\", got {other}"))),
+            other => Err(ConfigError::new(format!(
+                "verify must be one of \"batch\", \"per_request\", got {other}"
+            ))),
         }
     }
 }
@@ -210,6 +243,7 @@ impl Default for GoodputConfig {
             probe_budget: 0.03,
             profile: None,
             verify: VerifyMode::Batch,
+            min_survival: None,
         }
     }
 }
@@ -225,11 +259,16 @@ impl GoodputConfig {
             "acceptance_window" => self.acceptance_window = integer(g, key, v, 1)?,
             "cost_window" => self.cost_window = integer(g, key, v, 1)?,
             "probe_budget" => {
-                self.probe_budget = number_in(g, key, v, |x| (0.0..=0.5).contains(&x), "in [0, 0.5]")?
+                self.probe_budget =
+                    number_in(g, key, v, |x| (0.0..=0.5).contains(&x), "in [0, 0.5]")?
             }
             "verify" => self.verify = VerifyMode::parse(v)?,
+            "min_survival" => self.min_survival = parse_min_survival(v)?,
             k if PROFILE_KEYS.contains(&k) => {
-                return self.profile.get_or_insert_with(ProfileConfig::default).apply(key, v)
+                return self
+                    .profile
+                    .get_or_insert_with(ProfileConfig::default)
+                    .apply(key, v)
             }
             _ => return Ok(false),
         }

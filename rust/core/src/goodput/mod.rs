@@ -47,7 +47,7 @@ pub mod cost;
 pub mod per_request;
 
 use crate::config::{GoodputConfig, VerifyMode};
-use crate::decision::{Decision, VerifyShape};
+use crate::decision::{ConfidenceStop, Decision, VerifyShape};
 use acceptance::{expected_tokens, AcceptanceModel, AcceptanceState};
 use cost::{CostModel, CostState};
 use per_request::{PerRequest, RequestVerify};
@@ -327,10 +327,15 @@ impl GoodputPolicy {
             Some(a) => {
                 let longest = a.lengths.iter().copied().max().unwrap_or(0);
                 let depth = c.iter().copied().find(|&k| k >= longest).unwrap_or(steps);
-                Decision { steps: depth, verify: VerifyShape::PerRequest(a.lengths), tree: None }
+                Decision { steps: depth, verify: VerifyShape::PerRequest(a.lengths), tree: None, confidence_stop: self.confidence_stop() }
             }
-            None => Decision::uniform(steps),
+            None => Decision { confidence_stop: self.confidence_stop(), ..Decision::uniform(steps) },
         }
+    }
+
+    /// The configured confidence stop (`min_survival`), if any.
+    fn confidence_stop(&self) -> Option<ConfidenceStop> {
+        self.cfg.min_survival.map(|min_survival| ConfidenceStop { min_survival })
     }
 
     /// The candidate a probe would run now, if any: at steps 0 the smallest positive candidate;

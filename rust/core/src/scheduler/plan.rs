@@ -46,7 +46,7 @@ impl PlanKind {
 /// kv_indices)`); `page_table` = every request's page ids in token order, concatenated, request
 /// `b` at `page_table_offsets[b] .. page_table_offsets[b + 1]` (flashinfer's `paged_kv_indices`
 /// / `paged_kv_indptr`).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Plan {
     pub kind: PlanKind,
     /// `[B]` request ids.
@@ -92,6 +92,19 @@ pub struct Plan {
     /// zero-step extend skipped; see `SchedulerConfig::skip_zero_step_draft_extend`). Decode:
     /// true.
     pub draft_prefill: bool,
+    /// Decode `[B]` (issue 28): 1 where the request skips the draft extend after this verify
+    /// (its verify budget is 0 and `skip_zero_step_draft_extend` is on: it drafts nothing now,
+    /// and the drafter catches it up before it next drafts, as after a steps-0 iteration),
+    /// else 0. The worker also leaves a request at budget 0 out of the catch-up before
+    /// drafting. Prefill: empty.
+    pub skip_extend: Vec<i64>,
+    /// Decode (issue 28, [`crate::decision::ConfidenceStop`]): the worker stops each request's
+    /// verify at the first draft position whose cumulative draft probability is below this;
+    /// `0.0` = no rule (always at steps 0 and for prefill). Request `b` then verifies
+    /// `v_b = min(steps_per_request[b], leading positions with cumulative probability >=
+    /// min_survival)` drafts; its KV slots beyond `v_b + accepted` are freed at the report like
+    /// rejected ones.
+    pub min_survival: f32,
     /// Prefill `[B]`: KV positions request `b` takes from the prefix cache at its admission in
     /// this plan (its chunk then starts there: `kv_lens[b] - qo_lens[b] == cached_lens[b]`,
     /// whole pages), 0 for a chunk continuing an earlier admission. A chunk with
@@ -186,9 +199,15 @@ pub struct TraceRecord {
     /// Accepted drafts per request, bonus excluded, in plan order (`batch_size` entries).
     pub accepted: Vec<i64>,
     /// Present only when some request's steps were capped below `steps` (near its
-    /// `max_new_tokens` or the context end): every request's `steps_per_request`. The live
-    /// policy was fed only the requests with `steps_per_request == steps`.
+    /// `max_new_tokens` or the context end) or the decision gave per-request lengths: every
+    /// request's `steps_per_request`. The live policy was fed only the requests with
+    /// `steps_per_request == steps` (with a confidence stop: `verified == steps`).
     pub steps_per_request: Option<Vec<i64>>,
+    /// The plan's confidence stop threshold, present only when it had one (issue 28).
+    pub min_survival: Option<f32>,
+    /// Present with `min_survival`: the draft tokens each request verified after the cut
+    /// (`0 ..= steps_per_request[b]`).
+    pub verified: Option<Vec<i64>>,
     /// The batch's KV tokens before the iteration.
     pub context_tokens: u64,
     /// The iteration's measured seconds, when reported.
@@ -199,8 +218,8 @@ pub struct TraceRecord {
 
 impl TraceRecord {
     /// One JSON line (no newline): `{"batch_size": B, "accepted": [...], "steps": k,
-    /// "context_tokens": C}` plus `"seconds"`, `"predicted_seconds"` and `"steps_per_request"` when
-    /// present.
+    /// "context_tokens": C}` plus `"seconds"`, `"predicted_seconds"`, `"steps_per_request"`,
+    /// `"min_survival"` and `"verified"` when present.
     pub fn to_json(&self) -> String {
         let mut v = serde_json::json!({
             "batch_size": self.batch_size,
@@ -216,6 +235,12 @@ impl TraceRecord {
         }
         if let Some(s) = &self.steps_per_request {
             v["steps_per_request"] = serde_json::json!(s);
+        }
+        if let Some(m) = self.min_survival {
+            v["min_survival"] = serde_json::json!(m);
+        }
+        if let Some(s) = &self.verified {
+            v["verified"] = serde_json::json!(s);
         }
         v.to_string()
     }

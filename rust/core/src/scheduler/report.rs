@@ -24,6 +24,34 @@ pub struct ReportExtras<'a> {
     /// finite in `[0, 1]`). The `goodput` strategy with `verify = per_request` takes them as the
     /// next decision's draft confidence; other strategies do not use them.
     pub draft_probs: Option<&'a [f64]>,
+    /// Decode only, optional (issue 28's confidence stop): the draft tokens each request
+    /// verified, `0 <= verified[b] <= steps_per_request[b]` and `accepted[b] <= verified[b]`
+    /// (`None`: `steps_per_request`). Acceptance statistics, the policy's feedback and the trace
+    /// count only verified positions; `draft_probs` still holds every drafted one.
+    pub verified: Option<&'a [i64]>,
+}
+
+/// Checks `verified` against the plan in flight and the emitted counts (see
+/// [`ReportExtras::verified`]).
+fn validate_verified(fl: &InFlight, offsets: &[i64], verified: Option<&[i64]>) -> Result<(), SchedulerError> {
+    let Some(v) = verified else { return Ok(()) };
+    if fl.kind == PlanKind::Prefill {
+        return Err(bad("verified", "is reported for decode plans only".into()));
+    }
+    if v.len() != fl.ids.len() {
+        return Err(bad("verified", format!("expected {} entries (one per request), got {}", fl.ids.len(), v.len())));
+    }
+    for (i, &n) in v.iter().enumerate() {
+        let most = i64::from(fl.steps_r[i]);
+        let accepted = offsets[i + 1] - offsets[i] - 1;
+        if !(0..=most).contains(&n) {
+            return Err(bad("verified", format!("verified[{i}] = {n} must be in 0..={most} (steps_per_request[{i}])")));
+        }
+        if accepted > n {
+            return Err(bad("verified", format!("verified[{i}] = {n} is below the {accepted} drafts request {} accepted", fl.ids[i])));
+        }
+    }
+    Ok(())
 }
 
 /// Checks `draft_probs` against the plan in flight (see [`ReportExtras::draft_probs`]).
@@ -217,13 +245,14 @@ impl Scheduler {
         accepted: Option<&[i64]>,
         extras: ReportExtras<'_>,
     ) -> Result<ReportOutcome, SchedulerError> {
-        let ReportExtras { seconds, stop_strings, draft_probs } = extras;
+        let ReportExtras { seconds, stop_strings, draft_probs, verified } = extras;
         let fl = self
             .in_flight
             .as_ref()
             .ok_or(SchedulerError::NoPlanInFlight)?;
         validate(fl, tokens, offsets, accepted, stop_strings)?;
         validate_draft_probs(fl, draft_probs)?;
+        validate_verified(fl, offsets, verified)?;
         if let Some(t) = seconds {
             if fl.kind == PlanKind::Prefill {
                 return Err(bad("seconds", "is reported for decode plans only".into()));
@@ -235,7 +264,11 @@ impl Scheduler {
         let fl = self.in_flight.take().expect("checked above");
         self.release_scratch(); // a tree's scratch slots (scheduler/tree.rs)
         if fl.kind == PlanKind::Decode {
-            self.observe_verify(&fl, offsets, seconds, draft_probs);
+            let verified: Vec<u32> = match verified {
+                Some(v) => v.iter().map(|&n| n as u32).collect(),
+                None => fl.steps_r.clone(),
+            };
+            self.observe_verify(&fl, offsets, seconds, draft_probs, &verified);
         }
         let ctx = u64::from(self.config.context_length);
         let b = fl.ids.len();
@@ -270,12 +303,14 @@ impl Scheduler {
                         }
                     }
                     PlanKind::Decode => {
-                        // A drafting iteration catches the drafter up; a skipped zero-step
-                        // extend leaves it behind by what was emitted.
-                        if fl.steps > 0 {
-                            r.draft_lag = 0;
-                        } else if self.config.skip_zero_step_draft_extend {
+                        // A drafting iteration catches the drafter up; a skipped extend (steps 0,
+                        // or a request at budget 0 the plan marked) leaves it behind by what was
+                        // emitted.
+                        let skipped = if fl.steps > 0 { fl.skip[i] } else { self.config.skip_zero_step_draft_extend };
+                        if skipped {
                             r.draft_lag += emitted.len() as u64;
+                        } else {
+                            r.draft_lag = 0;
                         }
                         // Positions L ..= L + steps_r were reserved; keep L ..= L + accepted.
                         let base = r.kv_len - (u64::from(fl.steps_r[i]) + 1);
@@ -326,7 +361,9 @@ impl Scheduler {
     }
 
     /// Policy feedback, speculation counters and the trace record of one verify.
-    fn observe_verify(&mut self, fl: &InFlight, offsets: &[i64], seconds: Option<f64>, draft_probs: Option<&[f64]>) {
+    /// `verified[b]`: draft tokens request `b` verified (its `steps_per_request` unless the
+    /// confidence stop cut it).
+    fn observe_verify(&mut self, fl: &InFlight, offsets: &[i64], seconds: Option<f64>, draft_probs: Option<&[f64]>, verified: &[u32]) {
         let b = fl.ids.len();
         let accepted = |i: usize| offsets[i + 1] - offsets[i] - 1;
         let steps = fl.steps;
@@ -338,8 +375,9 @@ impl Scheduler {
                 .map(|i| {
                     let n = fl.steps_r[i] as usize;
                     at += n;
-                    let probs = draft_probs.map(|q| &q[at - n..at]);
-                    RequestVerify { id: fl.ids[i], steps: fl.steps_r[i], accepted: accepted(i), draft_probs: probs }
+                    // the policy learns from the positions verified (the cut ones have no outcome)
+                    let probs = draft_probs.map(|q| &q[at - n..at - n + verified[i] as usize]);
+                    RequestVerify { id: fl.ids[i], steps: verified[i], accepted: accepted(i), draft_probs: probs }
                 })
                 .collect();
             let obs = Observation { seconds, context_tokens: Some(fl.context), steps: Some(steps), catch_up_tokens: Some(fl.catch_up) };
@@ -349,7 +387,7 @@ impl Scheduler {
             }
         } else if fl.from_policy {
             if let Some(p) = &mut self.policy {
-                let fed = (0..b).filter(|&i| fl.steps_r[i] == steps).map(accepted);
+                let fed = (0..b).filter(|&i| verified[i] == steps).map(accepted);
                 let obs = Observation {
                     seconds,
                     context_tokens: Some(fl.context),
@@ -370,7 +408,7 @@ impl Scheduler {
         }
         c.by_steps[steps as usize] += 1;
         for i in 0..b {
-            let sr = fl.steps_r[i];
+            let sr = verified[i];
             if sr == 0 {
                 continue;
             }
@@ -387,12 +425,15 @@ impl Scheduler {
         }
         if self.config.record_trace {
             let capped = fl.steps_r.iter().any(|&s| s != steps);
+            let stop = fl.min_survival > 0.0;
             self.trace.push(TraceRecord {
                 batch_size: b as u32,
                 steps,
                 accepted: (0..b).map(accepted).collect(),
                 steps_per_request: capped
                     .then(|| fl.steps_r.iter().map(|&s| i64::from(s)).collect()),
+                min_survival: stop.then_some(fl.min_survival),
+                verified: stop.then(|| verified.iter().map(|&s| i64::from(s)).collect()),
                 context_tokens: fl.context,
                 seconds,
                 predicted_seconds: fl.predicted,

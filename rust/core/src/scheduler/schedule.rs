@@ -84,17 +84,17 @@ impl Scheduler {
     }
 
     /// `(steps, per-request verify lengths, padded graph batch size, lower steps to fall back to
-    /// when pages run short (as chains), the draft tree)` for a decode batch of `b >= 1` requests with `context` tokens of
+    /// when pages run short (as chains), the draft tree, the confidence stop's `min_survival` or 0)` for a decode batch of `b >= 1` requests with `context` tokens of
     /// context and `catch_up` drafter catch-up tokens pending. Asks the policy's `decide` (which
     /// records the steps as its pending decision) unless fixed steps are in force (then every
     /// request runs them, as the configured tree when there is one).
-    fn decide(&mut self, b: usize, context: u64, catch_up: u64) -> (u32, VerifyShape, Option<u32>, Vec<u32>, Option<TreeShape>) {
+    fn decide(&mut self, b: usize, context: u64, catch_up: u64) -> (u32, VerifyShape, Option<u32>, Vec<u32>, Option<TreeShape>, f32) {
         let graph = self
             .graph_bs
             .as_ref()
             .and_then(|g| g.get(g.partition_point(|&s| (s as usize) < b)).copied());
         match (self.fixed_steps, &mut self.policy) {
-            (Some(k), _) => (k, VerifyShape::Uniform, graph, Vec::new(), self.tree.and_then(|t| t.at_depth(k))),
+            (Some(k), _) => (k, VerifyShape::Uniform, graph, Vec::new(), self.tree.and_then(|t| t.at_depth(k)), 0.0),
             (None, Some(p)) => {
                 // A per-request decision keys each request's history by its id (batch order:
                 // the running requests in admission order, as `decode_batch` lays them out).
@@ -119,7 +119,9 @@ impl Scheduler {
                 let tree = d.tree.filter(|_| d.steps > 0);
                 debug_assert!(tree.map_or(true, |t| t.depth == d.steps
                     && self.tree.is_some_and(|c| t.topk <= c.topk && t.num_draft_tokens <= c.num_draft_tokens)));
-                (d.steps, d.verify, graph, lower, tree)
+                // The confidence stop cuts a chain's verify; a tree verifies its nodes whole.
+                let stop = if tree.is_some() { 0.0 } else { d.confidence_stop.map_or(0.0, |c| c.min_survival) };
+                (d.steps, d.verify, graph, lower, tree, stop)
             }
             (None, None) => unreachable!("a scheduler has fixed steps or a policy"),
         }
@@ -354,6 +356,8 @@ impl Scheduler {
             sample: sample_v.iter().map(|&s| s == 1).collect(),
             catch_up: 0,
             tree: None,
+            skip: Vec::new(),
+            min_survival: 0.0,
         });
         Some(Plan {
             kind: PlanKind::Prefill,
@@ -375,6 +379,8 @@ impl Scheduler {
             logits_indices,
             preempted: std::mem::take(&mut self.pending_preempted),
             draft_prefill,
+            skip_extend: Vec::new(),
+            min_survival: 0.0,
             cached_lens: a.cached_lens,
             cached_kv_indices: a.cached_kv_indices,
             cached_ids: a.cached_ids,
@@ -390,7 +396,7 @@ impl Scheduler {
         let mut batch: Vec<(u64, u32)> = Vec::with_capacity(self.num_running);
         // Capacity first: the decided steps, else fewer (the slot's lower candidates), else
         // preempt the most recently admitted request and decide again for the smaller batch.
-        let (steps, graph_bs, n_kv, context, lag, need, tree) = 'fit: loop {
+        let (steps, graph_bs, n_kv, context, need, tree, min_survival) = 'fit: loop {
             if self.num_running == 0 {
                 return None;
             }
@@ -400,13 +406,13 @@ impl Scheduler {
                 .map(|id| &self.requests[id])
                 .filter(|r| r.state == RequestState::Running)
                 .fold((0u64, 0u64), |(c, l), r| (c + r.kv_len, l + r.draft_lag));
-            let (decided, verify, graph_bs, lower, tree) = self.decide(self.num_running, context, lag);
+            let (decided, verify, graph_bs, lower, tree, min_survival) = self.decide(self.num_running, context, lag);
             let trees = std::iter::once(tree).chain(std::iter::repeat(None));
             for (steps, tree) in std::iter::once(decided).chain(lower).zip(trees) {
                 let (need, n_kv) = self.decode_batch(steps, &verify, &mut batch);
                 let need = need + self.scratch_pages_for(tree, batch.len());
                 if need <= self.available_pages() {
-                    break 'fit (steps, graph_bs, n_kv, context, lag, need, tree);
+                    break 'fit (steps, graph_bs, n_kv, context, need, tree, min_survival);
                 }
             }
             self.preempt_last();
@@ -417,6 +423,13 @@ impl Scheduler {
         let n_kv = self.plan_kv_layout.then_some(n_kv as usize);
         let mut a = Arrays::with_capacity(b, n_tokens, b, n_kv);
         let mut steps_per_request = Vec::with_capacity(b);
+        // A request at verify budget 0 runs no draft forward; with the zero-step extend skipped
+        // it skips its draft extend too (its drafter lags by what it emits, caught up before it
+        // next drafts), so catch-up runs this iteration only for the requests that draft, or
+        // extend, now.
+        let skip_rule = self.config.skip_zero_step_draft_extend;
+        let mut skip_extend = Vec::with_capacity(b);
+        let mut catch_up = 0u64;
         self.make_free(need);
         for &(id, steps_r) in &batch {
             let r = self
@@ -446,6 +459,11 @@ impl Scheduler {
                 );
             }
             steps_per_request.push(i64::from(steps_r));
+            let skip = skip_rule && steps_r == 0;
+            skip_extend.push(i64::from(skip));
+            if steps > 0 && !skip {
+                catch_up += r.draft_lag;
+            }
         }
         let mut scratch_loc = Vec::new();
         self.reserve_scratch(tree, b, &mut scratch_loc);
@@ -461,8 +479,10 @@ impl Scheduler {
             steps_r: batch.iter().map(|&(_, s)| s).collect(),
             done: Vec::new(),
             sample: Vec::new(),
-            catch_up: if steps > 0 { lag } else { 0 },
+            catch_up,
             tree,
+            skip: skip_extend.iter().map(|&s| s == 1).collect(),
+            min_survival: if steps > 0 { min_survival } else { 0.0 },
         });
         Some(Plan {
             kind: PlanKind::Decode,
@@ -484,6 +504,8 @@ impl Scheduler {
             logits_indices: Vec::new(),
             preempted: std::mem::take(&mut self.pending_preempted),
             draft_prefill: true,
+            skip_extend,
+            min_survival: if steps > 0 { min_survival } else { 0.0 },
             cached_lens: Vec::new(),
             cached_kv_indices: Vec::new(),
             cached_ids: Vec::new(),
