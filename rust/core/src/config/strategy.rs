@@ -10,7 +10,7 @@ use crate::error::ConfigError;
 pub const STRATEGY_NAMES: [&str; 3] = ["ema", "goodput", "throughput_aware"];
 
 /// Global keys of the `goodput` strategy (besides `strategy` and slot keys).
-pub const GOODPUT_KEYS: [&str; 11] = [
+pub const GOODPUT_KEYS: [&str; 12] = [
     "acceptance_window",
     "cost_window",
     "max_profile_run_batch_size",
@@ -21,6 +21,7 @@ pub const GOODPUT_KEYS: [&str; 11] = [
     "profile_run_n_warmup",
     "profile_run_seq_len",
     "switch_margin",
+    "tree",
     "verify",
 ];
 
@@ -173,6 +174,10 @@ pub struct GoodputConfig {
     /// Whether the strategy chooses one steps value for the batch (`"batch"`, the default) or
     /// also a verify length per request (`"per_request"`, issue 28; [`crate::goodput::per_request`]).
     pub verify: VerifyMode,
+    /// Upper bounds of the draft trees the strategy may choose (`None`, the default: chains
+    /// only; [`super::tree`], issue 29).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tree: Option<super::tree::TreeConfig>,
 }
 
 /// The `goodput` strategy's `verify` key: what it decides per decode iteration.
@@ -210,6 +215,7 @@ impl Default for GoodputConfig {
             probe_budget: 0.03,
             profile: None,
             verify: VerifyMode::Batch,
+            tree: None,
         }
     }
 }
@@ -228,6 +234,7 @@ impl GoodputConfig {
                 self.probe_budget = number_in(g, key, v, |x| (0.0..=0.5).contains(&x), "in [0, 0.5]")?
             }
             "verify" => self.verify = VerifyMode::parse(v)?,
+            "tree" => self.tree = super::tree::TreeConfig::parse(v)?,
             k if PROFILE_KEYS.contains(&k) => {
                 return self.profile.get_or_insert_with(ProfileConfig::default).apply(key, v)
             }
