@@ -47,6 +47,8 @@ pub const VERIFY_SHARE: f64 = 0.8;
 const PRIOR_OBSERVATIONS: f64 = 2.0;
 /// Decay per tree iteration of a bucket's token-cost sums.
 const FIT_DECAY: f64 = 0.97;
+/// Tree iterations of a bucket after which its fit clips outliers.
+const FIT_SETTLED: u64 = 8;
 /// The prior of every shape is recomputed when a chain rate moved by more than this, or after
 /// `PRIOR_MAX_AGE` decisions.
 const PRIOR_REFRESH: f64 = 0.005;
@@ -57,10 +59,13 @@ const PRIOR_MAX_AGE: u64 = 64;
 struct TokenFit {
     xx: [[f64; 2]; 2],
     xy: [f64; 2],
+    /// Tree iterations learned.
+    count: u64,
 }
 
 impl TokenFit {
     fn observe(&mut self, x: [f64; 2], e: f64) {
+        self.count += 1;
         for i in 0..2 {
             self.xy[i] = self.xy[i] * FIT_DECAY + x[i] * e;
             for j in 0..2 {
@@ -273,6 +278,11 @@ impl GoodputPolicy {
             .iter()
             .map(|&k| chain_score(k))
             .fold(0.0, f64::max);
+        // A tree's seconds are the chain's of its depth plus its extra tokens: only where the
+        // chain's cost is measured at this bucket (that depth, or two depths for the plane's
+        // slope in steps) is the sum worth more than the cost model's unit-less prior.
+        let measured = candidates.iter().filter(|&&k| self.cost.cell_count(bucket, k) > 0).count();
+        let known = |d: u32| self.cost.cell_count(bucket, d) > 0 || measured >= 2;
         let mut thetas: BTreeMap<u32, [f64; 2]> = BTreeMap::new();
         let mut best: Option<(usize, f64)> = None;
         let mut current_score = if plan.current.is_none() {
@@ -281,7 +291,7 @@ impl GoodputPolicy {
             0.0
         };
         for (i, &shape) in plan.acceptance.shapes().iter().enumerate() {
-            if !candidates.contains(&shape.depth) {
+            if !candidates.contains(&shape.depth) || !known(shape.depth) {
                 continue;
             }
             let theta = *thetas
@@ -299,6 +309,9 @@ impl GoodputPolicy {
         }
         let need = 1.0 + self.cfg.switch_margin;
         let moved = (f64::from(bucket).log2() - f64::from(plan.chosen_at).log2()).abs() >= 1.0;
+        // The dwell keeps near-ties from ping-ponging; a current choice worth less than 2/3 of
+        // the challenger (a tree whose first measured seconds were far above the prior's) is no
+        // near-tie.
         let may_switch = plan.since_switch >= u64::from(self.cfg.min_dwell) || moved;
         plan.since_switch = plan.since_switch.saturating_add(1);
         let (tree_i, tree_g) = best.map_or((None, 0.0), |(i, g)| (Some(i), g));
@@ -308,7 +321,8 @@ impl GoodputPolicy {
             (None, best_chain)
         };
         let challenger_shape = challenger.map(|i| plan.acceptance.shapes()[i]);
-        if may_switch && challenger_shape != plan.current && challenger_g > current_score * need {
+        let far_behind = challenger_g > 1.5 * current_score;
+        if (may_switch || far_behind) && challenger_shape != plan.current && challenger_g > current_score * need {
             // To a chain only from a tree (the chain's own rules move among chains).
             plan.current = challenger_shape;
             plan.since_switch = 0;
@@ -360,10 +374,12 @@ impl GoodputPolicy {
         let x = extra_tokens(shape, b_cost);
         let predicted = self.predict_tree_seconds(bucket, b_cost, shape, ctx as u64);
         let spent = match seconds {
-            // a stall (over 4x the prediction) would poison the fit
-            Some(t) if !self.cost.off_pace() && t < 4.0 * predicted => {
-                let plan = self.tree.as_mut().expect("taken above");
-                plan.fits.entry(bucket).or_default().observe(x, t - chain);
+            Some(t) if !self.cost.off_pace() => {
+                let fit = self.tree.as_mut().expect("taken above").fits.entry(bucket).or_default();
+                // Once the bucket's fit has its feet, a stall is clipped to 3x the prediction
+                // (the prior may be far off at first: those seconds are what it must learn).
+                let t_fit = if fit.count >= FIT_SETTLED { t.clamp(predicted / 3.0, 3.0 * predicted) } else { t };
+                fit.observe(x, t_fit - chain);
                 t
             }
             Some(t) => t,
