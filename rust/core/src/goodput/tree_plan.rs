@@ -47,6 +47,8 @@ pub const VERIFY_SHARE: f64 = 0.8;
 const PRIOR_OBSERVATIONS: f64 = 2.0;
 /// Decay per tree iteration of a bucket's token-cost sums.
 const FIT_DECAY: f64 = 0.97;
+/// Most nodes per request of the first tree tried at a bucket (then twice the largest measured).
+const FIRST_TREE_NODES: u32 = 8;
 /// Tree iterations of a bucket after which its fit clips outliers.
 const FIT_SETTLED: u64 = 8;
 /// The prior of every shape is recomputed when a chain rate moved by more than this, or after
@@ -61,6 +63,8 @@ struct TokenFit {
     xy: [f64; 2],
     /// Tree iterations learned.
     count: u64,
+    /// Most nodes per request of a tree measured at the bucket.
+    largest: u32,
 }
 
 impl TokenFit {
@@ -283,6 +287,12 @@ impl GoodputPolicy {
         // slope in steps) is the sum worth more than the cost model's unit-less prior.
         let measured = candidates.iter().filter(|&&k| self.cost.cell_count(bucket, k) > 0).count();
         let known = |d: u32| self.cost.cell_count(bucket, d) > 0 || measured >= 2;
+        // Trees grow at a bucket: up to twice the nodes of the largest one measured there. The
+        // extra tokens' cost is convex (free below the roofline's knee, linear beyond), so the
+        // fit learned on a small tree is optimistic for a large one, which is then tried and
+        // measured, while one learned on a large tree would price small ones out unseen.
+        let largest = plan.fits.get(&bucket).map_or(0, |f| f.largest);
+        let grow_to = (2 * largest).max(FIRST_TREE_NODES);
         let mut thetas: BTreeMap<u32, [f64; 2]> = BTreeMap::new();
         let mut best: Option<(usize, f64)> = None;
         let mut current_score = if plan.current.is_none() {
@@ -291,7 +301,7 @@ impl GoodputPolicy {
             0.0
         };
         for (i, &shape) in plan.acceptance.shapes().iter().enumerate() {
-            if !candidates.contains(&shape.depth) || !known(shape.depth) {
+            if !candidates.contains(&shape.depth) || !known(shape.depth) || shape.num_draft_tokens > grow_to {
                 continue;
             }
             let theta = *thetas
@@ -380,6 +390,7 @@ impl GoodputPolicy {
                 // (the prior may be far off at first: those seconds are what it must learn).
                 let t_fit = if fit.count >= FIT_SETTLED { t.clamp(predicted / 3.0, 3.0 * predicted) } else { t };
                 fit.observe(x, t_fit - chain);
+                fit.largest = fit.largest.max(shape.num_draft_tokens);
                 t
             }
             Some(t) => t,
