@@ -53,8 +53,8 @@ const FIRST_TREE_NODES: u32 = 8;
 const FIT_SETTLED: u64 = 8;
 /// The prior of every shape is recomputed when a chain rate moved by more than this, or after
 /// `PRIOR_MAX_AGE` decisions.
-const PRIOR_REFRESH: f64 = 0.005;
-const PRIOR_MAX_AGE: u64 = 64;
+const PRIOR_REFRESH: f64 = 0.05;
+const PRIOR_MAX_AGE: u64 = 16;
 
 /// Ridge least squares through 0 of seconds on `(x_v, x_d)`, decayed.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -228,20 +228,15 @@ impl GoodputPolicy {
     }
 
     /// Seconds per extra (verify, draft) token at `bucket` (module docs).
-    fn token_theta(
-        &self,
-        plan: &TreePlanner,
-        bucket: u32,
-        b: u32,
-        depth: u32,
-        ctx: f64,
-    ) -> [f64; 2] {
-        // The plane's seconds per request and draft step: its slope in b at depth D minus at D - 1.
-        let slope = |k: u32| {
-            self.cost.predict(bucket, b + 1, k, ctx, 0.0)
-                - self.cost.predict(bucket, b, k, ctx, 0.0)
-        };
-        let per_token = (slope(depth) - slope(depth.saturating_sub(1))).max(0.0);
+    fn token_theta(&self, plan: &TreePlanner, bucket: u32, b: u32, depth: u32, ctx: f64) -> [f64; 2] {
+        let slope = |k: u32| self.cost.predict(bucket, b + 1, k, ctx, 0.0) - self.cost.predict(bucket, b, k, ctx, 0.0);
+        Self::theta_from(plan, bucket, b, slope(depth) - slope(depth.saturating_sub(1)))
+    }
+
+    /// [`Self::token_theta`] given the plane's seconds per request and draft step at the depth
+    /// (its slope in `b` at depth `D` minus at `D - 1`).
+    fn theta_from(plan: &TreePlanner, bucket: u32, b: u32, per_step_request: f64) -> [f64; 2] {
+        let per_token = per_step_request.max(0.0);
         let prior = [VERIFY_SHARE * per_token, (1.0 - VERIFY_SHARE) * per_token];
         let scale = 8.0 * f64::from(b);
         let l = PRIOR_OBSERVATIONS * scale * scale;
@@ -276,7 +271,14 @@ impl GoodputPolicy {
         plan.refresh_prior(alpha);
         let candidates = &self.slots[slot].candidates;
         let bf = f64::from(b);
-        let chain_t = |k: u32| self.cost.predict(bucket, b_cost, k, ctx, 0.0);
+        // The cost model at (b, k) and (b + 1, k) for every depth, once: its predictions are the
+        // decision's dearest part.
+        let top = candidates.iter().copied().max().unwrap_or(0);
+        let at: Vec<(f64, f64)> = (0..=top)
+            .map(|k| (self.cost.predict(bucket, b_cost, k, ctx, 0.0), self.cost.predict(bucket, b_cost + 1, k, ctx, 0.0)))
+            .collect();
+        let chain_t = |k: u32| at[k as usize].0;
+        let slope = |k: u32| at[k as usize].1 - at[k as usize].0;
         let chain_score = |k: u32| bf * expected_tokens(alpha, k) / chain_t(k);
         let best_chain = candidates
             .iter()
@@ -293,7 +295,9 @@ impl GoodputPolicy {
         // measured, while one learned on a large tree would price small ones out unseen.
         let largest = plan.fits.get(&bucket).map_or(0, |f| f.largest);
         let grow_to = (2 * largest).max(FIRST_TREE_NODES);
-        let mut thetas: BTreeMap<u32, [f64; 2]> = BTreeMap::new();
+        // Per depth: the chain's seconds and the token costs (the cost model's predictions are
+        // the decision's dearest part).
+        let mut per_depth: BTreeMap<u32, (f64, [f64; 2])> = BTreeMap::new();
         let mut best: Option<(usize, f64)> = None;
         let mut current_score = if plan.current.is_none() {
             chain_score(chain.steps)
@@ -304,11 +308,14 @@ impl GoodputPolicy {
             if !candidates.contains(&shape.depth) || !known(shape.depth) || shape.num_draft_tokens > grow_to {
                 continue;
             }
-            let theta = *thetas
+            let (t_chain, theta) = *per_depth
                 .entry(shape.depth)
-                .or_insert_with(|| self.token_theta(&plan, bucket, b_cost, shape.depth, ctx));
+                .or_insert_with(|| {
+                    let d = shape.depth;
+                    (chain_t(d), Self::theta_from(&plan, bucket, b_cost, slope(d) - slope(d.saturating_sub(1))))
+                });
             let x = extra_tokens(shape, b_cost);
-            let t = chain_t(shape.depth) + theta[0] * x[0] + theta[1] * x[1];
+            let t = t_chain + theta[0] * x[0] + theta[1] * x[1];
             let g = bf * (1.0 + plan.acceptance.expected(i, plan.prior[i])) / t;
             if plan.current == Some(shape) {
                 current_score = g;
