@@ -320,7 +320,7 @@ impl GoodputPolicy {
             if plan.current == Some(shape) {
                 current_score = g;
             }
-            if best.is_none_or(|(_, bg)| g > bg) {
+            if best.map_or(true, |(_, bg)| g > bg) {
                 best = Some((i, g));
             }
         }

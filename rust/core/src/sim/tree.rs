@@ -73,9 +73,12 @@ pub fn request_exponent(id: u32) -> f64 {
 }
 
 /// Memoised tree survival per (request, class phase, shape).
+/// `(request id, after its class switch, plan key)`.
+type TruthKey = (u32, bool, (u32, u32, u32));
+
 #[derive(Debug, Default)]
 pub struct TreeTruth {
-    memo: HashMap<(u32, bool, (u32, u32, u32)), [f64; MAX_STEPS]>,
+    memo: HashMap<TruthKey, [f64; MAX_STEPS]>,
     pool: Vec<(f64, u32)>,
 }
 
