@@ -54,7 +54,7 @@ fn trees_cost_nothing_at_concurrency_64_and_up() {
 }
 
 /// At batch 1 an accelerator verifies 65 tokens for the price of one: trees win there, as
-/// EAGLE-2 reports (acceptance length +20-40 %). Measured on the GPU curves 1.30x to 1.39x
+/// EAGLE-2 reports (acceptance length +20-40 %). Measured on the GPU curves 1.27x to 1.36x
 /// adaptive chains (the best fixed tree is 1.43x to 1.47x the best fixed chain); on the CPU-like
 /// curve, where tokens cost in proportion, 1.07x.
 #[test]
@@ -68,9 +68,9 @@ fn trees_beat_chains_at_batch_one() {
 }
 
 /// Against the best fixed plan of each case (chosen in hindsight among every chain and tree
-/// shape): 0.94 on average over the 25 cases, no case below 0.75 (measured 0.942 and 0.767, the
-/// worst at concurrency 4, where trees of 32-64 nodes still pay but the strategy, growing its
-/// trees from 8 nodes, stops at chains: see BENCHMARKS.md).
+/// shape): 0.93 on average over the 25 cases, no case below 0.75 (measured 0.948 and 0.810, the
+/// worst at concurrency 4 on h200x4-llama70b, where trees of 32 nodes still pay but the
+/// strategy, growing its trees from small ones, stays on chains: see BENCHMARKS.md).
 #[test]
 fn trees_follow_the_best_fixed_shape() {
     let all: Vec<&TreeCase> = cases().iter().collect();
@@ -83,9 +83,9 @@ fn trees_follow_the_best_fixed_shape() {
 }
 
 /// The issue's suggested floor, 0.95 of the best fixed shape on average: not reached by this
-/// build (0.942; concurrency 4 on the GPU curves, 0.77 to 0.89, pulls it down).
+/// build (0.948; concurrency 4 on the GPU curves, 0.81 to 0.91, pulls it down).
 #[test]
-#[ignore = "not reached: 0.942 measured (BENCHMARKS.md, issue 29)"]
+#[ignore = "not reached: 0.948 measured (BENCHMARKS.md, issue 29)"]
 fn trees_reach_095_of_the_best_fixed_shape_on_average() {
     let all: Vec<&TreeCase> = cases().iter().collect();
     let mean = all.iter().map(|c| c.trees_over_best_fixed()).sum::<f64>() / all.len() as f64;

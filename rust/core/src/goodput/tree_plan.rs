@@ -289,7 +289,8 @@ impl GoodputPolicy {
         // slope in steps) is the sum worth more than the cost model's unit-less prior.
         let measured = candidates.iter().filter(|&&k| self.cost.cell_count(bucket, k) > 0).count();
         let known = |d: u32| self.cost.cell_count(bucket, d) > 0 || measured >= 2;
-        // Trees grow at a bucket: up to twice the nodes of the largest one measured there. The
+        // Trees grow at a bucket: up to twice the nodes of the largest one measured there (or
+        // of the chain of their depth, so a tree can beat a long chain by the margin). The
         // extra tokens' cost is convex (free below the roofline's knee, linear beyond), so the
         // fit learned on a small tree is optimistic for a large one, which is then tried and
         // measured, while one learned on a large tree would price small ones out unseen.
@@ -305,7 +306,7 @@ impl GoodputPolicy {
             0.0
         };
         for (i, &shape) in plan.acceptance.shapes().iter().enumerate() {
-            if !candidates.contains(&shape.depth) || !known(shape.depth) || shape.num_draft_tokens > grow_to {
+            if !candidates.contains(&shape.depth) || !known(shape.depth) || shape.num_draft_tokens > grow_to.max(2 * shape.depth) {
                 continue;
             }
             let (t_chain, theta) = *per_depth
@@ -410,5 +411,73 @@ impl GoodputPolicy {
             s.credit = (s.credit + self.cfg.probe_budget * spent).min(4.0 * spent);
         }
         Some(std::mem::take(&mut s.switched).then_some(s.current))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::GoodputConfig;
+
+    fn policy() -> GoodputPolicy {
+        let tree = Some(TreeConfig { max_topk: 8, max_num_draft_tokens: 64 });
+        let cfg = GoodputConfig { probe_budget: 0.0, tree, ..GoodputConfig::default() };
+        GoodputPolicy::new(cfg, 3, vec![(0..=3).collect()])
+    }
+
+    /// A device where every token of a batch costs `per_token` seconds beyond 10 ms.
+    fn secs(b: u32, tokens_per_request: u32, per_token: f64) -> f64 {
+        0.01 + per_token * f64::from(b * tokens_per_request)
+    }
+
+    /// Chain iterations at batch `b` (steps 2 and 3, 80 % acceptance per position) on that device.
+    fn train_chains(p: &mut GoodputPolicy, b: u32, per_token: f64) {
+        for i in 0..40u32 {
+            let k = 2 + i % 2;
+            let acc: Vec<i64> = (0..b as i64).map(|r| [0, 1, 2, 3, 3][(r as usize + i as usize) % 5].min(i64::from(k))).collect();
+            p.observe(0, b, b, b, k, &acc, Some(secs(b, k + 1, per_token)), 1000);
+        }
+    }
+
+    #[test]
+    fn cheap_tokens_choose_a_tree_whose_reports_leave_the_chain_estimates_alone() {
+        let mut p = policy();
+        train_chains(&mut p, 1, 1e-6);
+        let d = p.decide_requests(0, 1, 1, 1, 1000, None, None);
+        let shape = d.tree.expect("tokens are nearly free at batch 1: a tree pays");
+        assert_eq!((d.steps, d.verify), (shape.depth, VerifyShape::Uniform));
+        assert!(shape.topk >= 2 && shape.num_draft_tokens <= FIRST_TREE_NODES.max(2 * shape.depth), "{shape:?}");
+        let verifies = p.acceptance.observed();
+        let cells = p.cost.cell_count(1, shape.depth);
+        p.observe(0, 1, 1, 1, shape.depth, &[i64::from(shape.depth)], Some(secs(1, shape.num_draft_tokens + 1, 1e-6)), 1000);
+        assert_eq!(p.tree_iterations(), 1);
+        assert_eq!(p.acceptance.observed(), verifies, "a tree's accepted path is not a chain's acceptance");
+        assert_eq!(p.cost.cell_count(1, shape.depth), cells, "a tree's seconds are not the chain's");
+        // (Growth to larger trees once one is measured: tests/sim_trees.rs, batch 1, where the
+        // strategy ends on trees of 32-64 nodes from a first one of at most 8.)
+    }
+
+    #[test]
+    fn dear_tokens_shrink_the_tree_to_a_chain() {
+        let mut p = policy();
+        // 64 requests, 0.2 ms per token: a 64-request verify of 4 tokens each is 60 ms.
+        train_chains(&mut p, 64, 2e-4);
+        let mut trees = 0;
+        for _ in 0..30 {
+            let d = p.decide_requests(0, 64, 64, 64, 64_000, None, None);
+            match d.tree {
+                Some(s) => {
+                    trees += 1;
+                    let extra = (s.num_draft_tokens - s.depth) as f64 + ((s.depth - 1) * (s.topk - 1)) as f64 * 0.25;
+                    let t = secs(64, s.depth + 1, 2e-4) + 2e-4 * 64.0 * extra;
+                    p.observe(0, 64, 64, 64, s.depth, &vec![i64::from(s.depth.min(2)); 64], Some(t), 64_000);
+                }
+                None => {
+                    p.observe(0, 64, 64, 64, d.steps, &vec![i64::from(d.steps.min(2)); 64], Some(secs(64, d.steps + 1, 2e-4)), 64_000);
+                }
+            }
+        }
+        assert!(trees <= 3, "{trees} tree iterations: one measured tree should be enough");
+        assert_eq!(p.current_tree(), None);
     }
 }
