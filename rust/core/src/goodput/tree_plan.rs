@@ -21,6 +21,10 @@
 //!   are, is tried, and its measured seconds correct every shape of that bucket at once; at a
 //!   large batch the extra tokens cost their compute and the choice shrinks to a chain, then to
 //!   steps 0 (the chain's own decision).
+//! - Trees are only considered at a batch-size bucket where the chain's cost is measured (its
+//!   depth, or two depths), and grow there: at most twice the nodes of the largest tree measured
+//!   at the bucket, or of the chain of their depth (the fit is linear while the roofline's cost
+//!   of extra tokens is convex, so a fit on a large tree would price small ones out unseen).
 //! - Switches between a chain and a tree, or between trees, take the chain's rules: the
 //!   challenger must beat the current choice by `switch_margin`, after `min_dwell` iterations or
 //!   when the batch has doubled or halved. A chain probe runs as a chain (it keeps the chain
