@@ -2,9 +2,12 @@
 //! accepted drafts back (`decide` + `on_verify_complete`), at batch sizes 1, 8, 64 and 256, for
 //! the `ema` strategy (SGLang's default config) and the `goodput` strategy (the default config,
 //! fed measured seconds and context; its cost model first warmed over every graph size so the
-//! decision sees a populated model, as in a server that has run a while).
+//! decision sees a populated model, as in a server that has run a while), and `goodput-trees`,
+//! the same with draft trees up to top-k 8 and 64 draft tokens (issue 29: the shapes' scores on
+//! top of the chains'; compare it with `goodput` at each batch size).
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
+use specdial_core::sim::tree_report::{tree_config, TREE_BOUNDS};
 use specdial_core::{AdaptiveConfig, AdaptiveSpeculativeParams, Observation};
 
 const GRAPHS: [i64; 15] = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256];
@@ -31,6 +34,7 @@ fn decision(c: &mut Criterion) {
     for (name, config, seconds) in [
         ("ema", AdaptiveConfig::ema_default(), None),
         ("goodput", AdaptiveConfig::default_config(), Some(0.01)),
+        ("goodput-trees", tree_config(TREE_BOUNDS), Some(0.01)),
     ] {
         for bs in [1usize, 8, 64, 256] {
             let mut p = params(config.clone());

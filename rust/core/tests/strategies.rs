@@ -35,6 +35,7 @@ fn every_goodput_key_changes_behaviour() {
         ("probe_budget", "0.0"),
         ("profile_run_batch_sizes", "[1, 16, 64, 160]"),
         ("verify", "\"per_request\""),
+        ("tree", r#"{"max_topk": 4, "max_num_draft_tokens": 16}"#),
     ];
     for (key, value) in changes {
         assert!(!same(&run(&with(base, key, value)), &reference), "{key} = {value} changed nothing");

@@ -22,6 +22,7 @@ mod slot;
 mod strategy;
 #[cfg(test)]
 mod tests;
+pub mod tree;
 mod value;
 
 use std::collections::BTreeMap;

@@ -12,7 +12,7 @@ use crate::error::ConfigError;
 pub const STRATEGY_NAMES: [&str; 3] = ["ema", "goodput", "throughput_aware"];
 
 /// Global keys of the `goodput` strategy (besides `strategy` and slot keys).
-pub const GOODPUT_KEYS: [&str; 12] = [
+pub const GOODPUT_KEYS: [&str; 13] = [
     "acceptance_window",
     "cost_window",
     "max_profile_run_batch_size",
@@ -24,6 +24,7 @@ pub const GOODPUT_KEYS: [&str; 12] = [
     "profile_run_n_warmup",
     "profile_run_seq_len",
     "switch_margin",
+    "tree",
     "verify",
 ];
 
@@ -188,6 +189,10 @@ pub struct GoodputConfig {
     /// (`"auto"`, the per-request policy choosing it each iteration, is not in this build: the
     /// key rejects it with that message.)
     pub min_survival: Option<f32>,
+    /// Upper bounds of the draft trees the strategy may choose (`None`, the default: chains
+    /// only; [`super::tree`], issue 29).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tree: Option<super::tree::TreeConfig>,
 }
 
 fn parse_min_survival(v: &ConfigValue) -> Result<Option<f32>, ConfigError> {
@@ -244,6 +249,7 @@ impl Default for GoodputConfig {
             profile: None,
             verify: VerifyMode::Batch,
             min_survival: None,
+            tree: None,
         }
     }
 }
@@ -264,6 +270,7 @@ impl GoodputConfig {
             }
             "verify" => self.verify = VerifyMode::parse(v)?,
             "min_survival" => self.min_survival = parse_min_survival(v)?,
+            "tree" => self.tree = super::tree::TreeConfig::parse(v)?,
             k if PROFILE_KEYS.contains(&k) => {
                 return self
                     .profile

@@ -45,6 +45,8 @@
 pub mod acceptance;
 pub mod cost;
 pub mod per_request;
+pub mod tree;
+pub mod tree_plan;
 
 use crate::config::{GoodputConfig, VerifyMode};
 use crate::decision::{ConfidenceStop, Decision, VerifyShape};
@@ -118,6 +120,8 @@ pub struct GoodputPolicy {
     last: Option<DecisionView>,
     /// Per-request histories and the draft-confidence calibration (`verify = per_request`).
     per_request: PerRequest,
+    /// Draft trees (the `tree` key; [`tree_plan`]).
+    tree: Option<tree_plan::TreePlanner>,
 }
 
 impl GoodputPolicy {
@@ -140,9 +144,12 @@ impl GoodputPolicy {
                     verifies: 0,
                 }
             })
-            .collect();
+            .collect::<Vec<Slot>>();
         let window = cfg.acceptance_window;
+        let depths: Vec<u32> = slots.iter().flat_map(|s| s.candidates.iter().copied()).collect();
+        let tree = cfg.tree.map(|t| tree_plan::TreePlanner::new(t, &depths, 4 * window));
         GoodputPolicy {
+            tree,
             acceptance: AcceptanceModel::new(max_steps.max(1), window),
             cost: CostModel::new(cfg.cost_window),
             cfg,
@@ -320,7 +327,7 @@ impl GoodputPolicy {
             probe,
         });
         let c = &self.slots[slot].candidates;
-        match c.iter().position(|&k| k == steps).and_then(|i| allocations.into_iter().nth(i)) {
+        let chain = match c.iter().position(|&k| k == steps).and_then(|i| allocations.into_iter().nth(i)) {
             // The batch drafts as deep as its longest verify needs (the smallest candidate that
             // covers it, so the depth keeps a captured graph): drafting deeper would be paid for
             // nothing.
@@ -330,7 +337,8 @@ impl GoodputPolicy {
                 Decision { steps: depth, verify: VerifyShape::PerRequest(a.lengths), tree: None, confidence_stop: self.confidence_stop() }
             }
             None => Decision { confidence_stop: self.confidence_stop(), ..Decision::uniform(steps) },
-        }
+        };
+        self.tree_decision(slot, bucket, b, b_cost, ctx, &alpha, chain, probe)
     }
 
     /// The configured confidence stop (`min_survival`), if any.
@@ -427,6 +435,9 @@ impl GoodputPolicy {
         context_tokens: u64,
         caught_up: Option<u64>,
     ) -> Option<u32> {
+        if let Some(switch) = self.observe_tree(slot, bucket, b_cost, steps, accepted, seconds, context_tokens as f64, caught_up) {
+            return switch;
+        }
         self.iteration += 1;
         if steps > 0 {
             self.acceptance.observe(self.iteration, steps, accepted);

@@ -11,6 +11,8 @@
 pub mod curve;
 pub mod oracle;
 pub mod run;
+pub mod tree;
+pub mod tree_report;
 pub mod workload;
 
 use serde::Serialize;

@@ -215,6 +215,7 @@ impl Regime {
             }
             "context-growth" => Shape::one(64, CODE, 512.0 + (32768.0 - 512.0) * x),
             "mixed-1" => Shape::mix(1, ctx, false),
+            "mixed-4" => Shape::mix(4, ctx, false), // issue 29's concurrency 4 (sim::tree_report)
             "mixed-16" => Shape::mix(16, ctx, false),
             "mixed-64" => Shape::mix(64, ctx, false),
             "mixed-128" => Shape::mix(128, ctx, false),
