@@ -52,8 +52,16 @@ pub struct TreeShape {
     pub num_draft_tokens: u32,
 }
 
+/// A stop rule the worker applies after drafting (DSpark / SpecDec++): a request's verify ends
+/// at the first draft position whose cumulative draft probability is below `min_survival`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ConfidenceStop {
+    /// Cumulative draft probability in (0, 1) below which drafts are not verified.
+    pub min_survival: f32,
+}
+
 /// One strategy's decision for a decode iteration.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Decision {
     /// `speculative_num_steps` of the batch (0 = plain decoding through the verify path).
     pub steps: u32,
@@ -61,13 +69,16 @@ pub struct Decision {
     pub verify: VerifyShape,
     /// The draft tree's shape, `None` for a chain.
     pub tree: Option<TreeShape>,
+    /// The confidence stop the worker applies after drafting (`None`: every request verifies its
+    /// whole length). Set by the `goodput` strategy's `min_survival` key.
+    pub confidence_stop: Option<ConfidenceStop>,
 }
 
 impl Decision {
     /// A chain of `steps` drafts for every request: what every strategy decides today.
     #[inline]
     pub fn uniform(steps: u32) -> Self {
-        Decision { steps, verify: VerifyShape::Uniform, tree: None }
+        Decision { steps, verify: VerifyShape::Uniform, tree: None, confidence_stop: None }
     }
 }
 
@@ -78,7 +89,7 @@ mod tests {
     #[test]
     fn uniform_runs_the_batch_steps_for_every_request() {
         let d = Decision::uniform(3);
-        assert_eq!((d.steps, d.tree), (3, None));
+        assert_eq!((d.steps, d.tree, d.confidence_stop), (3, None, None));
         assert_eq!([d.verify.steps_for(0, 3), d.verify.steps_for(7, 1)], [3, 1]);
     }
 

@@ -39,7 +39,7 @@ pub mod strategies;
 pub mod throughput;
 
 pub use config::{AdaptiveConfig, GoodputConfig, SlotConfig, Strategy, ThroughputAwareConfig};
-pub use decision::{Decision, TreeShape, VerifyShape};
+pub use decision::{ConfidenceStop, Decision, TreeShape, VerifyShape};
 pub use error::{ConfigError, PolicyError};
 pub use policy::{AdaptiveSpeculativeParams, Observation, SlotState, StepDecision};
 pub use scheduler::{Plan, PlanKind, ReportExtras, Scheduler, SchedulerConfig, SchedulerError, StepsSource};

@@ -30,7 +30,7 @@ use crate::throughput::ThroughputAwarePolicy;
 
 /// What one decode iteration runs: the strategy's [`crate::decision::Decision`] plus where the
 /// policy routed it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct StepDecision {
     /// `speculative_num_steps` for this iteration (0 = plain decoding through the verify path).
     pub steps: u32,
@@ -45,6 +45,9 @@ pub struct StepDecision {
     pub verify: VerifyShape,
     /// The draft tree's shape; `None` (a chain) from every strategy today.
     pub tree: Option<TreeShape>,
+    /// The confidence stop the worker applies after drafting (the `goodput` strategy's
+    /// `min_survival` key; `None`: no rule).
+    pub confidence_stop: Option<crate::decision::ConfidenceStop>,
 }
 
 /// What a report carries besides the accepted drafts. Every field is optional.
@@ -298,7 +301,7 @@ impl AdaptiveSpeculativeParams {
             );
         }
         self.pending[slot] = Some(d.steps);
-        Ok(StepDecision { steps: d.steps, num_draft_tokens: d.steps + 1, graph_bs, slot, verify: d.verify, tree: d.tree })
+        Ok(StepDecision { steps: d.steps, num_draft_tokens: d.steps + 1, graph_bs, slot, verify: d.verify, tree: d.tree, confidence_stop: d.confidence_stop })
     }
 
     /// [`Self::on_verify_complete_with`] with nothing but the accepted drafts.

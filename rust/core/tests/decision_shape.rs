@@ -27,7 +27,7 @@ impl StepStrategy for PerRequest {
     }
     fn decide(&mut self, ctx: &DecideContext<'_>) -> Decision {
         let lengths = (0..ctx.batch_size as usize).map(|i| self.lengths[i % self.lengths.len()]).collect();
-        Decision { steps: self.steps, verify: VerifyShape::PerRequest(lengths), tree: None }
+        Decision { steps: self.steps, verify: VerifyShape::PerRequest(lengths), tree: None, confidence_stop: None }
     }
     fn on_verify_complete(&mut self, _obs: &VerifyObservation<'_>) -> Result<Option<u32>, PolicyError> {
         self.verifies += 1;

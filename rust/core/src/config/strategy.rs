@@ -10,11 +10,12 @@ use crate::error::ConfigError;
 pub const STRATEGY_NAMES: [&str; 3] = ["ema", "goodput", "throughput_aware"];
 
 /// Global keys of the `goodput` strategy (besides `strategy` and slot keys).
-pub const GOODPUT_KEYS: [&str; 11] = [
+pub const GOODPUT_KEYS: [&str; 12] = [
     "acceptance_window",
     "cost_window",
     "max_profile_run_batch_size",
     "min_dwell",
+    "min_survival",
     "probe_budget",
     "profile_run_batch_sizes",
     "profile_run_n_measure",
@@ -173,6 +174,55 @@ pub struct GoodputConfig {
     /// Whether the strategy chooses one steps value for the batch (`"batch"`, the default) or
     /// also a verify length per request (`"per_request"`, issue 28; [`crate::goodput::per_request`]).
     pub verify: VerifyMode,
+    /// The confidence stop the decision carries (the `min_survival` key, issue 28): none
+    /// (`null`, the default), a fixed threshold, or one the strategy chooses each iteration
+    /// (`"auto"`, [`crate::goodput::confidence`]). Needs `"verify": "per_request"` (the worker
+    /// then verifies a length per request and reports it).
+    pub min_survival: MinSurvival,
+}
+
+/// The `goodput` strategy's `min_survival` key: the confidence stop (DSpark, vLLM PR #47808;
+/// SpecDec++): after drafting, a request's verify ends at the first draft position whose
+/// cumulative draft probability is below the threshold.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub enum MinSurvival {
+    /// No rule (`null`): every request verifies its whole budget.
+    #[default]
+    Off,
+    /// A fixed threshold in (0, 1).
+    Fixed(f64),
+    /// The strategy chooses the threshold each iteration from its cost model and its calibration
+    /// of draft confidence (`"auto"`).
+    Auto,
+}
+
+impl Serialize for MinSurvival {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            MinSurvival::Off => s.serialize_none(),
+            MinSurvival::Fixed(x) => s.serialize_f64(*x),
+            MinSurvival::Auto => s.serialize_str("auto"),
+        }
+    }
+}
+
+impl MinSurvival {
+    /// Parses the `min_survival` key: `null`, a number in (0, 1), or `"auto"`.
+    fn parse(v: &ConfigValue) -> Result<MinSurvival, ConfigError> {
+        let bad = || ConfigError::new(format!("min_survival must be null, a number in (0, 1) or \"auto\", got {v}"));
+        let x = match v {
+            ConfigValue::Null => return Ok(MinSurvival::Off),
+            ConfigValue::Str(s) if s == "auto" => return Ok(MinSurvival::Auto),
+            ConfigValue::Int(i) => *i as f64,
+            ConfigValue::Float(f) => *f,
+            _ => return Err(bad()),
+        };
+        if x > 0.0 && x < 1.0 {
+            Ok(MinSurvival::Fixed(x))
+        } else {
+            Err(bad())
+        }
+    }
 }
 
 /// The `goodput` strategy's `verify` key: what it decides per decode iteration.
@@ -210,6 +260,7 @@ impl Default for GoodputConfig {
             probe_budget: 0.03,
             profile: None,
             verify: VerifyMode::Batch,
+            min_survival: MinSurvival::Off,
         }
     }
 }
@@ -228,6 +279,7 @@ impl GoodputConfig {
                 self.probe_budget = number_in(g, key, v, |x| (0.0..=0.5).contains(&x), "in [0, 0.5]")?
             }
             "verify" => self.verify = VerifyMode::parse(v)?,
+            "min_survival" => self.min_survival = MinSurvival::parse(v)?,
             k if PROFILE_KEYS.contains(&k) => {
                 return self.profile.get_or_insert_with(ProfileConfig::default).apply(key, v)
             }
