@@ -48,14 +48,17 @@ def run_simulation(spec: dict[str, Any]) -> list[dict[str, Any]]:
     """Runs :func:`specdial._core.simulate` on ``spec`` and adds, per case, ``ratios``
     (each contender's goodput over the oracle's) and ``best_fixed`` (name of the best fixed
     steps value). Where a contender decides per request (``goodput-per-request``, issue 28) the
-    per-request oracle (true per-request rates, a verify length each) joins the contenders, so
-    its ratio to the batch-level oracle shows the headroom per-request budgets have there.
-    Raises ``ValueError`` / ``specdial.ConfigError`` for a bad spec."""
+    per-request oracle (true per-request rates, a verify length each) and the confidence oracle
+    (this iteration's acceptance probabilities per draft position, the ceiling of a confidence
+    stop) join the contenders, so their ratios to the batch-level oracle show the headroom
+    there. Raises ``ValueError`` / ``specdial.ConfigError`` for a bad spec."""
     cases: list[dict[str, Any]] = json.loads(simulate(json.dumps(spec)))
     for case in cases:
-        if case.get("oracle_per_request"):
-            fixed_at = next(i for i, r in enumerate(case["results"]) if r["name"].startswith("fixed-"))
-            case["results"].insert(fixed_at, case["oracle_per_request"])
+        for key in ("oracle_per_request", "oracle_confidence"):
+            if case.get(key):
+                fixed_at = next(i for i, r in enumerate(case["results"])
+                                if r["name"].startswith("fixed-"))
+                case["results"].insert(fixed_at, case[key])
         oracle = case["oracle"]["goodput"]
         case["ratios"] = {r["name"]: r["goodput"] / oracle for r in case["results"]}
         fixed = [r for r in case["results"] if r["name"].startswith("fixed-")]

@@ -15,7 +15,7 @@ fn main() {
     let n: u32 = a.get(3).map_or(16000, |x| x.parse().unwrap());
     let win: usize = a.get(4).map_or(100, |x| x.parse().unwrap());
     let w = regime.generate(n, 0);
-    let opts = RunOptions { seed: 0, noise: Noise { sigma: a.get(5).map_or(0.1, |x| x.parse().unwrap()), spike_probability: 0.01, drift: 0.0, interference: 0.0 }, skip_zero_step_draft_extend: false };
+    let opts = RunOptions { seed: 0, noise: Noise { sigma: a.get(5).map_or(0.1, |x| x.parse().unwrap()), spike_probability: 0.01, drift: 0.0, interference: 0.0 }, skip_zero_step_draft_extend: false, confidence: Default::default() };
     let (_, oracle) = run_oracle(&w, &curve, 7, &opts);
     let cfg = AdaptiveConfig::default_config();
     let mut p = AdaptiveSpeculativeParams::new(3, cfg);

@@ -69,8 +69,8 @@ pub struct Decision {
     pub verify: VerifyShape,
     /// The draft tree's shape, `None` for a chain.
     pub tree: Option<TreeShape>,
-    /// The confidence stop the worker applies after drafting (`None`: every request verifies
-    /// its whole length). The plan carries it as `min_survival` (`0.0` = no rule).
+    /// The confidence stop the worker applies after drafting (`None`: every request verifies its
+    /// whole length). Set by the `goodput` strategy's `min_survival` key.
     pub confidence_stop: Option<ConfidenceStop>,
 }
 
@@ -89,7 +89,7 @@ mod tests {
     #[test]
     fn uniform_runs_the_batch_steps_for_every_request() {
         let d = Decision::uniform(3);
-        assert_eq!((d.steps, d.tree), (3, None));
+        assert_eq!((d.steps, d.tree, d.confidence_stop), (3, None, None));
         assert_eq!([d.verify.steps_for(0, 3), d.verify.steps_for(7, 1)], [3, 1]);
     }
 

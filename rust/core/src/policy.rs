@@ -21,7 +21,7 @@
 //! strategy decides and learns.
 
 use crate::config::AdaptiveConfig;
-use crate::decision::{ConfidenceStop, TreeShape, VerifyShape};
+use crate::decision::{TreeShape, VerifyShape};
 use crate::error::PolicyError;
 use crate::goodput::GoodputPolicy;
 use crate::slot::AdaptiveStepSlot;
@@ -45,8 +45,9 @@ pub struct StepDecision {
     pub verify: VerifyShape,
     /// The draft tree's shape; `None` (a chain) from every strategy today.
     pub tree: Option<TreeShape>,
-    /// The confidence stop the worker applies after drafting (`goodput`'s `min_survival`).
-    pub confidence_stop: Option<ConfidenceStop>,
+    /// The confidence stop the worker applies after drafting (the `goodput` strategy's
+    /// `min_survival` key; `None`: no rule).
+    pub confidence_stop: Option<crate::decision::ConfidenceStop>,
 }
 
 /// What a report carries besides the accepted drafts. Every field is optional.

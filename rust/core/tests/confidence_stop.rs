@@ -6,8 +6,8 @@
 
 use specdial_core::strategies::{DecideContext, SlotView, StepStrategy, VerifyObservation};
 use specdial_core::{
-    AdaptiveConfig, AdaptiveSpeculativeParams, ConfidenceStop, Decision, GoodputConfig, PlanKind,
-    PolicyError, ReportExtras, Scheduler, SchedulerConfig, StepsSource, Strategy, VerifyShape,
+    AdaptiveConfig, AdaptiveSpeculativeParams, ConfidenceStop, Decision, PlanKind,
+    PolicyError, ReportExtras, Scheduler, SchedulerConfig, StepsSource, VerifyShape,
 };
 
 /// Decides `steps` with `lengths[i]` for request `i` and the confidence stop `stop`; records the
@@ -223,44 +223,6 @@ fn a_cut_frees_its_slots_and_only_verified_drafts_are_counted_and_traced() {
         "{json}"
     );
     assert!(json.contains(r#""steps_per_request":[3,0]"#), "{json}");
-}
-
-#[test]
-fn the_goodput_min_survival_key() {
-    for (v, ok) in [
-        ("null", None),
-        ("0.3", Some(0.3f32)),
-        ("0.999", Some(0.999)),
-    ] {
-        let c = AdaptiveConfig::from_json(&format!(
-            r#"{{"strategy": "goodput", "candidate_steps": [0, 2], "min_survival": {v}}}"#
-        ))
-        .unwrap();
-        let Strategy::Goodput(g) = &c.strategy else {
-            panic!("goodput")
-        };
-        assert_eq!(g.min_survival, ok);
-    }
-    assert_eq!(GoodputConfig::default().min_survival, None);
-    for (v, msg) in [
-        ("0", "min_survival must be in (0, 1), got 0"),
-        ("1.0", "min_survival must be in (0, 1), got 1"),
-        // stored as f32: a positive double that rounds to 0 (or to 1) is refused, not kept
-        ("1e-300", "min_survival must be in (0, 1)"),
-        ("0.99999999999", "min_survival must be in (0, 1)"),
-        (r#""auto""#, "min_survival \"auto\""),
-        (
-            r#""often""#,
-            "min_survival must be null (no rule), a number in (0, 1)",
-        ),
-        ("[0.5]", "min_survival must be null"),
-    ] {
-        let err = AdaptiveConfig::from_json(&format!(
-            r#"{{"strategy": "goodput", "candidate_steps": [0, 2], "min_survival": {v}}}"#
-        ))
-        .unwrap_err();
-        assert!(err.to_string().contains(msg), "{v}: {err}");
-    }
 }
 
 #[test]

@@ -11,7 +11,7 @@ use specdial_core::{AdaptiveSpeculativeParams, Observation, PolicyError};
 fn run(config: &str) -> RunResult {
     let w = Regime::named("bursty").unwrap().generate(6000, 3);
     let curve = CostCurve::named("h200-llama8b").unwrap();
-    let opts = RunOptions { seed: 3, noise: Noise::default(), skip_zero_step_draft_extend: false };
+    let opts = RunOptions { seed: 3, noise: Noise::default(), skip_zero_step_draft_extend: false, confidence: Default::default() };
     run_adaptive(&w, &curve, "x", &AdaptiveConfig::from_json(config).unwrap(), &opts)
 }
 
@@ -52,14 +52,14 @@ fn every_goodput_key_changes_behaviour() {
     ] {
         assert!(!same(&run(&with(swept, key, value)), &sweep), "{key} = {value} changed nothing");
     }
-    // `min_survival` acts in the worker, after drafting (the simulator draws no draft
-    // confidences): it changes the decision the plan carries.
-    let stop = |cfg: &str| {
-        let mut p = AdaptiveSpeculativeParams::new(2, AdaptiveConfig::from_json(cfg).unwrap());
-        p.decide(4, Some(100)).unwrap().confidence_stop.map(|c| c.min_survival)
-    };
-    assert_eq!(stop(&format!("{{{base}}}")), None);
-    assert_eq!(stop(&with(base, "min_survival", "0.4")), Some(0.4));
+    // min_survival (the confidence stop) needs per-request verify: it changes what that decides.
+    let per_request = with(base, "verify", "\"per_request\"");
+    let per_request = &per_request[1..per_request.len() - 1];
+    let without = run(&format!("{{{per_request}}}"));
+    for value in ["0.3", "\"auto\""] {
+        let r = run(&with(per_request, "min_survival", value));
+        assert!(!same(&r, &without) || r.verify_histogram != without.verify_histogram, "min_survival = {value} changed nothing");
+    }
     // The list above covers every key the strategy takes.
     let mut covered: Vec<&str> = changes.iter().map(|c| c.0).collect();
     covered.extend(["max_profile_run_batch_size", "profile_run_n_warmup", "profile_run_n_measure", "profile_run_seq_len"]);

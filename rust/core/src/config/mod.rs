@@ -29,7 +29,7 @@ use std::collections::BTreeMap;
 
 pub use slot::{SlotConfig, SLOT_KEYS};
 pub use strategy::{
-    GoodputConfig, ProfileConfig, Strategy, ThroughputAwareConfig, VerifyMode, GOODPUT_KEYS, PROFILE_KEYS,
+    GoodputConfig, MinSurvival, ProfileConfig, Strategy, ThroughputAwareConfig, VerifyMode, GOODPUT_KEYS, PROFILE_KEYS,
     STRATEGY_NAMES, THROUGHPUT_AWARE_KEYS, VERIFY_MODES,
 };
 pub use value::ConfigValue;
@@ -253,6 +253,14 @@ impl AdaptiveConfig {
                 )));
             }
             slots.push((bound, cfg));
+        }
+        if let Strategy::Goodput(g) = &strat {
+            if g.min_survival != MinSurvival::Off && g.verify != VerifyMode::PerRequest {
+                return Err(ConfigError::new(
+                    "min_survival needs \"verify\": \"per_request\" (the confidence stop gives each request \
+                     its own verify length); set verify to \"per_request\" or min_survival to null",
+                ));
+            }
         }
         Ok(AdaptiveConfig { strategy: strat, slots })
     }

@@ -183,31 +183,59 @@ pub struct GoodputConfig {
     /// Whether the strategy chooses one steps value for the batch (`"batch"`, the default) or
     /// also a verify length per request (`"per_request"`, issue 28; [`crate::goodput::per_request`]).
     pub verify: VerifyMode,
-    /// The confidence stop (issue 28; [`crate::decision::ConfidenceStop`]): `None` (the default,
-    /// key `null`) verifies every drafted position; a number in (0, 1) stops each request's
-    /// verify at the first draft position whose cumulative draft probability is below it.
-    /// (`"auto"`, the per-request policy choosing it each iteration, is not in this build: the
-    /// key rejects it with that message.)
-    pub min_survival: Option<f32>,
+    /// The confidence stop the decision carries (the `min_survival` key, issue 28): none
+    /// (`null`, the default), a fixed threshold, or one the strategy chooses each iteration
+    /// (`"auto"`, [`crate::goodput::confidence`]). Needs `"verify": "per_request"` (the worker
+    /// then verifies a length per request and reports it).
+    pub min_survival: MinSurvival,
     /// Upper bounds of the draft trees the strategy may choose (`None`, the default: chains
     /// only; [`super::tree`], issue 29).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tree: Option<super::tree::TreeConfig>,
 }
 
-fn parse_min_survival(v: &ConfigValue) -> Result<Option<f32>, ConfigError> {
-    let allowed = "null (no rule), a number in (0, 1) (a fixed threshold) or \"auto\"";
-    match v {
-        ConfigValue::Null => Ok(None),
-        ConfigValue::Int(_) | ConfigValue::Float(_) => {
-            // checked as the f32 it is stored as (1e-300 would round to 0)
-            number_in(Scope::Global, "min_survival", v, |x| (x as f32) > 0.0 && (x as f32) < 1.0, "in (0, 1)")
-                .map(|x| Some(x as f32))
+/// The `goodput` strategy's `min_survival` key: the confidence stop (DSpark, vLLM PR #47808;
+/// SpecDec++): after drafting, a request's verify ends at the first draft position whose
+/// cumulative draft probability is below the threshold.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub enum MinSurvival {
+    /// No rule (`null`): every request verifies its whole budget.
+    #[default]
+    Off,
+    /// A fixed threshold in (0, 1).
+    Fixed(f64),
+    /// The strategy chooses the threshold each iteration from its cost model and its calibration
+    /// of draft confidence (`"auto"`).
+    Auto,
+}
+
+impl Serialize for MinSurvival {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            MinSurvival::Off => s.serialize_none(),
+            MinSurvival::Fixed(x) => s.serialize_f64(*x),
+            MinSurvival::Auto => s.serialize_str("auto"),
         }
-        ConfigValue::Str(s) if s == "auto" => Err(ConfigError::new(
-            "min_survival \"auto\" (chosen each iteration by the per-request policy) is not available in this build; use null or a number in (0, 1)".to_string(),
-        )),
-        other => Err(ConfigError::new(format!("min_survival must be {allowed}, got {other}"))),
+    }
+}
+
+impl MinSurvival {
+    /// Parses the `min_survival` key: `null`, a number in (0, 1), or `"auto"`.
+    fn parse(v: &ConfigValue) -> Result<MinSurvival, ConfigError> {
+        let bad = || ConfigError::new(format!("min_survival must be null, a number in (0, 1) or \"auto\", got {v}"));
+        let x = match v {
+            ConfigValue::Null => return Ok(MinSurvival::Off),
+            ConfigValue::Str(s) if s == "auto" => return Ok(MinSurvival::Auto),
+            ConfigValue::Int(i) => *i as f64,
+            ConfigValue::Float(f) => *f,
+            _ => return Err(bad()),
+        };
+        // checked as the f32 the decision carries (1e-300 would round to 0: no rule)
+        if (x as f32) > 0.0 && (x as f32) < 1.0 {
+            Ok(MinSurvival::Fixed(x))
+        } else {
+            Err(bad())
+        }
     }
 }
 
@@ -248,7 +276,7 @@ impl Default for GoodputConfig {
             probe_budget: 0.03,
             profile: None,
             verify: VerifyMode::Batch,
-            min_survival: None,
+            min_survival: MinSurvival::Off,
             tree: None,
         }
     }
@@ -269,7 +297,7 @@ impl GoodputConfig {
                     number_in(g, key, v, |x| (0.0..=0.5).contains(&x), "in [0, 0.5]")?
             }
             "verify" => self.verify = VerifyMode::parse(v)?,
-            "min_survival" => self.min_survival = parse_min_survival(v)?,
+            "min_survival" => self.min_survival = MinSurvival::parse(v)?,
             "tree" => self.tree = super::tree::TreeConfig::parse(v)?,
             k if PROFILE_KEYS.contains(&k) => {
                 return self

@@ -189,3 +189,27 @@ fn strategy_keys_are_checked_per_strategy() {
     assert!(e(&format!(r#"{g}, "1": {{"candidate_steps": [1], "strategy": "ema"}}"#)).contains("global key"));
     assert!(e(&format!(r#"{g}"#)).contains("no slot"));
 }
+
+/// The `min_survival` key (issue 28's confidence stop): null, a number in (0, 1) or "auto", only
+/// with `"verify": "per_request"`; errors name the key and the allowed values.
+#[test]
+fn min_survival_takes_null_a_probability_or_auto() {
+    let goodput = |extra: &str| format!(r#"{{"strategy": "goodput", "candidate_steps": [0, 1, 3]{extra}}}"#);
+    let min_survival = |extra: &str| match AdaptiveConfig::from_json(&goodput(extra)).unwrap().strategy {
+        Strategy::Goodput(g) => g.min_survival,
+        other => panic!("{other:?}"),
+    };
+    let pr = r#", "verify": "per_request""#;
+    assert_eq!(min_survival(""), MinSurvival::Off);
+    assert_eq!(min_survival(&format!(r#"{pr}, "min_survival": null"#)), MinSurvival::Off);
+    assert_eq!(min_survival(&format!(r#"{pr}, "min_survival": 0.25"#)), MinSurvival::Fixed(0.25));
+    assert_eq!(min_survival(&format!(r#"{pr}, "min_survival": "auto""#)), MinSurvival::Auto);
+    // 1e-300 and 0.99999999999 round to 0 and 1 as the f32 the decision carries
+    for bad in ["0", "1", "1.5", "-0.1", "\"fast\"", "true", "[0.5]", "1e-300", "0.99999999999"] {
+        let e = err(&goodput(&format!(r#"{pr}, "min_survival": {bad}"#)));
+        assert!(e.contains("min_survival must be null, a number in (0, 1) or \"auto\""), "{bad}: {e}");
+    }
+    let e = err(&goodput(r#", "min_survival": 0.5"#));
+    assert!(e.contains("min_survival needs \"verify\": \"per_request\""), "{e}");
+    assert!(err(r#"{"1": {"candidate_steps": [1]}, "min_survival": 0.5}"#).contains("setting of strategy \"goodput\""));
+}

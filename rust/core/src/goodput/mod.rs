@@ -43,13 +43,15 @@
 //! budgeted on predicted seconds.
 
 pub mod acceptance;
+pub mod confidence;
 pub mod cost;
 pub mod per_request;
 pub mod tree;
 pub mod tree_plan;
 
-use crate::config::{GoodputConfig, VerifyMode};
+use crate::config::{GoodputConfig, MinSurvival, VerifyMode};
 use crate::decision::{ConfidenceStop, Decision, VerifyShape};
+use confidence::ConfidenceModel;
 use acceptance::{expected_tokens, AcceptanceModel, AcceptanceState};
 use cost::{CostModel, CostState};
 use per_request::{PerRequest, RequestVerify};
@@ -122,6 +124,10 @@ pub struct GoodputPolicy {
     per_request: PerRequest,
     /// Draft trees (the `tree` key; [`tree_plan`]).
     tree: Option<tree_plan::TreePlanner>,
+    /// Draft confidence for the confidence stop (`min_survival`), and the bin edge of the rule
+    /// of the last decision (`None`: no rule).
+    confidence: ConfidenceModel,
+    last_rule: Option<usize>,
 }
 
 impl GoodputPolicy {
@@ -160,6 +166,8 @@ impl GoodputPolicy {
             switches: 0,
             last: None,
             per_request: PerRequest::new(window),
+            confidence: ConfidenceModel::new(window.saturating_mul(4)),
+            last_rule: None,
         }
     }
 
@@ -260,7 +268,18 @@ impl GoodputPolicy {
         let catch = catch_up.unwrap_or(self.catch_up) as f64;
         let horizon = f64::from(self.cfg.min_dwell.max(8));
         let mut allocations = Vec::new();
-        if let Some(ids) = ids {
+        let mut stops = Vec::new();
+        let stop = ids.is_some() && self.cfg.min_survival != MinSurvival::Off;
+        if stop {
+            // the confidence stop: every request drafts the depth, the worker cuts by confidence
+            let c = &self.slots[slot].candidates;
+            let d_max = c.iter().copied().max().unwrap_or(0);
+            let uniform: Vec<f64> = (0..=d_max).map(|k| self.cost.predict(bucket, b_cost, k, ctx, 0.0)).collect();
+            let none: Vec<f64> = (0..=d_max).map(|k| expected_tokens(&alpha, k)).collect();
+            let fixed = if let MinSurvival::Fixed(x) = self.cfg.min_survival { Some(x) } else { None };
+            let draft_only = self.per_request.draft_only_cost();
+            stops = confidence::stop_rows(&self.confidence, &alpha, c, &uniform, draft_only, f64::from(b), &none, fixed);
+        } else if let Some(ids) = ids {
             let s = &self.slots[slot];
             allocations = per_request::allocate_candidates(&self.cost, &self.per_request, &alpha, ids, &s.candidates, bucket, b_cost, ctx);
         }
@@ -271,9 +290,10 @@ impl GoodputPolicy {
             .iter()
             .enumerate()
             .map(|(i, &k)| {
-                let (t, e) = match allocations.get(i) {
-                    Some(a) => (a.seconds, a.tokens / f64::from(b)),
-                    None => (cost.predict(bucket, b_cost, k, ctx, 0.0), expected_tokens(&alpha, k)),
+                let (t, e) = match (allocations.get(i), stops.get(i).copied().flatten()) {
+                    (Some(a), _) => (a.seconds, a.tokens / f64::from(b)),
+                    (None, Some((cut, t))) => (t, 1.0 + cut.accepted),
+                    (None, None) => (cost.predict(bucket, b_cost, k, ctx, 0.0), expected_tokens(&alpha, k)),
                 };
                 // A switch from 0 to drafting pays the catch-up once, spread over the horizon.
                 let extra = if k > 0 && s.current == 0 && catch > 0.0 {
@@ -327,6 +347,18 @@ impl GoodputPolicy {
             probe,
         });
         let c = &self.slots[slot].candidates;
+        if stop {
+            let i = c.iter().position(|&k| k == steps);
+            let cut = i.and_then(|i| stops.get(i).copied().flatten()).map(|(cut, _)| cut.edge);
+            let min_survival = match self.cfg.min_survival {
+                MinSurvival::Fixed(x) => Some(x),
+                _ => cut.filter(|&e| e < confidence::BINS).map(confidence::edge),
+            };
+            self.last_rule = min_survival.map(confidence::edge_index);
+            let mut d = Decision::uniform(steps);
+            d.confidence_stop = min_survival.map(|x| ConfidenceStop { min_survival: x as f32 });
+            return d;
+        }
         let chain = match c.iter().position(|&k| k == steps).and_then(|i| allocations.into_iter().nth(i)) {
             // The batch drafts as deep as its longest verify needs (the smallest candidate that
             // covers it, so the depth keeps a captured graph): drafting deeper would be paid for
@@ -334,16 +366,11 @@ impl GoodputPolicy {
             Some(a) => {
                 let longest = a.lengths.iter().copied().max().unwrap_or(0);
                 let depth = c.iter().copied().find(|&k| k >= longest).unwrap_or(steps);
-                Decision { steps: depth, verify: VerifyShape::PerRequest(a.lengths), tree: None, confidence_stop: self.confidence_stop() }
+                Decision { steps: depth, verify: VerifyShape::PerRequest(a.lengths), tree: None, confidence_stop: None }
             }
-            None => Decision { confidence_stop: self.confidence_stop(), ..Decision::uniform(steps) },
+            None => Decision::uniform(steps),
         };
         self.tree_decision(slot, bucket, b, b_cost, ctx, &alpha, chain, probe)
-    }
-
-    /// The configured confidence stop (`min_survival`), if any.
-    fn confidence_stop(&self) -> Option<ConfidenceStop> {
-        self.cfg.min_survival.map(|min_survival| ConfidenceStop { min_survival })
     }
 
     /// The candidate a probe would run now, if any: at steps 0 the smallest positive candidate;
@@ -471,11 +498,15 @@ impl GoodputPolicy {
             self.acceptance.observe(self.iteration, v, &group);
         }
         self.per_request.observe(self.iteration, &shared, requests.iter().copied());
+        let rule = self.last_rule.take();
+        if self.cfg.min_survival != MinSurvival::Off {
+            self.confidence.observe(steps, requests.iter().map(|r| (r.steps, r.accepted, r.draft_probs)), rule);
+        }
         let b = requests.len() as u32;
         // The cost model learns the iteration as the uniform one with as many verify tokens, its
         // drafts beyond them apart (per_request, "the cost model in tokens").
         let shape = match seconds {
-            Some(t) => self.per_request.learn_cost(&self.cost, bucket, b_cost, steps, requests, context_tokens as f64, t),
+            Some(t) => self.per_request.learn_cost(&self.cost, bucket, b_cost, steps, requests, context_tokens as f64, t, rule.is_some()),
             None => per_request::uniform_shape(requests),
         };
         self.learn_iteration(slot, bucket, b, b_cost, steps, shape, seconds, context_tokens, caught_up)

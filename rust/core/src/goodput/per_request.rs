@@ -190,12 +190,14 @@ impl PerRequest {
     /// Learns what the drafts beyond the verify cost from one iteration's `seconds` at depth `d`
     /// and returns how the cost model should learn it: `(uniform depth with as many verify
     /// tokens, seconds of the drafted-only tokens)`. The uniform-equivalent seconds are the cost
-    /// model's prediction interpolated at the verify depth `V / b`.
+    /// model's prediction interpolated at the verify depth `V / b`. `all_drafted`: every request
+    /// drafted `d` whatever it verified (a confidence stop cuts after drafting); otherwise a
+    /// request that verified nothing did not draft.
     #[allow(clippy::too_many_arguments)]
-    pub fn learn_cost(&mut self, cost: &CostModel, bucket: u32, b_cost: u32, d: u32, requests: &[RequestVerify<'_>], ctx: f64, seconds: f64) -> (u32, f64) {
+    pub fn learn_cost(&mut self, cost: &CostModel, bucket: u32, b_cost: u32, d: u32, requests: &[RequestVerify<'_>], ctx: f64, seconds: f64, all_drafted: bool) -> (u32, f64) {
         let (cell, _) = uniform_shape(requests);
         let verified: u32 = requests.iter().map(|r| r.steps).sum();
-        let drafting = requests.iter().filter(|r| r.steps > 0).count() as u32;
+        let drafting = requests.iter().filter(|r| all_drafted || r.steps > 0).count() as u32;
         let x = f64::from(d * drafting - verified);
         if x > 0.0 {
             let depth = f64::from(verified) / requests.len().max(1) as f64;

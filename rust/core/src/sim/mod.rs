@@ -8,6 +8,7 @@
 //! and `throughput_aware` with the config of SGLang's docstring, profiled at start), and the oracle
 //! ([`run::run_oracle`]).
 
+pub mod confidence;
 pub mod curve;
 pub mod oracle;
 pub mod run;
@@ -42,6 +43,8 @@ pub struct SimSpec {
     pub seed: u64,
     pub noise: Noise,
     pub skip_zero_step_draft_extend: bool,
+    /// The draft-confidence model ([`confidence`]).
+    pub confidence: confidence::DraftConfidence,
 }
 
 impl SimSpec {
@@ -57,6 +60,7 @@ impl SimSpec {
             seed: 0,
             noise: Noise::default(),
             skip_zero_step_draft_extend: false,
+            confidence: confidence::DraftConfidence::default(),
         }
     }
 }
@@ -90,6 +94,7 @@ pub fn per_request_config() -> AdaptiveConfig {
     let mut c = AdaptiveConfig::default_config();
     if let crate::config::Strategy::Goodput(g) = &mut c.strategy {
         g.verify = crate::config::VerifyMode::PerRequest;
+        g.min_survival = crate::config::MinSurvival::Auto;
     }
     c
 }
@@ -104,6 +109,9 @@ pub struct Case {
     /// The per-request oracle ([`oracle`]): true acceptance per request, a verify length each;
     /// run only when a contender decides per request.
     pub oracle_per_request: Option<RunResult>,
+    /// The confidence oracle ([`oracle::run_oracle_confidence`]): this iteration's acceptance
+    /// probabilities per position; run beside the per-request oracle.
+    pub oracle_confidence: Option<RunResult>,
     /// Adaptive contenders, then `fixed-0..fixed-max`.
     pub results: Vec<RunResult>,
 }
@@ -132,16 +140,17 @@ impl Case {
 /// Runs one (regime, curve) cell.
 pub fn run_case(spec: &SimSpec, regime: Regime, curve_name: &str, curve: &CostCurve) -> Case {
     let w = regime.generate(spec.segments, spec.seed);
-    let opts = RunOptions { seed: spec.seed, noise: spec.noise, skip_zero_step_draft_extend: spec.skip_zero_step_draft_extend };
+    let opts = RunOptions { seed: spec.seed, noise: spec.noise, skip_zero_step_draft_extend: spec.skip_zero_step_draft_extend, confidence: spec.confidence };
     let (oracle, _) = run_oracle(&w, curve, spec.max_steps, &opts);
     let per_request = spec.policies.iter().any(|(_, c)| {
         matches!(&c.strategy, crate::config::Strategy::Goodput(g) if g.verify == crate::config::VerifyMode::PerRequest)
     });
     let oracle_per_request = per_request.then(|| oracle::run_oracle_per_request(&w, curve, spec.max_steps, &opts));
+    let oracle_confidence = per_request.then(|| oracle::run_oracle_confidence(&w, curve, spec.max_steps, &opts));
     let mut results: Vec<RunResult> =
         spec.policies.iter().map(|(name, cfg)| run_adaptive(&w, curve, name, cfg, &opts)).collect();
     results.extend((0..=spec.max_steps).map(|k| run_fixed(&w, curve, k, &opts)));
-    Case { regime: regime.name.into(), steady: regime.steady, curve: curve_name.into(), oracle, oracle_per_request, results }
+    Case { regime: regime.name.into(), steady: regime.steady, curve: curve_name.into(), oracle, oracle_per_request, oracle_confidence, results }
 }
 
 /// Every cell of `spec`.

@@ -8,13 +8,15 @@
 
 use super::curve::{CostCurve, Shape};
 use super::run::{choice_seconds, choice_tokens, padded, walk_choices, Choice, RunOptions, RunResult};
-use super::workload::Workload;
+use super::workload::{Workload, MAX_STEPS};
 
 /// Points of the coarse search over the number of admitted draft positions.
 const GRID: usize = 48;
 
 /// Expected tokens per second and lengths of the best allocation at depth `d` in segment `i`.
-fn best_at(w: &Workload, curve: &CostCurve, i: usize, d: u32, skip: bool, order: &mut Vec<(f64, usize)>) -> (f64, Choice) {
+/// `rates(r)`: the conditional acceptance per position of request `r` of the batch that the
+/// oracle ranks by (true rates, or this iteration's acceptance probabilities).
+fn best_at(w: &Workload, curve: &CostCurve, i: usize, d: u32, skip: bool, order: &mut Vec<(f64, usize)>, rates: &dyn Fn(usize) -> [f64; MAX_STEPS]) -> (f64, Choice) {
     let batch = w.batch(i);
     let b = batch.len();
     if d == 0 {
@@ -22,8 +24,8 @@ fn best_at(w: &Workload, curve: &CostCurve, i: usize, d: u32, skip: bool, order:
         return (choice_tokens(w, i, &c) / choice_seconds(curve, w, i, &c, 0.0, skip), c);
     }
     order.clear();
-    for (r, &id) in batch.iter().enumerate() {
-        let alpha = w.requests[id as usize].alpha_at(i as u32);
+    for r in 0..b {
+        let alpha = rates(r);
         let mut s = 1.0;
         for a in alpha.iter().take(d as usize) {
             s *= a;
@@ -64,15 +66,20 @@ fn best_at(w: &Workload, curve: &CostCurve, i: usize, d: u32, skip: bool, order:
     for &(_, r) in &order[..best.1] {
         l[r] += 1;
     }
-    (best.0, Choice { steps: d, lengths: Some(l) })
+    (best.0, Choice::lengths(d, l))
 }
 
 /// The per-request oracle's choice in segment `i`, depths `0..=max_steps`.
 pub fn choose(w: &Workload, curve: &CostCurve, i: usize, max_steps: u32, skip: bool) -> Choice {
+    let batch = w.batch(i);
+    choose_by(w, curve, i, max_steps, skip, &|r| *w.requests[batch[r] as usize].alpha_at(i as u32))
+}
+
+fn choose_by(w: &Workload, curve: &CostCurve, i: usize, max_steps: u32, skip: bool, rates: &dyn Fn(usize) -> [f64; MAX_STEPS]) -> Choice {
     let mut order = Vec::new();
     let mut best: Option<(f64, Choice)> = None;
     for d in 0..=max_steps {
-        let (g, c) = best_at(w, curve, i, d, skip, &mut order);
+        let (g, c) = best_at(w, curve, i, d, skip, &mut order, rates);
         if best.as_ref().map_or(true, |b| g > b.0) {
             best = Some((g, c));
         }
@@ -84,4 +91,16 @@ pub fn choose(w: &Workload, curve: &CostCurve, i: usize, max_steps: u32, skip: b
 pub fn run_oracle_per_request(w: &Workload, curve: &CostCurve, max_steps: u32, opts: &RunOptions) -> RunResult {
     let skip = opts.skip_zero_step_draft_extend;
     walk_choices(w, curve, "oracle-per-request", opts, |i| choose(w, curve, i, max_steps, skip))
+}
+
+/// The confidence oracle: like [`run_oracle_per_request`] but it ranks draft positions by this
+/// iteration's acceptance probabilities `pi` ([`super::confidence`]), which no drafter reports
+/// exactly: the ceiling of any rule that admits positions by draft confidence (DSpark's global
+/// top-B with a perfect survival estimate).
+pub fn run_oracle_confidence(w: &Workload, curve: &CostCurve, max_steps: u32, opts: &RunOptions) -> RunResult {
+    let skip = opts.skip_zero_step_draft_extend;
+    walk_choices(w, curve, "oracle-confidence", opts, |i| {
+        let pi = opts.confidence.draw(w, i, opts.seed).pi;
+        choose_by(w, curve, i, max_steps, skip, &|r| pi[r])
+    })
 }

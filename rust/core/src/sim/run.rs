@@ -14,6 +14,7 @@ use rand::rngs::SmallRng;
 use rand::{RngExt, SeedableRng};
 use serde::Serialize;
 
+use super::confidence::{apply_stop, tokens_given, Confidences, DraftConfidence};
 use super::curve::{CostCurve, Shape};
 use super::workload::{normal, Workload, MAX_STEPS};
 use crate::config::AdaptiveConfig;
@@ -82,6 +83,8 @@ pub struct RunOptions {
     pub noise: Noise,
     /// Steps 0 skip the drafter's extend (it catches up when drafting resumes).
     pub skip_zero_step_draft_extend: bool,
+    /// The draft-confidence model ([`super::confidence`]).
+    pub confidence: DraftConfidence,
 }
 
 /// What one contender achieved.
@@ -111,19 +114,29 @@ pub struct RunResult {
 pub struct Choice {
     pub steps: u32,
     pub lengths: Option<Vec<u32>>,
+    /// The confidence stop (`min_survival`) applied after drafting, if any; [`walk`] resolves it
+    /// into `lengths` from the iteration's draft probabilities.
+    pub min_survival: Option<f64>,
 }
 
 impl Choice {
     /// Every request at `steps`.
     pub fn uniform(steps: u32) -> Self {
-        Choice { steps, lengths: None }
+        Choice { steps, lengths: None, min_survival: None }
+    }
+
+    /// Request `r` verifies `lengths[r]`.
+    pub fn lengths(steps: u32, lengths: Vec<u32>) -> Self {
+        Choice { steps, lengths: Some(lengths), min_survival: None }
     }
 }
 
-/// The per-iteration random draws: the noise factor and `MAX_STEPS` uniforms per request.
+/// The per-iteration random draws: the noise factor, `MAX_STEPS` uniforms per request and, for
+/// per-request decisions, the draft confidences.
 struct Draws {
     factor: f64,
     uniforms: Vec<[f64; MAX_STEPS]>,
+    conf: Option<Confidences>,
 }
 
 fn draws(seed: u64, i: usize, b: usize, noise: Noise) -> Draws {
@@ -134,7 +147,7 @@ fn draws(seed: u64, i: usize, b: usize, noise: Noise) -> Draws {
     }
     let uniforms = (0..b).map(|_| std::array::from_fn(|_| rng.random::<f64>())).collect();
     let slow = drift_factor(seed, i, noise.drift) * interference_factor(seed, i, noise.interference);
-    Draws { factor: factor * slow, uniforms }
+    Draws { factor: factor * slow, uniforms, conf: None }
 }
 
 /// Seconds of iteration `i` at steps `k` on `curve` (the batch padded to the curve's graph
@@ -158,6 +171,12 @@ pub fn choice_seconds(curve: &CostCurve, w: &Workload, i: usize, c: &Choice, cat
     } else {
         t
     }
+}
+
+/// Expected tokens of a [`Choice`] given the iteration's acceptance probabilities `pi` (one row
+/// per request of the batch, [`super::confidence`]).
+pub fn choice_tokens_given(c: &Choice, pi: &[[f64; MAX_STEPS]]) -> f64 {
+    pi.iter().enumerate().map(|(r, p)| tokens_given(p, c.lengths.as_ref().map_or(c.steps, |l| l[r]))).sum()
 }
 
 /// Expected tokens of a [`Choice`] in segment `i` (true acceptance).
@@ -248,15 +267,38 @@ fn walk(
     while (x as usize) < w.len() {
         let i = x as usize;
         let b = w.batch(i).len();
-        let c = choose(i);
+        let mut c = choose(i);
+        let mut d = draws(opts.seed, i, b, opts.noise);
+        // draft confidences where a decision is per request (the others keep the rate model's
+        // expectations and draws, exactly as before confidences existed)
+        let conf = (c.lengths.is_some() || c.min_survival.is_some()).then(|| opts.confidence.draw(w, i, opts.seed));
+        if let (Some(tau), Some(conf)) = (c.min_survival, &conf) {
+            let budgets = c.lengths.take().unwrap_or_else(|| vec![c.steps; b]);
+            c.lengths = Some(apply_stop(&budgets, &conf.q, tau));
+        }
         let k = c.steps;
         let catch = if skip && k > 0 { std::mem::take(&mut zero_tokens) } else { 0.0 };
         if skip && k == 0 {
             zero_tokens += b as f64;
         }
-        let t = choice_seconds(curve, w, i, &c, catch, skip);
-        let e = choice_tokens(w, i, &c);
-        report(i, &c, t, &draws(opts.seed, i, b, opts.noise));
+        // a stop leaves every request drafting (the rule is applied after drafting)
+        let t = match (&c.lengths, c.min_survival) {
+            (Some(l), Some(_)) => {
+                let shape = Shape { verified: l.iter().map(|&v| f64::from(v)).sum(), drafting: if k > 0 { b as f64 } else { 0.0 } };
+                let (bp, ctx) = (padded(curve, b as u32), w.context(i));
+                let extra = if skip && k == 0 { curve.zero_step_extend(bp, ctx) } else { 0.0 };
+                curve.seconds_shape(bp, k, shape, ctx, catch) - extra
+            }
+            _ => choice_seconds(curve, w, i, &c, catch, skip),
+        };
+        // per-request lengths may depend on this iteration's confidences (a stop, the confidence
+        // oracle): tokens given them (unbiased for the others too: pi has the rates for mean)
+        let e = match &conf {
+            Some(conf) => choice_tokens_given(&c, &conf.pi),
+            None => choice_tokens(w, i, &c),
+        };
+        d.conf = conf;
+        report(i, &c, t, &d);
         tally.add(&c, e, t);
         x += e / b as f64;
     }
@@ -324,6 +366,7 @@ pub fn run_adaptive(w: &Workload, curve: &CostCurve, name: &str, config: &Adapti
     params.set_cuda_graph_bs(graphs.as_deref()).expect("graph sizes >= 1");
     profile(&mut params, curve, opts);
     let params = std::cell::RefCell::new(params);
+    let per_request = matches!(&config.strategy, crate::config::Strategy::Goodput(g) if g.verify == crate::config::VerifyMode::PerRequest);
     let tally = walk(
         w,
         curve,
@@ -335,22 +378,25 @@ pub fn run_adaptive(w: &Workload, curve: &CostCurve, name: &str, config: &Adapti
                 .borrow_mut()
                 .decide_requests(ids.len() as i64, Some(w.context(i) as u64), None, Some(&ids))
                 .expect("batch >= 1");
-            match d.verify {
-                VerifyShape::PerRequest(l) => Choice { steps: d.steps, lengths: Some(l) },
+            // a per-request strategy is told each request's verify (the engine's report path)
+            let mut c = match d.verify {
+                VerifyShape::PerRequest(l) => Choice::lengths(d.steps, l),
+                VerifyShape::Uniform if per_request => Choice::lengths(d.steps, vec![d.steps; ids.len()]),
                 VerifyShape::Uniform => Choice::uniform(d.steps),
-            }
+            };
+            c.min_survival = d.confidence_stop.map(|s| f64::from(s.min_survival));
+            c
         },
         |i, c, t, r| {
             let batch = w.batch(i);
-            let seg = i as u32;
             let len = |j: usize| c.lengths.as_ref().map_or(c.steps, |l| l[j]);
             let accepted: Vec<i64> = batch
                 .iter()
                 .zip(&r.uniforms)
                 .enumerate()
                 .map(|(j, (&id, u))| {
-                    let alpha = w.requests[id as usize].alpha_at(seg);
-                    (0..len(j) as usize).take_while(|&p| u[p] < alpha[p]).count() as i64
+                    let pi = r.conf.as_ref().map_or(w.requests[id as usize].alpha_at(i as u32), |c| &c.pi[j]);
+                    (0..len(j) as usize).take_while(|&p| u[p] < pi[p]).count() as i64
                 })
                 .collect();
             let obs = Observation { seconds: Some(t * r.factor), context_tokens: Some(w.context(i) as u64), steps: Some(c.steps), catch_up_tokens: None };
@@ -358,7 +404,8 @@ pub fn run_adaptive(w: &Workload, curve: &CostCurve, name: &str, config: &Adapti
             match &c.lengths {
                 None => p.on_verify_complete_with(accepted, batch.len() as i64, obs),
                 Some(l) => {
-                    let probs = draft_probs(w, i, l, &r.uniforms);
+                    let q = &r.conf.as_ref().expect("per-request iterations draw confidences").q;
+                    let probs: Vec<f64> = l.iter().zip(q).flat_map(|(&v, q)| q[..v as usize].iter().copied()).collect();
                     let mut at = 0;
                     let requests: Vec<RequestVerify<'_>> = (0..batch.len())
                         .map(|j| {
@@ -376,26 +423,6 @@ pub fn run_adaptive(w: &Workload, curve: &CostCurve, name: &str, config: &Adapti
     let probes = params.borrow().goodput().map_or(0, |g| g.probes());
     tally.finish(probes)
 }
-
-/// The drafter's probability of each verified draft token of segment `i` (`lengths` per request):
-/// a noisy reading of the request's true conditional rate at that position (standard deviation
-/// [`DRAFT_PROB_NOISE`]), drawn from the iteration's uniforms beyond the acceptance draws, so the
-/// draft confidence is informative but not an oracle.
-fn draft_probs(w: &Workload, i: usize, lengths: &[u32], uniforms: &[[f64; MAX_STEPS]]) -> Vec<f64> {
-    let mut out = Vec::with_capacity(lengths.iter().map(|&v| v as usize).sum());
-    for ((&id, &v), u) in w.batch(i).iter().zip(lengths).zip(uniforms) {
-        let alpha = w.requests[id as usize].alpha_at(i as u32);
-        for p in 0..v as usize {
-            // a second uniform from the same draw, decorrelated from the acceptance one
-            let z = (u[(p + 3) % MAX_STEPS] * 7919.0).fract() - 0.5;
-            out.push((alpha[p] + DRAFT_PROB_NOISE * 3.46 * z).clamp(0.0, 1.0));
-        }
-    }
-    out
-}
-
-/// Noise of the simulated draft probabilities around the true rate.
-pub const DRAFT_PROB_NOISE: f64 = 0.2;
 
 /// The clairvoyant oracle: knows every request's true acceptance and the noise-free cost, and
 /// maximises total tokens / total seconds over the run, choosing from `0..=max_steps`. With the
