@@ -19,46 +19,16 @@ from specdial.worker.confidence_stop import cut_lengths, stop_confidence
 from specdial.worker.inputs import DecodeInput, PrefillInput
 from specdial.worker.sampling import BatchSampling, SamplingParams
 from specdial.worker.worker import SpecWorker
-from test_verify_budgets import D, GREEDY, N, W, budgets_of, i64, make_worker, target_tokens
+from test_verify_budgets import (D, GREEDY, N, W, budgets_of, i64, make_worker, run_budgets,
+                                 target_tokens)
 
 
 def run_stop(worker: SpecWorker, prompts, params, min_survival: float, *, skip: bool = True,
              budgets=budgets_of, record=None) -> list[list[int]]:
-    """Prefill, then decodes at depth ``D`` with per-request budgets, budget-0 requests skipping
-    their extend when ``skip``, and the confidence stop at ``min_survival`` (0: none);
-    ``record(dec, v, live)`` sees every decode output, its budgets and rows."""
-    b = len(prompts)
-    lens = i64([len(p) for p in prompts])
-    out = worker.prefill(PrefillInput(
-        rows=i64(range(b)), input_ids=i64(sum(prompts, [])),
-        out_loc=i64(np.concatenate([r * W + np.arange(n) for r, n in enumerate(lens)])),
-        qo_lens=lens, kv_lens=lens, sample_first=np.ones(b, np.int64),
-        logits_indices=np.cumsum(lens) - 1), BatchSampling.from_params(params), None)
-    outputs = [[int(t)] for t in out.tokens]
-    for it in range(100):
-        live = [r for r in range(b) if len(outputs[r]) < N]
-        if not live:
-            break
-        positions = i64([len(prompts[r]) + len(outputs[r]) - 1 for r in live])
-        v = budgets(it, live, i64([N - len(outputs[r]) - 1 for r in live]))
-        out_loc = i64([r * W + positions[i] + j if j <= v[i] else worker.pad_kv_slot
-                       for i, r in enumerate(live) for j in range(D + 1)])
-        dec = worker.decode(DecodeInput(D, None, i64(live), i64([outputs[r][-1] for r in live]),
-                                        positions, out_loc, v, (v == 0).astype(np.int64) * skip,
-                                        min_survival),
-                            BatchSampling.from_params([params[r] for r in live]), None)
-        if min_survival:
-            assert dec.verified is not None and ((dec.verified >= 0) & (dec.verified <= v)).all()
-            assert (dec.accepted <= dec.verified).all()
-            assert dec.decode_extras()["verified"] is dec.verified
-        else:
-            assert dec.verified is None
-        assert len(dec.draft_probs) == int(v.sum())  # every drafted token's confidence
-        if record is not None:
-            record(dec, v, live)
-        for i, r in enumerate(live):
-            outputs[r].extend(int(t) for t in dec.tokens_of(i))
-    return outputs
+    """:func:`run_budgets` with the confidence stop at ``min_survival`` (0: none) and, when
+    ``skip``, budget-0 requests skipping their extend."""
+    return run_budgets(worker, prompts, params, budgets, record, min_survival=min_survival,
+                       skip=skip)
 
 
 def test_cut_lengths_stop_at_the_first_position_below_the_threshold():

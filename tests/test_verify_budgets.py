@@ -42,9 +42,12 @@ def budgets_of(it: int, live: list[int], caps: np.ndarray) -> np.ndarray:
 
 
 def run_budgets(worker: SpecWorker, prompts, params: list[SamplingParams], budgets=budgets_of,
-                record=None) -> list[list[int]]:
+                record=None, *, min_survival: float = 0.0, skip: bool = False
+                ) -> list[list[int]]:
     """Prefill, then decodes at depth ``D`` with per-request budgets (``budgets(it, live,
-    caps)``); ``record(dec, v)`` sees every decode output and its budgets."""
+    caps)``), budget-0 requests skipping their extend when ``skip``, and the confidence stop
+    at ``min_survival`` (0: none; test_confidence_stop.py); ``record(dec, v, live)`` sees every
+    decode output, its budgets and rows."""
     b = len(prompts)
     lens = i64([len(p) for p in prompts])
     out = worker.prefill(PrefillInput(
@@ -62,14 +65,21 @@ def run_budgets(worker: SpecWorker, prompts, params: list[SamplingParams], budge
         out_loc = i64([r * W + positions[i] + j if j <= v[i] else worker.pad_kv_slot
                        for i, r in enumerate(live) for j in range(D + 1)])
         dec = worker.decode(DecodeInput(D, None, i64(live), i64([outputs[r][-1] for r in live]),
-                                        positions, out_loc, v),
+                                        positions, out_loc, v, (v == 0).astype(np.int64) * skip,
+                                        min_survival),
                             BatchSampling.from_params([params[r] for r in live]), None)
         assert (dec.accepted <= v).all()
         assert dec.draft_probs is not None and dec.draft_probs.dtype == np.float32
-        assert len(dec.draft_probs) == int(v.sum())
+        assert len(dec.draft_probs) == int(v.sum())  # every drafted token's confidence
         assert ((dec.draft_probs > 0) & (dec.draft_probs <= 1)).all()
+        if min_survival:
+            assert dec.verified is not None and ((dec.verified >= 0) & (dec.verified <= v)).all()
+            assert (dec.accepted <= dec.verified).all()
+            assert dec.decode_extras()["verified"] is dec.verified
+        else:
+            assert dec.verified is None
         if record is not None:
-            record(dec, v)
+            record(dec, v, live)
         for i, r in enumerate(live):
             outputs[r].extend(int(t) for t in dec.tokens_of(i))
     return outputs
@@ -127,7 +137,7 @@ def test_verify_is_packed_and_levels_draft_only_their_requests(tiny):
         for key, m in (("target", tiny.target), ("draft", tiny.draft_noisy))]
     checked = []
 
-    def record(dec, v):
+    def record(dec, v, live):
         levels = [int((v > j).sum()) for j in range(int(v.max()))]
         assert seen["target"][-1] == int((v + 1).sum())  # the verify
         # the draft levels, then the draft extend when a request has tokens to catch up
@@ -156,7 +166,7 @@ def test_a_drafter_equal_to_the_target_accepts_every_budget(request, name):
     worker = make_worker(models.target, module)
     short = []
 
-    def record(dec, v):
+    def record(dec, v, live):
         short.append((dec.accepted != v).sum())
 
     with torch.inference_mode():
