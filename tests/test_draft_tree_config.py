@@ -148,13 +148,48 @@ def test_server_info_reports_the_tree_options():
     assert _draft_tree(front, 3)["speculative_num_draft_tokens"] == 5
 
 
-def test_adaptive_trees_and_trees_without_a_drafter_are_refused(tiny):
-    """The adaptive policy does not choose tree shapes in this build (engine.build's
-    ``check_draft_tree``): refused naming the option rather than run as chains."""
-    with pytest.raises(ConfigError, match="speculative_eagle_topk=4.*adaptive policy"):
-        Engine.from_modules(tiny.target, tiny.draft_noisy, speculative_num_steps=3,
-                            speculative_eagle_topk=4, speculative_num_draft_tokens=9,
-                            log_interval_s=None)
+def test_adaptive_trees_emit_target_only_greedy_and_other_strategies_are_refused(
+        tiny, monkeypatch):
+    """With adaptation on, the flags bound the trees the goodput policy chooses
+    (engine.policy_setup's ``with_tree_bounds``): greedy output identical to target-only, tree
+    iterations among the chains (a random drafter: chains accept little, wider trees pay); a
+    strategy that chooses no trees, or a tree without a drafter, is refused naming the
+    option."""
+    import specdial.worker.worker as worker_module
+
+    trees = []
+    run = worker_module.run_tree_iteration
+    monkeypatch.setattr(worker_module, "run_tree_iteration",
+                        lambda *a, **k: trees.append(a[1].tree_topk) or run(*a, **k))
+    prompts = [[1, 5, 9, 2], [7, 7, 3], [4, 8, 15, 16, 23, 42], [11]]
+    sp = {"temperature": 0.0, "max_new_tokens": 48}
+    kw = dict(max_running_requests=4, kv_cache_tokens=2048, page_size=4, log_interval_s=None,
+              policy_cache=False)
+    ref = Engine.from_modules(tiny.target, None, **kw)
+    want = [o["output_ids"] for o in ref.generate(input_ids=prompts, sampling_params=sp)]
+    ref.shutdown()
+    eng = Engine.from_modules(tiny.target, tiny.draft_random, speculative_eagle_topk=4,
+                              speculative_num_draft_tokens=12, **kw)
+    try:
+        for _ in range(3):
+            out = eng.generate(input_ids=prompts, sampling_params=sp)
+            assert [o["output_ids"] for o in out] == want
+        assert eng.stats().kv_pages_used == 0
+    finally:
+        eng.shutdown()
+    assert trees and set(trees) <= {2, 3, 4}, trees
+    with pytest.raises(ConfigError, match="speculative_eagle_topk=4 with adaptive steps needs "
+                                          "the goodput strategy"):
+        Engine.from_modules(tiny.target, tiny.draft_noisy, speculative_eagle_topk=4,
+                            speculative_num_draft_tokens=12,
+                            speculative_adaptive_config={"strategy": "ema",
+                                                         "candidate_steps": [0, 2, 4]}, **kw)
+    # no drafter: plain decoding, steps 0, and a tree needs a depth
+    with pytest.raises(ConfigError, match="speculative_eagle_topk: 2 drafts a tree, which needs "
+                                          "speculative_num_steps >= 1"):
+        Engine.from_modules(tiny.target, None, speculative_adaptive=False,
+                            speculative_num_steps=0, speculative_eagle_topk=2,
+                            speculative_num_draft_tokens=3, **kw)
 
 
 @pytest.mark.parametrize("drafter,topk,tokens,steps", [

@@ -136,25 +136,6 @@ def modules_config(target: LlamaForCausalLM, drafter: Any, kwargs: dict[str, Any
     return cfg, wrapped, inferred
 
 
-def check_draft_tree(scheduler: Scheduler, drafter: Any, adaptive: bool) -> None:
-    """Draft trees (issue 29, ``speculative_eagle_topk > 1``) run with a drafter and a fixed
-    steps schedule (``speculative_adaptive=False`` or a ``steps_schedule``): the tree worker
-    (``specdial.worker.tree_step``) drafts and verifies them. The adaptive policy does not
-    choose tree shapes in this build, so adaptation with a tree is refused rather than run as
-    chains. Raises :class:`ConfigError` naming the option."""
-    topk, num_draft_tokens = scheduler.draft_tree
-    if topk <= 1:
-        return
-    what = f"speculative_eagle_topk={topk} (speculative_num_draft_tokens={num_draft_tokens})"
-    if drafter is None:
-        raise ConfigError(f"{what}: a draft tree needs a drafter (speculative_draft_model_path "
-                          "or an EAGLE head); use speculative_eagle_topk=1")
-    if adaptive:
-        raise ConfigError(f"{what}: the adaptive policy does not choose tree shapes in this "
-                          "build; pass speculative_adaptive=False with speculative_num_steps "
-                          "(a fixed tree) or speculative_eagle_topk=1")
-
-
 def build_parts(target: LlamaForCausalLM, drafter: Any, tokenizer: Any,
                 algorithm: str | None, cfg: EngineConfig,
                 loaded_config: AdaptiveConfig | None) -> EngineParts:
@@ -169,7 +150,10 @@ def build_parts(target: LlamaForCausalLM, drafter: Any, tokenizer: Any,
     policy, step_values, adaptive = policy_options(
         cfg.speculative_num_steps, cfg.speculative_adaptive, loaded_config,
         None if drafter is None else drafter.max_steps, cfg.steps_schedule,
-        cfg.speculative_initial_steps)
+        cfg.speculative_initial_steps,
+        tree=((cfg.speculative_eagle_topk, cfg.speculative_num_draft_tokens)
+              if cfg.speculative_eagle_topk > 1 and drafter is not None
+              and cfg.speculative_num_draft_tokens is not None else None))
     ctx, num_pages = kv_limits(cfg, target)
     mode = graph_mode(cfg, target.embed_tokens.weight.device)
     graph_bs = None if mode is None else list(normalize_graph_bs(
@@ -186,7 +170,6 @@ def build_parts(target: LlamaForCausalLM, drafter: Any, tokenizer: Any,
         # largest candidate may be below that bound
         speculative_num_draft_tokens=(cfg.speculative_num_draft_tokens
                                       if cfg.speculative_eagle_topk > 1 else None))
-    check_draft_tree(scheduler, drafter, bool(policy.get("adaptive")))
     worker = SpecWorker(target, drafter, scheduler.num_slots,
                         max_running_requests=cfg.max_running_requests, context_length=ctx,
                         step_values=step_values or scheduler.candidate_steps,

@@ -41,8 +41,30 @@ def cap_candidates(config: AdaptiveConfig, max_steps: int) -> AdaptiveConfig:
                           f"config's candidates: {e}") from None
 
 
+def with_tree_bounds(config: AdaptiveConfig, topk: int, num_draft_tokens: int
+                     ) -> AdaptiveConfig:
+    """``config`` with the ``goodput`` strategy's ``tree`` key set from SGLang's
+    ``speculative_eagle_topk`` / ``speculative_num_draft_tokens`` (root included; the key's
+    ``max_num_draft_tokens`` excludes it): with adaptation on, the flags bound the trees the
+    policy chooses (issue 29). Raises :class:`ConfigError` naming the option for a strategy
+    that chooses no trees, or a config whose own ``tree`` key differs from the flags."""
+    data = json.loads(config.to_json())
+    what = f"speculative_eagle_topk={topk}"
+    if data.get("strategy") != "goodput":
+        raise ConfigError(f"{what} with adaptive steps needs the goodput strategy (it chooses "
+                          f"tree shapes by cost); the config's strategy is "
+                          f"{data.get('strategy')!r}")
+    bounds = {"max_topk": topk, "max_num_draft_tokens": num_draft_tokens - 1}
+    if data.get("tree") not in (None, bounds):
+        raise ConfigError(f"{what}, speculative_num_draft_tokens={num_draft_tokens}: the "
+                          f"adaptive config's tree {data['tree']} differs; give the bounds once")
+    data["tree"] = bounds
+    return AdaptiveConfig.from_dict(data)
+
+
 def policy_options(num_steps: int | None, adaptive: bool, loaded: AdaptiveConfig | None,
-                   drafter_max_steps: int | None, schedule: Any, initial: int | None = None
+                   drafter_max_steps: int | None, schedule: Any, initial: int | None = None,
+                   tree: tuple[int, int] | None = None
                    ) -> tuple[dict[str, Any], list[int] | None, AdaptiveConfig | None]:
     """``(scheduler policy kwargs, worker step values or None, adaptive config or None)``.
 
@@ -50,6 +72,8 @@ def policy_options(num_steps: int | None, adaptive: bool, loaded: AdaptiveConfig
     ``schedule``: the ``steps_schedule`` test hook (a sequence or callable) or None.
     ``initial``: adaptive only, the starting steps (``speculative_initial_steps``; a candidate
     of some slot, ``ConfigError`` otherwise); default: see the module docstring.
+    ``tree``: adaptive only, ``(speculative_eagle_topk, speculative_num_draft_tokens)`` with
+    top-k > 1, the policy's tree bounds (:func:`with_tree_bounds`).
     Raises :class:`ConfigError` naming the option for steps the drafter or config cannot run.
     """
     if drafter_max_steps is None:
@@ -68,6 +92,8 @@ def policy_options(num_steps: int | None, adaptive: bool, loaded: AdaptiveConfig
         config = loaded if loaded is not None else AdaptiveConfig.default()
         if num_steps is not None:
             config = cap_candidates(config, num_steps)
+        if tree is not None:
+            config = with_tree_bounds(config, *tree)
         union = config.candidate_steps
         if initial is None:
             initial = union[len(union) // 2] if num_steps is None else union[-1]

@@ -100,8 +100,8 @@ class TreePlan:
         """The fields of a scheduler plan with ``tree_topk > 1`` (issue 29's contract:
         ``steps``, ``tree_topk``, ``num_draft_tokens``, ``scratch_loc``, ``out_loc``, and
         ``draft_loc`` when the plan has one)."""
-        def i64(x: Any) -> np.ndarray:
-            return np.ascontiguousarray(np.asarray(x), np.int64)
+        def i64(x: Any) -> np.ndarray:  # a writable copy (the plan's arrays are read-only)
+            return np.array(x, np.int64)
 
         draft = getattr(plan, "draft_loc", None)
         spr = getattr(plan, "steps_per_request", None)
