@@ -140,3 +140,18 @@ def test_tree_worker_bench_smoke():
     assert rows[0]["accept_length"] == 1.0
     assert all(r["tokens_per_s"] > 0 and r["accept_length"] >= 1.0 for r in rows)
     assert set(out["target_forward_ms"]) == {"1", "4"}
+
+
+def test_tree_ab_bench_smoke():
+    """benches/tree_ab.py: every arm runs, outputs identical (greedy is lossless), the paired
+    ratios are reported."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benches" / "tree_ab.py"), "--repeats", "1", "--n-prompts",
+         "1", "--tokens", "12", "--json"],
+        capture_output=True, text=True, timeout=scaled(300))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["identical"] is True
+    assert set(result["tokens_per_s"]) == {"chain_adaptive", "tree_adaptive", "chain_fixed",
+                                           "tree_fixed"}
+    assert {"tree/chain adaptive", "tree/chain fixed"} <= set(result)

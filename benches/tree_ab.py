@@ -1,0 +1,129 @@
+"""Draft trees against chains through the engine (issue 29): paired, alternating, batch size 1.
+
+Arms (built-in target with the built-in draft model or the default EAGLE head, greedy, float32, ``--cpu-threads``):
+
+- ``chain_adaptive``: the goodput policy over chains (``speculative_eagle_topk`` 1);
+- ``tree_adaptive``: the same policy with trees up to ``--topk`` and ``--num-draft-tokens``
+  (SGLang's counting, the root included) as its bounds;
+- ``chain_fixed``: ``--fixed-steps`` drafts a chain every iteration;
+- ``tree_fixed``: the fixed tree ``(--fixed-steps, --topk, --fixed-tree-tokens)``.
+
+Every engine is built once and warmed up; each repetition runs every arm in turn (order
+rotated per repetition) over the same prompts, one request at a time (batch size 1), and
+records output tokens/s and the acceptance length (``spec_accept_length``, tokens per verify).
+Reported: per arm the medians; per pair (trees / chains, adaptive and fixed) the median of the
+paired ratios. Outputs are checked identical across arms (greedy is lossless). Speed is never
+asserted; report the load average printed beside the figures.
+
+Usage: ``nice -n 19 .venv/bin/python benches/tree_ab.py [--repeats 9] [--drafter draft|eagle]
+[--prompts code|prose] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+PROMPTS = {
+    "code": ["def fibonacci(n):", "import os\nimport", "class Stack:\n    def",
+             "for i in range(", "def add(a, b):\n    return", "with open(path) as f:"],
+    "prose": ["The history of the city", "Once upon a time, there", "In the morning the",
+              "The weather today is", "She opened the door and", "Scientists have found"],
+}
+
+
+def build(arm: str, args: argparse.Namespace):
+    """The warm engine of ``arm`` (see the module docstring)."""
+    import specdial
+    from specdial.builtin import builtin_model_path
+
+    kw = dict(model_path=None, policy_cache=False, log_interval_s=None, max_running_requests=1,
+              kv_cache_tokens=4096, cpu_threads=args.cpu_threads)
+    if args.drafter == "draft":  # the built-in draft model instead of the default EAGLE head
+        kw["draft_model_path"] = str(builtin_model_path("draft"))
+    if arm.endswith("fixed"):
+        kw.update(speculative_adaptive=False, speculative_num_steps=args.fixed_steps)
+    if arm == "tree_adaptive":
+        kw.update(speculative_eagle_topk=args.topk,
+                  speculative_num_draft_tokens=args.num_draft_tokens)
+    if arm == "tree_fixed":
+        kw.update(speculative_eagle_topk=args.topk,
+                  speculative_num_draft_tokens=args.fixed_tree_tokens)
+    return specdial.Engine(**kw)
+
+
+def run_once(engine, prompts: list[str], tokens: int) -> tuple[float, float, list[str]]:
+    """(output tokens/s, acceptance length, texts) of ``prompts`` one at a time."""
+    sp = {"temperature": 0.0, "max_new_tokens": tokens, "ignore_eos": True}
+    texts, out_tokens, accept = [], 0, []
+    start = time.perf_counter()
+    for p in prompts:
+        o = engine.generate(p, sp)
+        texts.append(o["text"])
+        out_tokens += o["meta_info"]["completion_tokens"]
+        accept.append(o["meta_info"].get("spec_accept_length") or 1.0)
+    return out_tokens / (time.perf_counter() - start), statistics.mean(accept), texts
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--drafter", choices=("draft", "eagle"), default="draft")
+    p.add_argument("--prompts", choices=tuple(PROMPTS), default="code")
+    p.add_argument("--n-prompts", type=int, default=6)
+    p.add_argument("--topk", type=int, default=4)
+    p.add_argument("--num-draft-tokens", type=int, default=16)
+    p.add_argument("--fixed-steps", type=int, default=3)
+    p.add_argument("--fixed-tree-tokens", type=int, default=8)
+    p.add_argument("--cpu-threads", type=int, default=1)
+    p.add_argument("--arms", default="chain_adaptive,tree_adaptive,chain_fixed,tree_fixed")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    arms = args.arms.split(",")
+    prompts = PROMPTS[args.prompts][: args.n_prompts]
+    load = os.getloadavg()
+    engines = {a: build(a, args) for a in arms}
+    try:
+        for e in engines.values():  # warm-up
+            run_once(e, prompts[:1], args.tokens)
+        rates: dict[str, list[float]] = {a: [] for a in arms}
+        accepts: dict[str, list[float]] = {a: [] for a in arms}
+        identical = True
+        for r in range(args.repeats):
+            texts = None
+            for a in arms[r % len(arms):] + arms[: r % len(arms)]:
+                rate, acc, got = run_once(engines[a], prompts, args.tokens)
+                rates[a].append(rate)
+                accepts[a].append(acc)
+                identical &= texts is None or got == texts
+                texts = got
+    finally:
+        for e in engines.values():
+            e.shutdown()
+    result = {"args": vars(args), "load_before": load, "load_after": os.getloadavg(),
+              "identical": identical,
+              "tokens_per_s": {a: statistics.median(v) for a, v in rates.items()},
+              "accept_length": {a: statistics.median(v) for a, v in accepts.items()}}
+    for kind in ("adaptive", "fixed"):
+        t, c = f"tree_{kind}", f"chain_{kind}"
+        if t in rates and c in rates:
+            result[f"tree/chain {kind}"] = statistics.median(
+                x / y for x, y in zip(rates[t], rates[c]))
+    if args.json:
+        print(json.dumps(result))
+        return
+    for a in arms:
+        print(f"{a:15s} {result['tokens_per_s'][a]:8.1f} tok/s  accept "
+              f"{result['accept_length'][a]:.2f}")
+    for k, v in result.items():
+        if k.startswith("tree/chain"):
+            print(f"{k}: median paired ratio {v:.3f}")
+    print(f"identical {identical}; load {load} -> {result['load_after']}")
+
+
+if __name__ == "__main__":
+    main()
