@@ -134,6 +134,22 @@ def test_tensor_parallel_worker_refuses_a_constraint_naming_the_field():
     assert not hold_for_grammar(spec, posted.append, lambda sink, item: sink(item), None)
 
 
+def test_an_engine_with_draft_trees_refuses_a_constraint_naming_both():
+    """The tree iteration applies no grammar masks yet: a constrained request to an engine
+    drafting trees ends with a RequestError naming its field and speculative_eagle_topk (its
+    output would not follow the grammar), and the engine serves the next request."""
+    e = Engine(model_path=None, **{**KW, "speculative_adaptive": False,
+                                   "speculative_num_steps": 2, "speculative_eagle_topk": 2,
+                                   "speculative_num_draft_tokens": 5, "kv_cache_tokens": 4096})
+    try:
+        with pytest.raises(RequestError, match="regex: .*speculative_eagle_topk=2") as err:
+            e.generate("x", {"max_new_tokens": 4, "regex": "a+"})
+        assert err.value.param == "regex"
+        assert e.generate("x", {"max_new_tokens": 4})["meta_info"]["completion_tokens"] == 4
+    finally:
+        e.shutdown()
+
+
 def test_ignore_eos_past_the_grammar_end_emits_stop_tokens_only(engine):
     """With ``ignore_eos`` the request outlives its grammar: after the end only the stop
     tokens are allowed (xgrammar cannot fill a finished matcher's mask)."""
