@@ -142,7 +142,7 @@ impl PyAdaptiveStepSlot {
     }
 }
 
-/// What one decode iteration runs: `steps`, `num_draft_tokens` (= steps + 1), `graph_bs` (the
+/// What one decode iteration runs: `steps`, `num_draft_tokens` (steps + 1 for a chain, 1 + the tree's nodes for a tree), `graph_bs` (the
 /// padded CUDA-graph batch size, or None for eager), `slot` (index of the deciding slot),
 /// `verify_lengths` (per-request verify lengths, or None when every request runs `steps`: what
 /// every strategy decides today) and `tree_shape` (`(depth, topk, num_draft_tokens)` of a draft

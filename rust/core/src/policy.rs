@@ -34,7 +34,8 @@ use crate::throughput::ThroughputAwarePolicy;
 pub struct StepDecision {
     /// `speculative_num_steps` for this iteration (0 = plain decoding through the verify path).
     pub steps: u32,
-    /// Tokens verified per request: `steps + 1`.
+    /// Tokens verified per request, the root included (SGLang's counting): `steps + 1` for a
+    /// chain, `1 + ` the tree's nodes for a draft tree.
     pub num_draft_tokens: u32,
     /// The CUDA-graph batch size to replay (padded), or `None` when no graph sizes are set or the
     /// batch is larger than all of them (eager).
@@ -301,7 +302,7 @@ impl AdaptiveSpeculativeParams {
             );
         }
         self.pending[slot] = Some(d.steps);
-        Ok(StepDecision { steps: d.steps, num_draft_tokens: d.steps + 1, graph_bs, slot, verify: d.verify, tree: d.tree, confidence_stop: d.confidence_stop })
+        Ok(StepDecision { steps: d.steps, num_draft_tokens: d.tree.map_or(d.steps, |t| t.num_draft_tokens) + 1, graph_bs, slot, verify: d.verify, tree: d.tree, confidence_stop: d.confidence_stop })
     }
 
     /// [`Self::on_verify_complete_with`] with nothing but the accepted drafts.
