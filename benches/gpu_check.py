@@ -193,10 +193,10 @@ class WorkerDriver:
                    else make_drafter(head, target, max_steps=max(max(steps), 1)))
         self.worker = SpecWorker(
             target, drafter, max_requests * cap, max_running_requests=max_requests,
-            context_length=cap, step_values=steps, skip_zero_step_draft_extend=skip_zero_extend,
-            backend=backend, cuda_graph_bs=graph_bs, cuda_graph_mode=mode,
+            context_length=cap, step_values=steps, backend=backend, cuda_graph_bs=graph_bs, cuda_graph_mode=mode,
             adaptive_config=adaptive_config)
         self.cap, self.device = cap, self.worker.device
+        self.skip_zero = skip_zero_extend  # plans mark skip_extend as the scheduler would
         self.last = np.zeros(max_requests, np.int64)  # x_L of every row
         self.lens = np.zeros(max_requests, np.int64)  # L of every row (the driver's plans)
         self.outputs: list[list[int]] = []
@@ -215,7 +215,9 @@ class WorkerDriver:
             raise ValueError("request outgrew its slot range; raise cap")
         loc = (rows * self.cap + L)[:, None] + np.arange(n)[None, :]
         return DecodeInput(steps, graph_bs, rows, self.last[rows].copy(), L.copy(),
-                           loc.reshape(-1), np.full(len(rows), steps, np.int64))
+                           loc.reshape(-1), np.full(len(rows), steps, np.int64),
+                           skip_extend=np.full(len(rows), int(self.skip_zero and steps == 0),
+                                               np.int64))
 
     def prefill(self, prompts: list[list[int]]) -> None:
         """One prefill of rows ``0..len(prompts)-1``, first tokens sampled."""
@@ -530,7 +532,7 @@ def section_timing(sh: Shapes, args, log, deadline) -> dict:
             for mode, graphs in (("graphs", True), ("eager", False)):
                 d = drivers[(models, graphs)]
                 w = d.worker
-                w.skip_zero_step_draft_extend = skip
+                d.skip_zero = skip  # what the scheduler's plan would mark
                 d.lens[rows] = w.draft_len[rows] = sh.context
                 inp = d.decode_input(rows, steps, None)
                 sampling = d.sampling(bs)
@@ -540,7 +542,7 @@ def section_timing(sh: Shapes, args, log, deadline) -> dict:
                     w.decode(inp, sampling, None)
                 iters = args.iters if graphs else max(3, args.iters // 2)
                 cell[mode] = timer(it, iters, warmup=3)
-                w.skip_zero_step_draft_extend = False
+                d.skip_zero = False
             cell["speedup"] = round(cell["eager"]["median_ms"] / cell["graphs"]["median_ms"], 3)
             row[str(bs)] = cell
         results["rows"][label] = row

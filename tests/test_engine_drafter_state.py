@@ -53,14 +53,14 @@ def models(request, name):
 
 def make_worker(target, module, skip, max_extend_tokens=4096):
     """A worker over a scheduler's KV pool (64 pages of 8 tokens), steps fixed per iteration."""
-    # the scheduler marks which requests skip their extend (plan.skip_extend), the engine
-    # giving it the worker's setting
+    # the scheduler, the one owner of the setting, marks which requests skip their extend
+    # (plan.skip_extend); the worker follows the plan
     sched = Scheduler(SchedulerConfig(max_running_requests=4, context_length=128, num_pages=64,
                                       page_size=8, skip_zero_step_draft_extend=skip),
                       speculative_num_steps=0, adaptive=False)
     worker = SpecWorker(target, make_drafter(module, target, max_steps=7), sched.num_slots,
                         max_running_requests=4, context_length=128, step_values=range(8),
-                        skip_zero_step_draft_extend=skip, max_extend_tokens=max_extend_tokens)
+                        max_extend_tokens=max_extend_tokens)
     return worker, sched
 
 

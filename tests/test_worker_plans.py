@@ -73,11 +73,12 @@ def test_plans_alone_give_the_target_greedy_tokens(request, name, skip_zero):
     want = target_greedy(target)
     sched = Scheduler(SchedulerConfig(max_running_requests=3, context_length=64, num_pages=12,
                                       page_size=8, max_prefill_tokens=8,
-                                      chunked_prefill_size=8),
+                                      chunked_prefill_size=8,
+                                      skip_zero_step_draft_extend=skip_zero),
                       speculative_num_steps=0, adaptive=False)
     worker = SpecWorker(target, make_drafter(module, target, max_steps=7), sched.num_slots,
                         max_running_requests=3, context_length=64, step_values=range(8),
-                        skip_zero_step_draft_extend=skip_zero, max_extend_tokens=8)
+                        max_extend_tokens=8)
     got, preemptions = run_plans(worker, sched, skip_zero)
     assert list(got.values()) == want
     assert not hasattr(worker, "target_len")  # the plans are the only source of lengths

@@ -173,7 +173,6 @@ def build_parts(target: LlamaForCausalLM, drafter: Any, tokenizer: Any,
     worker = SpecWorker(target, drafter, scheduler.num_slots,
                         max_running_requests=cfg.max_running_requests, context_length=ctx,
                         step_values=step_values or scheduler.candidate_steps,
-                        skip_zero_step_draft_extend=cfg.skip_zero_step_draft_extend,
                         cuda_graph_bs=graph_bs, cuda_graph_mode=mode,
                         adaptive_config=adaptive if cfg.steps_schedule is None else None,
                         max_extend_tokens=cfg.max_prefill_tokens)

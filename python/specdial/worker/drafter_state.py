@@ -14,8 +14,8 @@ plan gives every iteration and the worker never stores):
 - After drafting ``k >= 1`` at ``L`` and a verify accepting ``a``, before the extend:
   ``draft_len = Drafter.draft_len_after_verify(L, k, a)``, each drafter's own rule (what its
   draft forwards wrote from true inputs; :mod:`specdial.worker.drafters`).
-- At ``steps = 0`` with ``skip_zero_step_draft_extend`` (the engine's default) nothing runs
-  and ``draft_len`` lags; the next drafting iteration's catch-up covers the gap, in forwards
+- At ``steps = 0`` with ``skip_zero_step_draft_extend`` (the engine's default; the plan's
+  ``skip_extend`` carries it) nothing runs and ``draft_len`` lags; the next drafting iteration's catch-up covers the gap, in forwards
   of at most ``max_extend_tokens`` tokens; without it the extend runs every iteration (SGLang
   PR #23994).
 

@@ -93,7 +93,6 @@ class SpecWorker:
     - ``step_values``: the ``steps`` values to build runtime states for (each in
       ``0..drafter.max_steps``; ``Scheduler.candidate_steps``); a plan with any other value
       raises ``ValueError``.
-    - ``skip_zero_step_draft_extend``: skip the drafter extend at ``steps = 0``.
     - ``backend``: the attention backend (default :func:`select_backend` for the device and
       the target's dtype).
     - ``cuda_graph_bs``: batch sizes to capture CUDA graphs for (None: no graphs, eager
@@ -110,14 +109,12 @@ class SpecWorker:
 
     def __init__(self, target: LlamaForCausalLM, drafter: Drafter | None, num_kv_slots: int, *,
                  max_running_requests: int, context_length: int, step_values: Iterable[int],
-                 skip_zero_step_draft_extend: bool = False,
                  backend: AttentionBackend | None = None,
                  cuda_graph_bs: Sequence[int] | None = None, cuda_graph_mode: str | None = None,
                  adaptive_config: Any = None, max_extend_tokens: int = 4096) -> None:
         self.target, self.drafter = target, drafter
         if max_extend_tokens < 1:
             raise ValueError(f"max_extend_tokens must be >= 1, got {max_extend_tokens}")
-        self.skip_zero_step_draft_extend = skip_zero_step_draft_extend
         self.device = device = target.embed_tokens.weight.device
         if device.type == "cpu":
             keep_freed_memory()  # page-fault-free temporaries (cpu_malloc.py)
@@ -463,12 +460,14 @@ class SpecWorker:
 
     def extend(self, step: DecodeStep, accepted: Accepted) -> None:
         """The draft extend over the newly accepted tokens, up to the new target length
-        ``L + accepted + 1`` (skipped at steps 0 with ``skip_zero_step_draft_extend``, and for
-        the requests the plan's ``skip_extend`` marks)."""
+        ``L + accepted + 1`` (skipped for the requests the plan's ``skip_extend`` marks: the
+        scheduler, the one owner of ``skip_zero_step_draft_extend``, marks every request of a
+        steps-0 plan, and budget-0 requests of a drafting one)."""
         ds = self.drafter_state
         if ds is None:
             return
-        if step.steps == 0 and self.skip_zero_step_draft_extend:
+        skip = step.inp.skip_extend
+        if skip is not None and skip.all():  # nothing drafted, nothing extends (a steps-0 plan)
             return
         budgets = step.inp.steps_per_request
         drafted = budgets > 0
@@ -478,7 +477,6 @@ class SpecWorker:
             ds.after_verify(rows, step.target_len[drafted], budgets[drafted],
                             accepted.accepted[drafted])
         ends = step.target_len + accepted.accepted + 1
-        skip = step.inp.skip_extend
         if skip is not None and skip.any():  # the plan's budget-0 requests skip (issue 28)
             ends = np.where(skip != 0, np.minimum(ds.draft_len[step.rows], ends), ends)
         ds.catch_up(step.rows, ends, step.runner, step.batches)

@@ -303,10 +303,10 @@ impl Scheduler {
                         }
                     }
                     PlanKind::Decode => {
-                        // A drafting iteration catches the drafter up; a skipped extend (steps 0,
-                        // or a request at budget 0 the plan marked) leaves it behind by what was
-                        // emitted.
-                        let skipped = if fl.steps > 0 { fl.skip[i] } else { self.config.skip_zero_step_draft_extend };
+                        // A drafting iteration catches the drafter up; a skipped extend (the plan
+                        // marks it: budget 0 with the zero-step extend skipped, so every request
+                        // of a steps-0 iteration) leaves it behind by what was emitted.
+                        let skipped = fl.skip[i];
                         if skipped {
                             r.draft_lag += emitted.len() as u64;
                         } else {
