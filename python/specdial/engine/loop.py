@@ -45,17 +45,17 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from specdial._core import InvalidRequestError, QueueFullError
 from specdial.detokenize import IncrementalText
-from specdial.engine.api import POLICY_REFRESH_S, EngineStats, RequestError
-from specdial.engine.ends import aborted, failed, finished, shut_down
-from specdial.engine.grammar_gate import attach_grammar, hold_for_grammar, matcher_of
-from specdial.engine.isolation import param_of, sampling_isolated
+from specdial.engine.api import POLICY_REFRESH_S, EngineStats
+from specdial.engine.ends import failed, finished
+from specdial.engine.grammar_gate import attach_grammar
+from specdial.engine.inbox import LoopInbox
+from specdial.engine.isolation import sampling_isolated
 from specdial.engine.loop_stats import VerifyLengths, engine_stats, log_progress
-from specdial.engine.cache_ops import cache_limit, note_cached_tokens
+from specdial.engine.cache_ops import note_cached_tokens
 from specdial.engine.live import LiveRequest, prompt_plan, store_prompt_logprobs
 from specdial.engine.stops import StopCheck, check_stop_strings
-from specdial.engine.messages import (Abort, Cancel, Crash, FlushCache, Message, RequestSpec,
+from specdial.engine.messages import (Abort, Cancel, Crash, Message, RequestSpec,
                                       Shutdown, StepsSchedule, Submit, Submitted)
 from specdial.worker.logprobs import HostLogprobs, LogprobRows
 from specdial.worker.sampling import BatchSampling, SamplingParams
@@ -67,7 +67,7 @@ __all__ = ["Abort", "Cancel", "Crash", "EngineLoop", "Message", "RequestSpec", "
            "StepsSchedule", "Submit", "Submitted"]
 
 
-class EngineLoop:
+class EngineLoop(LoopInbox):
     """The loop thread over ``scheduler`` and ``worker`` (see the module docstring).
 
     ``generator``: the sampling generator of the requests without a ``seed`` (seeded requests
@@ -118,11 +118,6 @@ class EngineLoop:
     def start(self) -> None:
         self.thread.start()
 
-    def post(self, message: Message) -> None:
-        """Queue a :class:`Submit`, :class:`Cancel`, :class:`Abort` or :class:`Shutdown` for
-        the loop (FIFO; handled between iterations)."""
-        self.inbox.put(message)
-
     def stats(self) -> EngineStats:
         """The latest snapshot (a copy; refreshed after every iteration and inbox turn)."""
         s = self._stats
@@ -160,85 +155,6 @@ class EngineLoop:
             if self.trace_file is not None:
                 self._write_trace()
                 self.trace_file.close()
-
-    def _answer_until_shutdown(self, error: BaseException) -> None:
-        while True:
-            match self.inbox.get():
-                case Submit(specs):
-                    for spec in specs:
-                        spec.sink(RuntimeError(f"the engine loop failed: {error}"))
-                case Shutdown():
-                    return
-                case FlushCache(reply):
-                    reply.set_exception(RuntimeError(f"the engine loop failed: {error}"))
-                case _:
-                    pass
-
-    def _handle_inbox(self, block: bool) -> None:
-        messages = [self.inbox.get()] if block else []
-        while True:
-            try:
-                messages.append(self.inbox.get_nowait())
-            except queue.Empty:
-                break
-        for message in messages:
-            match message:
-                case Submit(specs):
-                    for spec in specs:
-                        self._submit(spec)
-                case Cancel(spec):
-                    if spec.rid is not None and spec.rid in self.live:
-                        self._finish_now(spec.rid, aborted("aborted: the client stopped reading"))
-                    elif spec.rid is None and spec.grammar is not None:  # still compiling
-                        spec.cancelled = True
-                case Abort(rid):
-                    if rid in self.live:
-                        self._finish_now(rid, aborted("aborted by request"))
-                case Shutdown(drain):
-                    self._stopping, self._drain = True, bool(drain)
-                    if not self._drain:
-                        for rid in list(self.live):
-                            self._finish_now(rid, shut_down("aborted: the engine is shutting "
-                                                            "down"))
-                case Crash(text):
-                    raise RuntimeError(text)
-                case FlushCache(reply):
-                    reply.set_result(bool(self.sched.flush_cache()))
-                case _:
-                    raise TypeError(f"unknown engine loop message {message!r}")
-        if messages:
-            self._refresh_stats()
-            self._flush()
-
-    def _submit(self, spec: RequestSpec) -> None:
-        if self._stopping:
-            self._out(spec.sink, RuntimeError("Engine is shut down"))
-            return
-        if hold_for_grammar(spec, self.post, self._out, self.worker, self.sched.draft_tree[0]):
-            return
-        try:
-            rid = self.sched.add_request(np.asarray(spec.prompt_ids, np.int64),
-                                         spec.params.max_new_tokens, list(spec.stop_token_ids),
-                                         True,  # EOS ids are in stop_token_ids
-                                         max_cached_tokens=cache_limit(spec))
-        except InvalidRequestError as e:
-            self._out(spec.sink, RequestError(str(e), param_of(str(e))))
-            return
-        except QueueFullError as e:
-            self._out(spec.sink, e)
-            return
-        except Exception as e:  # noqa: BLE001 - no request may stop the loop
-            self._out(spec.sink, RequestError(f"the scheduler refused the request: "
-                                              f"{type(e).__name__}: {e}"))
-            return
-        spec.rid = rid
-        p = spec.params
-        self.live[rid] = LiveRequest(spec, rid, IncrementalText(
-            self.tokenizer, spec.stop, skip_special_tokens=p.skip_special_tokens,
-            include_stop=p.include_stop_str_in_output, min_tokens=p.min_tokens),
-            grammar=matcher_of(spec))
-        self._prompt_tokens += len(spec.prompt_ids)
-        self._out(spec.sink, Submitted(rid))
 
     def step(self) -> None:
         """One iteration: ``schedule()`` -> the worker's passes -> ``report()`` ->
