@@ -44,14 +44,17 @@ def start_compile(structured: StructuredSpec | None, tokenizer: Any, vocab_size:
 
 def hold_for_grammar(spec: RequestSpec, post: Callable[[Any], None],
                      out: Callable[[Any, Any], None], worker: Any = None,
-                     tree_topk: int = 1) -> bool:
+                     tree_topk: int = 1,
+                     on_hold: Callable[[RequestSpec], None] | None = None) -> bool:
     """True when the loop must not add ``spec`` now: its grammar is compiling (it is posted
     again, as a :class:`Submit`, when done), was cancelled meanwhile (dropped), or failed, or
     ``worker`` is a tensor-parallel one
     (:class:`~specdial.distributed.mirror.Mirrored`: its calls are pickled to the other ranks
     and xgrammar's matchers do not pickle), or the engine drafts trees (``tree_topk > 1``,
     ``speculative_eagle_topk``: the tree iteration applies no grammar masks yet); then its sink
-    got the error."""
+    got the error. ``on_hold(spec)`` is called when it is held for its compile, before the
+    callback that posts it again is attached (the loop's record of held requests,
+    :mod:`specdial.engine.inbox`, which answers them at shutdown)."""
     fut = spec.grammar
     if fut is None:
         return False
@@ -70,6 +73,9 @@ def hold_for_grammar(spec: RequestSpec, post: Callable[[Any], None],
                                     "use tp_size 1 (data parallelism works)", field))
         return True
     if not fut.done():
+        if on_hold is not None:
+            on_hold(spec)
+
         def again(_: Any) -> None:
             try:
                 post(Submit([spec]))

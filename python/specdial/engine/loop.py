@@ -6,9 +6,11 @@ through :meth:`EngineLoop.post` (a FIFO inbox of typed messages: :class:`Submit`
 *sink* (a callable the loop calls, from its thread, with :class:`Submitted`, an exception, or a
 :class:`~specdial.engine.api.StreamChunk`). Each turn of the loop:
 
-1. handles the inbox: submissions (``add_request``; the sink gets ``Submitted(id)``, or
-   :class:`~specdial.engine.api.RequestError` / :class:`~specdial.engine.api.QueueFullError`),
-   aborts, cancellations of streams, shutdown; it blocks there while nothing is live;
+1. handles the inbox (:mod:`specdial.engine.inbox`): submissions (``add_request``; the sink
+   gets ``Submitted(id)``, or :class:`~specdial.engine.api.RequestError` /
+   :class:`~specdial.engine.api.QueueFullError`; a request whose grammar compiles is held
+   until it is ready), aborts, cancellations of streams, shutdown; it blocks there while
+   nothing is live; it stops after a shutdown once nothing is live and no request is held;
 2. runs one iteration (:meth:`EngineLoop.step`): ``plan = schedule()`` ->
    ``worker.prefill/decode(plan)`` -> the stop strings checked on the emitted tokens
    (:mod:`specdial.engine.stops`) -> ``report(..., stop_strings=...)``, which decides every
@@ -37,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
 import threading
 import time
 from typing import Any, Callable
@@ -89,7 +90,7 @@ class EngineLoop(LoopInbox):
         # torch's intra-op thread count is per OS thread (OpenMP): without this the loop thread
         # would run with the default and be many times slower than the caller configured
         self._num_threads = torch.get_num_threads()
-        self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        self._init_inbox()
         self.live: dict[int, LiveRequest] = {}
         self.dead: BaseException | None = None
         self._stopping = self._drain = False
@@ -132,7 +133,7 @@ class EngineLoop(LoopInbox):
             with torch.inference_mode():
                 while True:
                     self.turns, busy = self.turns + 1, self._unfinished > 0
-                    if not busy and self._stopping:
+                    if not busy and self._stopping and not self.held:
                         break
                     self._handle_inbox(block=not busy)
                     if not busy and self._unfinished:
@@ -149,6 +150,7 @@ class EngineLoop(LoopInbox):
                 except Exception:  # noqa: BLE001 - the scheduler may be what broke
                     pass
                 self._end_aborted(rid, reason)
+            self._end_held(reason)
             self._flush()
             self._answer_until_shutdown(e)
         finally:
