@@ -102,3 +102,36 @@ def test_bad_constraints_are_400_naming_the_field(server, path, body, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert param in (err.get("param") or "") or param in err["message"], err
+
+
+def test_a_request_held_for_its_grammar_is_answered_when_the_server_stops(monkeypatch):
+    """SIGTERM while a request's grammar compiles (the compile blocked): the server's graceful
+    timeout passes, the request is answered with ``abort`` (no hang), the engine shuts down
+    (``drain=False``) and the server stops."""
+    import signal
+    import threading
+
+    from test_grammar_shutdown import BlockedCompiles, held_spec
+
+    regex = "held-http[0-9]{3}"
+    blocked = BlockedCompiles(monkeypatch, regex)
+    engine = ServeConfig(max_running_requests=2, log_interval_s=0).build_engine()
+    try:
+        with LiveServer(engine, name=NAME, shutdown_timeout=0.2) as s:
+            got: list = []
+            t = threading.Thread(target=lambda: got.append(post(s, "/generate", {
+                "text": "x", "sampling_params": {"max_new_tokens": 8, "regex": regex}})))
+            t.start()
+            held_spec(engine)
+            s.server.handle_exit(signal.SIGTERM, None)
+            t.join(scaled(30))
+            assert not t.is_alive(), "the held request was not answered"
+            s.thread.join(scaled(30))
+            assert not s.thread.is_alive(), "the server did not stop"
+        r = got[0]
+        assert r.status_code == 200, r.text
+        assert r.json()["meta_info"]["finish_reason"]["type"] == "abort"
+        assert engine.stats().kv_pages_used == 0
+    finally:
+        blocked.release.set()
+        engine.shutdown(drain=False)
