@@ -6,6 +6,7 @@ and ``regex``, and 400s naming the field for bad or doubled constraints."""
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import httpx
@@ -82,6 +83,20 @@ def test_sglang_generate_json_schema_and_regex(server):
     if out["meta_info"]["finish_reason"]["type"] == "stop":
         assert set(json.loads(out["text"])) == {"n", "ok"}
 
+
+def test_chat_logprobs_under_a_choice_list_only_the_allowed_tokens(server):
+    """vLLM's ``guided_choice`` with ``logprobs``: the first token's alternatives are the
+    tokens that start a choice (here only "r" and "g"; 2 < top_logprobs) and their
+    probabilities sum to 1: the constrained distribution, serialised as finite JSON numbers."""
+    r = post(server, "/v1/chat/completions", {
+        "model": NAME, "messages": [{"role": "user", "content": "pick"}], "max_tokens": 10,
+        "guided_choice": ["red", "green"], "logprobs": True, "top_logprobs": 10})
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    first = content[0]["top_logprobs"]
+    assert {e["token"] for e in first} <= {"r", "g", "re", "gr", "red", "green", "gre"}
+    assert sum(math.exp(e["logprob"]) for e in first) == pytest.approx(1, abs=1e-4)
+    assert all(math.isfinite(e["logprob"]) for c in content for e in c["top_logprobs"])
 
 @pytest.mark.parametrize("path, body, param", [
     ("/generate", {"text": "x", "sampling_params": {"regex": "(bad"}}, "regex"),

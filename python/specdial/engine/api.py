@@ -53,8 +53,10 @@ class LogprobOptions:
     ``echo``).
 
     Values are the target model's ``log_softmax`` of its raw logits, before temperature, top-k
-    and top-p (vLLM's default ``raw_logprobs``), natural log. ``top_n``: alternatives per token
-    (0..20). ``prompt_start``: None for none, else prompt logprobs for prompt positions
+    and top-p (vLLM's default ``raw_logprobs``), natural log; under a grammar (structured
+    outputs) those of the grammar-masked target distribution, as vLLM reports them (fewer
+    alternatives where the grammar allows fewer tokens; :mod:`specdial.worker.logprobs`).
+    ``top_n``: alternatives per token (0..20). ``prompt_start``: None for none, else prompt logprobs for prompt positions
     ``prompt_start..P-1`` (position 0 has no logprob: reported as None).
     """
 

@@ -14,7 +14,7 @@ import numpy as np
 from specdial.detokenize import IncrementalText
 from specdial.engine.api import StreamChunk
 from specdial.engine.messages import RequestSpec
-from specdial.worker.logprobs import HostLogprobs, PromptLogprobPlan
+from specdial.worker.logprobs import NOT_ALLOWED_ID, HostLogprobs, PromptLogprobPlan
 
 
 @dataclass(eq=False)
@@ -100,7 +100,9 @@ class LiveRequest:
         if token_lp is not None:
             values, ids, top = token_lp
             chunk.logprobs = values.tolist()
-            chunk.top_logprobs = [list(zip(i, t)) for i, t in zip(ids.tolist(), top.tolist())]
+            # an alternative the grammar does not allow (id NOT_ALLOWED_ID) is never listed
+            chunk.top_logprobs = [[(a, v) for a, v in zip(i, t) if a != NOT_ALLOWED_ID]
+                                  for i, t in zip(ids.tolist(), top.tolist())]
         elif not new:
             chunk.logprobs, chunk.top_logprobs = [], []
         if new:

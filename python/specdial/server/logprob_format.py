@@ -1,7 +1,8 @@
 """OpenAI logprob shapes from the engine's per-token log-probabilities.
 
 The numbers are the target's natural-log probabilities before sampling processors (vLLM's
-default, :mod:`specdial.worker.logprobs`). The chosen tokens' strings (and ``bytes``) follow the
+default, :mod:`specdial.worker.logprobs`); under a grammar, those of the grammar-masked
+distribution, with only allowed tokens among the alternatives (possibly fewer than asked). The chosen tokens' strings (and ``bytes``) follow the
 text (:mod:`specdial.engine.token_align`: joined, they are the text, stop-string cuts and
 multi-byte characters included); alternatives are each token decoded alone
 (``tokenizer.decode([id])``), as vLLM reports them; two tokens with the same text collapse in a

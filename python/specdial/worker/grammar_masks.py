@@ -121,6 +121,10 @@ class GrammarStep:
         self.drafted = np.zeros(g, np.int64)  # drafted tokens each matcher accepted
         self.ended = np.zeros(g, bool)  # a refused draft: later columns unreachable
         self.masks: list[torch.Tensor] = [grammar.current_mask()]
+        #: bool ``[B, n, V]``: the masks the last :meth:`first` (``n = 1``) or :meth:`verify`
+        #: applied, for the constrained log-probabilities
+        #: (:func:`~specdial.worker.logprobs.token_logprobs`'s ``allowed``)
+        self.allowed: torch.Tensor | None = None
 
     def _push(self, tokens: torch.Tensor) -> None:
         """Accept ``tokens`` ``[B]`` (device; ``d_j`` of every row) and append mask ``j``."""
@@ -141,6 +145,7 @@ class GrammarStep:
         """A prefill's first tokens: ``[B, V]`` -> masked ``[B, V]`` (current state)."""
         if self.inner is not None:
             logits = self.inner.first(logits)
+        self.allowed = self.masks[0][:, None]
         return logits.masked_fill(~self.masks[0], -math.inf)
 
     def draft_step(self, logits: torch.Tensor, i: int, input_ids: torch.Tensor) -> torch.Tensor:
@@ -167,7 +172,8 @@ class GrammarStep:
         while len(self.masks) < n:
             self._push(input_ids[:, len(self.masks)])
         self.rollback()
-        return logits.masked_fill(~torch.stack(self.masks[:n], 1), -math.inf)
+        self.allowed = torch.stack(self.masks[:n], 1)
+        return logits.masked_fill(~self.allowed, -math.inf)
 
     def rollback(self) -> None:
         """Undo the drafted tokens the matchers accepted (idempotent)."""

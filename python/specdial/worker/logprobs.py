@@ -8,6 +8,19 @@ the accepted drafts, then the correction or bonus token); for the first token, t
 logits at the prompt's last position; for prompt tokens (``echo`` / SGLang's
 ``logprob_start_len``), the prefill logits at the position before each token.
 
+Under a grammar (structured outputs) the emitted tokens' log-probabilities are those of the
+**constrained** target distribution: the raw logits with the grammar's mask of that position
+applied (disallowed tokens ``-inf``), then ``log_softmax``, so they sum to 1 over the allowed
+tokens. That is what vLLM reports in the same mode: its worker applies the grammar bitmask to
+the logits before its sampler computes ``raw_logprobs`` from them (``apply_grammar_bitmask``
+in ``gpu_model_runner.py``); SGLang likewise masks (``vocab_mask``) before its sampler's
+log-softmax. A disallowed token's log-probability is :data:`DISALLOWED_LOGPROB` (vLLM's floor
+in its OpenAI responses; JSON has no ``-inf``), and a disallowed token never appears among the
+top alternatives: its entry gets id ``-1`` (:data:`NOT_ALLOWED_ID`), which the engine drops
+(:meth:`~specdial.engine.live.LiveRequest.chunk`), so a position with fewer allowed tokens than
+``top_n`` lists fewer alternatives. Prompt logprobs are never masked (the prompt is not
+constrained). The masks come from :mod:`specdial.worker.grammar_masks` (``allowed`` below).
+
 Pieces:
 
 - :class:`LogprobRows`: which rows of a batch want log-probabilities and how many top
@@ -32,13 +45,18 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-__all__ = ["MAX_TOP_LOGPROBS", "DeviceLogprobs", "HostLogprobs", "LogprobRows",
-           "PromptLogprobPlan", "prompt_logprobs", "token_logprobs"]
+__all__ = ["DISALLOWED_LOGPROB", "MAX_TOP_LOGPROBS", "NOT_ALLOWED_ID", "DeviceLogprobs",
+           "HostLogprobs", "LogprobRows", "PromptLogprobPlan", "masked_log_softmax",
+           "prompt_logprobs", "token_logprobs"]
 
 #: Most alternatives per token (vLLM's default ``max_logprobs``).
 MAX_TOP_LOGPROBS = 20
 #: Prompt positions per ``compute_logits`` block.
 PROMPT_BLOCK = 1024
+#: The log-probability reported for a token the grammar does not allow (vLLM's floor).
+DISALLOWED_LOGPROB = -9999.0
+#: ``top_ids`` entry of an alternative the grammar does not allow (dropped by the engine).
+NOT_ALLOWED_ID = -1
 
 
 @dataclass(frozen=True)
@@ -107,6 +125,16 @@ def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1)
 
 
+def masked_log_softmax(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """float32 ``log_softmax`` of ``logits`` ``[..., V]`` over the tokens ``allowed`` (bool,
+    the same shape, or broadcastable; None: every token): disallowed tokens get ``-inf``, the
+    allowed ones sum to 1 in probability. A row with no allowed token is not expected (a
+    grammar's mask always allows a stop token) and would give NaN."""
+    if allowed is None:
+        return _log_softmax(logits)
+    return torch.log_softmax(logits.float().masked_fill(~allowed, -torch.inf), dim=-1)
+
+
 def _top(logp: torch.Tensor, top_n: int) -> tuple[torch.Tensor, torch.Tensor]:
     if top_n == 0:
         shape = (*logp.shape[:-1], 0)
@@ -116,22 +144,38 @@ def _top(logp: torch.Tensor, top_n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, values
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
-                   spec: LogprobRows) -> DeviceLogprobs:
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, spec: LogprobRows,
+                   allowed: torch.Tensor | None = None) -> DeviceLogprobs:
     """Log-probabilities of ``tokens`` under ``logits`` for the rows of ``spec``.
 
     ``logits``: ``[B, n, V]`` (any float dtype; raw, before sampling processors);
     ``tokens``: ``[B, n]`` int64 (negative entries, i.e. positions a row did not emit, are read
-    as token 0 and must be ignored by the caller). Returns ``[R, n]`` and ``[R, n, top_n]``
-    tensors on the logits' device. Raises ``ValueError`` for mismatched shapes.
+    as token 0 and must be ignored by the caller); ``allowed``: bool ``[B, n, V]``, the grammar
+    masks of a batch with constrained rows (all True in the unconstrained rows), or None: the
+    log-probabilities are then those of the constrained distribution (module docstring),
+    a disallowed token's is :data:`DISALLOWED_LOGPROB` and a disallowed alternative has id
+    :data:`NOT_ALLOWED_ID` (and that value). This is the helper every path that emits tokens
+    under a grammar calls (chains here and in the prefill; a tree passes its nodes' masks).
+    Returns ``[R, n]`` and ``[R, n, top_n]`` tensors on the logits' device. Raises
+    ``ValueError`` for mismatched shapes.
     """
     if logits.dim() != 3 or tuple(tokens.shape) != tuple(logits.shape[:2]):
         raise ValueError(f"token_logprobs: logits [B, n, V] and tokens [B, n] expected, got "
                          f"{list(logits.shape)} and {list(tokens.shape)}")
-    logp = _log_softmax(logits.index_select(0, spec.rows))
-    tok = tokens.index_select(0, spec.rows).clamp_min(0)
+    if allowed is not None and tuple(allowed.shape) != tuple(logits.shape):
+        raise ValueError(f"token_logprobs: allowed must be bool {list(logits.shape)} like the "
+                         f"logits, got {list(allowed.shape)}")
+    rows = spec.rows
+    logp = masked_log_softmax(logits.index_select(0, rows),
+                              None if allowed is None else allowed.index_select(0, rows))
+    tok = tokens.index_select(0, rows).clamp_min(0)
     chosen = logp.gather(-1, tok[..., None]).squeeze(-1)
     ids, values = _top(logp, spec.top_n)
+    if allowed is not None:
+        chosen = chosen.clamp_min(DISALLOWED_LOGPROB)
+        out = torch.isneginf(values)
+        ids = ids.masked_fill(out, NOT_ALLOWED_ID)
+        values = values.masked_fill(out, DISALLOWED_LOGPROB)
     return DeviceLogprobs(spec.rows_np, chosen, ids, values)
 
 

@@ -307,9 +307,10 @@ class SpecWorker:
             processing = sampling.grammar.step(processing)
         first = sample(first_logits if processing is None else processing.first(first_logits),
                        sampling, generator, positions)
-        if logprobs is not None:
+        if logprobs is not None:  # under a grammar: the constrained distribution's
+            allowed = None if sampling.grammar is None else processing.allowed
             pending.append(("first", token_logprobs(first_logits[:, None], first[:, None],
-                                                    logprobs).to_host()))
+                                                    logprobs, allowed).to_host()))
         host = first.cpu().numpy().astype(np.int64)
         if sampling.grammar is not None:
             sampling.grammar.advance(np.ones(len(host), np.int64), host[:, None])
@@ -443,8 +444,9 @@ class SpecWorker:
         batches = step.batches
         # emitted tokens go to positions L+1..L+a+1 (later columns are stale, never read)
         self.tables.req_to_ids[batches.rows[:, None], batches.verify_positions + 1] = out
+        allowed = None if sampling.grammar is None else step.processing.allowed  # [B, n, V]
         lp_pending = (None if logprobs is None
-                      else token_logprobs(verified.logits, out, logprobs).to_host())
+                      else token_logprobs(verified.logits, out, logprobs, allowed).to_host())
         parts = [accepted[:, None], out, float_bits(drafts.conf)]
         if drafts.verify_lens is not None:
             parts.append(drafts.verify_lens[:, None])
