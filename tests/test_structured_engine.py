@@ -111,27 +111,51 @@ def test_unpacked_mask_width_is_the_target_vocabulary(engine):
     assert xgr.allocate_token_bitmask(1, b.vocab_size).shape[1] * 32 >= engine.vocab_size
 
 
-def test_tensor_parallel_worker_refuses_a_constraint_naming_the_field():
-    """Under tp_size > 1 the worker's calls are pickled to the other ranks and xgrammar's
-    matchers do not pickle: the request is refused alone (a RequestError naming its field),
-    before it reaches the scheduler, instead of failing its whole batch."""
-    from concurrent.futures import Future
+def test_a_worker_rank_masks_with_rank_0s_masks(engine):
+    """tp > 1 without processes: rank 0's BatchGrammar shares every packed mask it makes (a
+    queue stands in for the broadcast) and a worker rank's MirroredGrammar, built from what
+    goes on the wire, receives them at the same points of a step: the first mask, one per draft
+    level, the verify's last column. Both ranks apply the same masks (drafts and verify) and
+    the worker rank's matchers never exist (nothing to pickle)."""
+    import pickle
+    from collections import deque
 
-    from specdial.distributed.mirror import Mirrored
-    from specdial.engine.grammar_gate import hold_for_grammar
-    from specdial.engine.messages import RequestSpec
-    from specdial.worker.sampling import SamplingParams
+    import torch
 
-    got = []
-    fut = Future()
-    fut.set_result(object())
-    params = SamplingParams.from_dict({"regex": "a+"})
-    spec = RequestSpec([1], params, (), (), sink=got.append, grammar=fut)
-    posted = []
-    assert hold_for_grammar(spec, posted.append, lambda sink, item: sink(item),
-                            Mirrored.__new__(Mirrored))
-    assert isinstance(got[0], RequestError) and got[0].param == "regex" and not posted
-    assert not hold_for_grammar(spec, posted.append, lambda sink, item: sink(item), None)
+    from specdial.worker.grammar_masks import BatchGrammar, GrammarOnWire
+
+    b = backend_for(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
+    compiled = b.compile(StructuredSpec("regex", REGEX))
+    wire = deque()
+    rank0 = BatchGrammar([new_matcher(compiled), None, new_matcher(compiled)],
+                         engine.vocab_size, torch.device("cpu"), share=lambda t: wire.append(
+                             t.clone()))
+    sent = pickle.loads(pickle.dumps(rank0.wire()))
+    assert sent == GrammarOnWire(3, engine.vocab_size)
+
+    def receive(t):
+        t.copy_(wire.popleft())
+
+    rank1 = sent.follower(receive, torch.device("cpu"))
+    v, n = engine.vocab_size, 4
+    ids = engine.tokenizer.encode("12.5 kg", add_special_tokens=False)[:n - 1]
+    drafts = torch.tensor([ids, ids, ids])  # [B, 3]: allowed drafts for the regex rows
+    logits = torch.randn(3, v, generator=torch.Generator().manual_seed(1))
+    steps = [g.step(None) for g in (rank0, rank1)]
+    assert not wire  # the first mask: shared by rank 0, taken by the worker rank
+    outs = []
+    for s in steps:  # rank 0 first (it shares), then the worker rank (it receives)
+        d = [s.draft_step(logits, i, drafts[:, i - 1] if i else torch.zeros(3, dtype=torch.long))
+             for i in range(n - 1)]
+        verify_ids = torch.cat([torch.zeros(3, 1, dtype=torch.long), drafts], 1)
+        outs.append((d, s.verify(logits[:, None].expand(3, n, v), verify_ids), s.allowed))
+    assert not wire  # the worker rank took exactly what rank 0 shared
+    for a, c in zip(outs[0][0], outs[1][0]):
+        assert torch.equal(a, c)
+    assert torch.equal(outs[0][1], outs[1][1]) and torch.equal(outs[0][2], outs[1][2])
+    allowed = outs[0][2]
+    assert bool(allowed[1].all()) and not bool(allowed[0].all())  # the unconstrained row
+    assert not rank1.matchers
 
 
 def test_an_engine_with_draft_trees_refuses_a_constraint_naming_both():

@@ -8,7 +8,9 @@ the running request with a message and ``/health`` answers 503 within ``dist_tim
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -65,6 +67,34 @@ def test_greedy_tp2_equals_tp1(algo):
         finally:
             engine.shutdown()
 
+
+def test_constrained_tp2_equals_tp1():
+    """Structured outputs under tp 2 (issue 31): the matchers stay on rank 0, which
+    broadcasts each packed mask; greedy outputs under a regex and a JSON schema equal tp 1's
+    (drafting at steps 3, and adaptive), and a sampled batch mixing constrained and
+    unconstrained requests runs with the ranks' tokens equal after every pass."""
+    schema = json.dumps({"type": "object", "properties": {"n": {"type": "integer"}},
+                         "required": ["n"], "additionalProperties": False})
+    params = [{**GREEDY, "regex": r"[0-9]{1,3}(\.[0-9])? (kg|lb)"},
+              {**GREEDY, "json_schema": schema}, GREEDY]
+    for mode in ("steps3", "adaptive"):
+        common = dict(model_path=TARGET, draft_model_path=str(DRAFTERS["EAGLE"]),
+                      speculative_algorithm="EAGLE", **MODES[mode])
+        ref = specdial.Engine(log_interval_s=None, **common)
+        try:
+            want = [o["text"] for o in ref.generate(PROMPTS, params)]
+        finally:
+            ref.shutdown()
+        engine = specdial.Engine(tp_size=2, log_interval_s=None, **common)
+        try:
+            assert [o["text"] for o in engine.generate(PROMPTS, params)] == want, mode
+            sampled = engine.generate(PROMPTS, [{**p, "temperature": 1.0, "seed": 5}
+                                                for p in params])
+            assert re.fullmatch(r"[0-9]{1,3}(\.[0-9])? (kg|lb)", sampled[0]["text"]) or \
+                sampled[0]["meta_info"]["finish_reason"]["type"] == "length"
+            assert engine.failure is None  # the ranks agreed after every pass
+        finally:
+            engine.shutdown()
 
 def test_serve_tp2_openai_and_killed_worker_rank():
     """The first completion after start is served (rank 0 waits for every rank to load before

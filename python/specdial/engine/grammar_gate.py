@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from specdial.engine.api import RequestError
-from specdial.distributed.mirror import Mirrored
 from specdial.engine.messages import RequestSpec, Submit
 from specdial.worker.batch_sampling import BatchSampling
 from specdial.worker.grammar import GrammarError, backend_for, new_matcher
@@ -48,9 +47,7 @@ def hold_for_grammar(spec: RequestSpec, post: Callable[[Any], None],
                      on_hold: Callable[[RequestSpec], None] | None = None) -> bool:
     """True when the loop must not add ``spec`` now: its grammar is compiling (it is posted
     again, as a :class:`Submit`, when done), was cancelled meanwhile (dropped), or failed, or
-    ``worker`` is a tensor-parallel one
-    (:class:`~specdial.distributed.mirror.Mirrored`: its calls are pickled to the other ranks
-    and xgrammar's matchers do not pickle), or the engine drafts trees (``tree_topk > 1``,
+    the engine drafts trees (``tree_topk > 1``,
     ``speculative_eagle_topk``: the tree iteration applies no grammar masks yet); then its sink
     got the error. ``on_hold(spec)`` is called when it is held for its compile, before the
     callback that posts it again is attached (the loop's record of held requests,
@@ -65,12 +62,6 @@ def hold_for_grammar(spec: RequestSpec, post: Callable[[Any], None],
         out(spec.sink, RequestError(f"{field}: structured outputs are not served with draft "
                                     f"trees yet (speculative_eagle_topk={tree_topk}); use "
                                     "speculative_eagle_topk 1 (chains)", field))
-        return True
-    if isinstance(worker, Mirrored):
-        field = spec.params.structured.field
-        out(spec.sink, RequestError(f"{field}: structured outputs are not served with tp_size > "
-                                    "1 yet (the grammar matchers live in rank 0's process); "
-                                    "use tp_size 1 (data parallelism works)", field))
         return True
     if not fut.done():
         if on_hold is not None:
@@ -100,8 +91,12 @@ def matcher_of(spec: RequestSpec) -> Any:
 def attach_grammar(sampling: BatchSampling | None, matchers: Sequence[Any], worker: Any
                    ) -> BatchSampling | None:
     """Set ``sampling.grammar`` from the rows' matchers (None entries: unconstrained rows;
-    the vocabulary is ``worker.target``'s, read only when some row has a matcher)."""
+    the vocabulary and ``grammar_share`` are ``worker``'s, read only when some row has a
+    matcher). With a tensor-parallel engine (rank 0's worker wrapper has a ``grammar_share``)
+    the matchers stay here, on rank 0, and each mask they make is broadcast to the other ranks
+    (:class:`~specdial.worker.grammar_masks.MirroredGrammar`)."""
     if sampling is not None:
         sampling.grammar = None if all(m is None for m in matchers) else BatchGrammar(
-            matchers, worker.target.config.vocab_size, sampling.temperature.device)
+            matchers, worker.target.config.vocab_size, sampling.temperature.device,
+            worker.grammar_share)
     return sampling

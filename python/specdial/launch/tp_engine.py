@@ -31,6 +31,7 @@ later iteration fails at once (no collective), and ``Engine.failure`` carries th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from typing import Any
@@ -45,6 +46,7 @@ from specdial.distributed.liveness import Heartbeat, startup_barrier
 from specdial.distributed.mirror import Mirrored, replay
 from specdial.launch.node import start_rank0
 from specdial.config.parallel import ParallelOptions
+from specdial.worker.grammar_masks import GrammarOnWire
 
 __all__ = ["TensorParallelRuntime", "worker_rank", "rank_options", "start_worker_node"]
 
@@ -65,7 +67,12 @@ CHECKS = {"prefill": _tokens, "decode": _tokens}
 
 
 def _wire(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    return (args[0], args[1], GENERATOR) + tuple(args[3:]), kwargs
+    """A call as sent: the generator as a placeholder, and a batch's grammar (its matchers
+    stay on rank 0) as its shape (:class:`~specdial.worker.grammar_masks.GrammarOnWire`)."""
+    sampling = args[1]
+    if sampling is not None and sampling.grammar is not None:
+        sampling = dataclasses.replace(sampling, grammar=sampling.grammar.wire())
+    return (args[0], sampling, GENERATOR) + tuple(args[3:]), kwargs
 
 
 #: EngineConfig fields the worker ranks do not take: rank 0 resolves the models, device and
@@ -148,7 +155,10 @@ class TensorParallelRuntime:
         pad = worker.pad_kv_slot
 
         class _Rank0Worker:
-            """The worker as the loop sees it: plans become plain inputs before mirroring."""
+            """The worker as the loop sees it: plans become plain inputs before mirroring;
+            the masks of a batch's grammar, made here, are broadcast to the other ranks."""
+
+            grammar_share = staticmethod(self.tp.broadcast)
 
             def __getattr__(self, name: str) -> Any:
                 fn = getattr(mirrored, name)
@@ -247,7 +257,11 @@ def _serve_rank(tp: TensorParallel, config: DistConfig, liveness: Heartbeat, mod
     startup_barrier(tp, "ready", liveness=liveness)
 
     def local(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return (args[0], args[1], generator) + tuple(args[3:]), kwargs
+        sampling = args[1]
+        if sampling is not None and isinstance(sampling.grammar, GrammarOnWire):
+            # rank 0 broadcasts each mask its matchers make, in the pass's order
+            sampling.grammar = sampling.grammar.follower(tp.broadcast, worker.device)
+        return (args[0], sampling, generator) + tuple(args[3:]), kwargs
 
     try:
         replay(tp, worker, METHODS, CHECKS, local=local)

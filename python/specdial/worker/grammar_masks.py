@@ -24,19 +24,30 @@ all ones), copied to the device and unpacked to bool ``[B, V]`` with one vectori
 (``-inf`` where not allowed). Host syncs: one per draft level ``>= 1`` and one for the verify's
 last column (the matcher runs on the host and needs the drafted ids), only in batches with a
 constrained row; a batch without one never builds any of this (``BatchSampling.grammar`` is
-None).
+None). One sync per iteration, as an unconstrained batch has, is not possible here: the mask of
+draft level ``j + 1`` depends on the draft ``d_j`` the device sampled at level ``j`` under mask
+``j``, so the host must read ``d_j`` before the drafter's next level
+(:meth:`BatchGrammar.level_mask`).
+
+Tensor parallelism: the matchers stay on rank 0 (they do not pickle; rank 0 owns the
+requests). Rank 0's :class:`BatchGrammar` shares each packed mask with the other ranks
+(``share``: the group's broadcast) as it makes it; a worker rank gets :class:`GrammarOnWire`
+with its inputs and masks with rank 0's masks (:class:`MirroredGrammar`), so its passes, and
+the tokens every rank samples, are the same as rank 0's.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 import xgrammar as xgr
 
-__all__ = ["BatchGrammar", "GrammarStep", "fill_row", "unpack_bitmask"]
+__all__ = ["BatchGrammar", "GrammarOnWire", "GrammarStep", "MirroredGrammar", "fill_row",
+           "unpack_bitmask"]
 
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 
@@ -70,7 +81,9 @@ class BatchGrammar:
     Built once per batch composition (``BatchSampling.grammar``); the matchers are the
     requests' own, so their state carries over between iterations and batches."""
 
-    def __init__(self, matchers: Sequence[Any], vocab_size: int, device: torch.device) -> None:
+    def __init__(self, matchers: Sequence[Any], vocab_size: int, device: torch.device,
+                 share: Callable[[torch.Tensor], Any] | None = None) -> None:
+        self.share = share
         self.rows = [b for b, m in enumerate(matchers) if m is not None]
         if not self.rows:
             raise ValueError("BatchGrammar: no row has a grammar (pass None instead)")
@@ -92,7 +105,43 @@ class BatchGrammar:
         bm = xgr.allocate_token_bitmask(self.batch_size, self.vocab_size)
         for b, m in zip(self.rows, self.matchers):
             fill_row(m, bm, b)
-        return unpack_bitmask(bm.to(self.device), self.vocab_size)
+        return self._publish(bm)
+
+    def _publish(self, bm: torch.Tensor) -> torch.Tensor:
+        """The packed host ``bm`` ``[B, W]`` on the device (shared with the other
+        tensor-parallel ranks when :attr:`share` is set), unpacked to bool ``[B, V]``."""
+        packed = bm.to(self.device)
+        if self.share is not None:
+            self.share(packed)
+        return unpack_bitmask(packed, self.vocab_size)
+
+    def level_mask(self, step: GrammarStep, tokens: torch.Tensor) -> torch.Tensor:
+        """bool ``[B, V]``: mask ``j`` of ``step`` after ``tokens`` ``[B]`` (device; ``d_j``
+        of every row): each matcher accepts its row's draft (counted in ``step.drafted``,
+        rolled back by :meth:`GrammarStep.rollback`) and fills its row; a refused draft ends
+        the row (``step.ended``: all-allowed from then on, unreachable columns).
+
+        The level's one host sync is here: the matchers run on the host and need ``d_j``,
+        which the device sampled from the masked drafter distribution of level ``j - 1``. So a
+        constrained batch syncs once per draft level (and once for the verify's last column),
+        not once per iteration: mask ``j + 1`` cannot be known before ``d_j`` is sampled, and
+        the drafter's level ``j + 1`` needs it."""
+        host = tokens.index_select(0, self.rows_dev).cpu().numpy()  # the level's one sync
+        bm = xgr.allocate_token_bitmask(self.batch_size, self.vocab_size)
+        for i, (b, m) in enumerate(zip(self.rows, self.matchers)):
+            if not step.ended[i] and not m.is_terminated() and m.accept_token(int(host[i])):
+                step.drafted[i] += 1
+                fill_row(m, bm, b)
+            elif m.is_terminated() and not step.ended[i]:
+                fill_row(m, bm, b)  # the stop tokens only
+            else:
+                step.ended[i] = True  # row stays all-allowed: unreachable columns
+        return self._publish(bm)
+
+    def wire(self) -> GrammarOnWire:
+        """What the other tensor-parallel ranks get in place of this object (the matchers do
+        not pickle): the batch's shape, :class:`GrammarOnWire`."""
+        return GrammarOnWire(self.batch_size, self.vocab_size)
 
     def advance(self, counts: np.ndarray, tokens: np.ndarray) -> None:
         """After the host copy: row ``b`` emitted ``tokens[b, :counts[b]]`` (host int64);
@@ -127,19 +176,8 @@ class GrammarStep:
         self.allowed: torch.Tensor | None = None
 
     def _push(self, tokens: torch.Tensor) -> None:
-        """Accept ``tokens`` ``[B]`` (device; ``d_j`` of every row) and append mask ``j``."""
-        g = self.grammar
-        host = tokens.index_select(0, g.rows_dev).cpu().numpy()  # the level's one sync
-        bm = xgr.allocate_token_bitmask(g.batch_size, g.vocab_size)
-        for i, (b, m) in enumerate(zip(g.rows, g.matchers)):
-            if not self.ended[i] and not m.is_terminated() and m.accept_token(int(host[i])):
-                self.drafted[i] += 1
-                fill_row(m, bm, b)
-            elif m.is_terminated() and not self.ended[i]:
-                fill_row(m, bm, b)  # the stop tokens only
-            else:
-                self.ended[i] = True  # row stays all-allowed: unreachable columns
-        self.masks.append(unpack_bitmask(bm.to(g.device), g.vocab_size))
+        """Append mask ``j`` after ``tokens`` ``[B]`` (device; ``d_j`` of every row)."""
+        self.masks.append(self.grammar.level_mask(self, tokens))
 
     def first(self, logits: torch.Tensor) -> torch.Tensor:
         """A prefill's first tokens: ``[B, V]`` -> masked ``[B, V]`` (current state)."""
@@ -181,3 +219,55 @@ class GrammarStep:
             if self.drafted[i]:
                 m.rollback(int(self.drafted[i]))
                 self.drafted[i] = 0
+
+
+@dataclass(frozen=True)
+class GrammarOnWire:
+    """What a tensor-parallel worker rank receives in place of rank 0's :class:`BatchGrammar`
+    (xgrammar's matchers do not pickle, and they stay on rank 0, which owns the scheduler and
+    the requests): the batch size ``B`` and the vocabulary ``V``. :meth:`follower` makes the
+    rank's :class:`MirroredGrammar`."""
+
+    batch_size: int
+    vocab_size: int
+
+    def follower(self, receive: Callable[[torch.Tensor], Any], device: torch.device
+                 ) -> MirroredGrammar:
+        """The worker rank's grammar of this batch (``receive``: see :class:`MirroredGrammar`)."""
+        return MirroredGrammar(self.batch_size, self.vocab_size, device, receive)
+
+
+class MirroredGrammar:
+    """A tensor-parallel worker rank's :class:`BatchGrammar`: no matchers; each mask is rank
+    0's, received as the packed int32 bitmask ``[B, ceil(V / 32)]`` at the same point of the
+    step where rank 0 computes and shares it (the step's first mask, then one per draft level
+    and the verify's last column: the points depend only on the plan, identical on every
+    rank). ``receive(t)`` overwrites the device tensor ``t`` with rank 0's (the group's
+    ``broadcast`` from rank 0). So every rank masks its logits identically and samples the
+    same tokens (checked after every pass), as with tp 1."""
+
+    rows: list[int] = []
+    matchers: list[Any] = []
+
+    def __init__(self, batch_size: int, vocab_size: int, device: torch.device,
+                 receive: Callable[[torch.Tensor], Any]) -> None:
+        self.batch_size, self.vocab_size, self.device = batch_size, vocab_size, device
+        self.words = math.ceil(vocab_size / 32)
+        self.receive = receive
+
+    def current_mask(self) -> torch.Tensor:
+        """bool ``[B, V]``: the next mask rank 0 shares."""
+        packed = torch.empty(self.batch_size, self.words, dtype=torch.int32, device=self.device)
+        self.receive(packed)
+        return unpack_bitmask(packed, self.vocab_size)
+
+    def level_mask(self, step: GrammarStep, tokens: torch.Tensor) -> torch.Tensor:
+        """Mask ``j`` of ``step``: rank 0's (its matchers advanced over the same drafts)."""
+        return self.current_mask()
+
+    def advance(self, counts: np.ndarray, tokens: np.ndarray) -> None:
+        """Nothing: the matchers live on rank 0."""
+
+    def step(self, inner: Any) -> GrammarStep:
+        """This batch's masks for one sampling step (as :meth:`BatchGrammar.step`)."""
+        return GrammarStep(self, inner)  # type: ignore[arg-type]

@@ -107,6 +107,11 @@ class SpecWorker:
     without a drafter.
     """
 
+    #: how rank 0 shares a batch's packed grammar masks with the other tensor-parallel ranks
+    #: (the group's broadcast; set on rank 0's wrapper, :mod:`specdial.launch.tp_engine`);
+    #: None with one rank (:mod:`specdial.worker.grammar_masks`)
+    grammar_share: Any = None
+
     def __init__(self, target: LlamaForCausalLM, drafter: Drafter | None, num_kv_slots: int, *,
                  max_running_requests: int, context_length: int, step_values: Iterable[int],
                  backend: AttentionBackend | None = None,
