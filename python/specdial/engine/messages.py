@@ -43,7 +43,9 @@ class RequestSpec:
     #: the compiled grammar's ``Future`` of a structured-output request (None: unconstrained;
     #: :mod:`specdial.engine.grammar_gate`)
     grammar: Any = None
-    #: its consumer went away while the grammar compiled (never added to the scheduler then)
+    #: its consumer went away while the grammar compiled, or the loop already ended it then
+    #: (a shutdown without drain, a failed loop: :mod:`specdial.engine.inbox`); its submit
+    #: after the compile is dropped (never added to the scheduler)
     cancelled: bool = False
 
 
