@@ -43,25 +43,18 @@ def start_compile(structured: StructuredSpec | None, tokenizer: Any, vocab_size:
 
 
 def hold_for_grammar(spec: RequestSpec, post: Callable[[Any], None],
-                     out: Callable[[Any, Any], None], worker: Any = None,
-                     tree_topk: int = 1) -> bool:
+                     out: Callable[[Any, Any], None], worker: Any = None) -> bool:
     """True when the loop must not add ``spec`` now: its grammar is compiling (it is posted
     again, as a :class:`Submit`, when done), was cancelled meanwhile (dropped), or failed, or
     ``worker`` is a tensor-parallel one
     (:class:`~specdial.distributed.mirror.Mirrored`: its calls are pickled to the other ranks
-    and xgrammar's matchers do not pickle), or the engine drafts trees (``tree_topk > 1``,
-    ``speculative_eagle_topk``: the tree iteration applies no grammar masks yet); then its sink
-    got the error."""
+    and xgrammar's matchers do not pickle); then its sink got the error. Engines drafting
+    trees (``speculative_eagle_topk > 1``) serve constrained requests: the tree iteration
+    masks every node with its path's state (:mod:`specdial.worker.grammar_tree`)."""
     fut = spec.grammar
     if fut is None:
         return False
     if spec.cancelled:  # its consumer left while the grammar compiled: nobody to answer
-        return True
-    if tree_topk > 1:
-        field = spec.params.structured.field
-        out(spec.sink, RequestError(f"{field}: structured outputs are not served with draft "
-                                    f"trees yet (speculative_eagle_topk={tree_topk}); use "
-                                    "speculative_eagle_topk 1 (chains)", field))
         return True
     if isinstance(worker, Mirrored):
         field = spec.params.structured.field

@@ -5,6 +5,8 @@ and the prompt-logprob bookkeeping of a prefill chunk (:func:`prompt_plan`,
 
 from __future__ import annotations
 
+import math
+
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,7 +102,10 @@ class LiveRequest:
         if token_lp is not None:
             values, ids, top = token_lp
             chunk.logprobs = values.tolist()
-            chunk.top_logprobs = [list(zip(i, t)) for i, t in zip(ids.tolist(), top.tolist())]
+            # a -inf alternative is a token a grammar disallows (a constrained request's
+            # masked distribution has fewer than top_n tokens): never listed
+            chunk.top_logprobs = [[(a, v) for a, v in zip(i, t) if v != -math.inf]
+                                  for i, t in zip(ids.tolist(), top.tolist())]
         elif not new:
             chunk.logprobs, chunk.top_logprobs = [], []
         if new:

@@ -214,7 +214,7 @@ class EngineLoop:
         if self._stopping:
             self._out(spec.sink, RuntimeError("Engine is shut down"))
             return
-        if hold_for_grammar(spec, self.post, self._out, self.worker, self.sched.draft_tree[0]):
+        if hold_for_grammar(spec, self.post, self._out, self.worker):
             return
         try:
             rid = self.sched.add_request(np.asarray(spec.prompt_ids, np.int64),
