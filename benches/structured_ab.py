@@ -67,8 +67,10 @@ def one_concurrency(c: int, args: argparse.Namespace) -> dict[str, Any]:
     ratio: dict[str, list[float]] = {m: [] for m in MODES}
     tokens_verifies = {m: [0.0, 0] for m in MODES}
     hooks = HookTimes()
+    # a tree's scratch slots need room besides one full-context request (the core's check)
     tree = ({} if args.topk == 1 else {"speculative_eagle_topk": args.topk,
-                                       "speculative_num_draft_tokens": args.num_draft_tokens + 1})
+                                       "speculative_num_draft_tokens": args.num_draft_tokens + 1,
+                                       "kv_cache_tokens": 2048 * (c + 1)})
     with Engine(model_path=None, speculative_algorithm="EAGLE", speculative_adaptive=False,
                 speculative_num_steps=args.steps, max_running_requests=c,
                 log_interval_s=None, **tree) as engine:

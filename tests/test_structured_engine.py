@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import xgrammar as xgr
 
+from specdial.builtin import builtin_model_path
 from specdial.engine import Engine
 from specdial.engine.api import RequestError
 from specdial.worker.grammar import backend_for, new_matcher
@@ -44,15 +45,28 @@ SPECULATION = {
     "adaptive": {},
     "tree2x3": {"speculative_adaptive": False, "speculative_num_steps": 3,
                 "speculative_eagle_topk": 2, "speculative_num_draft_tokens": 7},
-    "tree4_adaptive": {"speculative_eagle_topk": 4, "speculative_num_draft_tokens": 9},
+    # adaptive: the goodput policy picks trees up to topk 4 / 8 nodes among chains; with the
+    # built-in weak EAGLE head (low acceptance) trees pay, so it does pick some
+    "tree4_adaptive": {"speculative_eagle_topk": 4, "speculative_num_draft_tokens": 9,
+                       "draft_model_path": str(builtin_model_path("eagle-weak"))},
 }
 
 
 @pytest.fixture(scope="module", params=list(SPECULATION))
 def engine(request):
+    """The engine of one speculation; ``e.constrained_trees`` counts its tree iterations with
+    a constrained row (the worker's ``run_tree_iteration`` spied on)."""
+    import specdial.worker.worker as worker_module
+
     extra = SPECULATION[request.param]
     e = Engine(model_path=None, **KW, **extra)
-    yield e
+    e.speculation, e.constrained_trees = request.param, []
+    calls = e.constrained_trees
+    run = worker_module.run_tree_iteration
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(worker_module, "run_tree_iteration",
+                   lambda *a, **k: calls.append(a[2].grammar is not None) or run(*a, **k))
+        yield e
     e.shutdown()
 
 
@@ -285,3 +299,10 @@ def test_a_request_waits_for_its_grammar_and_a_cancel_meanwhile_drops_it():
     assert not hold_for_grammar(spec, posted.append, out)  # ready: the loop adds it
     spec.cancelled = True
     assert hold_for_grammar(spec, posted.append, out) and not got
+
+
+def test_tree_engines_verified_trees_under_grammars(engine):
+    """Last for each engine: the tree engines' constrained requests above went through the
+    tree iteration with their grammar (the adaptive one among chains), the chain engines'
+    never did."""
+    assert (sum(engine.constrained_trees) > 0) == engine.speculation.startswith("tree")
