@@ -2,8 +2,9 @@
 
 - every output under a JSON schema, a regex and a small EBNF is valid (sampled at temperature
   1; chains at fixed steps 3 and adaptive steps, draft trees at fixed shape topk 2 / depth 3 /
-  6 nodes and adaptive trees up to topk 4 / 8 nodes): a finished output matches in full, one
-  cut by ``max_new_tokens`` is accepted token by token by a fresh matcher (a valid prefix);
+  6 nodes and adaptive trees up to topk 4 / 8 nodes with the built-in weak EAGLE head): a
+  finished output matches in full, one cut by ``max_new_tokens`` is accepted token by token by
+  a fresh matcher (a valid prefix); the tree engines did verify trees under the grammars;
 - lossless greedy: greedy under a grammar with speculation (chains, and trees of topk 2 and 4
   at several depths and node counts) equals target-only greedy (steps 0) under the same grammar;
 - the seed guarantee: a seeded constrained request's tokens do not depend on the tree shape
