@@ -276,3 +276,20 @@ def test_after_a_stop_token_only_stop_tokens_are_allowed(tiny_grammar):
     assert tg.column_mask[0, 4].all()  # "e<eos>a": refused, unreachable
     assert not m.is_terminated()
     assert np.array_equal(_allowed(m, v).numpy(), tg.column_mask[0, 0].numpy())
+
+
+@pytest.mark.parametrize("depth", [1, 3, 5])
+def test_one_host_wait_per_tree_level(tiny_grammar, monkeypatch, depth):
+    """The hooks wait for the device once per level: ``depth - 1`` frontiers and the tree
+    before the verify (level 1's mask is the request's current state: no wait)."""
+    import specdial.worker.grammar_tree as gt
+
+    waits = []
+    monkeypatch.setattr(gt, "_host", lambda pending: waits.append(1) or pending[0].numpy())
+    v = len(TINY)
+    tg = TreeGrammar(BatchGrammar([new_matcher(tiny_grammar)] * 1, v, torch.device("cpu")))
+    last = torch.tensor([7])
+    tree = draft_tree(ToyLM(v, seed=4), last, last, 2, depth, depth, grammar=tg)
+    tg.start_verify(tree)
+    tg.mask_verify(torch.zeros(1, depth + 1, v))
+    assert len(waits) == depth

@@ -122,6 +122,15 @@ def test_greedy_under_grammar_equals_target_only_greedy(engine, plain):
         assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in ref]
 
 
+def test_a_batch_mixing_constrained_and_free_requests_is_greedy_exact(engine, plain):
+    """Constrained and unconstrained requests in one batch (the free rows get no mask, the
+    constrained ones theirs): greedy equals target-only greedy for both kinds."""
+    sp = [{"max_new_tokens": 32, "temperature": 0.0}
+          | ({"json_schema": json.dumps(SCHEMA)} if i % 2 else {}) for i in range(len(PROMPTS))]
+    assert [o["output_ids"] for o in engine.generate(PROMPTS, sp)] == [
+        o["output_ids"] for o in plain.generate(PROMPTS, sp)]
+
+
 def test_bad_grammar_is_a_request_error_naming_the_field(engine):
     with pytest.raises(RequestError) as e:
         engine.generate("x", {"max_new_tokens": 4, "regex": "(unclosed"})
