@@ -1,9 +1,11 @@
 """Structured outputs under speculation (issue 31): with and without a JSON schema.
 
     .venv/bin/python benches/structured_ab.py [--concurrency 1,16] [--max-new-tokens 48]
-        [--steps 3] [--repetitions 5] [--threads 1] [--json]
+        [--steps 3] [--topk 1] [--num-draft-tokens N] [--repetitions 5] [--threads 1] [--json]
 
-One engine with the built-in models (EAGLE head, fixed ``--steps``) per concurrency ``c``
+One engine with the built-in models (EAGLE head, fixed ``--steps``; with ``--topk K > 1`` a
+fixed draft tree of depth ``--steps``, top-k ``K`` and ``--num-draft-tokens`` nodes, root
+excluded) per concurrency ``c``
 (``max_running_requests = c``, ``2 c`` prompts per run, all submitted at once), generating at
 temperature 1 with a per-prompt seed, alternating round-robin over ``--repetitions``:
 
@@ -20,6 +22,12 @@ the unconstrained ones (often whitespace), so the acceptance differs for that re
 ``attach_cost_ns``, what a batch without a grammar pays for structured outputs on each new batch
 composition (``attach_grammar``'s all-None check; its decode iterations pay three ``is None``
 tests). On a shared CPU the noise floor is 10-30 % (BENCHMARKS.md section 5).
+
+With trees, ``host_ms``: the host time of the grammar's tree hooks
+(:class:`~specdial.worker.grammar_tree.TreeGrammar`) per call, median over the schema and
+mixed runs' calls: ``level`` (one masked draft level: the frontier's copy wait, the path walks
+and mask fills, the upload and the masking), ``verify`` (the verify columns' masks), ``root``
+(level 1's mask).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from specdial.bench.datasets import build_requests
 from specdial.engine import Engine
 from specdial.engine.grammar_gate import attach_grammar
 from specdial.worker.batch_sampling import BatchSampling
+from specdial.worker.grammar_tree import TreeGrammar
 from specdial.worker.sampling_params import SamplingParams
 
 SCHEMA = json.dumps({"type": "object", "properties": {
@@ -57,15 +66,21 @@ def one_concurrency(c: int, args: argparse.Namespace) -> dict[str, Any]:
     cpu_speed: dict[str, list[float]] = {m: [] for m in MODES}
     ratio: dict[str, list[float]] = {m: [] for m in MODES}
     tokens_verifies = {m: [0.0, 0] for m in MODES}
+    hooks = HookTimes()
+    # a tree's scratch slots need room besides one full-context request (the core's check)
+    tree = ({} if args.topk == 1 else {"speculative_eagle_topk": args.topk,
+                                       "speculative_num_draft_tokens": args.num_draft_tokens + 1,
+                                       "kv_cache_tokens": 2048 * (c + 1)})
     with Engine(model_path=None, speculative_algorithm="EAGLE", speculative_adaptive=False,
                 speculative_num_steps=args.steps, max_running_requests=c,
-                log_interval_s=None) as engine:
+                log_interval_s=None, **tree) as engine:
         engine.generate(prompts[:2], [_params("schema", i, 8) for i in range(2)])  # warm-up
         for _ in range(args.repetitions):
             for mode in MODES:
                 sps = [_params(mode, i, args.max_new_tokens) for i in range(len(prompts))]
                 started, cpu = time.perf_counter(), time.process_time()
-                out = engine.generate(prompts, sps)
+                with hooks if mode != "none" else _Nothing():
+                    out = engine.generate(prompts, sps)
                 seconds = time.perf_counter() - started
                 tokens = sum(len(o["output_ids"]) for o in out)
                 speed[mode].append(tokens / seconds)
@@ -80,7 +95,45 @@ def one_concurrency(c: int, args: argparse.Namespace) -> dict[str, Any]:
                 "cpu_ratio": (statistics.median(cpu_speed[m])
                               / statistics.median(cpu_speed["none"])),
                 "accept_length": tokens_verifies[m][0] / max(tokens_verifies[m][1], 1)}
-            for m in MODES}
+            for m in MODES} | ({"host_ms": hooks.medians()} if args.topk > 1 else {})
+
+
+class HookTimes:
+    """Wall time of :class:`TreeGrammar`'s hooks, per call, while installed (``with``)."""
+
+    HOOKS = {"root": "mask_root", "level": "mask_level", "verify": "mask_verify"}
+
+    def __init__(self) -> None:
+        self.ms: dict[str, list[float]] = {k: [] for k in self.HOOKS}
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> "HookTimes":
+        for key, name in self.HOOKS.items():
+            orig = self._saved[name] = getattr(TreeGrammar, name)
+
+            def timed(*a: Any, _orig: Any = orig, _key: str = key) -> Any:
+                t = time.perf_counter()
+                out = _orig(*a)
+                self.ms[_key].append((time.perf_counter() - t) * 1e3)
+                return out
+
+            setattr(TreeGrammar, name, timed)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, orig in self._saved.items():
+            setattr(TreeGrammar, name, orig)
+
+    def medians(self) -> dict[str, float | None]:
+        return {k: (statistics.median(v) if v else None) for k, v in self.ms.items()}
+
+
+class _Nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
 
 
 def attach_cost_ns(batch: int = 16, calls: int = 2000) -> float:
@@ -97,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default="1,16")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--topk", type=int, default=1, help="draft tree top-k (1: chains)")
+    p.add_argument("--num-draft-tokens", type=int, default=6,
+                   help="tree nodes, root excluded (with --topk > 1)")
     p.add_argument("--repetitions", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", action="store_true")
@@ -108,9 +164,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"steps {args.steps}, {args.max_new_tokens} tokens max, {args.repetitions} "
+    shape = "" if args.topk == 1 else f", tree topk {args.topk} nodes {args.num_draft_tokens}"
+    print(f"steps {args.steps}{shape}, {args.max_new_tokens} tokens max, {args.repetitions} "
           "repetitions, temperature 1")
     for c in args.concurrency.split(","):
+        host = result[c].pop("host_ms", None)
+        if host is not None:
+            print(f"  c={c:>3} host ms per call (median): " + ", ".join(
+                f"{k} {v:.3f}" for k, v in host.items() if v is not None))
         for mode, row in result[c].items():
             print(f"  c={c:>3} {mode:>6}: {row['tokens_per_s']:8.1f} tokens/s  "
                   f"ratio {row['ratio']:.3f}  cpu-time ratio {row['cpu_ratio']:.3f}  "

@@ -1,24 +1,33 @@
 """Issue 31 end to end on the built-in models (EAGLE drafter, real tokenizer):
 
 - every output under a JSON schema, a regex and a small EBNF is valid (sampled at temperature
-  1, fixed steps 3 and adaptive steps): a finished output matches in full, one cut by
-  ``max_new_tokens`` is accepted token by token by a fresh matcher (a valid prefix);
-- lossless greedy: greedy under a grammar with speculation equals target-only greedy (steps 0)
-  under the same grammar;
+  1; chains at fixed steps 3 and adaptive steps, draft trees at fixed shape topk 2 / depth 3 /
+  6 nodes and adaptive trees up to topk 4 / 8 nodes with the built-in weak EAGLE head): a
+  finished output matches in full, one cut by ``max_new_tokens`` is accepted token by token by
+  a fresh matcher (a valid prefix); the tree engines did verify trees under the grammars;
+- lossless greedy: greedy under a grammar with speculation (chains, and trees of topk 2 and 4
+  at several depths and node counts) equals target-only greedy (steps 0) under the same grammar;
+- the seed guarantee: a seeded constrained request's tokens do not depend on the tree shape
+  (nor on chain or plain decoding);
+- logprobs of constrained tree requests are the masked distribution's;
 - a grammar that does not compile fails the request with a ``RequestError`` naming the field.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 
+import numpy as np
 import pytest
 import xgrammar as xgr
 
+from specdial.builtin import builtin_model_path
 from specdial.engine import Engine
 from specdial.engine.api import RequestError
 from specdial.worker.grammar import backend_for, new_matcher
+from specdial.worker.grammar_masks import unpack_bitmask
 from specdial.worker.grammar_spec import StructuredSpec
 
 KW = dict(max_running_requests=16, kv_cache_tokens=4096, page_size=8, log_interval_s=None)
@@ -31,11 +40,34 @@ EBNF = 'root ::= "(" item ("," item)* ")"\nitem ::= [a-c] | "x" [0-9]'
 PROMPTS = ["Record:", "def f(x):", "The answer is", "{", "# data\n"]
 
 
-@pytest.fixture(scope="module", params=["fixed3", "adaptive"])
+#: the speculation each engine test runs under: chains (fixed, adaptive) and draft trees
+SPECULATION = {
+    "fixed3": {"speculative_num_steps": 3},
+    "adaptive": {},
+    "tree2x3": {"speculative_adaptive": False, "speculative_num_steps": 3,
+                "speculative_eagle_topk": 2, "speculative_num_draft_tokens": 7},
+    # adaptive: the goodput policy picks trees up to topk 4 / 8 nodes among chains; with the
+    # built-in weak EAGLE head (low acceptance) trees pay, so it does pick some
+    "tree4_adaptive": {"speculative_eagle_topk": 4, "speculative_num_draft_tokens": 9,
+                       "draft_model_path": str(builtin_model_path("eagle-weak"))},
+}
+
+
+@pytest.fixture(scope="module", params=list(SPECULATION))
 def engine(request):
-    extra = {"speculative_num_steps": 3} if request.param == "fixed3" else {}
+    """The engine of one speculation; ``e.constrained_trees`` counts its tree iterations with
+    a constrained row (the worker's ``run_tree_iteration`` spied on)."""
+    import specdial.worker.worker as worker_module
+
+    extra = SPECULATION[request.param]
     e = Engine(model_path=None, **KW, **extra)
-    yield e
+    e.speculation, e.constrained_trees = request.param, []
+    calls = e.constrained_trees
+    run = worker_module.run_tree_iteration
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(worker_module, "run_tree_iteration",
+                   lambda *a, **k: calls.append(a[2].grammar is not None) or run(*a, **k))
+        yield e
     e.shutdown()
 
 
@@ -82,16 +114,21 @@ def test_ebnf_outputs_parse(engine):
     assert done > 0
 
 
-def test_greedy_under_grammar_equals_target_only_greedy(engine):
-    plain = Engine(model_path=None, speculative_num_steps=0, **KW)
-    try:
-        for key, value in (("json_schema", json.dumps(SCHEMA)), ("regex", REGEX)):
-            sp = {"max_new_tokens": 40, "temperature": 0.0, key: value}
-            spec = engine.generate(PROMPTS, sp)
-            ref = plain.generate(PROMPTS, sp)
-            assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in ref]
-    finally:
-        plain.shutdown()
+def test_greedy_under_grammar_equals_target_only_greedy(engine, plain):
+    for key, value in (("json_schema", json.dumps(SCHEMA)), ("regex", REGEX)):
+        sp = {"max_new_tokens": 40, "temperature": 0.0, key: value}
+        spec = engine.generate(PROMPTS, sp)
+        ref = plain.generate(PROMPTS, sp)
+        assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in ref]
+
+
+def test_a_batch_mixing_constrained_and_free_requests_is_greedy_exact(engine, plain):
+    """Constrained and unconstrained requests in one batch (the free rows get no mask, the
+    constrained ones theirs): greedy equals target-only greedy for both kinds."""
+    sp = [{"max_new_tokens": 32, "temperature": 0.0}
+          | ({"json_schema": json.dumps(SCHEMA)} if i % 2 else {}) for i in range(len(PROMPTS))]
+    assert [o["output_ids"] for o in engine.generate(PROMPTS, sp)] == [
+        o["output_ids"] for o in plain.generate(PROMPTS, sp)]
 
 
 def test_bad_grammar_is_a_request_error_naming_the_field(engine):
@@ -158,20 +195,87 @@ def test_a_worker_rank_masks_with_rank_0s_masks(engine):
     assert not rank1.matchers
 
 
-def test_an_engine_with_draft_trees_refuses_a_constraint_naming_both():
-    """The tree iteration applies no grammar masks yet: a constrained request to an engine
-    drafting trees ends with a RequestError naming its field and speculative_eagle_topk (its
-    output would not follow the grammar), and the engine serves the next request."""
-    e = Engine(model_path=None, **{**KW, "speculative_adaptive": False,
-                                   "speculative_num_steps": 2, "speculative_eagle_topk": 2,
-                                   "speculative_num_draft_tokens": 5, "kv_cache_tokens": 4096})
+@pytest.fixture(scope="module")
+def plain():
+    e = Engine(model_path=None, speculative_num_steps=0, **KW)
+    yield e
+    e.shutdown()
+
+
+def _tree_engine(topk, steps, nodes):
+    return Engine(model_path=None, **{**KW, "speculative_adaptive": False,
+                                      "speculative_num_steps": steps,
+                                      "speculative_eagle_topk": topk,
+                                      "speculative_num_draft_tokens": nodes + 1})
+
+
+@pytest.mark.parametrize("topk, steps, nodes", [(2, 2, 3), (2, 5, 10), (4, 2, 8), (4, 4, 16)])
+def test_greedy_with_trees_equals_target_only_greedy(plain, topk, steps, nodes):
+    """Greedy under a grammar with draft trees of several shapes equals target-only greedy
+    under the same grammar (a JSON schema and an EBNF; the tree engine drafts: its
+    acceptance length is above 1)."""
+    e = _tree_engine(topk, steps, nodes)
     try:
-        with pytest.raises(RequestError, match="regex: .*speculative_eagle_topk=2") as err:
-            e.generate("x", {"max_new_tokens": 4, "regex": "a+"})
-        assert err.value.param == "regex"
-        assert e.generate("x", {"max_new_tokens": 4})["meta_info"]["completion_tokens"] == 4
+        for key, value in (("json_schema", json.dumps(SCHEMA)), ("ebnf", EBNF)):
+            sp = {"max_new_tokens": 32, "temperature": 0.0, key: value}
+            spec = e.generate(PROMPTS, sp)
+            assert [o["output_ids"] for o in spec] == [o["output_ids"]
+                                                       for o in plain.generate(PROMPTS, sp)]
+            assert max(o["meta_info"]["spec_accept_length"] for o in spec) > 1
     finally:
         e.shutdown()
+
+
+def test_seeded_constrained_tokens_do_not_depend_on_the_tree_shape(plain):
+    """A seeded request at temperature 1 under a grammar emits the same tokens with plain
+    decoding, a chain and trees of two shapes (the coupled draws key on the position only)."""
+    sp = [{"max_new_tokens": 40, "temperature": 1.0, "seed": 11 + i, "regex": REGEX}
+          for i in range(len(PROMPTS))]
+    ref = [o["output_ids"] for o in plain.generate(PROMPTS, sp)]
+    for topk, steps, nodes in ((2, 3, 6), (4, 2, 8)):
+        e = _tree_engine(topk, steps, nodes)
+        try:
+            assert [o["output_ids"] for o in e.generate(PROMPTS, sp)] == ref
+        finally:
+            e.shutdown()
+
+
+@pytest.mark.parametrize("topk, steps, nodes", [(2, 3, 6), (4, 2, 8)])
+def test_logprobs_of_constrained_tree_requests_are_the_masked_distribution(topk, steps, nodes):
+    """With draft trees, the top alternatives are tokens the grammar allows at that position;
+    where the grammar allows at most the 20 listed, they carry the whole (masked) probability.
+    (The first token, sampled by the prefill, and the chain path's logprobs are masked on
+    another branch of issue 31.)"""
+    regex = r"(ab|cd|x[0-9]|yes|no)( (ab|cd|x[0-9]|yes|no)){12}"
+    engine = _tree_engine(topk, steps, nodes)
+    try:
+        outs = engine.generate(PROMPTS, {"max_new_tokens": 24, "temperature": 1.0,
+                                         "regex": regex},
+                               return_logprob=True, top_logprobs_num=20)
+        _check_masked_logprobs(engine, regex, outs)
+    finally:
+        engine.shutdown()
+
+
+def _check_masked_logprobs(engine, regex, outs):
+    b = backend_for(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
+    compiled = b.compile(StructuredSpec("regex", regex))
+    full = 0
+    for o in outs:
+        m = new_matcher(compiled)
+        bm = xgr.allocate_token_bitmask(1, engine.vocab_size)
+        pairs = zip(o["meta_info"]["output_token_logprobs"],
+                    o["meta_info"]["output_top_logprobs"])
+        for (lp, tok, _), top in pairs:  # the prefill's first token included
+            m.fill_next_token_bitmask(bm, 0)
+            allowed = set(np.flatnonzero(unpack_bitmask(bm, engine.vocab_size)[0]).tolist())
+            assert {t for _, t, _ in top} <= allowed and tok in allowed and math.isfinite(lp)
+            if len(allowed) <= 20:
+                full += 1
+                assert len(top) == len(allowed)
+                assert abs(sum(math.exp(v) for v, _, _ in top) - 1.0) < 1e-3
+            assert m.accept_token(tok)
+    assert full > 0
 
 
 def test_ignore_eos_past_the_grammar_end_emits_stop_tokens_only(engine):
@@ -226,3 +330,10 @@ def test_a_request_waits_for_its_grammar_and_a_cancel_meanwhile_drops_it():
     assert not hold_for_grammar(spec, posted.append, out)  # ready: the loop adds it
     spec.cancelled = True
     assert hold_for_grammar(spec, posted.append, out) and not got
+
+
+def test_tree_engines_verified_trees_under_grammars(engine):
+    """Last for each engine: the tree engines' constrained requests above went through the
+    tree iteration with their grammar (the adaptive one among chains), the chain engines'
+    never did."""
+    assert (sum(engine.constrained_trees) > 0) == engine.speculation.startswith("tree")

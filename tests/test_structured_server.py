@@ -1,7 +1,8 @@
 """Issue 31 over HTTP on the built-in models: the openai client's structured-output call
 (``response_format`` json_schema, ``client.chat.completions.parse`` with a pydantic model),
 vLLM's ``guided_choice`` / ``structured_outputs``, SGLang's ``/generate`` with ``json_schema``
-and ``regex``, and 400s naming the field for bad or doubled constraints."""
+and ``regex``, and 400s naming the field for bad or doubled constraints; over chains and over
+draft trees."""
 
 from __future__ import annotations
 
@@ -23,9 +24,14 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"typ
           "required": ["n", "ok"], "additionalProperties": False}
 
 
-@pytest.fixture(scope="module")
-def server():
-    cfg = ServeConfig(max_running_requests=8, log_interval_s=0)
+@pytest.fixture(scope="module", params=["chains", "tree"])
+def server(request):
+    """The server over chains (the default adaptive engine) and over fixed draft trees
+    (topk 2, depth 3, 6 nodes)."""
+    tree = ({} if request.param == "chains" else dict(
+        speculative_adaptive=False, speculative_num_steps=3, speculative_eagle_topk=2,
+        speculative_num_draft_tokens=7))
+    cfg = ServeConfig(max_running_requests=8, log_interval_s=0, **tree)
     with LiveServer(cfg.build_engine(), name=NAME) as s:
         yield s
 

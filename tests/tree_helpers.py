@@ -30,14 +30,20 @@ class ToyLM:
 
 
 def draft_tree(drafter: ToyLM, prev: torch.Tensor, last: torch.Tensor, topk: int, depth: int,
-               num_nodes: int) -> DraftTree:
+               num_nodes: int, grammar=None) -> DraftTree:
     """EAGLE-2 drafting of ``B`` trees rooted at ``last`` (``prev`` before it) with the toy
-    drafter, through :class:`TreeExpansion` (one drafter call per level)."""
+    drafter, through :class:`TreeExpansion` (one drafter call per level); ``grammar`` (a
+    ``TreeGrammar``) masks each level's logits through the hooks the worker's drafting calls
+    (``mask_root``, ``start_level`` / ``mask_level``)."""
     exp = TreeExpansion(topk, depth)
-    front = exp.first(drafter(prev, last).log_softmax(-1))
+    logits = drafter(prev, last)
+    front = exp.first(logits.log_softmax(-1) if grammar is None else grammar.mask_root(logits))
     parent_tok = last[:, None].expand_as(front)
     for _ in range(depth - 1):
-        new = exp.next(drafter(parent_tok, front).log_softmax(-1))
+        if grammar is not None:
+            grammar.start_level(front, exp.frontier_parent)
+        logits = drafter(parent_tok, front)
+        new = exp.next(logits.log_softmax(-1) if grammar is None else grammar.mask_level(logits))
         parent_tok, front = front.gather(1, exp.frontier_parent), new
     return exp.finish(num_nodes)[0]
 

@@ -42,26 +42,20 @@ def start_compile(structured: StructuredSpec | None, tokenizer: Any, vocab_size:
 
 
 def hold_for_grammar(spec: RequestSpec, post: Callable[[Any], None],
-                     out: Callable[[Any, Any], None], worker: Any = None,
-                     tree_topk: int = 1,
+                     out: Callable[[Any, Any], None],
                      on_hold: Callable[[RequestSpec], None] | None = None) -> bool:
     """True when the loop must not add ``spec`` now: its grammar is compiling (it is posted
-    again, as a :class:`Submit`, when done), was cancelled meanwhile (dropped), or failed, or
-    the engine drafts trees (``tree_topk > 1``,
-    ``speculative_eagle_topk``: the tree iteration applies no grammar masks yet); then its sink
-    got the error. ``on_hold(spec)`` is called when it is held for its compile, before the
+    again, as a :class:`Submit`, when done), was cancelled meanwhile (dropped), or failed (its
+    sink got the error). ``on_hold(spec)`` is called when it is held for its compile, before the
     callback that posts it again is attached (the loop's record of held requests,
-    :mod:`specdial.engine.inbox`, which answers them at shutdown)."""
+    :mod:`specdial.engine.inbox`, which answers them at shutdown). Every engine serves
+    constrained requests: chains (:mod:`specdial.worker.grammar_masks`), draft trees (every
+    node masked with its path's state, :mod:`specdial.worker.grammar_tree`) and
+    ``tp_size > 1`` (matchers on rank 0, masks broadcast)."""
     fut = spec.grammar
     if fut is None:
         return False
     if spec.cancelled:  # its consumer left while the grammar compiled: nobody to answer
-        return True
-    if tree_topk > 1:
-        field = spec.params.structured.field
-        out(spec.sink, RequestError(f"{field}: structured outputs are not served with draft "
-                                    f"trees yet (speculative_eagle_topk={tree_topk}); use "
-                                    "speculative_eagle_topk 1 (chains)", field))
         return True
     if not fut.done():
         if on_hold is not None:

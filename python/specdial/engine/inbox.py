@@ -151,8 +151,7 @@ class LoopInbox:
             if not spec.cancelled:
                 self._out(spec.sink, RuntimeError("Engine is shut down"))
             return
-        if hold_for_grammar(spec, self.post, self._out, self.worker, self.sched.draft_tree[0],
-                            on_hold=self.held.add):
+        if hold_for_grammar(spec, self.post, self._out, on_hold=self.held.add):
             return
         try:
             rid = self.sched.add_request(np.asarray(spec.prompt_ids, np.int64),

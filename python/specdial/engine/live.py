@@ -5,6 +5,8 @@ and the prompt-logprob bookkeeping of a prefill chunk (:func:`prompt_plan`,
 
 from __future__ import annotations
 
+import math
+
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,8 +102,11 @@ class LiveRequest:
         if token_lp is not None:
             values, ids, top = token_lp
             chunk.logprobs = values.tolist()
-            # an alternative the grammar does not allow (id NOT_ALLOWED_ID) is never listed
-            chunk.top_logprobs = [[(a, v) for a, v in zip(i, t) if a != NOT_ALLOWED_ID]
+            # an alternative the grammar does not allow is never listed: the chain path marks it
+            # with id NOT_ALLOWED_ID, the tree path with a -inf value (its masked distribution
+            # has fewer than top_n tokens)
+            chunk.top_logprobs = [[(a, v) for a, v in zip(i, t)
+                                   if a != NOT_ALLOWED_ID and v != -math.inf]
                                   for i, t in zip(ids.tolist(), top.tolist())]
         elif not new:
             chunk.logprobs, chunk.top_logprobs = [], []

@@ -16,7 +16,8 @@ log-probabilities in the target vocabulary (``Drafter.to_target_logits``: EAGLE-
 vocabulary is ``-inf`` elsewhere), so tree tokens are target ids. The tree's tokens are chosen
 deterministically (top-k), whatever the sampling options: :mod:`specdial.worker.tree_accept`
 keeps sampling lossless with that. Eager only (no CUDA graph yet). No host sync beyond the
-attention plans.
+attention plans, except under a grammar (structured outputs): then each level's drafter logits
+are masked per frontier node (:mod:`specdial.worker.grammar_tree`, one sync per level).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class TreeDraft:
 
 def draft_tree(drafter: Any, backend: Any, tables: RequestTables, rows: torch.Tensor,
                target_len: np.ndarray, root_ids: torch.Tensor, first_hidden: torch.Tensor | None,
-               draft_loc: torch.Tensor, *, topk: int, depth: int, num_nodes: int) -> TreeDraft:
+               draft_loc: torch.Tensor, *, topk: int, depth: int, num_nodes: int,
+               grammar: Any = None) -> TreeDraft:
     """Draft one EAGLE-2 tree per request (see the module docstring).
 
     - ``drafter``: a :class:`~specdial.worker.drafters.Drafter` whose KV is valid for
@@ -64,6 +66,9 @@ def draft_tree(drafter: Any, backend: Any, tables: RequestTables, rows: torch.Te
       ``h_{L-1}``) or None.
     - ``draft_loc`` ``[B, K * (D - 1)]`` int64: drafter KV slots of the fed frontier nodes,
       level ``l``'s ``K`` at columns ``K * (l - 2) ..``; none of them a chain slot in use.
+    - ``grammar``: a :class:`~specdial.worker.grammar_tree.TreeGrammar` when some row is
+      constrained (structured outputs): each level's drafter logits are masked with each
+      frontier node's path state before the top-k; None: no masks.
 
     Raises ``ValueError`` for a ``draft_loc`` of the wrong shape or a shape that
     :class:`TreeExpansion` / :func:`~specdial.worker.tree.select_nodes` refuses.
@@ -81,8 +86,11 @@ def draft_tree(drafter: Any, backend: Any, tables: RequestTables, rows: torch.Te
     ones = torch.ones(b, dtype=torch.int64)  # host lengths: planning never waits
     batch = ForwardBatch(root_ids, lens, root_loc, backend.plan(ones, kv_lens, kv_idx))
     h = drafter.extend(batch, backend, hidden_states=first_hidden, kv_only=False)
-    front = exp.first(_logprobs(drafter, h))
+    logits = _logprobs(drafter, h)
+    front = exp.first(logits if grammar is None else grammar.mask_root(logits))
     for level in range(2, depth + 1):
+        if grammar is not None:  # the frontier's paths go to the host during the forward
+            grammar.start_level(front, exp.frontier_parent)
         fed = draft_loc[:, : topk * (level - 1)]
         loc = fed[:, -topk:]
         kv_idx, kv_lens = tree_kv_indices(tables, rows, target_len + 1, fed)
@@ -96,7 +104,8 @@ def draft_tree(drafter: Any, backend: Any, tables: RequestTables, rows: torch.Te
             hidden = hp.gather(1, exp.frontier_parent[:, :, None].expand(b, topk, hp.shape[-1]))
             hidden = hidden.reshape(b * topk, -1)
         h = drafter.extend(batch, backend, hidden_states=hidden, kv_only=False)
-        front = exp.next(_logprobs(drafter, h).view(b, topk, -1))
+        logits = _logprobs(drafter, h).view(b, topk, -1)
+        front = exp.next(logits if grammar is None else grammar.mask_level(logits))
     tree, sel = exp.finish(num_nodes)
     return TreeDraft(tree, _fed_slots(exp, sel, draft_loc), tree.scores.exp())
 

@@ -25,6 +25,10 @@ iteration's one host copy carries the accepted counts, the emitted tokens and th
 lengths. Penalties, ``min_tokens`` and ``logit_bias`` process each verify column with its own
 path (:mod:`specdial.worker.tree_processing`); log-probabilities are the raw target logits of
 the columns that decided the emitted tokens (the root, then the accepted path), as for a chain.
+Structured outputs (issue 31): with constrained rows (``sampling.grammar``) the drafts of every
+level and the verify columns are masked with each node's path state
+(:mod:`specdial.worker.grammar_tree`), the logprobs of those rows are the masked
+distribution's, and the emitted tokens advance the matchers once after the host copy.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import torch
 from specdial.models.batch import ForwardBatch
 from specdial.worker.batch_sampling import BatchSampling
 from specdial.worker.drafters import run_target
+from specdial.worker.grammar_tree import TreeGrammar
 from specdial.worker.logprobs import LogprobRows, token_logprobs
 from specdial.worker.stages import StepOutput
 from specdial.worker.tree import ancestor_mask, tree_positions
@@ -154,36 +159,63 @@ def run_tree_iteration(worker: Any, plan: TreePlan, sampling: BatchSampling,
     if ds.features is not None:
         first_hidden = ds.features[tables.req_to_token[rows_d, (lens_d - 1).clamp(min=0)]]
         first_hidden = torch.where((lens_d > 0)[:, None], first_hidden, 0)
-    td = draft_tree(drafter, worker.backend, tables, rows_d, lens, root, first_hidden,
-                    draft_loc, topk=k, depth=d, num_nodes=n)
-    raw = _verify(worker, td, rows_d, lens, root, chain[:, 0], scratch)
-    logits = raw
-    if sampling.processors is not None:
-        base, seen = step_histories(worker, sampling.processors, rows, lens)
-        logits = process_tree_columns(raw, sampling.processors, td.tree, root, lens_d + 1,
-                                      base, seen)
-    acc, path, out = tree_accept(td.tree, logits, sampling, generator, lens_d + 1)
+    tg = None if sampling.grammar is None else TreeGrammar(sampling.grammar)
+    try:
+        td = draft_tree(drafter, worker.backend, tables, rows_d, lens, root, first_hidden,
+                        draft_loc, topk=k, depth=d, num_nodes=n, grammar=tg)
+        if tg is not None:  # the tree goes to the host during the target's forward
+            tg.start_verify(td.tree)
+        raw = _verify(worker, td, rows_d, lens, root, chain[:, 0], scratch)
+        acc, path, out, lp_pending = _accept(worker, td, raw, rows, lens, root, sampling,
+                                             generator, logprobs, tg)
+    finally:
+        if tg is not None:
+            tg.reset()  # the matchers at their requests' states, even after a failure
     if plan.steps_per_request is not None:  # cap: the emitted prefix of a lossless draw
         cap = torch.from_numpy(limit).to(dev)
         acc = torch.minimum(acc, cap)
         path = torch.where(torch.arange(d, device=dev)[None, :] < cap[:, None], path, -1)
-    lp_pending = None
-    if logprobs is not None:
-        cols = path_columns(path)
-        lp_pending = token_logprobs(raw.gather(1, cols[:, :, None].expand(-1, -1, raw.shape[2])),
-                                    out, logprobs).to_host()
     fed = _copy_path(worker, td, path, chain[:, 1:], scratch)
     tables.req_to_ids[rows_d[:, None], lens_d[:, None] + 1 + torch.arange(d + 1, device=dev)] \
         = out
     host = torch.cat([acc[:, None], fed[:, None], out], 1).cpu().numpy()  # the one sync
     lp_host = None if lp_pending is None else lp_pending()
     accepted, fed_h = host[:, 0].astype(np.int64), host[:, 1].astype(np.int64)
+    if sampling.grammar is not None:  # the emitted tokens advance the matchers once
+        sampling.grammar.advance(accepted + 1, host[:, 2:])
     ds.after_verify(rows, lens, fed_h + 1, accepted)
     ds.catch_up(rows, lens + accepted + 1, runner)
     keep = np.arange(d + 1)[None, :] <= accepted[:, None]
     tokens = host[:, 2:][keep].astype(np.int64)
     offsets = np.concatenate([[0], np.cumsum(accepted + 1)]).astype(np.int64)
     return StepOutput(d, tokens, offsets, accepted, lp_host)
+
+
+def _accept(worker: Any, td: TreeDraft, raw: torch.Tensor, rows: np.ndarray, lens: np.ndarray,
+            root: torch.Tensor, sampling: BatchSampling, generator: torch.Generator | None,
+            logprobs: LogprobRows | None, grammar: TreeGrammar | None) -> tuple[Any, ...]:
+    """Process the verify logits ``raw`` ``[B, N + 1, V]`` (each column with its own path:
+    processors, then the grammar masks) and accept (:func:`tree_accept`); returns
+    ``(accepted [B], path [B, D], out [B, D + 1], logprobs' pending host copy or None)``. The
+    logprobs are the raw target's at the deciding columns, grammar-masked for constrained
+    rows (:meth:`~specdial.worker.grammar_tree.TreeGrammar.logprob_logits`)."""
+    lens_d = torch.from_numpy(lens).to(raw.device)
+    logits = raw
+    if sampling.processors is not None:
+        base, seen = step_histories(worker, sampling.processors, rows, lens)
+        logits = process_tree_columns(raw, sampling.processors, td.tree, root, lens_d + 1,
+                                      base, seen)
+    if grammar is not None:
+        logits = grammar.mask_verify(logits)
+    acc, path, out = tree_accept(td.tree, logits, sampling, generator, lens_d + 1)
+    lp_pending = None
+    if logprobs is not None:
+        cols = path_columns(path)  # the uncapped path: a cap keeps its prefix
+        lp = raw.gather(1, cols[:, :, None].expand(-1, -1, raw.shape[2]))
+        if grammar is not None:
+            lp = grammar.logprob_logits(lp, cols)
+        lp_pending = token_logprobs(lp, out, logprobs).to_host()
+    return acc, path, out, lp_pending
 
 
 def _padded_chain(out_loc: np.ndarray, limit: np.ndarray, d: int, pad: int) -> torch.Tensor:
