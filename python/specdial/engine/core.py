@@ -149,7 +149,8 @@ class Engine:
       scheduler, policy, worker and ``tp_size`` group, behind one front end
       (:class:`~specdial.launch.data_parallel.DataParallelEngine`, :attr:`data_parallel`):
       each request goes where ``load_balance_method`` says; :meth:`generate` with a list
-      spreads it; :meth:`stats` sums them; :meth:`abort` takes the front end's ids; a failed
+      spreads it; :meth:`stats`, :attr:`loop_turns` and
+      :meth:`graph_stats` sum them; :meth:`abort` takes the front end's ids; a failed
       replica is skipped (:attr:`degraded`). ``tokenizer`` and ``context_length`` are replica
       0's; :attr:`replicas` lists them (:mod:`specdial.launch.replica_setup`: devices, seeds).
     """

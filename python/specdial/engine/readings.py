@@ -18,7 +18,13 @@ __all__ = ["degraded", "failure", "graph_stats", "loop_turns", "stats"]
 
 
 def loop_turns(engine: Any) -> int:
-    """Engine loop turns so far (progress)."""
+    """Engine loop turns so far (progress; a turn is at most one iteration). With
+    ``dp_size > 1`` the replicas' turns summed
+    (:attr:`~specdial.launch.data_parallel.DataParallelEngine.loop_turns`: a replica process's
+    count as of its latest heartbeat, at most ``min(1 s, watchdog_timeout / 4)`` old); each
+    replica's own is ``engine.replicas[i].loop_turns``."""
+    if engine._dp is not None:
+        return engine._dp.loop_turns
     return engine._loop.turns
 
 
@@ -42,10 +48,12 @@ def degraded(engine: Any) -> str | None:
 
 def graph_stats(engine: Any) -> dict[str, Any]:
     """CUDA-graph counters: ``replays`` per pass, ``eager`` fallbacks per reason,
-    ``captured`` graphs (all zero without graphs). Read while no request runs."""
+    ``captured`` graphs (all zero without graphs). Read while no request runs. With
+    ``dp_size > 1`` the replicas' summed
+    (:meth:`~specdial.launch.data_parallel.DataParallelEngine.graph_stats`; each replica's own:
+    ``engine.replicas[i].graph_stats()``)."""
     if engine._dp is not None:
-        raise NotImplementedError("graph_stats of a data-parallel Engine: read each of "
-                                  "engine.replicas")
+        return engine._dp.graph_stats()
     worker = engine.worker
     if worker is None:
         return {"replays": {}, "eager": {}, "captured": 0}
