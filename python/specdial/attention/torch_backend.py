@@ -103,8 +103,10 @@ class TorchAttentionBackend(AttentionBackend):
         if rep != 1 and not gqa:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(qp, k.to(q.dtype), v.to(q.dtype),
-                                             attn_mask=meta.mask, scale=scale, enable_gqa=gqa)
+        if k.dtype != q.dtype:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        out = F.scaled_dot_product_attention(qp, k, v, attn_mask=meta.mask, scale=scale,
+                                             enable_gqa=gqa)
         out = out.transpose(1, 2).reshape(b * max_q, h, d)
         return out if meta.dense else out[meta.q_dst]
 
