@@ -144,7 +144,8 @@ def main() -> None:
             o, n = med["old"][c][k], med["new"][c][k]
             print(f"| {c} | {k} | {o:.3f} | {n:.3f} | {n / o:.3f} |")
     if ns.out:
-        ns.out.write_text(json.dumps({"args": vars(ns), "loads": loads, "raw": raw,
+        ns.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(ns).items()},
+                                      "loads": loads, "raw": raw,
                                       "median": med}, indent=1) + "\n")
 
 
