@@ -1,5 +1,6 @@
 """TorchAttentionBackend against a per-request reference loop."""
 
+import dataclasses
 import math
 
 import pytest
@@ -25,7 +26,10 @@ def _reference(q, pool, layer, qo_lens, kv_lens, kv_indices, scale):
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
-def test_matches_reference(heads, kv_heads):
+@pytest.mark.parametrize("uniform", [False, True])
+def test_matches_reference(heads, kv_heads, uniform):
+    """Ragged query lengths, and uniform ones (a decode batch: ``dense`` metadata, the
+    forward's packed layout, bitwise the padded one's output)."""
     torch.manual_seed(0)
     d, layers, slots = 16, 2, 64
     pool = KVPool(layers, slots, kv_heads, d)
@@ -33,20 +37,24 @@ def test_matches_reference(heads, kv_heads):
     pool.v_buffer.normal_()
     pool.k_buffer[:, pool.pad_slot] = float("nan")  # never read
     pool.v_buffer[:, pool.pad_slot] = float("nan")
-    qo_lens = torch.tensor([3, 1, 5, 0, 2])
+    qo_lens = torch.tensor([2, 2, 2, 2, 2] if uniform else [3, 1, 5, 0, 2])
     kv_lens = torch.tensor([3, 7, 9, 4, 2])
     kv_indices = torch.randperm(slots)[: int(kv_lens.sum())]
     q = torch.randn(int(qo_lens.sum()), heads, d)
     backend = TorchAttentionBackend()
     meta = backend.plan(qo_lens, kv_lens, kv_indices)
-    assert meta.qo_indptr.tolist() == [0, 3, 4, 9, 9, 11]
+    assert meta.qo_indptr.tolist() == ([0, 2, 4, 6, 8, 10] if uniform
+                                       else [0, 3, 4, 9, 9, 11])
     assert meta.kv_indptr.tolist() == [0, 3, 10, 19, 23, 25]
+    assert meta.dense is uniform
+    padded = dataclasses.replace(meta, dense=False)
     scale = 1 / math.sqrt(d)
     for layer in range(layers):
         out = backend.forward(q, layer, pool, meta, scale)
         ref = _reference(q, pool, layer, qo_lens, kv_lens, kv_indices, scale)
         assert out.shape == q.shape
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        assert torch.equal(out, backend.forward(q, layer, pool, padded, scale))
 
 
 def test_kv_pool_write_and_nbytes():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 
 import openai
 import pytest
@@ -159,6 +160,7 @@ def test_engine_dp_size_2_from_python(dirs, backend, capfd):
         assert sum(per_replica) == 24 and min(per_replica) > 0, per_replica
         assert two.stats().requests_finished == 24
         assert two.stats().generation_tokens == sum(len(w) for w in want)
+        _per_engine_readings_are_the_replicas_summed(two)
         assert two.flush_cache() is True and two.stats().cached_pages == 0  # every replica's
         got = asyncio.run(two.async_generate(prompts[:4], params))
         assert [o["output_ids"] for o in got] == want[:4]
@@ -167,6 +169,44 @@ def test_engine_dp_size_2_from_python(dirs, backend, capfd):
         assert two.data_parallel.inflight() == [0, 0]
     with pytest.raises(ValueError, match="dp_size > 1 with tp_size > 1"):
         Engine(dp_size=2, tp_size=2, data_parallel_backend="inprocess", **options)
+
+
+def _per_engine_readings_are_the_replicas_summed(two: Engine) -> None:
+    """``loop_turns`` and ``graph_stats()`` of a dp 2 Engine (they raised on one: the front
+    has no loop and no worker) are the replicas' summed, and both replicas turned. The loops
+    rest while idle; a replica process's count comes with its heartbeat (every 1 s here), so
+    the last beat after the work is awaited first."""
+    time.sleep(scaled(1.5))
+    turns = [r.loop_turns for r in two.replicas]
+    assert min(turns) > 0, turns  # both served a share
+    assert two.loop_turns == sum(turns), (two.loop_turns, turns)
+    zero = {"replays": {}, "eager": {}, "captured": 0}  # no graph runners on the CPU
+    assert [r.graph_stats() for r in two.replicas] == [zero, zero]
+    assert two.graph_stats() == zero
+
+
+class _Reading:
+    """A replica stand-in with fixed readings."""
+
+    tokenizer, context_length, failure = None, 64, None
+
+    def __init__(self, turns: int, graphs: dict) -> None:
+        self.loop_turns, self._graphs = turns, graphs
+
+    def graph_stats(self) -> dict:
+        return self._graphs
+
+
+def test_front_sums_loop_turns_and_graph_stats():
+    a = _Reading(7, {"replays": {"verify": 3, "draft": 2}, "eager": {"too_big": 1},
+                     "captured": 4})
+    b = _Reading(5, {"replays": {"verify": 1, "extend": 6}, "eager": {}, "captured": 2})
+    front = DataParallelEngine([a, b])
+    assert front.loop_turns == 12
+    assert front.graph_stats() == {"replays": {"verify": 4, "draft": 2, "extend": 6},
+                                   "eager": {"too_big": 1}, "captured": 6}
+    b.failure, b.loop_turns = "gone", 9  # a failed replica's last count stays in the sum
+    assert front.loop_turns == 16
 
 
 def test_aggregate_stats():

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+import types
 from pathlib import Path
 
 import httpx
@@ -19,6 +21,9 @@ import pytest
 import specdial
 from dp_stall_hook import FLAG, stall_replica_1
 from specdial.config import EngineConfig, parse_addr
+from specdial.launch import replica_wire as w
+from specdial.launch.replica_client import ReplicaClient
+from specdial.launch.replica_main import ReplicaServer
 from specdial.launch.replica_setup import check_sendable, replica_options
 from specdial.launch.replica_watch import Progress, Watchdog, beat_interval
 from test_server_engine import metric
@@ -55,6 +60,26 @@ def test_progress_counts_only_a_busy_loop_that_does_not_turn():
     assert p.stalled_s(6, busy=True, now=5.0) == 0.0  # it turned
     assert p.stalled_s(6, busy=False, now=50.0) == 0.0  # idle: blocking is fine
     assert p.stalled_s(6, busy=True, now=52.5) == 2.5
+
+
+def test_heartbeat_carries_the_stall_and_the_turn_count():
+    """A beat is ``(stall_s, loop_turns)``; the router's client keeps the count
+    (``ReplicaClient.loop_turns``, what a dp > 1 Engine's ``loop_turns`` sums) and gives the
+    stall to its watchdog."""
+    engine = types.SimpleNamespace(loop_turns=41)
+    server = ReplicaServer(engine=engine, conn=None)
+    server.calls = {1: None}  # a call in flight
+    assert server.beat() == (0.0, 41)
+    server.progress.since -= 5.0  # the count has not moved for 5 s
+    stall, turns = server.beat()
+    assert turns == 41 and 4.9 < stall < 6.0
+    engine.loop_turns = 42
+    assert server.beat() == (0.0, 42)
+    client = ReplicaClient.__new__(ReplicaClient)  # no process: only its delivery
+    client._lock, client._calls, client.loop_turns = threading.Lock(), {}, 0
+    client.watchdog = Watchdog(2.0, now=0.0)
+    client._deliver([(0, w.BEAT, (3.5, 42))])
+    assert client.loop_turns == 42 and client.watchdog.stalled == 3.5
 
 
 def test_watchdog_verdicts():

@@ -82,3 +82,55 @@ def test_generate_stream_close_aborts(builtin):
         time.sleep(0.05)
         deadline -= 1
     assert builtin.stats().running == 0 and builtin.stats().kv_pages_used == 0
+
+
+def test_held_until_end_hands_over_each_request_once_at_its_end():
+    """``generate`` / ``async_generate`` take a request's chunks when it ends: the sink holds
+    the chunks before the last and hands them over, in order, with the item that ends them
+    (or at once: ``Submitted``, an error)."""
+    from specdial.engine.api import StreamChunk
+    from specdial.engine.messages import Submitted
+    from specdial.engine.requests import held_until_end
+
+    got: list[list] = []
+    sink = held_until_end(got.append)
+    first = Submitted(7)
+    sink(first)
+    chunks = [StreamChunk(7, str(i), [i], finished=i == 2) for i in range(3)]
+    sink(chunks[0])
+    sink(chunks[1])
+    assert got == [[first]]  # the chunks that do not finish it are held
+    sink(chunks[2])
+    assert got == [[first], chunks]
+    err = RuntimeError("the engine loop failed")
+    sink(err)
+    assert got[-1] == [err]
+
+
+@pytest.mark.parametrize("front", ["generate", "async_generate"])
+def test_generate_wakes_its_caller_once_per_request_not_per_iteration(tiny, front,
+                                                                      monkeypatch):
+    """3 requests x 10 tokens (several decode iterations each): their consumer is handed items
+    6 times (``Submitted`` and the end of each), and the outputs are the streamed ones."""
+    import specdial.engine.requests as requests
+
+    handed: list[int] = []
+    held = requests.held_until_end
+    monkeypatch.setattr(requests, "held_until_end",
+                        lambda deliver: held(lambda items: (handed.append(len(items)),
+                                                            deliver(items))))
+    engine = Engine.from_modules(tiny.target, tiny.draft_noisy, steps_schedule=[1], **KW)
+    try:
+        sp = greedy(10)
+        streamed = [[t for c in engine.stream(input_ids=p, sampling_params=sp)
+                     for t in c.token_ids] for p in PROMPTS]
+        handed.clear()
+        if front == "generate":
+            outs = engine.generate(input_ids=PROMPTS, sampling_params=sp)
+        else:
+            outs = asyncio.run(engine.async_generate(input_ids=PROMPTS, sampling_params=sp))
+        assert [o["output_ids"] for o in outs] == streamed
+        n = len(PROMPTS)
+        assert len(handed) == 2 * n and sum(handed) >= 4 * n, handed  # several chunks each
+    finally:
+        engine.shutdown()

@@ -56,8 +56,10 @@ class KVPool:
         slot (which one wins is unspecified). ``k``/``v`` are cast to the pool dtype.
         No Python-side validation (hot path; safe inside CUDA-graph capture).
         """
-        self.k_buffer[layer].index_copy_(0, loc, k.to(self.dtype))
-        self.v_buffer[layer].index_copy_(0, loc, v.to(self.dtype))
+        if k.dtype != self.dtype or v.dtype != self.dtype:  # (a same-dtype cast: a dispatched no-op)
+            k, v = k.to(self.dtype), v.to(self.dtype)
+        self.k_buffer[layer].index_copy_(0, loc, k)
+        self.v_buffer[layer].index_copy_(0, loc, v)
 
     @property
     def nbytes(self) -> int:

@@ -25,6 +25,10 @@ class TorchAttentionMetadata(AttentionMetadata):
     - ``kv_gather`` ``[B, max_kv_len]`` int64: slot of each padded key (padding reads a valid
       slot of the batch and is masked out).
     - ``mask`` ``[B, 1, max_qo_len, max_kv_len]`` bool: True where a query may attend.
+    - ``dense``: every request has ``max_qo_len`` queries (a decode batch: one token per draft
+      step, ``steps + 1`` per verify), so ``q_dst`` is ``arange(T)`` and the padded layout is
+      the packed one: the forward skips the scatter into it and the gather back (the same
+      values; a per-layer cost that does not shrink with the batch).
     """
 
     max_qo_len: int
@@ -32,6 +36,7 @@ class TorchAttentionMetadata(AttentionMetadata):
     q_dst: torch.Tensor
     kv_gather: torch.Tensor
     mask: torch.Tensor
+    dense: bool = False
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -77,6 +82,7 @@ class TorchAttentionBackend(AttentionBackend):
             qo_indptr=qo_indptr.to(dev), kv_indptr=kv_indptr.to(dev),
             max_qo_len=max_q, max_kv_len=max_kv, q_dst=q_dst.to(dev),
             kv_gather=kv_gather, mask=mask[:, None].to(dev),
+            dense=req.numel() == b * max_q,
         )
 
     def forward(self, q: torch.Tensor, layer_id: int, kv_pool: KVPool,
@@ -85,17 +91,24 @@ class TorchAttentionBackend(AttentionBackend):
             raise TypeError("TorchAttentionBackend needs metadata from its own plan()")
         t, h, d = q.shape
         b, max_q = meta.batch_size, meta.max_qo_len
-        qp = q.new_zeros(b * max_q, h, d).index_copy_(0, meta.q_dst, q)
+        qp = q if meta.dense else q.new_zeros(b * max_q, h, d).index_copy_(0, meta.q_dst, q)
         qp = qp.view(b, max_q, h, d).transpose(1, 2)  # [B, H, max_q, D]
         k = kv_pool.k_buffer[layer_id][meta.kv_gather].transpose(1, 2)  # [B, kvh, max_kv, D]
         v = kv_pool.v_buffer[layer_id][meta.kv_gather].transpose(1, 2)
         rep = h // k.shape[1]
-        if rep != 1:
+        # GQA: on the CPU, SDPA maps the query heads to their K/V head itself (the same
+        # values, without copying K/V rep times); elsewhere the heads are repeated, as the
+        # GPU kernels that take a mask do not all take enable_gqa
+        gqa = rep != 1 and q.device.type == "cpu"
+        if rep != 1 and not gqa:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(qp, k.to(q.dtype), v.to(q.dtype),
-                                             attn_mask=meta.mask, scale=scale)
-        return out.transpose(1, 2).reshape(b * max_q, h, d)[meta.q_dst]
+        if k.dtype != q.dtype:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        out = F.scaled_dot_product_attention(qp, k, v, attn_mask=meta.mask, scale=scale,
+                                             enable_gqa=gqa)
+        out = out.transpose(1, 2).reshape(b * max_q, h, d)
+        return out if meta.dense else out[meta.q_dst]
 
 
 class TorchStaticAttention:

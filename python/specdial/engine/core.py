@@ -14,7 +14,6 @@ Output dicts of ``generate`` follow SGLang's offline ``Engine.generate``
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import operator
 import threading
@@ -24,7 +23,8 @@ from typing import Any, AsyncIterator, Iterator
 import torch
 
 from specdial.config import EngineConfig, config_of_call
-from specdial.engine.api import EngineStats, LogprobOptions, StreamChunk
+from specdial.engine import readings as _readings
+from specdial.engine.api import LogprobOptions, StreamChunk
 from specdial.engine.build import (adaptive_config_of, build_parts, modules_config,
                                    start_tensor_parallel)
 from specdial.engine.cache_ops import flush_cache as _flush_cache
@@ -149,7 +149,8 @@ class Engine:
       scheduler, policy, worker and ``tp_size`` group, behind one front end
       (:class:`~specdial.launch.data_parallel.DataParallelEngine`, :attr:`data_parallel`):
       each request goes where ``load_balance_method`` says; :meth:`generate` with a list
-      spreads it; :meth:`stats` sums them; :meth:`abort` takes the front end's ids; a failed
+      spreads it; :meth:`stats`, :attr:`loop_turns` and
+      :meth:`graph_stats` sum them; :meth:`abort` takes the front end's ids; a failed
       replica is skipped (:attr:`degraded`). ``tokenizer`` and ``context_length`` are replica
       0's; :attr:`replicas` lists them (:mod:`specdial.launch.replica_setup`: devices, seeds).
     """
@@ -245,7 +246,7 @@ class Engine:
     record_trace = _part("record_trace", "The per-verify trace file's path, or None.")
     sampling_defaults = _part("sampling_defaults", "What unset sampling fields of a request get.")
     vocab_size = _part("vocab_size", "Token ids taken: ``[0, vocab_size)`` (replicas' too).")
-    loop_turns = property(lambda self: self._loop.turns, doc="Engine loop turns so far (progress).")
+    loop_turns = property(_readings.loop_turns, doc=_readings.loop_turns.__doc__)
 
     @property
     def _loop(self) -> EngineLoop:
@@ -280,21 +281,8 @@ class Engine:
         """The engines that serve: ``dp_size`` replicas, or ``[self]``."""
         return [self] if self._dp is None else list(self._dp.replicas)
 
-    @property
-    def failure(self) -> str | None:
-        """None while the engine can run its passes; else why not (its loop stopped, a
-        tensor-parallel rank died or hung, or a data-parallel replica failed: the message
-        names it). ``/health`` then answers 503 and ``/metrics`` reads ``specdial:engine_up``
-        0."""
-        if self._dp is not None:
-            return self._dp.failure
-        dead = self._loop.dead
-        if dead is not None:
-            return f"the engine loop stopped: {type(dead).__name__}: {dead}"
-        return None if self._tp is None else self._tp.failure
-
-    degraded = property(lambda self: None if self._dp is None else self._dp.degraded,
-                        doc="dp_size > 1: the failed replicas while others serve, else None.")
+    failure = property(_readings.failure, doc=_readings.failure.__doc__)
+    degraded = property(_readings.degraded, doc=_readings.degraded.__doc__)
 
     @classmethod
     def from_modules(cls, target: LlamaForCausalLM,
@@ -331,16 +319,7 @@ class Engine:
         return profile_costs(self._parts, batch_sizes, steps, n_warmup=n_warmup,
                              n_measure=n_measure, seq_len=seq_len, reachable=reachable)
 
-    def graph_stats(self) -> dict[str, Any]:
-        """CUDA-graph counters: ``replays`` per pass, ``eager`` fallbacks per reason,
-        ``captured`` graphs (all zero without graphs). Read while no request runs."""
-        if self._dp is not None:
-            raise NotImplementedError("graph_stats of a data-parallel Engine: read each of "
-                                      "engine.replicas")
-        worker = self.worker
-        if worker is None:
-            return {"replays": {}, "eager": {}, "captured": 0}
-        return worker.graph_stats()
+    graph_stats = _readings.graph_stats
 
     # ----------------------------------------------------------------- requests
     def _spec(self, prompt: Any, input_ids: Any, sampling_params: Any, stop: Any,
@@ -460,14 +439,7 @@ class Engine:
 
     flush_cache = _flush_cache  # SGLang's /flush_cache on the loop thread (cache_ops.py)
 
-    def stats(self) -> EngineStats:
-        """A snapshot of the gauges and counters (thread-safe; see :class:`EngineStats`); with
-        ``dp_size > 1`` the replicas' aggregated
-        (:func:`~specdial.launch.data_parallel.aggregate_stats`)."""
-        if self._dp is not None:
-            return dataclasses.replace(self._dp.stats(),
-                                       policy_cache=self.replicas[0].policy_cache.status)
-        return dataclasses.replace(self._loop.stats(), policy_cache=self.policy_cache.status)
+    stats = _readings.stats
 
     def shutdown(self, drain: bool = True) -> None:
         """Stop admitting; ``drain=True`` lets every accepted request finish, ``False`` aborts

@@ -3,7 +3,8 @@
 - :func:`make_spec`: one request validated into a :class:`RequestSpec` (raises
   :class:`~specdial.engine.api.RequestError` naming the field).
 - :func:`collect`: ``generate``'s driver: submits a batch, waits (retrying requests refused by a
-  full queue) and builds the SGLang-style output dicts.
+  full queue) and builds the SGLang-style output dicts; it (and :func:`async_collect`) takes
+  each request's chunks at its end (:func:`held_until_end`), not each iteration.
 - :func:`async_collect`: ``async_generate``'s driver (the same dicts, on an asyncio loop).
 - :func:`sync_stream` / :func:`async_stream`: one request as an iterator of
   :class:`~specdial.engine.api.StreamChunk`; submission on the first ``next`` / ``__anext__``;
@@ -247,9 +248,9 @@ def collect(post: Post, cancel: Cancel, specs: list[RequestSpec],
     without logprobs). A request refused by a full queue is submitted again when the queue
     may have room (polled every 20 ms). Raises the first other submission error (after
     cancelling the rest)."""
-    q: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+    q: queue.SimpleQueue[tuple[int, list[Any]]] = queue.SimpleQueue()
     for i, spec in enumerate(specs):
-        spec.sink = (lambda i: lambda item: q.put((i, item)))(i)
+        spec.sink = held_until_end((lambda i: lambda items: q.put((i, items)))(i))
     if outs is None:
         outs = [OutputAccumulator(spec.prompt_ids) for spec in specs]
     left, in_submit = len(specs), len(specs)
@@ -258,22 +259,23 @@ def collect(post: Post, cancel: Cancel, specs: list[RequestSpec],
         post(Submit(specs))
         while left:
             try:
-                i, item = q.get(timeout=0.02 if retry and not in_submit else None)
+                i, items = q.get(timeout=0.02 if retry and not in_submit else None)
             except queue.Empty:  # the queue was full: try again
                 post(Submit(retry))
                 in_submit, retry = len(retry), []
                 continue
-            if isinstance(item, Submitted):
-                in_submit -= 1
-            elif isinstance(item, QueueFullError):
-                in_submit -= 1
-                retry.append(specs[i])
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                outs[i].add(item)
-                if item.finished:
-                    left -= 1
+            for item in items:
+                if isinstance(item, Submitted):
+                    in_submit -= 1
+                elif isinstance(item, QueueFullError):
+                    in_submit -= 1
+                    retry.append(specs[i])
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    outs[i].add(item)
+                    if item.finished:
+                        left -= 1
     finally:
         if left:
             for spec in specs:
@@ -320,27 +322,53 @@ def sync_stream(post: Post, cancel: Cancel, spec: RequestSpec) -> Iterator[Strea
         driver.close()
 
 
-async def async_stream(post: Post, cancel: Cancel, spec: RequestSpec
-                       ) -> AsyncGenerator[StreamChunk, None]:
-    """The chunks of ``spec`` on the running event loop (submission on the first
-    ``__anext__``; ``aclose()`` or cancellation while awaiting a chunk cancels)."""
-    loop = asyncio.get_running_loop()
-    q: asyncio.Queue[Any] = asyncio.Queue()
+def held_until_end(deliver: Callable[[list[Any]], None]) -> Callable[[Any], None]:
+    """A request's sink for a consumer that wants its whole output, not each step
+    (``generate``, ``async_generate``; streams take every chunk as it comes): the engine loop
+    calls it once per item; a chunk that does not finish the request is held (a list append on
+    the loop's thread), and ``deliver`` gets the held chunks in order, as one list, with the
+    item after them that is not such a chunk (the finished chunk, an error, ``Submitted``,
+    a ``QueueFullError``). So the consumer's thread or event loop is woken once per request
+    instead of once per decode iteration: each wake-up costs the engine loop a thread hand-over
+    and the GIL back (BENCHMARKS.md, issue 32's per-chunk wake-up), a per-iteration cost that
+    does not shrink with the batch."""
+    held: list[Any] = []
 
     def sink(item: Any) -> None:
+        held.append(item)
+        if isinstance(item, StreamChunk) and not item.finished:
+            return
+        items = held[:]
+        held.clear()
+        deliver(items)
+
+    return sink
+
+
+async def async_stream(post: Post, cancel: Cancel, spec: RequestSpec, *,
+                       whole: bool = False) -> AsyncGenerator[StreamChunk, None]:
+    """The chunks of ``spec`` on the running event loop (submission on the first
+    ``__anext__``; ``aclose()`` or cancellation while awaiting a chunk cancels). ``whole``:
+    the consumer only needs the request's output at its end, so the chunks arrive together
+    (:func:`held_until_end`: one event-loop wake-up per request, not per iteration)."""
+    loop = asyncio.get_running_loop()
+    q: asyncio.Queue[list[Any]] = asyncio.Queue()
+
+    def deliver(items: list[Any]) -> None:
         try:
-            loop.call_soon_threadsafe(q.put_nowait, item)
+            loop.call_soon_threadsafe(q.put_nowait, items)
         except RuntimeError:  # the event loop is closed: nobody reads any more
             cancel(spec)
 
-    spec.sink = sink
+    spec.sink = held_until_end(deliver) if whole else lambda item: deliver([item])
     post(Submit([spec]))
     driver = _StreamDriver(cancel, spec)
     try:
         while not driver.done:
-            chunk = driver.take(await q.get())
-            if chunk is not None:
-                yield chunk
+            for item in await q.get():
+                chunk = driver.take(item)
+                if chunk is not None:
+                    yield chunk
     finally:
         driver.close()
 
@@ -354,7 +382,7 @@ async def async_collect(post: Post, cancel: Cancel, specs: list[RequestSpec],
     async def one(spec: RequestSpec, out: OutputAccumulator) -> None:
         while True:
             try:
-                async for chunk in async_stream(post, cancel, spec):
+                async for chunk in async_stream(post, cancel, spec, whole=True):
                     out.add(chunk)
                 return
             except QueueFullError:

@@ -353,6 +353,27 @@ class DataParallelEngine:
                 continue
         return out
 
+    @property
+    def loop_turns(self) -> int:
+        """The replicas' engine loop turns summed, failed replicas' last counts included (so it
+        never goes back); a replica process's count is its latest heartbeat's
+        (:attr:`~specdial.launch.replica_client.ReplicaClient.loop_turns`)."""
+        return sum(int(r.loop_turns) for r in self.replicas)
+
+    def graph_stats(self) -> dict[str, Any]:
+        """The replicas' CUDA-graph counters (``Engine.graph_stats``) summed: ``replays`` pass
+        by pass, ``eager`` reason by reason, ``captured``. Raises what a replica's
+        ``graph_stats()`` raises (:class:`~specdial.launch.replica_client.ReplicaFailure` for
+        a dead replica process)."""
+        parts = [r.graph_stats() for r in self.replicas]
+        out: dict[str, Any] = {"replays": {}, "eager": {},
+                               "captured": sum(int(p["captured"]) for p in parts)}
+        for key in ("replays", "eager"):
+            for p in parts:
+                for name, n in p[key].items():
+                    out[key][name] = out[key].get(name, 0) + n
+        return out
+
     def failed_replicas(self) -> dict[int, str]:
         """``{dp_rank: why}`` of the replicas that failed (their ``failure``)."""
         out = {}

@@ -103,6 +103,9 @@ class ReplicaClient:
         self._closing = False
         self.dead: str | None = None
         self.engine_failure: str | None = None
+        #: The replica's ``Engine.loop_turns`` as of its latest heartbeat (0 before the first;
+        #: at most one beat interval, ``min(1 s, watchdog_timeout / 4)``, old).
+        self.loop_turns = 0
         self.info: dict[str, Any] = {}
         self.conn.send_bytes(w.encode([list(sys.path), w.encode(options)]))
 
@@ -183,7 +186,8 @@ class ReplicaClient:
             for cid, kind, payload in items:
                 if cid == 0:
                     if kind == w.BEAT:
-                        self.watchdog.beat(payload)
+                        stalled_s, self.loop_turns = payload
+                        self.watchdog.beat(stalled_s)
                     elif kind == w.FAILURE:
                         self.engine_failure = f"{self._name()}: {payload}"
                     continue
@@ -342,6 +346,10 @@ class ReplicaClient:
         """The replica's ``Engine.stats()``. Raises :class:`ReplicaFailure` once it is dead
         and ``TimeoutError`` after :data:`STATS_TIMEOUT_S` without an answer."""
         return self._ask(w.STATS, "stats()")
+
+    def graph_stats(self) -> dict[str, Any]:
+        """The replica's ``Engine.graph_stats()``. Raises as :meth:`stats`."""
+        return self._ask(w.GRAPH_STATS, "graph_stats()")
 
     def flush_cache(self) -> bool:
         """The replica's ``Engine.flush_cache()`` (False while it has live requests). Raises

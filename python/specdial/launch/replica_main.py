@@ -119,6 +119,8 @@ class ReplicaServer:
                 self._guarded(cid, lambda rid=payload: self.engine.abort(rid), reply=False)
             elif op == w.STATS:
                 self._guarded(cid, self.engine.stats)
+            elif op == w.GRAPH_STATS:
+                self._guarded(cid, self.engine.graph_stats)
             elif op == w.FLUSH:
                 self._guarded(cid, self.engine.flush_cache)
             elif op == w.SHUTDOWN:
@@ -171,15 +173,21 @@ class ReplicaServer:
             await asyncio.sleep(FAILURE_POLL_S)
 
     async def _beat(self) -> None:
-        """The heartbeat: the engine loop's stall (seconds) every ``beat_s``."""
+        """The heartbeat: :meth:`beat` every ``beat_s``."""
         while True:
             await asyncio.sleep(self.beat_s)
-            self._out(0, w.BEAT, self.stall())
+            self._out(0, w.BEAT, self.beat())
+
+    def beat(self) -> tuple[float, int]:
+        """One heartbeat's payload ``(stall_s, loop_turns)``: seconds the engine loop has not
+        turned while calls were in flight (0.0 else), and its turn count
+        (``Engine.loop_turns``; the router's ``ReplicaClient.loop_turns``)."""
+        turns = int(self.engine.loop_turns)
+        return self.progress.stalled_s(turns, bool(self.calls), time.monotonic()), turns
 
     def stall(self) -> float:
         """Seconds the engine loop has not turned while calls were in flight (0.0 else)."""
-        return self.progress.stalled_s(int(self.engine.loop_turns), bool(self.calls),
-                                       time.monotonic())
+        return self.beat()[0]
 
     # ----------------------------------------------------------------- outgoing
     def _out(self, cid: int, kind: str, payload: Any) -> None:

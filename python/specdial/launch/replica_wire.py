@@ -14,8 +14,8 @@ message, and the router wakes each waiting event loop once per message, not per 
 - router -> replica, items ``(op, call_id, payload)``: :data:`STREAM` (payload: the keyword
   arguments of ``async_stream``), :data:`GENERATE` (``(args, kwargs)`` of ``async_generate``),
   :data:`CANCEL` (None: the consumer left; the replica cancels that call, which aborts its
-  request), :data:`ABORT` (an engine request id), :data:`STATS`, :data:`FLUSH` (``flush_cache()``),
-  :data:`SHUTDOWN` (``drain``);
+  request), :data:`ABORT` (an engine request id), :data:`STATS`, :data:`GRAPH_STATS`
+  (``graph_stats()``), :data:`FLUSH` (``flush_cache()``), :data:`SHUTDOWN` (``drain``);
   the first message is ``[sys_path, options]``: the router's ``sys.path`` (the replica adds
   the entries it lacks) and the replica's options, a dict of
   :class:`~specdial.config.EngineConfig` fields pickled on their own (:func:`encode`), decoded
@@ -27,8 +27,9 @@ message, and the router wakes each waiting event loop once per message, not per 
   ended), :data:`ERROR` (an exception as :func:`encode_error`); call id 0 carries
   :data:`READY` (what the router needs of the replica: :func:`ready_info`),
   :data:`FAILURE` (the replica's engine failed: its message) and :data:`BEAT` (the heartbeat,
-  :mod:`specdial.launch.replica_watch`: seconds the replica's engine loop has made no
-  progress while calls were in flight, 0.0 when it progresses or is idle).
+  :mod:`specdial.launch.replica_watch`: ``(stall_s, loop_turns)``, the seconds the replica's
+  engine loop has made no progress while calls were in flight, 0.0 when it progresses or is
+  idle, and its ``Engine.loop_turns``).
 
 Pickle is safe here: both ends are this package, on one host, over a socket nobody else holds.
 """
@@ -41,11 +42,11 @@ from typing import Any
 from specdial.engine.api import QueueFullError, RequestError
 
 __all__ = ["ABORT", "BEAT", "CANCEL", "CHUNK", "END", "ERROR", "FAILURE", "FLUSH", "GENERATE",
-           "ITEM", "READY", "RESULT", "SHUTDOWN", "STATS", "STREAM", "decode", "decode_error",
-           "encode", "encode_error"]
+           "GRAPH_STATS", "ITEM", "READY", "RESULT", "SHUTDOWN", "STATS", "STREAM", "decode",
+           "decode_error", "encode", "encode_error"]
 
-STREAM, GENERATE, CANCEL, ABORT, STATS, FLUSH, SHUTDOWN = (
-    "stream", "generate", "cancel", "abort", "stats", "flush_cache", "shutdown")
+STREAM, GENERATE, CANCEL, ABORT, STATS, GRAPH_STATS, FLUSH, SHUTDOWN = (
+    "stream", "generate", "cancel", "abort", "stats", "graph_stats", "flush_cache", "shutdown")
 CHUNK, ITEM, RESULT, END, ERROR, READY, FAILURE, BEAT = (
     "chunk", "item", "result", "end", "error", "ready", "failure", "beat")
 
