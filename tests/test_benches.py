@@ -155,3 +155,22 @@ def test_tree_ab_bench_smoke():
     assert set(result["tokens_per_s"]) == {"chain_adaptive", "tree_adaptive", "chain_fixed",
                                            "tree_fixed"}
     assert {"tree/chain adaptive", "tree/chain fixed"} <= set(result)
+
+
+def test_hf_assisted_bench_smoke():
+    """benches/hf_assisted.py (issue 29): transformers' assisted generation and specdial's arms
+    run on the same prompts, emit the same greedy tokens, and the paired ratios come back with
+    their bootstrap intervals and the pinned transformers version and schedules."""
+    out = run_json_bench("hf_assisted.py", "--repeats", "2", "--n-prompts", "1", "--tokens", "6",
+                         "--datasets", "code", "--arms", "chain_adaptive,tree_fixed",
+                         "--bootstrap", "50")
+    assert out["identical"] is True and out["torch_threads"] == 1
+    assert out["transformers"] and set(out["hf_arms"]) == {"hf_default", "hf_heuristic"}
+    assert out["hf_arms"]["hf_heuristic"]["num_assistant_tokens_schedule"] == "heuristic"
+    row = out["datasets"]["code"]
+    assert set(row["tokens_per_s"]) == {"hf_default", "hf_heuristic", "chain_adaptive",
+                                        "tree_fixed"}
+    for base in ("hf_default", "hf_heuristic"):
+        for arm in ("chain_adaptive", "tree_fixed"):
+            r = row["ratio_to"][base][arm]
+            assert len(r["ratios"]) == 2 and r["ci90"][0] <= r["median"] <= r["ci90"][1]
