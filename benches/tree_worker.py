@@ -42,23 +42,28 @@ from specdial.worker.worker import SpecWorker
 SLOTS = 4096
 
 
-def parse_config(name: str) -> tuple[int, int, int]:
-    """``nospec`` -> (1, 0, 0); ``chain-K`` -> (1, K, K); ``tree-KxDxN`` -> (K, D, N)."""
+def parse_config(name: str) -> tuple[int, int, int, bool]:
+    """``nospec`` -> (1, 0, 0); ``chain-K`` -> (1, K, K); ``tree-KxDxN`` -> (K, D, N);
+    ``treepath-K`` -> (1, K, K) through the tree iteration (a topk-1 :class:`TreePlan`: a
+    chain's model work, the tree's host work). The last field: whether the tree path runs."""
     if name == "nospec":
-        return 1, 0, 0
+        return 1, 0, 0, False
     if name.startswith("chain-"):
         k = int(name[6:])
-        return 1, k, k
+        return 1, k, k, False
+    if name.startswith("treepath-"):
+        k = int(name[9:])
+        return 1, k, k, True
     if name.startswith("tree-"):
         k, d, n = (int(x) for x in name[5:].split("x"))
-        return k, d, n
-    raise SystemExit(f"unknown config {name!r}: nospec, chain-K or tree-KxDxN")
+        return k, d, n, k > 1
+    raise SystemExit(f"unknown config {name!r}: nospec, chain-K, treepath-K or tree-KxDxN")
 
 
-def generate(worker: SpecWorker, prompt: list[int], shape: tuple[int, int, int],
+def generate(worker: SpecWorker, prompt: list[int], shape: tuple[int, int, int, bool],
              new_tokens: int) -> tuple[int, int, float]:
     """Greedy decoding of one prompt; returns (tokens, verifies, seconds of the decode)."""
-    k, d, n = shape
+    k, d, n, as_tree = shape
     free = list(range(SLOTS))[::-1]
     chain = [free.pop() for _ in prompt]
     p = np.asarray(prompt, np.int64)
@@ -71,10 +76,10 @@ def generate(worker: SpecWorker, prompt: list[int], shape: tuple[int, int, int],
     start = time.perf_counter()
     while len(out) < new_tokens:
         new = [free.pop() for _ in range(d + 1)]
-        scratch = [free.pop() for _ in range(n if k > 1 else 0)]
-        extra = [free.pop() for _ in range(k * (d - 1))] if k > 1 and k * (d - 1) > n else []
+        scratch = [free.pop() for _ in range(n if as_tree else 0)]
+        extra = [free.pop() for _ in range(k * (d - 1))] if as_tree and k * (d - 1) > n else []
         L = np.array([len(chain)], np.int64)
-        if k == 1:
+        if not as_tree:
             plan = DecodeInput(d, None, np.zeros(1, np.int64), np.array([out[-1]]), L,
                                np.asarray(new, np.int64), np.array([d]))
         else:

@@ -155,14 +155,16 @@ def run_tree_iteration(worker: Any, plan: TreePlan, sampling: BatchSampling,
         first_hidden = ds.features[tables.req_to_token[rows_d, (lens_d - 1).clamp(min=0)]]
         first_hidden = torch.where((lens_d > 0)[:, None], first_hidden, 0)
     td = draft_tree(drafter, worker.backend, tables, rows_d, lens, root, first_hidden,
-                    draft_loc, topk=k, depth=d, num_nodes=n)
-    raw = _verify(worker, td, rows_d, lens, root, chain[:, 0], scratch)
+                    draft_loc, topk=k, depth=d, num_nodes=n, rows_host=rows)
+    ancestors = ancestor_mask(td.tree.parents)  # [B, N + 1, N + 1]: verify and acceptance
+    raw = _verify(worker, td, rows, lens, root, chain[:, 0], scratch, ancestors)
     logits = raw
     if sampling.processors is not None:
         base, seen = step_histories(worker, sampling.processors, rows, lens)
         logits = process_tree_columns(raw, sampling.processors, td.tree, root, lens_d + 1,
                                       base, seen)
-    acc, path, out = tree_accept(td.tree, logits, sampling, generator, lens_d + 1)
+    acc, path, out = tree_accept(td.tree, logits, sampling, generator, lens_d + 1,
+                                 ancestors=ancestors)
     if plan.steps_per_request is not None:  # cap: the emitted prefix of a lossless draw
         cap = torch.from_numpy(limit).to(dev)
         acc = torch.minimum(acc, cap)
@@ -196,15 +198,17 @@ def _padded_chain(out_loc: np.ndarray, limit: np.ndarray, d: int, pad: int) -> t
     return torch.from_numpy(chain)
 
 
-def _verify(worker: Any, td: TreeDraft, rows: torch.Tensor, lens: np.ndarray,
-            root: torch.Tensor, root_loc: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """The target over ``[x_L, nodes]`` with the tree mask; logits ``[B, N + 1, V]``."""
+def _verify(worker: Any, td: TreeDraft, rows: np.ndarray, lens: np.ndarray,
+            root: torch.Tensor, root_loc: torch.Tensor, scratch: torch.Tensor,
+            ancestors: torch.Tensor) -> torch.Tensor:
+    """The target over ``[x_L, nodes]`` with the tree mask ``ancestors`` (host ``rows``);
+    logits ``[B, N + 1, V]``."""
     tree = td.tree
     b, n = tree.tokens.shape
     extra = torch.cat([root_loc[:, None], scratch], 1)  # [B, N + 1]
     kv_idx, kv_lens = tree_kv_indices(worker.tables, rows, lens, extra)
     qo = torch.full((b,), n + 1, dtype=torch.int64)  # host lengths, as tree_kv_indices's
-    meta = worker.backend.plan(qo, kv_lens, kv_idx, tree_mask=ancestor_mask(tree.parents))
+    meta = worker.backend.plan(qo, kv_lens, kv_idx, tree_mask=ancestors)
     pos = tree_positions(torch.from_numpy(lens).to(root.device), tree.depths)
     ids = torch.cat([root[:, None], tree.tokens], 1)
     batch = ForwardBatch(ids.reshape(-1), pos.reshape(-1), extra.reshape(-1), meta)
