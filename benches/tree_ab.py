@@ -9,14 +9,16 @@ Arms (built-in target with the built-in draft model or the default EAGLE head, g
 - ``tree_fixed``: the fixed tree ``(--fixed-steps, --topk, --fixed-tree-tokens)``.
 
 Every engine is built once and warmed up; each repetition runs every arm in turn (order
-rotated per repetition) over the same prompts, one request at a time (batch size 1), and
-records output tokens/s and the acceptance length (``spec_accept_length``, tokens per verify).
+rotated per repetition) over the same prompts, one request at a time (batch size 1), or with
+``--concurrency C > 1`` as one list of ``C`` requests submitted together (the prompts cycled;
+``max_running_requests`` ``C``, so the batch holds them all), and records output tokens/s and
+the acceptance length (``spec_accept_length``, tokens per verify, averaged over requests).
 Reported: per arm the medians; per pair (trees / chains, adaptive and fixed) the median of the
 paired ratios. Outputs are checked identical across arms (greedy is lossless). Speed is never
 asserted; report the load average printed beside the figures.
 
 Usage: ``nice -n 19 .venv/bin/python benches/tree_ab.py [--repeats 9] [--drafter draft|eagle]
-[--prompts code|prose] [--json]``.
+[--prompts code|prose] [--concurrency 64] [--arms chain_adaptive,tree_adaptive] [--json]``.
 """
 
 from __future__ import annotations
@@ -40,8 +42,10 @@ def build(arm: str, args: argparse.Namespace):
     import specdial
     from specdial.builtin import builtin_model_path
 
-    kw = dict(model_path=None, policy_cache=False, log_interval_s=None, max_running_requests=1,
-              kv_cache_tokens=4096, cpu_threads=args.cpu_threads)
+    conc = getattr(args, "concurrency", 1)
+    kw = dict(model_path=None, policy_cache=False, log_interval_s=None,
+              max_running_requests=conc, kv_cache_tokens=max(4096, 256 * conc),
+              cpu_threads=args.cpu_threads)
     if args.drafter == "draft":  # the built-in draft model instead of the default EAGLE head
         kw["draft_model_path"] = str(builtin_model_path("draft"))
     if arm.endswith("fixed"):
@@ -55,17 +59,18 @@ def build(arm: str, args: argparse.Namespace):
     return specdial.Engine(**kw)
 
 
-def run_once(engine, prompts: list[str], tokens: int) -> tuple[float, float, list[str]]:
-    """(output tokens/s, acceptance length, texts) of ``prompts`` one at a time."""
+def run_once(engine, prompts: list[str], tokens: int,
+             together: bool = False) -> tuple[float, float, list[str]]:
+    """(output tokens/s, acceptance length, texts) of ``prompts`` one at a time, or all
+    submitted together (``together``: one ``generate`` call over the list)."""
     sp = {"temperature": 0.0, "max_new_tokens": tokens, "ignore_eos": True}
-    texts, out_tokens, accept = [], 0, []
     start = time.perf_counter()
-    for p in prompts:
-        o = engine.generate(p, sp)
-        texts.append(o["text"])
-        out_tokens += o["meta_info"]["completion_tokens"]
-        accept.append(o["meta_info"].get("spec_accept_length") or 1.0)
-    return out_tokens / (time.perf_counter() - start), statistics.mean(accept), texts
+    outs = engine.generate(prompts, sp) if together else [engine.generate(p, sp)
+                                                           for p in prompts]
+    secs = time.perf_counter() - start
+    out_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    accept = [o["meta_info"].get("spec_accept_length") or 1.0 for o in outs]
+    return out_tokens / secs, statistics.mean(accept), [o["text"] for o in outs]
 
 
 def main() -> None:
@@ -80,23 +85,31 @@ def main() -> None:
     p.add_argument("--fixed-steps", type=int, default=3)
     p.add_argument("--fixed-tree-tokens", type=int, default=8)
     p.add_argument("--cpu-threads", type=int, default=1)
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="1: one request at a time; C > 1: C requests submitted together")
     p.add_argument("--arms", default="chain_adaptive,tree_adaptive,chain_fixed,tree_fixed")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     arms = args.arms.split(",")
+    if args.concurrency < 1:
+        p.error(f"--concurrency must be >= 1, got {args.concurrency}")
     prompts = PROMPTS[args.prompts][: args.n_prompts]
+    together = args.concurrency > 1
+    if together:  # the prompts cycled to C requests
+        prompts = [prompts[i % len(prompts)] for i in range(args.concurrency)]
     load = os.getloadavg()
     engines = {a: build(a, args) for a in arms}
     try:
         for e in engines.values():  # warm-up
-            run_once(e, prompts[:1], args.tokens)
+            run_once(e, prompts, args.tokens, together) if together else run_once(
+                e, prompts[:1], args.tokens)
         rates: dict[str, list[float]] = {a: [] for a in arms}
         accepts: dict[str, list[float]] = {a: [] for a in arms}
         identical = True
         for r in range(args.repeats):
             texts = None
             for a in arms[r % len(arms):] + arms[: r % len(arms)]:
-                rate, acc, got = run_once(engines[a], prompts, args.tokens)
+                rate, acc, got = run_once(engines[a], prompts, args.tokens, together)
                 rates[a].append(rate)
                 accepts[a].append(acc)
                 identical &= texts is None or got == texts

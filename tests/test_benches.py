@@ -174,3 +174,19 @@ def test_hf_assisted_bench_smoke():
         for arm in ("chain_adaptive", "tree_fixed"):
             r = row["ratio_to"][base][arm]
             assert len(r["ratios"]) == 2 and r["ci90"][0] <= r["median"] <= r["ci90"][1]
+
+
+def test_tree_ab_bench_concurrency_smoke():
+    """benches/tree_ab.py --concurrency: the requests go in together (one batch), outputs stay
+    identical across arms, the paired ratio is reported; a concurrency below 1 is refused."""
+    cmd = [sys.executable, str(ROOT / "benches" / "tree_ab.py"), "--repeats", "1", "--tokens",
+           "6", "--arms", "chain_adaptive,tree_adaptive", "--json"]
+    proc = subprocess.run(cmd + ["--concurrency", "3"], capture_output=True, text=True,
+                          timeout=scaled(300))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["identical"] is True and result["args"]["concurrency"] == 3
+    assert result["tree/chain adaptive"] > 0
+    bad = subprocess.run(cmd + ["--concurrency", "0"], capture_output=True, text=True,
+                         timeout=scaled(120))
+    assert bad.returncode == 2 and "--concurrency" in bad.stderr
