@@ -24,8 +24,9 @@ are :func:`tree_ab.build`'s.
 
 Each repetition runs every arm in turn (order rotated per repetition) over the same code and
 prose prompts (``tree_ab.PROMPTS``), one request at a time. Reported per dataset and arm:
-median output tokens/s, and for each specdial arm the median of the paired per-repetition
-ratios to each HF arm with a 90 % bootstrap interval of that median (``--bootstrap``
+median output tokens per wall second (``datasets``) and per CPU second of this process
+(``datasets_cpu``: every thread, the engine loop's included), and for each specdial arm the
+median of the paired per-repetition ratios to each HF arm with a 90 % bootstrap interval of that median (``--bootstrap``
 resamples of the repetitions, percentiles 5 and 95). Outputs are compared token by token:
 both are the target's greedy decoding, so every specdial arm must emit exactly transformers'
 tokens (``identical``). Speed is never asserted; the load average is printed beside it.
@@ -50,6 +51,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tree_ab  # noqa: E402  (a sibling script: its prompts and its engines)
 
 SPECDIAL_ARMS = ("chain_adaptive", "tree_adaptive", "tree_fixed")
+#: wall time, and the CPU time of this process (``time.process_time``: every thread, the
+#: engine loop's included; far less disturbed than wall time on a busy machine)
+CLOCKS = ("wall", "cpu")
 
 
 HF_SCHEDULES = ("default", "heuristic")
@@ -81,11 +85,12 @@ def load_hf(schedules: list[str]):
     return one("target"), drafts, tok
 
 
-def hf_run(target, draft, prompts: list[list[int]], tokens: int) -> tuple[float,
-                                                                          list[list[int]]]:
-    """(output tokens/s, new token ids per prompt) of transformers' assisted greedy decoding."""
+def hf_run(target, draft, prompts: list[list[int]], tokens: int
+           ) -> tuple[tuple[float, float], list[list[int]]]:
+    """((output tokens per wall second, per CPU second), new token ids per prompt) of
+    transformers' assisted greedy decoding."""
     outs, n = [], 0
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     with torch.inference_mode():
         for ids in prompts:
             x = torch.tensor([ids])
@@ -95,21 +100,23 @@ def hf_run(target, draft, prompts: list[list[int]], tokens: int) -> tuple[float,
             new = y[0, len(ids):].tolist()
             outs.append(new)
             n += len(new)
-    return n / (time.perf_counter() - start), outs
+    return (n / (time.perf_counter() - start), n / (time.process_time() - cpu)), outs
 
 
-def specdial_run(engine, prompts: list[list[int]], tokens: int) -> tuple[float, float,
-                                                                          list[list[int]]]:
-    """(output tokens/s, mean acceptance length, output ids per prompt), one request at a time."""
+def specdial_run(engine, prompts: list[list[int]], tokens: int
+                 ) -> tuple[tuple[float, float], float, list[list[int]]]:
+    """((output tokens per wall second, per CPU second of the process), mean acceptance
+    length, output ids per prompt), one request at a time."""
     sp = {"temperature": 0.0, "max_new_tokens": tokens, "ignore_eos": True}
     outs, n, accept = [], 0, []
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for ids in prompts:
         o = engine.generate(input_ids=ids, sampling_params=sp)
         outs.append(list(o["output_ids"]))
         n += o["meta_info"]["completion_tokens"]
         accept.append(o["meta_info"].get("spec_accept_length") or 1.0)
-    return n / (time.perf_counter() - start), statistics.mean(accept), outs
+    return ((n / (time.perf_counter() - start), n / (time.process_time() - cpu)),
+            statistics.mean(accept), outs)
 
 
 def bootstrap_median(xs: list[float], resamples: int, seed: int = 0) -> tuple[float, float]:
@@ -153,10 +160,11 @@ def parse_args() -> argparse.Namespace:
 
 
 def measure(args: argparse.Namespace, hf, engines: dict, prompts: dict) -> dict:
-    """Every repetition: each arm (rotated) over each dataset's prompts -> raw figures."""
+    """Every repetition: each arm (rotated) over each dataset's prompts -> raw figures
+    (``rates[clock][dataset][arm]``, clock ``wall`` or ``cpu``)."""
     target, drafts, _ = hf
     arms = [*drafts, *engines]
-    rates = {d: {a: [] for a in arms} for d in prompts}
+    rates = {c: {d: {a: [] for a in arms} for d in prompts} for c in CLOCKS}
     accepts = {d: {a: [] for a in engines} for d in prompts}
     identical, first = True, {}
     for r in range(args.repeats):
@@ -167,15 +175,17 @@ def measure(args: argparse.Namespace, hf, engines: dict, prompts: dict) -> dict:
                 else:
                     rate, acc, got = specdial_run(engines[a], ps, args.tokens)
                     accepts[d][a].append(acc)
-                rates[d][a].append(rate)
+                for c, x in zip(CLOCKS, rate):
+                    rates[c][d][a].append(x)
                 identical &= got == first.setdefault(d, got)
     return {"rates": rates, "accepts": accepts, "identical": identical}
 
 
-def summarize(args: argparse.Namespace, raw: dict, hf_arms: list[str]) -> dict:
-    """Medians per arm; per HF arm, each specdial arm's paired ratios with a bootstrap interval."""
+def summarize(args: argparse.Namespace, raw: dict, hf_arms: list[str], clock: str) -> dict:
+    """Medians per arm; per HF arm, each specdial arm's paired ratios with a bootstrap
+    interval, by ``clock``."""
     out = {}
-    for d, by_arm in raw["rates"].items():
+    for d, by_arm in raw["rates"][clock].items():
         row = {"tokens_per_s": {a: statistics.median(v) for a, v in by_arm.items()},
                "accept_length": {a: statistics.median(v) for a, v in raw["accepts"][d].items()},
                "ratio_to": {}}
@@ -229,22 +239,25 @@ def main() -> None:
             e.shutdown()
     result = {"args": vars(args), **describe_hf(hf[1]), "load_before": load,
               "load_after": os.getloadavg(), "identical": raw["identical"],
-              "datasets": summarize(args, raw, list(hf[1]))}
+              "datasets": summarize(args, raw, list(hf[1]), "wall"),
+              "datasets_cpu": summarize(args, raw, list(hf[1]), "cpu")}
     if args.json:
         print(json.dumps(result))
         return
     print(f"transformers {result['transformers']}, torch {result['torch']}, "
           f"{result['torch_threads']} thread, HF arms {result['hf_arms']}, "
           f"sklearn {result['sklearn_available']}")
-    for d, row in result["datasets"].items():
-        for a, v in row["tokens_per_s"].items():
-            acc = row["accept_length"].get(a)
-            print(f"[{d}] {a:15s} {v:7.1f} tok/s" + (f"  accept {acc:.2f}" if acc else ""))
-        for base, by_arm in row["ratio_to"].items():
-            for a, rr in by_arm.items():
-                lo, hi = rr["ci90"]
-                print(f"[{d}] {a:15s} / {base}: median {rr['median']:.3f} "
-                      f"(90 % CI {lo:.3f}-{hi:.3f})")
+    for clock, key in (("wall", "datasets"), ("cpu", "datasets_cpu")):
+        for d, row in result[key].items():
+            for a, v in row["tokens_per_s"].items():
+                acc = row["accept_length"].get(a)
+                print(f"[{d}, {clock}] {a:15s} {v:7.1f} tok/s"
+                      + (f"  accept {acc:.2f}" if acc else ""))
+            for base, by_arm in row["ratio_to"].items():
+                for a, rr in by_arm.items():
+                    lo, hi = rr["ci90"]
+                    print(f"[{d}, {clock}] {a:15s} / {base}: median {rr['median']:.3f} "
+                          f"(90 % CI {lo:.3f}-{hi:.3f})")
     print(f"identical {result['identical']}; load {load} -> {result['load_after']}")
 
 

@@ -6,7 +6,8 @@
 ``--base``: a directory holding another copy of the ``specdial`` package (e.g. ``git archive
 <commit> python/specdial | tar -x -C /tmp/base`` plus the compiled ``_core`` module copied
 in). Each round runs ``benches/tree_worker.py`` (this checkout's script, built-in target,
-greedy, float32, one torch thread, code prompts, 48 new tokens) once per side in a fresh
+greedy, float32, one torch thread, code prompts, 48 new tokens, timed by the thread's CPU
+time unless ``--clock wall``) once per side in a fresh
 process, the sides' order alternating per round, with ``PYTHONPATH`` pointing at the base
 copy or at this checkout's ``python/``. Per round and side it records ms per iteration of
 each configuration; ``treepath-K`` is a topk-1 tree of depth ``K`` through the tree
@@ -35,7 +36,7 @@ def run_side(python_path: str, args: argparse.Namespace) -> dict[str, float]:
     cmd = [sys.executable, str(ROOT / "benches" / "tree_worker.py"), "--drafters",
            args.drafter, "--datasets", args.dataset, "--configs", args.configs, "--reps",
            str(args.reps), "--num-prompts", str(args.num_prompts), "--max-new-tokens",
-           str(args.max_new_tokens), "--cost-tokens", "", "--json"]
+           str(args.max_new_tokens), "--cost-tokens", "", "--clock", args.clock, "--json"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     rows = json.loads(proc.stdout.strip().splitlines()[-1])["rows"]
     return {r["config"]: r["ms_per_iter"] for r in rows}
@@ -51,6 +52,9 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=2, help="tree_worker repetitions per process")
     p.add_argument("--num-prompts", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--clock", choices=("wall", "thread"), default="thread",
+                   help="tree_worker's clock: this thread's CPU time (default; a busy machine "
+                        "disturbs it far less) or wall time")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     if not (Path(args.base) / "specdial" / "__init__.py").is_file():
