@@ -100,10 +100,12 @@ def generate(worker: SpecWorker, prompt: list[int], shape: tuple[int, int, int, 
     return len(out) - 1, verifies, clock() - start
 
 
-def cost_curve(model, tokens: list[int], reps: int, context: int = 256) -> dict[int, float]:
+def cost_curve(model, tokens: list[int], reps: int, context: int = 256,
+               clock=time.perf_counter) -> dict[int, float]:
     """Median ms of one forward of ``model`` over ``n`` new tokens after ``context`` cached
-    ones, per ``n`` in ``tokens`` (alternating the sizes each repetition): the cost a tree's
-    verify (``N + 1`` tokens) pays against a chain's (``steps + 1``)."""
+    ones, per ``n`` in ``tokens`` (alternating the sizes each repetition; timed by
+    ``clock``): the cost a tree's verify (``N + 1`` tokens) pays against a chain's
+    (``steps + 1``)."""
     from specdial.attention import TorchAttentionBackend
     from specdial.models.batch import ForwardBatch
 
@@ -117,10 +119,10 @@ def cost_curve(model, tokens: list[int], reps: int, context: int = 256) -> dict[
                 kv = torch.arange(context + n)
                 meta = backend.plan(torch.tensor([n]), torch.tensor([context + n]), kv)
                 pos = torch.arange(context, context + n)
-                t0 = time.perf_counter()
+                t0 = clock()
                 model.compute_logits(model(ForwardBatch(ids[pos], pos, pos, meta), pool,
                                            backend))
-                times[n].append(time.perf_counter() - t0)
+                times[n].append(clock() - t0)
     return {n: 1000 * statistics.median(v[1:]) for n, v in times.items()}
 
 
@@ -185,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                     "vs_best_chain": med[c] / max(chains) if chains else None,
                     "accept_length": st["tokens"] / st["verifies"],
                     "ms_per_iter": 1000 * st["secs"] / st["verifies"]})
-    curve = (cost_curve(target, [int(x) for x in args.cost_tokens.split(",")], args.reps)
+    curve = (cost_curve(target, [int(x) for x in args.cost_tokens.split(",")], args.reps,
+                        clock=CLOCKS[args.clock])
              if args.cost_tokens else {})
     load = os.getloadavg()
     if args.json:
