@@ -42,23 +42,33 @@ from specdial.worker.worker import SpecWorker
 SLOTS = 4096
 
 
-def parse_config(name: str) -> tuple[int, int, int]:
-    """``nospec`` -> (1, 0, 0); ``chain-K`` -> (1, K, K); ``tree-KxDxN`` -> (K, D, N)."""
+def parse_config(name: str) -> tuple[int, int, int, bool]:
+    """``nospec`` -> (1, 0, 0); ``chain-K`` -> (1, K, K); ``tree-KxDxN`` -> (K, D, N);
+    ``treepath-K`` -> (1, K, K) through the tree iteration (a topk-1 :class:`TreePlan`: a
+    chain's model work, the tree's host work). The last field: whether the tree path runs."""
     if name == "nospec":
-        return 1, 0, 0
+        return 1, 0, 0, False
     if name.startswith("chain-"):
         k = int(name[6:])
-        return 1, k, k
+        return 1, k, k, False
+    if name.startswith("treepath-"):
+        k = int(name[9:])
+        return 1, k, k, True
     if name.startswith("tree-"):
         k, d, n = (int(x) for x in name[5:].split("x"))
-        return k, d, n
-    raise SystemExit(f"unknown config {name!r}: nospec, chain-K or tree-KxDxN")
+        return k, d, n, k > 1
+    raise SystemExit(f"unknown config {name!r}: nospec, chain-K, treepath-K or tree-KxDxN")
 
 
-def generate(worker: SpecWorker, prompt: list[int], shape: tuple[int, int, int],
-             new_tokens: int) -> tuple[int, int, float]:
-    """Greedy decoding of one prompt; returns (tokens, verifies, seconds of the decode)."""
-    k, d, n = shape
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+
+
+def generate(worker: SpecWorker, prompt: list[int], shape: tuple[int, int, int, bool],
+             new_tokens: int, clock=time.perf_counter) -> tuple[int, int, float]:
+    """Greedy decoding of one prompt; returns (tokens, verifies, seconds of the decode by
+    ``clock``: wall time, or this thread's CPU time, which a busy machine disturbs far less
+    than wall time when torch runs on this one thread)."""
+    k, d, n, as_tree = shape
     free = list(range(SLOTS))[::-1]
     chain = [free.pop() for _ in prompt]
     p = np.asarray(prompt, np.int64)
@@ -68,13 +78,13 @@ def generate(worker: SpecWorker, prompt: list[int], shape: tuple[int, int, int],
                                         np.array([len(p)]), np.array([len(p)]), one,
                                         np.array([len(p) - 1])), greedy, None)
     out, verifies = [int(first.tokens[0])], 0
-    start = time.perf_counter()
+    start = clock()
     while len(out) < new_tokens:
         new = [free.pop() for _ in range(d + 1)]
-        scratch = [free.pop() for _ in range(n if k > 1 else 0)]
-        extra = [free.pop() for _ in range(k * (d - 1))] if k > 1 and k * (d - 1) > n else []
+        scratch = [free.pop() for _ in range(n if as_tree else 0)]
+        extra = [free.pop() for _ in range(k * (d - 1))] if as_tree and k * (d - 1) > n else []
         L = np.array([len(chain)], np.int64)
-        if k == 1:
+        if not as_tree:
             plan = DecodeInput(d, None, np.zeros(1, np.int64), np.array([out[-1]]), L,
                                np.asarray(new, np.int64), np.array([d]))
         else:
@@ -87,13 +97,15 @@ def generate(worker: SpecWorker, prompt: list[int], shape: tuple[int, int, int],
         chain.extend(new[: a + 1])
         free.extend(new[a + 1:] + scratch + extra)
         verifies += 1
-    return len(out) - 1, verifies, time.perf_counter() - start
+    return len(out) - 1, verifies, clock() - start
 
 
-def cost_curve(model, tokens: list[int], reps: int, context: int = 256) -> dict[int, float]:
+def cost_curve(model, tokens: list[int], reps: int, context: int = 256,
+               clock=time.perf_counter) -> dict[int, float]:
     """Median ms of one forward of ``model`` over ``n`` new tokens after ``context`` cached
-    ones, per ``n`` in ``tokens`` (alternating the sizes each repetition): the cost a tree's
-    verify (``N + 1`` tokens) pays against a chain's (``steps + 1``)."""
+    ones, per ``n`` in ``tokens`` (alternating the sizes each repetition; timed by
+    ``clock``): the cost a tree's verify (``N + 1`` tokens) pays against a chain's
+    (``steps + 1``)."""
     from specdial.attention import TorchAttentionBackend
     from specdial.models.batch import ForwardBatch
 
@@ -107,10 +119,10 @@ def cost_curve(model, tokens: list[int], reps: int, context: int = 256) -> dict[
                 kv = torch.arange(context + n)
                 meta = backend.plan(torch.tensor([n]), torch.tensor([context + n]), kv)
                 pos = torch.arange(context, context + n)
-                t0 = time.perf_counter()
+                t0 = clock()
                 model.compute_logits(model(ForwardBatch(ids[pos], pos, pos, meta), pool,
                                            backend))
-                times[n].append(time.perf_counter() - t0)
+                times[n].append(clock() - t0)
     return {n: 1000 * statistics.median(v[1:]) for n, v in times.items()}
 
 
@@ -125,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cost-tokens", default="1,2,4,8,16,32,64",
                     help="token counts of the target's forward cost curve ('' to skip)")
+    ap.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
+                    help="decode time by wall clock or by this thread's CPU time (with "
+                         "--threads 1 on a busy machine)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -153,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                         toks = verif = 0
                         secs = 0.0
                         for p in prompts:
-                            t, v, s = generate(worker, p, shapes[c], args.max_new_tokens)
+                            t, v, s = generate(worker, p, shapes[c], args.max_new_tokens,
+                                               CLOCKS[args.clock])
                             toks, verif, secs = toks + t, verif + v, secs + s
                         st = stats[c]
                         st["tps"].append(toks / secs)
@@ -171,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                     "vs_best_chain": med[c] / max(chains) if chains else None,
                     "accept_length": st["tokens"] / st["verifies"],
                     "ms_per_iter": 1000 * st["secs"] / st["verifies"]})
-    curve = (cost_curve(target, [int(x) for x in args.cost_tokens.split(",")], args.reps)
+    curve = (cost_curve(target, [int(x) for x in args.cost_tokens.split(",")], args.reps,
+                        clock=CLOCKS[args.clock])
              if args.cost_tokens else {})
     load = os.getloadavg()
     if args.json:

@@ -134,9 +134,10 @@ def test_tree_worker_bench_smoke():
     figures come back per configuration (no speed asserted)."""
     out = run_json_bench("tree_worker.py", "--reps", "1", "--num-prompts", "1",
                          "--max-new-tokens", "6", "--datasets", "code",
-                         "--configs", "nospec,chain-2,tree-2x2x3", "--cost-tokens", "1,4")
+                         "--configs", "nospec,chain-2,tree-2x2x3,treepath-2", "--cost-tokens",
+                         "1,4", "--clock", "thread")
     rows = out["rows"]
-    assert [r["config"] for r in rows] == ["nospec", "chain-2", "tree-2x2x3"]
+    assert [r["config"] for r in rows] == ["nospec", "chain-2", "tree-2x2x3", "treepath-2"]
     assert rows[0]["accept_length"] == 1.0
     assert all(r["tokens_per_s"] > 0 and r["accept_length"] >= 1.0 for r in rows)
     assert set(out["target_forward_ms"]) == {"1", "4"}
@@ -155,3 +156,40 @@ def test_tree_ab_bench_smoke():
     assert set(result["tokens_per_s"]) == {"chain_adaptive", "tree_adaptive", "chain_fixed",
                                            "tree_fixed"}
     assert {"tree/chain adaptive", "tree/chain fixed"} <= set(result)
+
+
+def test_hf_assisted_bench_smoke():
+    """benches/hf_assisted.py (issue 29): transformers' assisted generation and specdial's arms
+    run on the same prompts, emit the same greedy tokens, and the paired ratios come back with
+    their bootstrap intervals and the pinned transformers version and schedules."""
+    out = run_json_bench("hf_assisted.py", "--repeats", "2", "--n-prompts", "1", "--tokens", "6",
+                         "--datasets", "code", "--arms", "chain_adaptive,tree_fixed",
+                         "--bootstrap", "50")
+    assert out["identical"] is True and out["torch_threads"] == 1
+    assert out["transformers"] and set(out["hf_arms"]) == {"hf_default", "hf_heuristic"}
+    assert out["hf_arms"]["hf_heuristic"]["num_assistant_tokens_schedule"] == "heuristic"
+    row = out["datasets"]["code"]
+    assert set(row["tokens_per_s"]) == {"hf_default", "hf_heuristic", "chain_adaptive",
+                                        "tree_fixed"}
+    for clock in ("datasets", "datasets_cpu"):  # wall time and the process's CPU time
+        row = out[clock]["code"]
+        for base in ("hf_default", "hf_heuristic"):
+            for arm in ("chain_adaptive", "tree_fixed"):
+                r = row["ratio_to"][base][arm]
+                assert len(r["ratios"]) == 2 and r["ci90"][0] <= r["median"] <= r["ci90"][1]
+
+
+def test_tree_ab_bench_concurrency_smoke():
+    """benches/tree_ab.py --concurrency: the requests go in together (one batch), outputs stay
+    identical across arms, the paired ratio is reported; a concurrency below 1 is refused."""
+    cmd = [sys.executable, str(ROOT / "benches" / "tree_ab.py"), "--repeats", "1", "--tokens",
+           "6", "--arms", "chain_adaptive,tree_adaptive", "--json"]
+    proc = subprocess.run(cmd + ["--concurrency", "3"], capture_output=True, text=True,
+                          timeout=scaled(300))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["identical"] is True and result["args"]["concurrency"] == 3
+    assert result["tree/chain adaptive"] > 0 and result["cpu tree/chain adaptive"] > 0
+    bad = subprocess.run(cmd + ["--concurrency", "0"], capture_output=True, text=True,
+                         timeout=scaled(120))
+    assert bad.returncode == 2 and "--concurrency" in bad.stderr

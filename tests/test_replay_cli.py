@@ -54,6 +54,14 @@ def test_replay_is_the_console_script():
         ('{"batch_size": 1, "accepted": [-1]}', "accepted must be a list of integers >= 0"),
         ('{"batch_size": 1, "accepted": [1.5]}', "accepted must be a list of integers >= 0"),
         ('{"batch_size": 1, "accepted": [4], "steps": 3}', "exceeds the recorded steps 3"),
+        ('{"batch_size": 1, "accepted": [1], "steps": 3, "tree_topk": 4}',
+         "tree_topk and tree_nodes come together"),
+        ('{"batch_size": 1, "accepted": [1], "steps": 3, "tree_topk": 1, "tree_nodes": 3}',
+         "tree_topk must be an integer in 2..64"),
+        ('{"batch_size": 1, "accepted": [1], "tree_topk": 2, "tree_nodes": 3}',
+         "a tree line needs its depth as steps >= 1"),
+        ('{"batch_size": 1, "accepted": [1], "steps": 2, "tree_topk": 2, "tree_nodes": 7}',
+         "tree_nodes must be an integer in 2..6"),
     ],
 )
 def test_bad_line_names_its_number(tmp_path, capsys, line, match):
@@ -119,3 +127,42 @@ def test_simulate_cli(capsys, tmp_path):
     assert "is not one of" in capsys.readouterr().err
     assert main(["policy", "simulate", "--config", "x"]) == 2
     assert "NAME=FILE" in capsys.readouterr().err
+
+
+def test_replay_accepts_tree_lines_and_counts_them(tmp_path, capsys):
+    """A trace recorded with draft trees (``tree_topk``, ``tree_nodes`` on tree iterations,
+    as ``--record-trace`` writes them) replays; the summary counts the tree verifies."""
+    lines = ['{"batch_size": 1, "accepted": [2], "steps": 3, "tree_topk": 4, "tree_nodes": 8}',
+             '{"batch_size": 1, "accepted": [1], "steps": 3}',
+             '{"batch_size": 2, "accepted": [3, 0], "steps": 3, "tree_topk": 2, '
+             '"tree_nodes": 5, "context_tokens": 40}']
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(lines * 4) + "\n")
+    assert main(["policy", "replay", "--trace", str(trace), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["verifies"] == 12 and summary["tree_verifies"] == 8
+    assert main(["policy", "replay", "--trace", str(trace)]) == 0
+    assert "8 verifies recorded as draft trees" in capsys.readouterr().out
+
+
+def test_engine_trace_of_a_fixed_tree_carries_its_shape_and_replays(tiny, tmp_path, capsys):
+    """``record_trace`` through the Engine with a fixed tree (depth 3, topk 4, 8 tokens with
+    the root: 7 nodes): every decode line has ``tree_topk`` 4 and ``tree_nodes`` 7, and the
+    trace replays with all of them counted as tree verifies."""
+    from conftest import PROMPTS
+    from greedy import greedy
+    from specdial.engine import Engine
+
+    trace = tmp_path / "trace.jsonl"
+    engine = Engine.from_modules(tiny.target, tiny.draft_noisy, record_trace=str(trace),
+                                 speculative_adaptive=False, speculative_num_steps=3,
+                                 speculative_eagle_topk=4, speculative_num_draft_tokens=8,
+                                 max_running_requests=4, kv_cache_tokens=1024, page_size=8)
+    engine.generate(input_ids=PROMPTS, sampling_params=greedy(12))
+    engine.shutdown()
+    lines = [json.loads(x) for x in trace.read_text().splitlines()]
+    assert lines and all((x["tree_topk"], x["tree_nodes"], x["steps"]) == (4, 7, 3)
+                         for x in lines)
+    assert main(["policy", "replay", "--trace", str(trace), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["verifies"] == summary["tree_verifies"] == len(lines)

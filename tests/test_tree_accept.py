@@ -184,3 +184,52 @@ def test_child_table_orders_children_and_checks_the_bound():
     tree.topk = 2
     with pytest.raises(ValueError, match="more than topk=2 children"):
         child_table(tree, check=True)
+
+
+def _walk_reference(choice, tree):
+    """The level-by-level walk in plain Python: follow the child whose token is the choice."""
+    out = []
+    for b in range(choice.shape[0]):
+        cur, path = 0, []
+        for _ in range(tree.depth):
+            kids = [i + 1 for i in range(tree.num_nodes)
+                    if int(tree.parents[b, i]) + 1 == cur
+                    and int(tree.tokens[b, i]) == int(choice[b, cur])]
+            if not kids:
+                break
+            cur = kids[0]
+            path.append(cur)
+        out.append((len(path), path + [-1] * (tree.depth - len(path)), int(choice[b, cur])))
+    return out
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5), (4, 4, 16), (8, 7, 64), (3, 7, 12)])
+def test_vectorised_walk_equals_the_level_by_level_walk(shape):
+    """The all-columns greedy walk (ancestor mask) picks the walk's path on random trees whose
+    choices often follow a child, so paths of every length up to the depth occur."""
+    k, d, n = shape
+    gen = torch.Generator().manual_seed(7)
+    drafter = ToyLM(64, seed=3)
+    prev, last = torch.randint(0, 64, (6,), generator=gen), torch.randint(0, 64, (6,),
+                                                                         generator=gen)
+    tree = draft_tree(drafter, prev, last, k, d, n)
+    pcol, _ = tree.columns()
+    col_tokens = torch.cat([torch.full((6, 1), -1), tree.tokens], 1)
+    lengths = set()
+    for trial in range(20):
+        # each column's choice: a random child's token (often) or a random token
+        choice = torch.randint(0, 64, (6, n + 1), generator=gen)
+        for b in range(6):
+            for c in range(n + 1):
+                kids = (pcol[b] == c).nonzero().flatten()
+                if len(kids) and trial % 4:  # follow a random child (every 4th trial: none)
+                    pick = kids[int(torch.randint(0, len(kids), (1,), generator=gen))]
+                    choice[b, c] = col_tokens[b, pick]
+        acc, path, last_tok = ta._exact_walk(choice, tree, col_tokens,
+                                             ta.ancestor_mask(tree.parents))
+        ref = _walk_reference(choice, tree)
+        assert acc.tolist() == [r[0] for r in ref]
+        assert path.tolist() == [r[1] for r in ref]
+        assert last_tok.tolist() == [r[2] for r in ref]
+        lengths |= set(acc.tolist())
+    assert 0 in lengths and max(lengths) >= min(d, 4)  # short and long paths both checked

@@ -25,6 +25,14 @@ all its ``u_r`` drafts at a chosen ``k > u_r`` is *censored* (what it would have
 the live scheduler feeds the batch-level policy only the requests that verified the batch's
 steps. The summary counts censored observations and the verifies recorded under a stop rule.
 
+Draft trees (issue 29): a tree iteration's line also carries ``tree_topk`` (2..64) and
+``tree_nodes`` (``N``, the tree's nodes per request without the root, ``steps <= N <= min(64,
+topk + (steps - 1) * topk**2)``; the depth is ``steps``), both or neither. The replayed policy
+chooses chain steps, so a tree line replays as a chain of its depth: ``min(a, k)`` of the
+accepted path's ``a`` drafts. That is optimistic for a chain (the tree's path may leave the
+drafter's top-1 chain, which a chain could not follow); the summary counts these verifies
+(``tree_verifies``) so a replay says how much of its trace came from trees.
+
 Seconds: with a cost table (``--cost-table``, the JSON of :class:`specdial._core.CostTable`, which
 ``specdial policy simulate`` also reads) every verify costs what the table says for the batch
 size, the chosen steps and the context, and the summary reports the replayed tokens per second;
@@ -63,6 +71,8 @@ class Verify:
     #: ``steps_per_request``), None when the record has neither
     verified: np.ndarray | None = None
     min_survival: float | None = None
+    #: ``(tree_topk, tree_nodes)`` of a draft-tree iteration, None for a chain
+    tree: tuple[int, int] | None = None
 
 
 def _int(v: Any) -> bool:
@@ -98,7 +108,28 @@ def parse_line(text: str, where: str) -> Verify | None:
                              or not math.isfinite(secs) or secs <= 0):
         raise TraceError(f"{where}: seconds must be a finite number > 0, got {secs!r}")
     return Verify(bs, np.asarray(acc, dtype=np.int64), steps, ctx,
-                  None if secs is None else float(secs), *_per_request(obj, acc, steps, where))
+                  None if secs is None else float(secs), *_per_request(obj, acc, steps, where),
+                  tree=_tree(obj, steps, where))
+
+
+def _tree(obj: dict, steps: int | None, where: str) -> tuple[int, int] | None:
+    """A tree line's ``(tree_topk, tree_nodes)`` (checked against ``steps``, its depth), or
+    None for a chain's."""
+    topk, nodes = obj.get("tree_topk"), obj.get("tree_nodes")
+    if topk is None and nodes is None:
+        return None
+    if topk is None or nodes is None:
+        raise TraceError(f"{where}: tree_topk and tree_nodes come together, got tree_topk "
+                         f"{topk!r} and tree_nodes {nodes!r}")
+    if not _int(topk) or not 2 <= topk <= 64:
+        raise TraceError(f"{where}: tree_topk must be an integer in 2..64, got {topk!r}")
+    if not _int(steps) or steps < 1:
+        raise TraceError(f"{where}: a tree line needs its depth as steps >= 1, got {steps!r}")
+    top = min(64, topk + (steps - 1) * topk * topk)
+    if not _int(nodes) or not steps <= nodes <= top:
+        raise TraceError(f"{where}: tree_nodes must be an integer in {steps}..{top} (steps .. "
+                         f"min(64, topk + (steps - 1) * topk**2)), got {nodes!r}")
+    return topk, nodes
 
 
 def _lengths(obj: dict, key: str, n: int, top: list[int] | int | None, where: str) -> list | None:
@@ -145,6 +176,8 @@ class ReplaySummary:
     censored: int = 0
     #: verifies recorded under a confidence stop (``min_survival``)
     stopped: int = 0
+    #: verifies recorded as draft trees (``tree_topk``), replayed as chains of their depth
+    tree_verifies: int = 0
     #: Seconds of the replayed verifies (with a cost table; None without one).
     seconds: float | None = None
     strategy: str = "ema"
@@ -165,6 +198,7 @@ class ReplaySummary:
             "capped_observations": self.capped,
             "censored_observations": self.censored,
             "confidence_stop_verifies": self.stopped,
+            "tree_verifies": self.tree_verifies,
             "switches": [dict(zip(("line", "slot", "batch_size", "old_steps", "new_steps"), s)) for s in self.switches],
             "iterations_per_steps": {str(b): {str(k): v for k, v in sorted(c.items())} for b, c in self.iterations.items()},
         }
@@ -207,6 +241,7 @@ def replay(
                 known = (v.accepted < v.verified) | (steps <= v.verified)
                 summary.censored += int(np.count_nonzero(~known))
             summary.stopped += v.min_survival is not None
+            summary.tree_verifies += v.tree is not None
             summary.iterations[bound][steps] += 1
             summary.verifies += 1
             summary.emitted_tokens += int(observed.sum()) + v.batch_size
@@ -242,6 +277,9 @@ def format_summary(s: ReplaySummary) -> str:
     if s.censored or s.stopped:
         lines.append(f"{s.censored} observations censored at a request's recorded verify length, "
                      f"{s.stopped} verifies recorded under a confidence stop")
+    if s.tree_verifies:
+        lines.append(f"{s.tree_verifies} verifies recorded as draft trees, replayed as chains "
+                     "of their depth")
     if s.seconds is not None:
         lines.append(f"{s.seconds:.3f} s by the cost table: {s.tokens_per_second:.1f} tokens/s")
     lines.append("slot  iterations per steps")

@@ -92,16 +92,20 @@ def tree_key_mask(qo_lens: torch.Tensor, kv_lens: torch.Tensor, tree_mask: torch
         raise ValueError(f"tree_mask must be [B={qo_lens.numel()}, n, t] bool, got "
                          f"{list(tree_mask.shape)}")
     b, n, t = tree_mask.shape
-    if bool((qo_lens != n).any()) or bool((kv_lens < t).any()):
+    qo, kv_host = qo_lens.cpu().numpy(), kv_lens.cpu().numpy()
+    if (qo != n).any() or (kv_host < t).any():
         raise ValueError(f"tree_mask [B, n={n}, t={t}] needs qo_len == n and kv_len >= t for "
                          f"every request, got qo_lens {qo_lens.tolist()}, "
                          f"kv_lens {kv_lens.tolist()}")
-    dev = tree_mask.device
-    kv = kv_lens.to(dev)
-    j = torch.arange(max_kv, device=dev)[None, :]
+    # index arithmetic on the host (numpy); two small copies and one gather on the device
+    dev, kv = tree_mask.device, kv_host
+    j = np.arange(max_kv)[None, :]
     rel = j - (kv[:, None] - t)  # [B, max_kv]: index into the tree part
-    tree_part = tree_mask.bool().gather(2, rel.clamp(0, t - 1)[:, None, :].expand(b, n, max_kv))
-    return torch.where((rel < 0)[:, None, :], True, tree_part) & (j < kv[:, None])[:, None, :]
+    rel_d = torch.from_numpy(np.clip(rel, 0, t - 1)).to(dev)
+    prefix = torch.from_numpy(rel < 0).to(dev)[:, None, :]
+    valid = torch.from_numpy(j < kv[:, None]).to(dev)[:, None, :]
+    tree_part = tree_mask.bool().gather(2, rel_d[:, None, :].expand(b, n, max_kv))
+    return (tree_part | prefix) & valid
 
 
 class AttentionBackend(abc.ABC):

@@ -71,10 +71,11 @@ class TorchAttentionBackend(AttentionBackend):
         flat = torch.where(kv_valid, kv_indptr[:-1, None] + j[None, :], 0)
         kv_gather = kv_indices[flat.to(dev)] if kv_indices.numel() else flat.to(dev)
 
-        q_pos = (kv - qo)[:, None] + torch.arange(max_q)[None, :]  # [B, max_q]
-        # padded query rows (i >= qo_len) see every valid key: no all-masked rows, no NaNs
-        mask = kv_valid[:, None, :] & (j[None, None, :] <= q_pos[:, :, None])
-        if tree_mask is not None:  # draft trees: prefix + ancestors (base module docstring)
+        if tree_mask is None:
+            q_pos = (kv - qo)[:, None] + torch.arange(max_q)[None, :]  # [B, max_q]
+            # padded query rows (i >= qo_len) see every valid key: no all-masked rows, no NaNs
+            mask = kv_valid[:, None, :] & (j[None, None, :] <= q_pos[:, :, None])
+        else:  # draft trees: prefix + ancestors (base module docstring)
             mask = tree_key_mask(qo, kv, tree_mask.to("cpu"), max_kv)
 
         return TorchAttentionMetadata(

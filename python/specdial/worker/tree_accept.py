@@ -43,7 +43,7 @@ import torch
 from specdial.worker.batch_sampling import BatchSampling
 from specdial.worker.sampling import sample_from_probs, target_probs
 from specdial.worker.seeded_noise import PURPOSE_TOKEN, draw_keys, seeded_exponentials
-from specdial.worker.tree import DraftTree
+from specdial.worker.tree import DraftTree, ancestor_mask
 
 __all__ = ["child_table", "path_columns", "tree_accept"]
 
@@ -82,7 +82,8 @@ def path_columns(path: torch.Tensor) -> torch.Tensor:
 
 
 def tree_accept(tree: DraftTree, target_logits: torch.Tensor, sampling: BatchSampling,
-                generator: torch.Generator | None, positions: torch.Tensor | None = None
+                generator: torch.Generator | None, positions: torch.Tensor | None = None,
+                ancestors: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Accept a path of each request's draft tree (rules: the module docstring).
 
@@ -91,6 +92,8 @@ def tree_accept(tree: DraftTree, target_logits: torch.Tensor, sampling: BatchSam
       (``c = 0``) or node ``c - 1``, processed with that column's own path.
     - ``positions`` ``[B]`` int64: sequence index of a depth-1 token (``L + 1``); required
       when ``sampling.any_seeded``.
+    - ``ancestors`` ``[B, N + 1, N + 1]`` bool: :func:`~specdial.worker.tree.ancestor_mask`
+      of ``tree.parents`` when the caller has it (the verify's tree mask), else built here.
 
     Returns ``(accepted [B] int64 in 0..D, path [B, D] int64, out_tokens [B, D + 1] int64)``:
     ``path[b, :accepted[b]]`` are the accepted nodes' verify columns (``-1`` after),
@@ -104,18 +107,20 @@ def tree_accept(tree: DraftTree, target_logits: torch.Tensor, sampling: BatchSam
     if sampling.batch_size != b:
         raise ValueError(f"tree_accept: sampling has {sampling.batch_size} rows, tree has {b}")
     logits = target_logits.float()
-    children = child_table(tree)
     col_tokens = torch.cat([tree.tokens.new_full((b, 1), -1), tree.tokens], 1)
     choice = logits.argmax(-1)  # [B, N + 1]
     p = None
     if sampling.any_seeded:
         p = target_probs(logits, sampling)
         choice = _merge_rows(choice, _seeded_choice(tree, p, sampling, positions), sampling)
-    accepted, path, last = _exact_walk(choice, children, col_tokens, tree.depth)
+    if ancestors is None:
+        ancestors = ancestor_mask(tree.parents)
+    accepted, path, last = _exact_walk(choice, tree, col_tokens, ancestors)
     if not sampling.all_greedy and sampling.any_unseeded:
         if p is None:
             p = target_probs(logits, sampling)
-        s_acc, s_path, s_last = _sampling_walk(p, children, col_tokens, tree.depth, generator)
+        s_acc, s_path, s_last = _sampling_walk(p, child_table(tree), col_tokens, tree.depth,
+                                               generator)
         exact = sampling.greedy_mask if sampling.seeded_mask is None else (
             sampling.greedy_mask | sampling.seeded_mask)
         accepted = torch.where(exact, accepted, s_acc)
@@ -153,24 +158,26 @@ def _seeded_choice(tree: DraftTree, p: torch.Tensor, sampling: BatchSampling,
     return (p / noise.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(-1)
 
 
-def _exact_walk(choice: torch.Tensor, children: torch.Tensor, col_tokens: torch.Tensor,
-                depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Greedy / seeded walk: follow the child equal to ``choice`` at each column."""
-    b = choice.shape[0]
-    rows = torch.arange(b, device=choice.device)
-    cur = torch.zeros(b, dtype=I64, device=choice.device)
-    active = torch.ones(b, dtype=torch.bool, device=choice.device)
-    path = torch.full((b, depth), -1, dtype=I64, device=choice.device)
-    for level in range(depth):
-        cand = children[rows, cur]  # [B, K]
-        y = choice[rows, cur]
-        match = (cand >= 0) & (col_tokens.gather(1, cand.clamp(min=0)) == y[:, None])
-        found = active & match.any(-1)
-        nxt = cand.gather(1, match.to(torch.int8).argmax(-1, keepdim=True)).squeeze(1)
-        cur = torch.where(found, nxt, cur)
-        path[:, level] = torch.where(found, nxt, -1)
-        active = found
-    return (path >= 0).sum(-1), path, choice[rows, cur]
+def _exact_walk(choice: torch.Tensor, tree: DraftTree, col_tokens: torch.Tensor,
+                ancestors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy / seeded walk: follow the child equal to ``choice`` ``[B, N + 1]`` at each column.
+
+    Done for all columns at once instead of level by level: a node *matches* when its token
+    is its parent column's choice, and it is on the accepted path iff it and all its
+    ancestors match (``ancestors`` ``[B, N + 1, N + 1]``, :func:`ancestor_mask`). Siblings
+    hold distinct tokens (the top-k of one distribution), so at most one node per depth is
+    on the path, and the path is the walk's. Returns ``(accepted [B], path [B, D] columns,
+    -1 past the path; the choice at the path's last column [B])``.
+    """
+    pcol, depth = tree.columns()  # [B, N + 1] each; the root's parent column is -1
+    match = col_tokens == choice.gather(1, pcol.clamp(min=0))
+    match[:, 0] = True  # the root is always "accepted"
+    on = ~(ancestors & ~match[:, None, :]).any(-1)  # [B, N + 1]
+    levels = torch.arange(1, tree.depth + 1, device=choice.device)
+    hit = on[:, :, None] & (depth[:, :, None] == levels)  # [B, N + 1, D]
+    path = torch.where(hit.any(1), hit.to(torch.int8).argmax(1), -1)
+    last_col = torch.where(on, depth, -1).argmax(1, keepdim=True)  # the deepest on the path
+    return on[:, 1:].sum(-1), path, choice.gather(1, last_col).squeeze(1)
 
 
 def _zero_out(r: torch.Tensor, x: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:

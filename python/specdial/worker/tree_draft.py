@@ -55,7 +55,7 @@ class TreeDraft:
 def draft_tree(drafter: Any, backend: Any, tables: RequestTables, rows: torch.Tensor,
                target_len: np.ndarray, root_ids: torch.Tensor, first_hidden: torch.Tensor | None,
                draft_loc: torch.Tensor, *, topk: int, depth: int, num_nodes: int,
-               grammar: Any = None) -> TreeDraft:
+               grammar: Any = None, rows_host: np.ndarray | None = None) -> TreeDraft:
     """Draft one EAGLE-2 tree per request (see the module docstring).
 
     - ``drafter``: a :class:`~specdial.worker.drafters.Drafter` whose KV is valid for
@@ -69,6 +69,8 @@ def draft_tree(drafter: Any, backend: Any, tables: RequestTables, rows: torch.Te
     - ``grammar``: a :class:`~specdial.worker.grammar_tree.TreeGrammar` when some row is
       constrained (structured outputs): each level's drafter logits are masked with each
       frontier node's path state before the top-k; None: no masks.
+    - ``rows_host``: ``rows`` as a host int64 array (the plan's), so the key lists are built
+      on the host without reading ``rows`` back from the device; None reads it back.
 
     Raises ``ValueError`` for a ``draft_loc`` of the wrong shape or a shape that
     :class:`TreeExpansion` / :func:`~specdial.worker.tree.select_nodes` refuses.
@@ -82,7 +84,8 @@ def draft_tree(drafter: Any, backend: Any, tables: RequestTables, rows: torch.Te
     lens = torch.from_numpy(np.ascontiguousarray(target_len, np.int64)).to(dev)
     # level 1: x_L at L, causal over 0..L (a chain's first draft step)
     root_loc = tables.req_to_token[rows, lens]
-    kv_idx, kv_lens = tree_kv_indices(tables, rows, target_len, root_loc[:, None])
+    key_rows = rows if rows_host is None else rows_host
+    kv_idx, kv_lens = tree_kv_indices(tables, key_rows, target_len, root_loc[:, None])
     ones = torch.ones(b, dtype=torch.int64)  # host lengths: planning never waits
     batch = ForwardBatch(root_ids, lens, root_loc, backend.plan(ones, kv_lens, kv_idx))
     h = drafter.extend(batch, backend, hidden_states=first_hidden, kv_only=False)
@@ -93,7 +96,7 @@ def draft_tree(drafter: Any, backend: Any, tables: RequestTables, rows: torch.Te
             grammar.start_level(front, exp.frontier_parent)
         fed = draft_loc[:, : topk * (level - 1)]
         loc = fed[:, -topk:]
-        kv_idx, kv_lens = tree_kv_indices(tables, rows, target_len + 1, fed)
+        kv_idx, kv_lens = tree_kv_indices(tables, key_rows, target_len + 1, fed)
         qo = torch.full((b,), topk, dtype=torch.int64)
         meta = backend.plan(qo, kv_lens, kv_idx, tree_mask=exp.feed_mask())
         pos = (lens + level - 1)[:, None].expand(b, topk)

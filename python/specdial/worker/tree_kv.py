@@ -22,25 +22,38 @@ __all__ = ["copy_rows", "copy_slots", "tree_kv_indices"]
 I64 = torch.int64
 
 
-def tree_kv_indices(tables: RequestTables, rows: torch.Tensor, prefix_lens: np.ndarray,
-                    extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def tree_kv_indices(tables: RequestTables, rows: np.ndarray | torch.Tensor,
+                    prefix_lens: np.ndarray, extra: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys of ``B`` requests: the chain slots of positions ``0 .. prefix_lens[b] - 1`` of
     ``rows[b]`` (the tables), then ``extra[b]`` (``[B, t]`` int64 slots, e.g. the root's
-    chain slot and the nodes' scratch slots). ``rows`` ``[B]`` device int64; ``prefix_lens``
+    chain slot and the nodes' scratch slots). ``rows`` ``[B]`` int64, host (a numpy array:
+    no sync) or a device tensor (copied to the host: one sync on a GPU); ``prefix_lens``
     host int64 ``[B]``. Returns ``(kv_indices [sum(prefix_lens) + B * t] int64 on the device,
     request after request; kv_lens [B] int64 on the host)``: host lengths, so an attention
-    plan reading them never waits for the device."""
+    plan reading them never waits for the device.
+
+    The index arithmetic runs on the host in numpy (a few microseconds for any batch), then
+    one gather from the tables and one from ``[chain keys, extra]``: four device ops, where
+    the same arithmetic in torch costs about twenty small ones per call (BENCHMARKS, issue
+    29's host overhead)."""
     b, t = extra.shape
     dev = extra.device
-    prefix = torch.from_numpy(np.ascontiguousarray(prefix_lens, np.int64)).to(dev)
-    kv_lens = prefix + t
-    total = int(np.sum(prefix_lens)) + b * t
-    req = torch.repeat_interleave(torch.arange(b, device=dev), kv_lens, output_size=total)
-    pos = torch.arange(total, device=dev) - (torch.cumsum(kv_lens, 0) - kv_lens)[req]
-    chain = tables.req_to_token[rows[req], pos.clamp(max=tables.width - 1)]
-    tree = extra[req, (pos - prefix[req]).clamp(min=0, max=max(t - 1, 0))] if t else chain
-    host = torch.from_numpy(np.ascontiguousarray(prefix_lens, np.int64) + t)
-    return torch.where(pos < prefix[req], chain, tree), host
+    r = rows if isinstance(rows, np.ndarray) else rows.cpu().numpy()
+    pl = np.ascontiguousarray(prefix_lens, np.int64)
+    kv_lens = pl + t
+    p_total = int(pl.sum())
+    pl_start = np.cumsum(pl) - pl
+    # chain keys: flat index into req_to_token, request after request
+    chain_idx = np.repeat(r.astype(np.int64) * tables.width - pl_start, pl) + np.arange(p_total)
+    # every key's index into [chain keys (p_total), extra (B * t)]
+    req = np.repeat(np.arange(b), kv_lens)
+    off = np.arange(p_total + b * t) - np.repeat(np.cumsum(kv_lens) - kv_lens, kv_lens)
+    own = pl[req]
+    order = np.where(off < own, pl_start[req] + off, p_total + req * t + off - own)
+    chain = tables.req_to_token.view(-1)[torch.from_numpy(chain_idx).to(dev)]
+    keys = torch.cat([chain, extra.reshape(-1)])[torch.from_numpy(order).to(dev)]
+    return keys, torch.from_numpy(kv_lens)
 
 
 def copy_slots(pool: KVPool, src: torch.Tensor, dst: torch.Tensor,

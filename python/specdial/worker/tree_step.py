@@ -162,12 +162,13 @@ def run_tree_iteration(worker: Any, plan: TreePlan, sampling: BatchSampling,
     tg = None if sampling.grammar is None else TreeGrammar(sampling.grammar)
     try:
         td = draft_tree(drafter, worker.backend, tables, rows_d, lens, root, first_hidden,
-                        draft_loc, topk=k, depth=d, num_nodes=n, grammar=tg)
+                        draft_loc, topk=k, depth=d, num_nodes=n, grammar=tg, rows_host=rows)
         if tg is not None:  # the tree goes to the host during the target's forward
             tg.start_verify(td.tree)
-        raw = _verify(worker, td, rows_d, lens, root, chain[:, 0], scratch)
+        ancestors = ancestor_mask(td.tree.parents)  # [B, N + 1, N + 1]: verify and acceptance
+        raw = _verify(worker, td, rows, lens, root, chain[:, 0], scratch, ancestors)
         acc, path, out, lp_pending = _accept(worker, td, raw, rows, lens, root, sampling,
-                                             generator, logprobs, tg)
+                                             generator, logprobs, tg, ancestors)
     finally:
         if tg is not None:
             tg.reset()  # the matchers at their requests' states, even after a failure
@@ -193,9 +194,11 @@ def run_tree_iteration(worker: Any, plan: TreePlan, sampling: BatchSampling,
 
 def _accept(worker: Any, td: TreeDraft, raw: torch.Tensor, rows: np.ndarray, lens: np.ndarray,
             root: torch.Tensor, sampling: BatchSampling, generator: torch.Generator | None,
-            logprobs: LogprobRows | None, grammar: TreeGrammar | None) -> tuple[Any, ...]:
+            logprobs: LogprobRows | None, grammar: TreeGrammar | None,
+            ancestors: torch.Tensor) -> tuple[Any, ...]:
     """Process the verify logits ``raw`` ``[B, N + 1, V]`` (each column with its own path:
-    processors, then the grammar masks) and accept (:func:`tree_accept`); returns
+    processors, then the grammar masks) and accept (:func:`tree_accept` over the tree mask
+    ``ancestors`` ``[B, N + 1, N + 1]`` bool); returns
     ``(accepted [B], path [B, D], out [B, D + 1], logprobs' pending host copy or None)``. The
     logprobs are the raw target's at the deciding columns, grammar-masked for constrained
     rows (:meth:`~specdial.worker.grammar_tree.TreeGrammar.logprob_logits`)."""
@@ -207,7 +210,8 @@ def _accept(worker: Any, td: TreeDraft, raw: torch.Tensor, rows: np.ndarray, len
                                       base, seen)
     if grammar is not None:
         logits = grammar.mask_verify(logits)
-    acc, path, out = tree_accept(td.tree, logits, sampling, generator, lens_d + 1)
+    acc, path, out = tree_accept(td.tree, logits, sampling, generator, lens_d + 1,
+                                 ancestors=ancestors)
     lp_pending = None
     if logprobs is not None:
         cols = path_columns(path)  # the uncapped path: a cap keeps its prefix
@@ -228,15 +232,17 @@ def _padded_chain(out_loc: np.ndarray, limit: np.ndarray, d: int, pad: int) -> t
     return torch.from_numpy(chain)
 
 
-def _verify(worker: Any, td: TreeDraft, rows: torch.Tensor, lens: np.ndarray,
-            root: torch.Tensor, root_loc: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """The target over ``[x_L, nodes]`` with the tree mask; logits ``[B, N + 1, V]``."""
+def _verify(worker: Any, td: TreeDraft, rows: np.ndarray, lens: np.ndarray,
+            root: torch.Tensor, root_loc: torch.Tensor, scratch: torch.Tensor,
+            ancestors: torch.Tensor) -> torch.Tensor:
+    """The target over ``[x_L, nodes]`` with the tree mask ``ancestors`` (host ``rows``);
+    logits ``[B, N + 1, V]``."""
     tree = td.tree
     b, n = tree.tokens.shape
     extra = torch.cat([root_loc[:, None], scratch], 1)  # [B, N + 1]
     kv_idx, kv_lens = tree_kv_indices(worker.tables, rows, lens, extra)
     qo = torch.full((b,), n + 1, dtype=torch.int64)  # host lengths, as tree_kv_indices's
-    meta = worker.backend.plan(qo, kv_lens, kv_idx, tree_mask=ancestor_mask(tree.parents))
+    meta = worker.backend.plan(qo, kv_lens, kv_idx, tree_mask=ancestors)
     pos = tree_positions(torch.from_numpy(lens).to(root.device), tree.depths)
     ids = torch.cat([root[:, None], tree.tokens], 1)
     batch = ForwardBatch(ids.reshape(-1), pos.reshape(-1), extra.reshape(-1), meta)

@@ -214,12 +214,17 @@ pub struct TraceRecord {
     pub seconds: Option<f64>,
     /// The `goodput` cost model's prediction of those seconds when it decided.
     pub predicted_seconds: Option<f64>,
+    /// Present only for a draft-tree iteration (issue 29): its `(topk, N)`, `N` the tree
+    /// nodes per request with the root excluded (`Plan::num_draft_tokens`, SGLang's
+    /// `speculative_num_draft_tokens - 1`); the depth is `steps`. Absent: a chain.
+    pub tree: Option<(u32, u32)>,
 }
 
 impl TraceRecord {
     /// One JSON line (no newline): `{"batch_size": B, "accepted": [...], "steps": k,
     /// "context_tokens": C}` plus `"seconds"`, `"predicted_seconds"`, `"steps_per_request"`,
-    /// `"min_survival"` and `"verified"` when present.
+    /// `"min_survival"` and `"verified"` when present, and `"tree_topk"`, `"tree_nodes"` for a
+    /// draft-tree iteration.
     pub fn to_json(&self) -> String {
         let mut v = serde_json::json!({
             "batch_size": self.batch_size,
@@ -241,6 +246,10 @@ impl TraceRecord {
         }
         if let Some(s) = &self.verified {
             v["verified"] = serde_json::json!(s);
+        }
+        if let Some((topk, nodes)) = self.tree {
+            v["tree_topk"] = serde_json::json!(topk);
+            v["tree_nodes"] = serde_json::json!(nodes);
         }
         v.to_string()
     }

@@ -437,6 +437,7 @@ impl Scheduler {
                 context_tokens: fl.context,
                 seconds,
                 predicted_seconds: fl.predicted,
+                tree: fl.tree.map(|t| (t.topk, t.num_draft_tokens)),
             });
         }
     }

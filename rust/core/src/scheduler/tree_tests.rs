@@ -330,3 +330,28 @@ fn a_tree_decision_reaches_the_plan_as_a_tree() {
     assert_eq!(c.at_depth(3), Some(shape));
     assert_eq!(c.at_depth(0), None);
 }
+
+#[test]
+fn the_trace_records_the_tree_shape_of_tree_iterations_only() {
+    // A fixed tree (depth 3, topk 4, 8 nodes), then the same scheduler's chain (steps 0 makes
+    // no tree): the trace line of a tree iteration carries (topk, N), a chain's does not.
+    let cfg = SchedulerConfig { record_trace: true, ..config(64, 4) };
+    let mut s = tree(cfg, 3, 4, 9);
+    s.add_request(vec![7; 5], 20, vec![], false).unwrap();
+    step(&mut s, &mut full).unwrap(); // prefill
+    let (plan, _) = step(&mut s, &mut |_, _| 2).unwrap();
+    assert_eq!((plan.tree_topk, plan.num_draft_tokens), (4, 8));
+    let trace = s.drain_trace();
+    assert_eq!(trace.len(), 1);
+    assert_eq!(trace[0].tree, Some((4, 8)));
+    assert_eq!(
+        trace[0].to_json(),
+        r#"{"accepted":[2],"batch_size":1,"context_tokens":5,"steps":3,"tree_nodes":8,"tree_topk":4}"#
+    );
+    s.set_fixed_steps(Some(0)).unwrap();
+    step(&mut s, &mut full).unwrap();
+    let trace = s.drain_trace();
+    assert_eq!(trace.len(), 1);
+    assert_eq!((trace[0].steps, trace[0].tree), (0, None));
+    assert!(!trace[0].to_json().contains("tree"));
+}
