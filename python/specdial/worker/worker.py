@@ -76,6 +76,7 @@ from specdial.worker.sampling import sample, speculative_accept
 from specdial.worker.stages import (Accepted, DecodeStep, Drafts, StepOutput, Verified,
                                     float_bits, packed_draft_probs)
 from specdial.worker.step_runner import StepRunner, build_runners
+from specdial.worker.tree_graphs import TreeVerifyGraphs, tree_capture_plan
 from specdial.worker.tree_step import TreePlan, is_tree_plan, run_tree_iteration
 
 __all__ = ["SpecWorker", "StepOutput"]
@@ -102,6 +103,8 @@ class SpecWorker:
       fixed steps or a steps schedule: every size for every steps value).
     - ``max_extend_tokens``: most tokens of one drafter catch-up forward (the engine passes
       ``max_prefill_tokens``); a longer catch-up runs in several (``ValueError`` if < 1).
+    - ``tree_max_num_draft_tokens``: with graphs and a drafter, the tree bound whose verify
+      graphs are captured (:mod:`specdial.worker.tree_graphs`); None: tree verifies run eagerly.
 
     Raises ``ValueError`` for steps above the drafter's ``max_steps`` or positive steps
     without a drafter.
@@ -111,7 +114,8 @@ class SpecWorker:
                  max_running_requests: int, context_length: int, step_values: Iterable[int],
                  backend: AttentionBackend | None = None,
                  cuda_graph_bs: Sequence[int] | None = None, cuda_graph_mode: str | None = None,
-                 adaptive_config: Any = None, max_extend_tokens: int = 4096) -> None:
+                 adaptive_config: Any = None, max_extend_tokens: int = 4096,
+                 tree_max_num_draft_tokens: int | None = None) -> None:
         self.target, self.drafter = target, drafter
         if max_extend_tokens < 1:
             raise ValueError(f"max_extend_tokens must be >= 1, got {max_extend_tokens}")
@@ -140,6 +144,16 @@ class SpecWorker:
         #: penalized rows' token counts (device tensors allocated on the first penalty)
         self.token_counts = TokenCounts(max_running_requests, target.config.vocab_size, device)
         self._build_runners(steps, cuda_graph_bs, cuda_graph_mode, adaptive_config)
+        #: the draft-tree verify graphs (None: tree verifies run eagerly)
+        self.tree_graphs: TreeVerifyGraphs | None = None
+        if self.capture_plan is not None and drafter is not None and tree_max_num_draft_tokens:
+            pool = next(iter(self.states.values())).pool
+            self.tree_graphs = TreeVerifyGraphs(
+                target=target, drafter=drafter, kv=self.kv, backend=self.backend, pool=pool,
+                plan=tree_capture_plan(tree_max_num_draft_tokens, self.capture_plan.graph_bs,
+                                       steps[-1]),
+                kv_capacity=self.tables.width + tree_max_num_draft_tokens + 1)
+            self.tree_graphs.capture()
 
     def _build_runners(self, steps: list[int], cuda_graph_bs: Sequence[int] | None,
                        cuda_graph_mode: str | None, adaptive_config: Any) -> None:
@@ -184,12 +198,14 @@ class SpecWorker:
         graphs)."""
         replays: dict[str, int] = {}
         eager: dict[str, int] = {}
-        for r in self.graph_runners.values():
+        trees = [] if self.tree_graphs is None else [self.tree_graphs]
+        for r in [*self.graph_runners.values(), *trees]:
             for k, v in r.stats.replays.items():
                 replays[k] = replays.get(k, 0) + v
             for k, v in r.stats.eager.items():
                 eager[k] = eager.get(k, 0) + v
         captured = self.capture_report.num_graphs if self.capture_report else 0
+        captured += sum(len(t.graphs) for t in trees)
         return {"replays": replays, "eager": eager, "captured": captured}
 
     # ----------------------------------------------------------------- rows
