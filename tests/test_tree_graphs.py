@@ -53,7 +53,7 @@ def test_replayed_tree_verify_gives_the_eager_tokens_and_kv(request, name):
     stats = worker.tree_graphs.stats
     # 3 requests: N 3..12 pad to a captured 4, 8 or 16 at batch 4 and replay; N 40 has graphs
     # up to batch 2 only and runs eagerly
-    assert stats.replays["verify"] > 0
+    assert stats.replays["tree_verify"] > 0
     assert stats.eager.get("tree_verify:batch_not_captured", 0) > 0
     assert set(stats.eager) == {"tree_verify:batch_not_captured"}
     assert worker.graph_stats()["captured"] >= worker.tree_graphs.plan.num_graphs
@@ -68,4 +68,4 @@ def test_padded_nodes_do_not_change_the_real_columns(tiny):
         worker, _, out, _ = run(tiny.target, tiny.draft_noisy, shapes, cuda_graph_bs=[4],
                                 cuda_graph_mode="emulate", tree_max_num_draft_tokens=bound)
         assert out == want
-        assert worker.tree_graphs.stats.replays["verify"] > 0 and not worker.tree_graphs.stats.eager
+        assert worker.tree_graphs.stats.replays["tree_verify"] > 0 and not worker.tree_graphs.stats.eager

@@ -130,6 +130,7 @@ class TreeVerifyGraphs:
         self.supported = isinstance(backend, TorchAttentionBackend)
         self.enabled = self.supported
         self.graphs: dict[tuple[int, int], CapturedGraph] = {}
+        #: replays (``tree_verify``) and eager fallbacks (``tree_verify:<reason>``)
         self.stats = RunnerStats()
         self._static: dict[int, _Static] = {}
         if self.supported:
@@ -205,7 +206,7 @@ class TreeVerifyGraphs:
                              f"[{b}, {n1}] inputs")
         self._fill(nc, g, (ids, pos, extra, prefix_kv, tree_mask))
         logits, feats = graph.replay()
-        self.stats.replays["verify"] = self.stats.replays.get("verify", 0) + 1
+        self.stats.replays["tree_verify"] = self.stats.replays.get("tree_verify", 0) + 1
         logits = logits.view(g, nc + 1, -1)[:b, :n1]
         if feats is not None:
             feats = feats.view(g, nc + 1, -1)[:b, :n1].reshape(b * n1, -1)

@@ -194,8 +194,8 @@ class SpecWorker:
 
     def graph_stats(self) -> dict[str, Any]:
         """CUDA-graph counters summed over the runners: ``replays`` per pass (draft, verify,
-        extend), ``eager`` fallbacks per reason, ``captured`` graphs (all zero without
-        graphs)."""
+        extend; ``tree_verify`` for draft trees), ``eager`` fallbacks per reason, ``captured``
+        graphs (all zero without graphs)."""
         replays: dict[str, int] = {}
         eager: dict[str, int] = {}
         trees = [] if self.tree_graphs is None else [self.tree_graphs]
