@@ -69,3 +69,20 @@ def test_padded_nodes_do_not_change_the_real_columns(tiny):
                                 cuda_graph_mode="emulate", tree_max_num_draft_tokens=bound)
         assert out == want
         assert worker.tree_graphs.stats.replays["tree_verify"] > 0 and not worker.tree_graphs.stats.eager
+
+
+def test_a_backend_without_tree_graph_metadata_runs_the_tree_verify_eagerly():
+    """flashinfer's static wrapper takes no tree mask: nothing is captured and every tree
+    verify runs the eager custom-mask path, counted (its custom mask: tests against the fake
+    flashinfer wrapper)."""
+    from types import SimpleNamespace
+
+    from specdial.worker.graph_pool import GraphPool
+    from specdial.worker.tree_graphs import TreeVerifyGraphs
+
+    graphs = TreeVerifyGraphs(target=None, drafter=None, kv=SimpleNamespace(pad_slot=0),
+                              backend=object(), plan=tree_capture_plan(8, [1, 2], 3),
+                              pool=GraphPool("cpu", "emulate"), kv_capacity=64)
+    assert not graphs.supported and graphs.capture() == 0
+    assert graphs.serving_key(4, 1) is None
+    assert graphs.stats.eager == {"tree_verify:backend_without_tree_graphs": 1}
