@@ -21,8 +21,8 @@
 //!   are, is tried, and its measured seconds correct every shape of that bucket at once; at a
 //!   large batch the extra tokens cost their compute and the choice shrinks to a chain, then to
 //!   steps 0 (the chain's own decision).
-//! - Trees are only considered at a batch-size bucket where the chain of their depth is measured
-//!   (and at least two depths, for the plane's slope in steps), and grow there: at most twice the nodes of the largest tree measured
+//! - Trees are only considered at a batch-size bucket where the chain of their depth is
+//!   measured, and grow there: at most twice the nodes of the largest tree measured
 //!   at the bucket, or of the chain of their depth (the fit is linear while the roofline's cost
 //!   of extra tokens is convex, so a fit on a large tree would price small ones out unseen).
 //! - Switches between a chain and a tree, or between trees, take the chain's rules: the
@@ -291,13 +291,12 @@ impl GoodputPolicy {
             .map(|&k| chain_score(k))
             .fold(0.0, f64::max);
         // A tree's seconds are the chain's of its depth plus its extra tokens: only where the
-        // chain of that depth is measured at this bucket (and two depths, for the plane's slope
-        // in steps) is the sum worth more than the cost model's unit-less prior. A tree's
+        // chain of that depth is measured at this bucket is the sum worth more than the cost
+        // model's unit-less prior. A tree's
         // seconds beyond an *extrapolated* chain would be fitted as its tokens' cost: the chain
         // model's error at that depth (25 % at depth 3 on h200x4-llama70b, concurrency 4) made
         // every tree look dear there and none was tried again (BENCHMARKS.md, issue 29).
-        let measured = candidates.iter().filter(|&&k| self.cost.cell_count(bucket, k) > 0).count();
-        let known = |d: u32| self.cost.cell_count(bucket, d) > 0 && measured >= 2;
+        let known = |d: u32| self.cost.cell_count(bucket, d) > 0;
         // Trees grow at a bucket: up to twice the nodes of the largest one measured there (or
         // of the chain of their depth, so a tree can beat a long chain by the margin). The
         // extra tokens' cost is convex (free below the roofline's knee, linear beyond), so the
