@@ -3,7 +3,8 @@
 output tensors, padding included): greedy outputs equal the eager engine's for the draft model,
 EAGLE-1 and EAGLE-3 drafters, fixed steps and a switching adaptive run, padded replays, eager
 fallbacks above the largest captured size and for sampling drafts, and the options' defaults
-and errors."""
+and errors; draft trees replay their (N, batch) verify graphs and give target-only greedy
+(shape changes between iterations: tests/test_tree_graphs.py)."""
 
 from __future__ import annotations
 
@@ -165,3 +166,22 @@ def test_options_defaults_and_errors(tiny):
                        ({"disable_cuda_graph": "yes"}, "disable_cuda_graph")):
         with pytest.raises(ConfigError, match=match):
             Engine.from_modules(tiny.target, tiny.draft_noisy, **bad, **KW)
+
+
+@pytest.mark.parametrize("topk, count", [(2, 6), (4, 9)])
+def test_fixed_tree_graphs_equal_target_only(models, topk, count):
+    """Draft trees (issue 29) through the engine with graphs on: the tree verify replays its
+    (N, batch) graph (worker/tree_graphs.py), N padded to the captured one, and greedy output
+    is target-only greedy."""
+    target, drafter = models
+    want, _, _ = run(Engine.from_modules(target, None, **KW))
+    graph_kw = dict(cuda_graph_bs=[1, 2, 4, 8, 16], cuda_graph_mode="emulate")
+    out, _, stats = run(Engine.from_modules(
+        target, drafter, speculative_adaptive=False, speculative_num_steps=3,
+        speculative_eagle_topk=topk, speculative_num_draft_tokens=count, **graph_kw, **KW))
+    assert out == want
+    # token budget 16 x (3 + 1): N 5 is captured up to batch 8, N 8 up to batch 4 (the 5
+    # requests' first iterations run eagerly); N padding: tests/test_tree_graphs.py
+    assert stats["replays"]["tree_verify"] > 0, stats
+    assert set(stats["eager"]) <= {"tree_verify:batch_not_captured"}, stats
+

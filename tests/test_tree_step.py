@@ -61,14 +61,16 @@ def _forward(model, seq, pool=None):
     return model.compute_logits(h), h
 
 
-def run(target, module, shapes, sampling=None, logprobs=None, prompts=PROMPTS, new_tokens=NEW):
+def run(target, module, shapes, sampling=None, logprobs=None, prompts=PROMPTS, new_tokens=NEW,
+        **worker_options):
     """Prefill, then tree iterations of ``shapes`` (None: plain decoding, steps 0, through
-    ``SpecWorker.decode``) until every request has ``NEW`` tokens."""
+    ``SpecWorker.decode``) until every request has ``NEW`` tokens. ``worker_options``: more
+    :class:`SpecWorker` keywords (CUDA graphs: tests/test_tree_graphs.py)."""
     sampling = sampling or greedy(len(prompts))
     drafter = make_drafter(module, target, max_steps=7)
     slots = max(SLOTS, 96 * len(prompts))
     worker = SpecWorker(target, drafter, slots, max_running_requests=len(prompts),
-                        context_length=96, step_values=range(8))
+                        context_length=96, step_values=range(8), **worker_options)
     alloc = Slots(slots)
     b = len(prompts)
     chain = [alloc.take(len(p)) for p in prompts]

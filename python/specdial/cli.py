@@ -78,8 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--config", action="append", metavar="NAME=FILE",
                     help="an adaptive config to simulate as NAME (repeatable; default: goodput with the "
                     "built-in config, ema with SGLang's default, throughput_aware with SGLang's example)")
-    sm.add_argument("--segments", type=_positive_int, default=16000,
-                    help="work per regime, tokens per request (default 16000)")
+    sm.add_argument("--segments", type=_positive_int, default=None,
+                    help="work per regime, tokens per request (default 16000; with trees 3000 "
+                    "per concurrency)")
+    sm.add_argument("--speculative-eagle-topk", type=int, default=None, metavar="K",
+                    help="draft trees (issue 29): the most children per node the goodput policy "
+                    "may expand (SGLang's flag; with --speculative-num-draft-tokens). The report "
+                    "is then adaptive trees vs the best fixed shape vs adaptive chains")
+    sm.add_argument("--speculative-num-draft-tokens", type=int, default=None, metavar="N",
+                    help="draft trees: the most tokens verified per request, root included "
+                    "(SGLang's flag; with --speculative-eagle-topk)")
+    sm.add_argument("--concurrency", type=int, action="append", metavar="C",
+                    help="with trees: a concurrency of the mixed request classes, one of 1 4 16 "
+                    "64 256 (repeatable; default all)")
     sm.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     sm.add_argument("--noise", type=_positive_float, default=0.1,
                     help="lognormal sigma of the measured seconds (default 0.1)")
@@ -150,8 +161,16 @@ def _simulate(args: argparse.Namespace) -> int:
                 policies.append((name, AdaptiveConfig.from_file(path)))
         if not 0.0 <= args.spikes <= 1.0:
             raise ValueError(f"--spikes must be in [0, 1], got {args.spikes}")
+        trees = _simulate_trees(args, policies)
+        if trees is not None:
+            print(trees)
+            return 0
+        if args.concurrency:
+            raise ValueError("--concurrency is for the tree simulation: give "
+                             "--speculative-eagle-topk and --speculative-num-draft-tokens, or a "
+                             "--config with a \"tree\" key")
         spec = build_spec(regimes=args.regime, curves=args.curve, policies=policies,
-                          segments=args.segments, seed=args.seed, noise=args.noise,
+                          segments=args.segments or 16000, seed=args.seed, noise=args.noise,
                           spikes=args.spikes, interference=args.interference,
                           skip_zero_step_draft_extend=args.skip_zero_step_draft_extend)
         cases = run_simulation(spec)
@@ -159,6 +178,34 @@ def _simulate(args: argparse.Namespace) -> int:
         return cli_error(e)
     print(json.dumps(cases, indent=1) if args.json else format_table(cases))
     return 0
+
+
+def _simulate_trees(args: argparse.Namespace,
+                    policies: list[tuple[str, AdaptiveConfig]] | None) -> str | None:
+    """The tree report of ``policy simulate`` (None: no tree bounds, the chains report).
+    Raises ``ValueError`` / ``ConfigError`` naming the option that does not apply to trees."""
+    from specdial.policy_sim import format_tree_table, run_tree_simulation, tree_policy
+
+    with_tree = [(n, c) for n, c in policies or [] if json.loads(c.to_json()).get("tree")]
+    flags = args.speculative_eagle_topk is not None or args.speculative_num_draft_tokens is not None
+    if not flags and not with_tree:
+        return None
+    if len(policies or []) > 1:
+        raise ValueError("the tree simulation runs one config (its trees, its chains, the fixed "
+                         f"shapes): give one --config, got {len(policies or [])}")
+    base = policies[0][1] if policies else None
+    config = tree_policy(base, args.speculative_eagle_topk, args.speculative_num_draft_tokens)
+    assert config is not None  # flags or a tree key, checked above
+    for flag, value, default in (("--regime", args.regime, None), ("--noise", args.noise, 0.1),
+                                 ("--spikes", args.spikes, 0.01),
+                                 ("--interference", args.interference, 0.0)):
+        if value != default:
+            raise ValueError(f"{flag} does not apply to the tree simulation (the mixed request "
+                             "classes at each --concurrency, lognormal noise sigma 0.1 and 1 % "
+                             "stalls)")
+    cases = run_tree_simulation(config, curves=args.curve, concurrency=args.concurrency,
+                                segments=args.segments or 3000, seed=args.seed)
+    return json.dumps(cases, indent=1) if args.json else format_tree_table(cases)
 
 
 if __name__ == "__main__":

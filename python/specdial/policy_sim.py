@@ -8,6 +8,13 @@ table measured by the engine (a JSON file, see :class:`specdial._core.CostTable`
 see noisy measured seconds (``--noise``); they are scored by expected tokens of their choices
 over noise-free seconds, as a ratio to the oracle, which knows every request's true acceptance
 and the noise-free cost and maximises tokens / seconds over the run.
+
+With tree bounds (``--speculative-eagle-topk`` and ``--speculative-num-draft-tokens``, or a
+``--config`` whose goodput config has a ``tree`` key) the report is issue 29's: the mixed
+request classes at concurrency 1, 4, 16, 64, 256 (``--concurrency``), adaptive trees against
+the best fixed shape (every chain and every tree shape within the bounds, in hindsight) and
+against the same config drafting chains only (:func:`run_tree_simulation`; the tree model:
+``rust/core/src/sim/tree.rs``).
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from specdial._core import AdaptiveConfig, simulate, simulation_catalog
+from specdial._core import (AdaptiveConfig, ConfigError, simulate, simulate_trees,
+                            simulation_catalog)
 
 
 def build_spec(*, regimes: Sequence[str] | None, curves: Sequence[str] | None,
@@ -94,3 +102,79 @@ def catalog() -> str:
     regimes, curves = simulation_catalog()
     return ("regimes: " + "; ".join(f"{n} ({d}{', steady' if s else ''})" for n, d, s in regimes)
             + ". curves: " + ", ".join(curves) + ", or a cost-table JSON file")
+
+
+# ------------------------------------------------------------------ draft trees (issue 29)
+#: concurrencies of the tree simulation (the mixed request classes at each)
+TREE_CONCURRENCY = (1, 4, 16, 64, 256)
+
+
+def tree_policy(config: AdaptiveConfig | None, topk: int | None,
+                num_draft_tokens: int | None) -> AdaptiveConfig | None:
+    """The ``goodput`` config whose trees the simulation runs, or None (chains only).
+
+    ``topk`` / ``num_draft_tokens``: SGLang's ``--speculative-eagle-topk`` /
+    ``--speculative-num-draft-tokens`` (root included; the config's ``max_num_draft_tokens``
+    excludes it), the upper bounds of the trees the policy chooses, set on ``config`` (default:
+    the built-in goodput config); both or neither. Without them, ``config`` when it has a
+    ``tree`` key. Raises :class:`specdial.ConfigError` naming the option (one bound without the
+    other, another strategy, a config whose own ``tree`` differs, bounds out of range)."""
+    from specdial.engine.policy_setup import with_tree_bounds
+
+    if topk is None and num_draft_tokens is None:
+        if config is not None and json.loads(config.to_json()).get("tree") is not None:
+            return config
+        return None
+    if topk is None or num_draft_tokens is None:
+        raise ConfigError("speculative_eagle_topk and speculative_num_draft_tokens bound the "
+                          "simulated trees together: give both (e.g. 8 and 64), got "
+                          f"speculative_eagle_topk={topk}, "
+                          f"speculative_num_draft_tokens={num_draft_tokens}")
+    if topk < 2:
+        raise ConfigError(f"speculative_eagle_topk={topk}: a tree needs top-k >= 2 "
+                          "(top-k 1 is a chain: the simulation without the option)")
+    return with_tree_bounds(config or AdaptiveConfig.default(), topk, num_draft_tokens)
+
+
+def run_tree_simulation(config: AdaptiveConfig, *, curves: Sequence[str] | None,
+                        concurrency: Sequence[int] | None, segments: int,
+                        seed: int) -> list[dict[str, Any]]:
+    """:func:`specdial._core.simulate_trees` for ``config`` (a goodput config with a ``tree``
+    key, :func:`tree_policy`): per (curve, concurrency) the cases with ``trees`` (the config),
+    ``chains`` (the same config drafting chains only), ``best_fixed`` (the best fixed plan
+    among chains 0..7 and every tree shape within the bounds, in hindsight) and
+    ``best_fixed_chain``, each with ``goodput`` (tokens/s over noise-free seconds),
+    ``iterations``, ``tree_iterations``, ``most_run`` and ``plans``. Curves as
+    :func:`build_spec`'s (names or cost-table files). Raises ``ValueError`` /
+    ``specdial.ConfigError`` naming a bad field, ``OSError`` for an unreadable table."""
+    spec = build_spec(regimes=None, curves=curves, policies=None, segments=segments, seed=seed,
+                      noise=0.1, spikes=0.01)
+    tree_spec: dict[str, Any] = {"policy": ["goodput-trees", config.to_json()],
+                                 "curves": spec["curves"], "segments": segments, "seed": seed}
+    if concurrency:
+        tree_spec["concurrency"] = list(concurrency)
+    return json.loads(simulate_trees(json.dumps(tree_spec)))
+
+
+def format_tree_table(cases: list[dict[str, Any]]) -> str:
+    """One row per (curve, concurrency): goodput (tokens/s) of adaptive trees, the best fixed
+    shape and adaptive chains, their ratios, the best fixed plan's name and the plan the
+    adaptive trees ran most; then the mean and worst of trees / best fixed."""
+    lines = ["goodput (tokens/s): adaptive trees, best fixed shape (hindsight, chains and trees), "
+             "adaptive chains",
+             f"{'curve':18} {'conc':>4} {'trees':>10} {'best fixed':>10} {'chains':>10} "
+             f"{'trees/fixed':>11} {'trees/chains':>12} {'tree it %':>9}  best fixed shape "
+             "/ trees ran most"]
+    ratios = []
+    for c in cases:
+        t, f, ch = c["trees"], c["best_fixed"], c["chains"]
+        ratios.append(t["goodput"] / f["goodput"])
+        share = 100.0 * t["tree_iterations"] / max(t["iterations"], 1)
+        lines.append(f"{c['curve']:18} {c['concurrency']:4d} {t['goodput']:10.1f} "
+                     f"{f['goodput']:10.1f} {ch['goodput']:10.1f} {ratios[-1]:11.3f} "
+                     f"{t['goodput'] / ch['goodput']:12.3f} {share:9.0f}  {f['name']} / "
+                     f"{t['most_run']}")
+    if ratios:
+        lines.append(f"trees / best fixed: mean {sum(ratios) / len(ratios):.3f}, "
+                     f"worst {min(ratios):.3f} over {len(ratios)} cases")
+    return "\n".join(lines)

@@ -175,7 +175,8 @@ def build_parts(target: LlamaForCausalLM, drafter: Any, tokenizer: Any,
                         step_values=step_values or scheduler.candidate_steps,
                         cuda_graph_bs=graph_bs, cuda_graph_mode=mode,
                         adaptive_config=adaptive if cfg.steps_schedule is None else None,
-                        max_extend_tokens=cfg.max_prefill_tokens)
+                        max_extend_tokens=cfg.max_prefill_tokens,
+                        tree_max_num_draft_tokens=_tree_nodes(cfg, adaptive, drafter))
     parts = EngineParts(
         config=cfg, target=target, drafter=drafter, tokenizer=tokenizer,
         speculative_algorithm=algorithm, adaptive_config=adaptive, cuda_graph_bs=graph_bs,
@@ -191,3 +192,18 @@ def build_parts(target: LlamaForCausalLM, drafter: Any, tokenizer: Any,
                             steps_schedule=cfg.steps_schedule, trace_file=trace_file,
                             log_interval_s=cfg.log_interval_s)
     return parts
+
+
+def _tree_nodes(cfg: EngineConfig, adaptive: AdaptiveConfig | None, drafter: Any) -> int | None:
+    """The most nodes (root excluded) of a draft tree this engine runs, whose verify graphs the
+    worker captures: the adaptive config's ``tree`` bound, else SGLang's
+    ``speculative_num_draft_tokens - 1`` with ``speculative_eagle_topk > 1``; None: chains
+    only (or no drafter)."""
+    if drafter is None:
+        return None
+    tree = None if adaptive is None else json.loads(adaptive.to_json()).get("tree")
+    if tree is not None:
+        return int(tree["max_num_draft_tokens"])
+    if cfg.speculative_eagle_topk > 1 and cfg.speculative_num_draft_tokens is not None:
+        return cfg.speculative_num_draft_tokens - 1
+    return None

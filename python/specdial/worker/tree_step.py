@@ -1,8 +1,8 @@
 """The worker's draft-tree iteration (issue 29): draft a tree, verify it, accept, copy, extend.
 
 :func:`run_tree_iteration` runs one decode plan whose ``tree_topk > 1`` on a
-:class:`~specdial.worker.worker.SpecWorker` (eager passes; CUDA graphs for trees are not
-captured yet). The plan's contract (shared with the Rust scheduler's side, issue 29):
+:class:`~specdial.worker.worker.SpecWorker` (the draft levels eager; the verify replays a
+``(N, batch)`` graph where the worker captured one, :mod:`specdial.worker.tree_graphs`). The plan's contract (shared with the Rust scheduler's side, issue 29):
 
 - ``steps = D`` (the tree's depth), ``tree_topk = K``, ``num_draft_tokens = N``;
 - ``out_loc`` ``[B * (D + 1)]``: chain slots of positions ``L .. L + D`` (request-major);
@@ -240,11 +240,18 @@ def _verify(worker: Any, td: TreeDraft, rows: np.ndarray, lens: np.ndarray,
     tree = td.tree
     b, n = tree.tokens.shape
     extra = torch.cat([root_loc[:, None], scratch], 1)  # [B, N + 1]
+    pos = tree_positions(torch.from_numpy(lens).to(root.device), tree.depths)
+    ids = torch.cat([root[:, None], tree.tokens], 1)
+    graphs = getattr(worker, "tree_graphs", None)  # (N, batch) graphs: worker/tree_graphs.py
+    key = None if graphs is None else graphs.serving_key(n, b)
+    if key is not None:
+        prefix, _ = tree_kv_indices(worker.tables, rows, lens, extra[:, :0])
+        logits, feats = graphs.verify(key, ids, pos, extra, (prefix, lens), ancestors)
+        worker.drafter_state.store_features(extra.reshape(-1), feats)
+        return logits
     kv_idx, kv_lens = tree_kv_indices(worker.tables, rows, lens, extra)
     qo = torch.full((b,), n + 1, dtype=torch.int64)  # host lengths, as tree_kv_indices's
     meta = worker.backend.plan(qo, kv_lens, kv_idx, tree_mask=ancestors)
-    pos = tree_positions(torch.from_numpy(lens).to(root.device), tree.depths)
-    ids = torch.cat([root[:, None], tree.tokens], 1)
     batch = ForwardBatch(ids.reshape(-1), pos.reshape(-1), extra.reshape(-1), meta)
     hidden, feats = run_target(worker.target, worker.drafter, batch, worker.kv, worker.backend)
     worker.drafter_state.store_features(batch.out_loc, feats)

@@ -76,6 +76,7 @@ from specdial.worker.sampling import sample, speculative_accept
 from specdial.worker.stages import (Accepted, DecodeStep, Drafts, StepOutput, Verified,
                                     float_bits, packed_draft_probs)
 from specdial.worker.step_runner import StepRunner, build_runners
+from specdial.worker.tree_graphs import capture_tree_graphs
 from specdial.worker.tree_step import TreePlan, is_tree_plan, run_tree_iteration
 
 __all__ = ["SpecWorker", "StepOutput"]
@@ -102,6 +103,8 @@ class SpecWorker:
       fixed steps or a steps schedule: every size for every steps value).
     - ``max_extend_tokens``: most tokens of one drafter catch-up forward (the engine passes
       ``max_prefill_tokens``); a longer catch-up runs in several (``ValueError`` if < 1).
+    - ``tree_max_num_draft_tokens``: with graphs and a drafter, the tree bound whose verify
+      graphs are captured (:mod:`specdial.worker.tree_graphs`); None: tree verifies run eagerly.
 
     Raises ``ValueError`` for steps above the drafter's ``max_steps`` or positive steps
     without a drafter.
@@ -116,7 +119,8 @@ class SpecWorker:
                  max_running_requests: int, context_length: int, step_values: Iterable[int],
                  backend: AttentionBackend | None = None,
                  cuda_graph_bs: Sequence[int] | None = None, cuda_graph_mode: str | None = None,
-                 adaptive_config: Any = None, max_extend_tokens: int = 4096) -> None:
+                 adaptive_config: Any = None, max_extend_tokens: int = 4096,
+                 tree_max_num_draft_tokens: int | None = None) -> None:
         self.target, self.drafter = target, drafter
         if max_extend_tokens < 1:
             raise ValueError(f"max_extend_tokens must be >= 1, got {max_extend_tokens}")
@@ -145,6 +149,8 @@ class SpecWorker:
         #: penalized rows' token counts (device tensors allocated on the first penalty)
         self.token_counts = TokenCounts(max_running_requests, target.config.vocab_size, device)
         self._build_runners(steps, cuda_graph_bs, cuda_graph_mode, adaptive_config)
+        #: the draft-tree verify graphs (None: tree verifies run eagerly)
+        self.tree_graphs = capture_tree_graphs(self, tree_max_num_draft_tokens, steps[-1])
 
     def _build_runners(self, steps: list[int], cuda_graph_bs: Sequence[int] | None,
                        cuda_graph_mode: str | None, adaptive_config: Any) -> None:
@@ -185,16 +191,18 @@ class SpecWorker:
 
     def graph_stats(self) -> dict[str, Any]:
         """CUDA-graph counters summed over the runners: ``replays`` per pass (draft, verify,
-        extend), ``eager`` fallbacks per reason, ``captured`` graphs (all zero without
-        graphs)."""
+        extend; ``tree_verify`` for draft trees), ``eager`` fallbacks per reason, ``captured``
+        graphs (all zero without graphs)."""
         replays: dict[str, int] = {}
         eager: dict[str, int] = {}
-        for r in self.graph_runners.values():
+        trees = [] if self.tree_graphs is None else [self.tree_graphs]
+        for r in [*self.graph_runners.values(), *trees]:
             for k, v in r.stats.replays.items():
                 replays[k] = replays.get(k, 0) + v
             for k, v in r.stats.eager.items():
                 eager[k] = eager.get(k, 0) + v
         captured = self.capture_report.num_graphs if self.capture_report else 0
+        captured += sum(len(t.graphs) for t in trees)
         return {"replays": replays, "eager": eager, "captured": captured}
 
     # ----------------------------------------------------------------- rows

@@ -7,6 +7,7 @@ use serde::Deserialize;
 use specdial_core::config::AdaptiveConfig;
 use specdial_core::sim::curve::{CostCurve, CostTable};
 use specdial_core::sim::run::Noise;
+use specdial_core::sim::tree_report::{run_tree_case_with, tree_bounds, CONCURRENCY};
 use specdial_core::sim::workload::Regime;
 use specdial_core::sim::{default_policies_with_per_request, run_all, SimSpec};
 
@@ -34,6 +35,26 @@ fn bad(msg: impl Into<String>) -> PyErr {
     PyValueError::new_err(msg.into())
 }
 
+/// Curve names, or `{"name": ..., "table": <cost-table JSON text>}`: ValueError naming the bad
+/// entry.
+fn parse_curves(curves: &[serde_json::Value]) -> PyResult<Vec<(String, CostCurve)>> {
+    curves
+        .iter()
+        .map(|c| match c {
+            serde_json::Value::String(n) => CostCurve::named(n)
+                .map(|curve| (n.clone(), curve))
+                .ok_or_else(|| bad(format!("curve {n:?} is not one of {}", CostCurve::NAMES.join(", ")))),
+            serde_json::Value::Object(m) => {
+                let name = m.get("name").and_then(|v| v.as_str()).unwrap_or("table").to_string();
+                let text = m.get("table").and_then(|v| v.as_str()).ok_or_else(|| bad("a table curve needs \"table\": text"))?;
+                let table = CostTable::from_json(text).map_err(|e| bad(format!("{name}: {e}")))?;
+                Ok((name, CostCurve::Table(table)))
+            }
+            other => Err(bad(format!("curves entries are names or tables, got {other}"))),
+        })
+        .collect()
+}
+
 fn build(spec: Spec) -> PyResult<SimSpec> {
     let mut out = SimSpec::standard();
     if let Some(names) = spec.regimes {
@@ -48,21 +69,7 @@ fn build(spec: Spec) -> PyResult<SimSpec> {
             .collect::<PyResult<_>>()?;
     }
     if let Some(curves) = spec.curves {
-        out.curves = curves
-            .iter()
-            .map(|c| match c {
-                serde_json::Value::String(n) => CostCurve::named(n)
-                    .map(|curve| (n.clone(), curve))
-                    .ok_or_else(|| bad(format!("curve {n:?} is not one of {}", CostCurve::NAMES.join(", ")))),
-                serde_json::Value::Object(m) => {
-                    let name = m.get("name").and_then(|v| v.as_str()).unwrap_or("table").to_string();
-                    let text = m.get("table").and_then(|v| v.as_str()).ok_or_else(|| bad("a table curve needs \"table\": text"))?;
-                    let table = CostTable::from_json(text).map_err(|e| bad(format!("{name}: {e}")))?;
-                    Ok((name, CostCurve::Table(table)))
-                }
-                other => Err(bad(format!("curves entries are names or tables, got {other}"))),
-            })
-            .collect::<PyResult<_>>()?;
+        out.curves = parse_curves(&curves)?;
     }
     if let Some(policies) = spec.policies {
         out.policies = policies
@@ -126,6 +133,66 @@ fn simulate(py: Python<'_>, spec_json: &str) -> PyResult<String> {
     guard(|| serde_json::to_string(&cases).map_err(|e| bad(e.to_string())))
 }
 
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TreeSpec {
+    /// Curve names, or `{"name": ..., "table": <cost-table JSON text>}`.
+    curves: Option<Vec<serde_json::Value>>,
+    concurrency: Option<Vec<u32>>,
+    /// `[name, config JSON text]`: a `goodput` config with a `tree` key.
+    policy: (String, String),
+    segments: Option<u32>,
+    seed: Option<u64>,
+}
+
+/// Runs the draft-tree simulation (issue 29; `specdial policy simulate` with tree bounds).
+/// `spec_json`: an object with `policy` (`[name, config JSON]`, a `goodput` config with a
+/// `tree` key), optional `curves` (as [`simulate`]'s; default every named curve),
+/// `concurrency` (values among 1, 4, 16, 64, 256; default all), `segments` (default 3000),
+/// `seed`. Per (curve, concurrency) on the mixed request classes: the config with its trees
+/// (`trees`), the same config drafting chains only (`chains`), the best fixed plan among chains
+/// 0..7 and every tree shape within the bounds (`best_fixed`) and the best fixed chain
+/// (`best_fixed_chain`), each with `goodput` tokens/s, `tokens`, `seconds`, `iterations`,
+/// `tree_iterations`, `most_run` and `plans` (iterations per plan). Returns the cases as JSON.
+/// Raises ValueError / ConfigError naming the bad field and the allowed values. The GIL is
+/// released while it runs.
+#[pyfunction]
+fn simulate_trees(py: Python<'_>, spec_json: &str) -> PyResult<String> {
+    let spec: TreeSpec = serde_json::from_str(spec_json).map_err(|e| bad(format!("tree simulation spec: {e}")))?;
+    let (name, text) = spec.policy;
+    let config = AdaptiveConfig::from_json(&text).map_err(|e| crate::ConfigError::new_err(format!("policy {name}: {}", e.0)))?;
+    if tree_bounds(&config).is_none() {
+        return Err(crate::ConfigError::new_err(format!(
+            "policy {name}: the tree simulation needs the goodput strategy with a \"tree\" key \
+             ({{\"max_topk\": K, \"max_num_draft_tokens\": N}}), got strategy {:?} without one",
+            config.strategy.name()
+        )));
+    }
+    let curves = match spec.curves {
+        Some(list) => parse_curves(&list)?,
+        None => SimSpec::standard().curves,
+    };
+    let concurrency = spec.concurrency.unwrap_or_else(|| CONCURRENCY.to_vec());
+    if let Some(c) = concurrency.iter().find(|c| !CONCURRENCY.contains(c)) {
+        return Err(bad(format!("concurrency {c} is not one of {CONCURRENCY:?}")));
+    }
+    let segments = spec.segments.unwrap_or(3000);
+    if segments == 0 {
+        return Err(bad("segments must be >= 1"));
+    }
+    let seed = spec.seed.unwrap_or(0);
+    let cases = py.detach(|| {
+        let mut out = Vec::new();
+        for (curve_name, curve) in &curves {
+            for &c in &concurrency {
+                out.push(run_tree_case_with(c, curve_name, curve, segments, seed, &config));
+            }
+        }
+        out
+    });
+    guard(|| serde_json::to_string(&cases).map_err(|e| bad(e.to_string())))
+}
+
 /// Names of the simulator's regimes (with a description each) and cost curves.
 #[pyfunction]
 fn simulation_catalog() -> (Vec<(String, String, bool)>, Vec<String>) {
@@ -180,6 +247,7 @@ impl PyCostTable {
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(simulate, m)?)?;
+    m.add_function(wrap_pyfunction!(simulate_trees, m)?)?;
     m.add_function(wrap_pyfunction!(simulation_catalog, m)?)?;
     m.add_class::<PyCostTable>()
 }

@@ -68,9 +68,9 @@ fn trees_beat_chains_at_batch_one() {
 }
 
 /// Against the best fixed plan of each case (chosen in hindsight among every chain and tree
-/// shape): 0.93 on average over the 25 cases, no case below 0.75 (measured 0.948 and 0.810, the
-/// worst at concurrency 4 on h200x4-llama70b, where trees of 32 nodes still pay but the
-/// strategy, growing its trees from small ones, stays on chains: see BENCHMARKS.md).
+/// shape): no case below 0.85 (measured worst 0.874, concurrency 4 on h200x4-llama70b, where the
+/// strategy runs trees of 32 nodes at depth 7 but of top-k 4 rather than 8, and reaches them by
+/// growing from small ones; 0.810 before, when it stayed on chains there: see BENCHMARKS.md).
 #[test]
 fn trees_follow_the_best_fixed_shape() {
     let all: Vec<&TreeCase> = cases().iter().collect();
@@ -78,14 +78,14 @@ fn trees_follow_the_best_fixed_shape() {
     let mean = all.iter().map(|c| c.trees_over_best_fixed()).sum::<f64>() / all.len() as f64;
     assert!(mean >= 0.93, "mean trees/best-fixed {mean:.3}\n{t}");
     for c in &all {
-        assert!(c.trees_over_best_fixed() >= 0.75, "{} c={}: {:.3}\n{t}", c.curve, c.concurrency, c.trees_over_best_fixed());
+        assert!(c.trees_over_best_fixed() >= 0.85, "{} c={}: {:.3}\n{t}", c.curve, c.concurrency, c.trees_over_best_fixed());
     }
 }
 
-/// The issue's suggested floor, 0.95 of the best fixed shape on average: not reached by this
-/// build (0.948; concurrency 4 on the GPU curves, 0.81 to 0.91, pulls it down).
+/// The issue's suggested floor, 0.95 of the best fixed shape on average. Measured 0.957 (0.948
+/// before the per-shape acceptance became a ratio to the prior and trees waited for the chain of
+/// their depth to be measured; BENCHMARKS.md, issue 29).
 #[test]
-#[ignore = "not reached: 0.948 measured (BENCHMARKS.md, issue 29)"]
 fn trees_reach_095_of_the_best_fixed_shape_on_average() {
     let all: Vec<&TreeCase> = cases().iter().collect();
     let mean = all.iter().map(|c| c.trees_over_best_fixed()).sum::<f64>() / all.len() as f64;

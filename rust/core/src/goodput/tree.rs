@@ -138,20 +138,25 @@ pub fn candidate_shapes(
     out
 }
 
-/// Pseudo-requests of the prior in a shape's learned acceptance.
-pub const PRIOR_REQUESTS: f64 = 16.0;
+/// Pseudo prior-predicted drafts of a shape's learned ratio (held at the calibration).
+pub const PRIOR_DRAFTS: f64 = 32.0;
 /// Pseudo accepted drafts that hold the calibration ratio at 1.
 const CALIBRATION_PRIOR: f64 = 32.0;
 
 /// Learned acceptance of the tree shapes from reports (a tree's report is a chain's: the
-/// accepted path's length `a <= depth` per request). Per shape, decayed sums of accepted drafts
-/// and requests, shrunk toward the prior scaled by one calibration ratio shared by all shapes
-/// (accepted over prior-predicted drafts on every tree report): so a shape never run follows what
-/// the run ones say about the prior's bias, and a run shape follows its own reports.
+/// accepted path's length `a <= depth` per request). Per shape, a *ratio* to the prior: decayed
+/// sums of accepted drafts and of the prior's predictions for those requests, shrunk toward one
+/// calibration ratio shared by all shapes (accepted over prior-predicted drafts on every tree
+/// report). A shape's estimate is its ratio times the prior *now*, so when the chain rates move
+/// (another request class, a weaker phase) every shape follows at once, a shape not run since
+/// keeping what it said about the prior's bias rather than the acceptance of another time (with
+/// absolute sums, a shape last run in a weak phase kept its low figure until it ran again, which
+/// it then never did: BENCHMARKS.md, issue 29's policy floor); a shape never run follows what
+/// the run ones say about the prior's bias.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TreeAcceptance {
     shapes: Vec<TreeShape>,
-    /// `(accepted drafts, requests)` per shape, decayed.
+    /// `(accepted drafts, prior-predicted drafts)` per shape, decayed.
     learned: Vec<(f64, f64)>,
     /// `(accepted drafts, prior-predicted drafts)` over every tree report, decayed.
     calibration: (f64, f64),
@@ -187,11 +192,12 @@ impl TreeAcceptance {
     }
 
     /// Expected accepted drafts per request of shape `i` given its prior `prior` (accepted
-    /// drafts the top-k profile predicts from the chain rates), at most its depth.
+    /// drafts the top-k profile predicts from the chain rates now): `prior` times the shape's
+    /// ratio, at most its depth.
     pub fn expected(&self, i: usize, prior: f64) -> f64 {
-        let (acc, n) = self.learned[i];
-        let p = prior * self.calibration();
-        ((acc + PRIOR_REQUESTS * p) / (n + PRIOR_REQUESTS)).min(f64::from(self.shapes[i].depth))
+        let (acc, pred) = self.learned[i];
+        let w = PRIOR_DRAFTS;
+        (prior * (acc + w * self.calibration()) / (pred + w)).min(f64::from(self.shapes[i].depth))
     }
 
     /// Records one tree iteration of shape `i`: accepted drafts per request (`accepted[r]`, in
@@ -200,9 +206,9 @@ impl TreeAcceptance {
         let n = accepted.len() as f64;
         let sum: f64 = accepted.iter().map(|&a| a.max(0) as f64).sum();
         let d = self.decay;
-        let (a, r) = &mut self.learned[i];
+        let (a, p) = &mut self.learned[i];
         *a = *a * d + sum;
-        *r = *r * d + n;
+        *p = *p * d + prior * n;
         let (o, p) = &mut self.calibration;
         *o = *o * d + sum;
         *p = *p * d + prior * n;
@@ -329,5 +335,19 @@ mod tests {
             m.expected(1, 3.0)
         );
         assert!(m.expected(1, 30.0) <= 5.0);
+    }
+
+    #[test]
+    fn a_shape_not_run_lately_follows_the_chain_rates() {
+        let shape = TreeShape { depth: 4, topk: 4, num_draft_tokens: 16 };
+        let mut m = TreeAcceptance::new(vec![shape], 64);
+        // a weak phase: the prior said 1.0 and 0.8 were accepted
+        for _ in 0..100 {
+            m.observe(0, &[1, 1, 0, 1, 1], 1.0);
+        }
+        assert!((m.expected(0, 1.0) - 0.8).abs() < 0.05, "{}", m.expected(0, 1.0));
+        // the chain rates recover (the prior now says 3.0): the estimate follows without a
+        // report of the shape, keeping its learned bias
+        assert!((m.expected(0, 3.0) - 2.4).abs() < 0.15, "{}", m.expected(0, 3.0));
     }
 }

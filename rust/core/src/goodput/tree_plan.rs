@@ -21,8 +21,8 @@
 //!   are, is tried, and its measured seconds correct every shape of that bucket at once; at a
 //!   large batch the extra tokens cost their compute and the choice shrinks to a chain, then to
 //!   steps 0 (the chain's own decision).
-//! - Trees are only considered at a batch-size bucket where the chain's cost is measured (its
-//!   depth, or two depths), and grow there: at most twice the nodes of the largest tree measured
+//! - Trees are only considered at a batch-size bucket where the chain of their depth is
+//!   measured, and grow there: at most twice the nodes of the largest tree measured
 //!   at the bucket, or of the chain of their depth (the fit is linear while the roofline's cost
 //!   of extra tokens is convex, so a fit on a large tree would price small ones out unseen).
 //! - Switches between a chain and a tree, or between trees, take the chain's rules: the
@@ -47,8 +47,10 @@ use crate::decision::{Decision, TreeShape, VerifyShape};
 /// token). An 8B target's token costs about 5x an EAGLE head's (one layer and the LM head) in
 /// compute; the extend's token is the head's too.
 pub const VERIFY_SHARE: f64 = 0.8;
-/// Pseudo-observations of the token-cost prior, each of 8 extra tokens per request.
-const PRIOR_OBSERVATIONS: f64 = 2.0;
+/// Pseudo-observations of the token-cost prior, each of 8 extra tokens per request: half of
+/// one, so the first measured tree outweighs it (with 2, a tree measured at 1.7x its predicted
+/// seconds at concurrency 64 ran some 9 iterations before the fit priced it out).
+const PRIOR_OBSERVATIONS: f64 = 0.5;
 /// Decay per tree iteration of a bucket's token-cost sums.
 const FIT_DECAY: f64 = 0.97;
 /// Most nodes per request of the first tree tried at a bucket (then twice the largest measured).
@@ -289,10 +291,12 @@ impl GoodputPolicy {
             .map(|&k| chain_score(k))
             .fold(0.0, f64::max);
         // A tree's seconds are the chain's of its depth plus its extra tokens: only where the
-        // chain's cost is measured at this bucket (that depth, or two depths for the plane's
-        // slope in steps) is the sum worth more than the cost model's unit-less prior.
-        let measured = candidates.iter().filter(|&&k| self.cost.cell_count(bucket, k) > 0).count();
-        let known = |d: u32| self.cost.cell_count(bucket, d) > 0 || measured >= 2;
+        // chain of that depth is measured at this bucket is the sum worth more than the cost
+        // model's unit-less prior. A tree's
+        // seconds beyond an *extrapolated* chain would be fitted as its tokens' cost: the chain
+        // model's error at that depth (25 % at depth 3 on h200x4-llama70b, concurrency 4) made
+        // every tree look dear there and none was tried again (BENCHMARKS.md, issue 29).
+        let known = |d: u32| self.cost.cell_count(bucket, d) > 0;
         // Trees grow at a bucket: up to twice the nodes of the largest one measured there (or
         // of the chain of their depth, so a tree can beat a long chain by the margin). The
         // extra tokens' cost is convex (free below the roofline's knee, linear beyond), so the
@@ -453,6 +457,9 @@ mod tests {
         let shape = d.tree.expect("tokens are nearly free at batch 1: a tree pays");
         assert_eq!((d.steps, d.verify), (shape.depth, VerifyShape::Uniform));
         assert!(shape.topk >= 2 && shape.num_draft_tokens <= FIRST_TREE_NODES.max(2 * shape.depth), "{shape:?}");
+        // only at a depth whose chain is measured at the bucket (2 and 3 here): a tree's extra
+        // seconds are fitted against that chain's measured cost, not an extrapolated one
+        assert!([2, 3].contains(&shape.depth), "{shape:?}");
         let verifies = p.acceptance.observed();
         let cells = p.cost.cell_count(1, shape.depth);
         p.observe(0, 1, 1, 1, shape.depth, &[i64::from(shape.depth)], Some(secs(1, shape.num_draft_tokens + 1, 1e-6)), 1000);

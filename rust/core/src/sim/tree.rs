@@ -133,6 +133,8 @@ pub struct TreeRunResult {
     pub tree_iterations: u64,
     /// The plan run most often (by iterations).
     pub most_run: String,
+    /// Iterations per plan run, most run first (ties by name).
+    pub plans: Vec<(String, u64)>,
 }
 
 /// A contender: one plan for the whole run, or an adaptive policy.
@@ -211,5 +213,7 @@ pub fn run_tree_contender(w: &Workload, curve: &CostCurve, contender: &Contender
         Contender::Adaptive(n, _) => n.clone(),
     };
     let most_run = runs.values().max_by_key(|(p, n)| (*n, p.key())).map_or(String::new(), |(p, _)| p.name());
-    TreeRunResult { name, goodput: tokens / seconds, tokens, seconds, iterations, tree_iterations: trees, most_run }
+    let mut plans: Vec<(String, u64)> = runs.values().map(|(p, n)| (p.name(), *n)).collect();
+    plans.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    TreeRunResult { name, goodput: tokens / seconds, tokens, seconds, iterations, tree_iterations: trees, most_run, plans }
 }

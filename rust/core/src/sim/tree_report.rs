@@ -44,9 +44,31 @@ pub fn tree_config(bounds: TreeConfig) -> AdaptiveConfig {
 /// Every fixed plan compared: chains `0..=7` and the tree shapes of depths `1..=7` within
 /// [`TREE_BOUNDS`] (the adaptive contender's choices).
 pub fn fixed_plans() -> Vec<Plan> {
+    fixed_plans_within(TREE_BOUNDS)
+}
+
+/// [`fixed_plans`] within `bounds`.
+pub fn fixed_plans_within(bounds: TreeConfig) -> Vec<Plan> {
     let depths: Vec<u32> = (1..=7).collect();
-    let trees = candidate_shapes(&depths, TREE_BOUNDS.max_topk, TREE_BOUNDS.max_num_draft_tokens);
+    let trees = candidate_shapes(&depths, bounds.max_topk, bounds.max_num_draft_tokens);
     (0..=7).map(Plan::Chain).chain(trees.into_iter().map(Plan::Tree)).collect()
+}
+
+/// The tree bounds of a `goodput` config's `tree` key (None: another strategy, or no key).
+pub fn tree_bounds(config: &AdaptiveConfig) -> Option<TreeConfig> {
+    match &config.strategy {
+        Strategy::Goodput(g) => g.tree,
+        _ => None,
+    }
+}
+
+/// `config` drafting chains only (its `tree` key removed).
+pub fn without_trees(config: &AdaptiveConfig) -> AdaptiveConfig {
+    let mut c = config.clone();
+    if let Strategy::Goodput(g) = &mut c.strategy {
+        g.tree = None;
+    }
+    c
 }
 
 /// One (concurrency, curve) cell.
@@ -89,13 +111,23 @@ impl TreeCase {
     }
 }
 
-/// Runs the cell at `concurrency` on `curve` over `segments` segments.
+/// Runs the cell at `concurrency` on `curve` over `segments` segments, with specdial's default
+/// `goodput` config and [`TREE_BOUNDS`].
 pub fn run_tree_case(concurrency: u32, curve_name: &str, curve: &CostCurve, segments: u32, seed: u64) -> TreeCase {
+    run_tree_case_with(concurrency, curve_name, curve, segments, seed, &tree_config(TREE_BOUNDS))
+}
+
+/// [`run_tree_case`] with the adaptive config `config` (a `goodput` config with a `tree` key:
+/// the trees contender; the same config without the key: the chains contender; the fixed plans
+/// within its bounds). Panics without a `tree` key or at a concurrency not in [`CONCURRENCY`]
+/// (callers check: `specdial policy simulate` names the allowed values).
+pub fn run_tree_case_with(concurrency: u32, curve_name: &str, curve: &CostCurve, segments: u32, seed: u64, config: &AdaptiveConfig) -> TreeCase {
+    let bounds = tree_bounds(config).expect("a goodput config with a tree key");
     let w = regime_at(concurrency).generate(segments, seed);
     let mut truth = TreeTruth::default();
-    let trees = run_tree_contender(&w, curve, &Contender::Adaptive("goodput-trees".into(), tree_config(TREE_BOUNDS)), &mut truth, seed);
-    let chains = run_tree_contender(&w, curve, &Contender::Adaptive("goodput".into(), AdaptiveConfig::default_config()), &mut truth, seed);
-    let fixed: Vec<TreeRunResult> = fixed_plans().into_iter().map(|p| run_tree_contender(&w, curve, &Contender::Fixed(p), &mut truth, seed)).collect();
+    let trees = run_tree_contender(&w, curve, &Contender::Adaptive("goodput-trees".into(), config.clone()), &mut truth, seed);
+    let chains = run_tree_contender(&w, curve, &Contender::Adaptive("goodput".into(), without_trees(config)), &mut truth, seed);
+    let fixed: Vec<TreeRunResult> = fixed_plans_within(bounds).into_iter().map(|p| run_tree_contender(&w, curve, &Contender::Fixed(p), &mut truth, seed)).collect();
     let best = |chain_only: bool| {
         fixed
             .iter()
