@@ -8,6 +8,11 @@ use super::{confidence, per_request, DecisionView, GoodputPolicy, Slot};
 use crate::config::{MinSurvival, VerifyMode};
 use crate::decision::{ConfidenceStop, Decision, VerifyShape};
 
+/// Least relative gain of the best per-request candidate over the best batch-level one for the
+/// per-request rows to be used (issue 28: "a per-request allocation must beat the batch-level
+/// decision's choice on the same cost model, or yield to it").
+pub const YIELD_MARGIN: f64 = 0.01;
+
 impl GoodputPolicy {
     /// The decision for slot `slot` with `b` requests (`b_cost` after graph padding, bucketed as
     /// `bucket`) and `context_tokens` tokens of context, the catch-up estimated.
@@ -59,33 +64,43 @@ impl GoodputPolicy {
             let uniform: Vec<f64> = (0..=d_max).map(|k| self.cost.predict(bucket, b_cost, k, ctx, 0.0)).collect();
             let none: Vec<f64> = (0..=d_max).map(|k| expected_tokens(&alpha, k)).collect();
             let fixed = if let MinSurvival::Fixed(x) = self.cfg.min_survival { Some(x) } else { None };
-            let draft_only = self.per_request.draft_only_cost();
-            stops = confidence::stop_rows(&self.confidence, &alpha, c, &uniform, draft_only, f64::from(b), &none, fixed);
+            let draft = self.per_request.draft_cost();
+            stops = confidence::stop_rows(&self.confidence, &alpha, c, &uniform, draft, f64::from(b), &none, fixed);
         } else if let Some(ids) = ids {
             let s = &self.slots[slot];
             allocations = per_request::allocate_candidates(&self.cost, &self.per_request, &alpha, ids, &s.candidates, bucket, b_cost, ctx);
         }
         let cost = &self.cost;
         let s = &self.slots[slot];
-        let rows: Vec<(u32, f64, f64, f64)> = s
-            .candidates
-            .iter()
-            .enumerate()
-            .map(|(i, &k)| {
-                let (t, e) = match (allocations.get(i), stops.get(i).copied().flatten()) {
-                    (Some(a), _) => (a.seconds, a.tokens / f64::from(b)),
-                    (None, Some((cut, t))) => (t, 1.0 + cut.accepted),
-                    (None, None) => (cost.predict(bucket, b_cost, k, ctx, 0.0), expected_tokens(&alpha, k)),
-                };
-                // A switch from 0 to drafting pays the catch-up once, spread over the horizon.
-                let extra = if k > 0 && s.current == 0 && catch > 0.0 {
-                    (cost.predict(bucket, b_cost, k, ctx, catch) - cost.predict(bucket, b_cost, k, ctx, 0.0)).max(0.0) / horizon
-                } else {
-                    0.0
-                };
-                (k, t, e, f64::from(b) * e / (t + extra))
-            })
-            .collect();
+        let row = |i: usize, k: u32, per_request: bool| {
+            let (t, e) = match (allocations.get(i).filter(|_| per_request), stops.get(i).copied().flatten().filter(|_| per_request)) {
+                (Some(a), _) => (a.seconds, a.tokens / f64::from(b)),
+                (None, Some((cut, t))) => (t, 1.0 + cut.accepted),
+                (None, None) => (cost.predict(bucket, b_cost, k, ctx, 0.0), expected_tokens(&alpha, k)),
+            };
+            // A switch from 0 to drafting pays the catch-up once, spread over the horizon.
+            let extra = if k > 0 && s.current == 0 && catch > 0.0 {
+                (cost.predict(bucket, b_cost, k, ctx, catch) - cost.predict(bucket, b_cost, k, ctx, 0.0)).max(0.0) / horizon
+            } else {
+                0.0
+            };
+            (k, t, e, f64::from(b) * e / (t + extra))
+        };
+        let batch: Vec<(u32, f64, f64, f64)> = s.candidates.iter().enumerate().map(|(i, &k)| row(i, k, false)).collect();
+        let mut rows = batch.clone();
+        if !(allocations.is_empty() && stops.is_empty()) {
+            let chosen: Vec<(u32, f64, f64, f64)> = s.candidates.iter().enumerate().map(|(i, &k)| row(i, k, true)).collect();
+            // A per-request allocation (or a stop) must beat the batch-level decision's best
+            // candidate on the same cost model by `YIELD_MARGIN`, or yield to it: its tokens come
+            // from another estimate, and a depth it favours by less than that is noise.
+            let top = |r: &[(u32, f64, f64, f64)]| r.iter().map(|x| x.3).fold(0.0, f64::max);
+            if top(&chosen) > top(&batch) * (1.0 + YIELD_MARGIN) {
+                rows = chosen;
+            } else {
+                allocations.clear();
+                stops.clear();
+            }
+        }
         let score = |k: u32| rows.iter().find(|r| r.0 == k).map_or(0.0, |r| r.3);
         let best = rows.iter().fold(rows[0], |a, r| if r.3 > a.3 { *r } else { a });
         let need = 1.0 + self.cfg.switch_margin;
