@@ -143,6 +143,7 @@ impl GoodputPolicy {
             steps,
             probe,
         });
+        self.last_shape = None;
         let c = &self.slots[slot].candidates;
         if stop {
             let i = c.iter().position(|&k| k == steps);
@@ -152,6 +153,8 @@ impl GoodputPolicy {
                 _ => cut.filter(|&e| e < confidence::BINS).map(confidence::edge),
             };
             self.last_rule = min_survival.map(confidence::edge_index);
+            let row = i.and_then(|i| stops.get(i).copied().flatten()).filter(|_| min_survival.is_some());
+            self.last_shape = row.map(|(_, t)| (steps, self.cost.predict(bucket, b_cost, steps, ctx, 0.0), t));
             let mut d = Decision::uniform(steps);
             d.confidence_stop = min_survival.map(|x| ConfidenceStop { min_survival: x as f32 });
             return d;
@@ -163,6 +166,8 @@ impl GoodputPolicy {
             Some(a) => {
                 let longest = a.lengths.iter().copied().max().unwrap_or(0);
                 let depth = c.iter().copied().find(|&k| k >= longest).unwrap_or(steps);
+                // the prediction is for drafting `steps`; a shallower depth is not what it priced
+                self.last_shape = (depth == steps).then(|| (steps, self.cost.predict(bucket, b_cost, steps, ctx, 0.0), a.seconds));
                 Decision { steps: depth, verify: VerifyShape::PerRequest(a.lengths), tree: None, confidence_stop: None }
             }
             None => Decision::uniform(steps),

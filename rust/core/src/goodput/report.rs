@@ -88,10 +88,22 @@ impl GoodputPolicy {
             self.confidence.observe(steps, requests.iter().map(|r| (r.steps, r.accepted, r.draft_probs)), rule);
         }
         let b = requests.len() as u32;
-        // The cost model learns the iteration as the uniform one with as many verify tokens, its
-        // drafts beyond them apart (per_request, "the cost model in tokens").
+        let predicted = self.last_shape.take().filter(|s| s.0 == steps);
+        let verified: u32 = requests.iter().map(|r| r.steps).sum();
+        // The drafter's terms learn from the seconds beyond the uniform iteration with as many
+        // verify tokens (per_request, "the cost model in tokens"). The cells learn a shortened
+        // iteration at the depth it drafted, scaled to the uniform one by the ratio the decision
+        // predicted: learned at the depth of its verify tokens instead, a cell would take the
+        // drafter's deeper steps for its own and a depth the stop keeps running would never be
+        // measured as contexts grow (BENCHMARKS.md, issue 28 floors).
         let shape = match seconds {
-            Some(t) => self.per_request.learn_cost(&self.cost, bucket, b_cost, steps, requests, context_tokens as f64, t, rule.is_some()),
+            Some(t) => {
+                let fallback = self.per_request.learn_cost(&self.cost, bucket, b_cost, steps, requests, context_tokens as f64, t, rule.is_some());
+                match predicted {
+                    Some((_, uniform, shortened)) if verified != steps * b && shortened > 0.0 => (steps, t * (1.0 - uniform / shortened)),
+                    _ => fallback,
+                }
+            }
             None => per_request::uniform_shape(requests),
         };
         self.learn_iteration(slot, bucket, b, b_cost, steps, shape, seconds, context_tokens, caught_up)
