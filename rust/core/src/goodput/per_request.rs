@@ -417,6 +417,38 @@ mod tests {
         assert!((cut.seconds - 0.65).abs() < 1e-12 && (cut.tokens - (2.0 + 0.9 + 0.81 + 0.729)).abs() < 1e-12);
     }
 
+    /// An iteration costs 10 ms, plus `step` per draft step when any request
+    /// drafts, plus `token` per drafted token, plus 0.1 ms per verified token.
+    fn truth(d: u32, drafting: u32, verified: u32, step: f64, token: f64) -> f64 {
+        0.010 + if drafting > 0 { step * f64::from(d) } else { 0.0 } + token * f64::from(drafting * d) + 1e-4 * f64::from(verified)
+    }
+
+    #[test]
+    fn the_drafters_fixed_cost_per_step_is_learned_apart_from_its_cost_per_token() {
+        let (b, step, token) = (8u32, 0.004, 2e-4);
+        let mut cost = CostModel::new(64);
+        for i in 0..200 {
+            let k = i % 4;
+            cost.observe(8, b, k, 0.0, 0.0, truth(k, if k > 0 { b } else { 0 }, b * k, step, token), true);
+        }
+        let mut p = PerRequest::new(16);
+        for i in 0..300u32 {
+            // depth 3; `n` of the 8 requests draft and verify `v` each, the others skip the drafter
+            let (n, v) = (1 + i % 8, 1 + i % 3);
+            let requests: Vec<RequestVerify<'_>> =
+                (0..b).map(|r| RequestVerify { id: u64::from(r), steps: if r < n { v } else { 0 }, accepted: 0, draft_probs: None }).collect();
+            let t = truth(3, n, n * v, step, token);
+            p.learn_cost(&cost, 8, b, 3, &requests, 0.0, t, false);
+        }
+        let c = p.draft_cost();
+        assert!((c.per_step / step - 1.0).abs() < 0.15, "{c:?}");
+        assert!((c.per_token / token - 1.0).abs() < 0.15, "{c:?}");
+        // one request drafting one token pays the whole draft step, not an eighth of it
+        let extra = c.extra(8.0, 1, 1.0, 1.0);
+        assert!((extra - step * 7.0 / 8.0).abs() < 0.15 * step, "{extra}");
+        assert_eq!(c.extra(8.0, 3, 0.0, 0.0), 0.0, "nobody drafts: no drafter cost");
+    }
+
     #[test]
     fn a_request_that_accepts_more_than_the_shared_rates_expect_gets_a_higher_multiplier() {
         let mut p = PerRequest::new(16);

@@ -54,7 +54,7 @@ impl GoodputPolicy {
         if steps > 0 {
             self.acceptance.observe(self.iteration, steps, accepted);
         }
-        self.learn_iteration(slot, bucket, b, b_cost, steps, (steps, 0.0), seconds, context_tokens, caught_up)
+        self.learn_iteration(slot, bucket, b, b_cost, steps, (steps, 0.0), seconds, seconds, context_tokens, caught_up)
     }
 
     /// [`Self::observe_with`] of an iteration with a verify length per request (`requests`: every
@@ -95,21 +95,29 @@ impl GoodputPolicy {
         // iteration at the depth it drafted, scaled to the uniform one by the ratio the decision
         // predicted: learned at the depth of its verify tokens instead, a cell would take the
         // drafter's deeper steps for its own and a depth the stop keeps running would never be
-        // measured as contexts grow (BENCHMARKS.md, issue 28 floors).
+        // measured as contexts grow (BENCHMARKS.md, issue 28 floors). A shortened iteration no
+        // decision priced (a report without one before it) teaches the drafter's terms only.
+        let shortened = verified != steps * b;
+        let mut cells = seconds;
         let shape = match seconds {
             Some(t) => {
                 let fallback = self.per_request.learn_cost(&self.cost, bucket, b_cost, steps, requests, context_tokens as f64, t, rule.is_some());
                 match predicted {
-                    Some((_, uniform, shortened)) if verified != steps * b && shortened > 0.0 => (steps, t * (1.0 - uniform / shortened)),
+                    Some((_, uniform, priced)) if shortened && priced > 0.0 => (steps, t * (1.0 - uniform / priced)),
+                    _ if shortened => {
+                        cells = None;
+                        fallback
+                    }
                     _ => fallback,
                 }
             }
             None => per_request::uniform_shape(requests),
         };
-        self.learn_iteration(slot, bucket, b, b_cost, steps, shape, seconds, context_tokens, caught_up)
+        self.learn_iteration(slot, bucket, b, b_cost, steps, shape, seconds, cells, context_tokens, caught_up)
     }
 
-    /// The cost model, catch-up and probe-credit part of a report.
+    /// The cost model, catch-up and probe-credit part of a report (`cells`: the measured seconds
+    /// the cost model's cells learn, `None` for an iteration they must not learn).
     #[allow(clippy::too_many_arguments)]
     fn learn_iteration(
         &mut self,
@@ -120,6 +128,7 @@ impl GoodputPolicy {
         steps: u32,
         (cell_steps, draft_only): (u32, f64),
         seconds: Option<f64>,
+        cells: Option<f64>,
         context_tokens: u64,
         caught_up: Option<u64>,
     ) -> Option<u32> {
@@ -129,8 +138,10 @@ impl GoodputPolicy {
         let ctx = context_tokens as f64;
         let spent = match seconds {
             Some(t) => {
-                let uniform = (t - draft_only).max(0.5 * t);
-                self.cost.observe(bucket, b_cost, cell_steps, ctx, catch as f64, uniform, settled);
+                if let Some(t) = cells {
+                    let uniform = (t - draft_only).max(0.5 * t);
+                    self.cost.observe(bucket, b_cost, cell_steps, ctx, catch as f64, uniform, settled);
+                }
                 t
             }
             None => self.cost.predict(bucket, b_cost, cell_steps, ctx, catch as f64) + draft_only,

@@ -109,3 +109,42 @@ fn another_version_or_corrupt_text_is_refused_and_changes_nothing() {
     assert!(p.import_state(&format!("{{\"version\":{STATE_VERSION}}}")).is_err());
     assert_eq!(p, before);
 }
+
+/// A batch of 8 where one request accepts every draft and the others one in five, drafting costs
+/// 4 ms per draft step whoever drafts (the drafter's fixed cost) on a 10 ms iteration: the
+/// batch-level decision decodes plainly, and so must the per-request one, once it has learned
+/// that one request drafting pays the whole step (BENCHMARKS.md section 29: it kept budgets 1-2
+/// where batch-level decoded plainly).
+#[test]
+fn per_request_budgets_yield_to_plain_decoding_where_the_drafters_fixed_cost_does_not_pay() {
+    use crate::config::{MinSurvival, VerifyMode};
+    use crate::decision::VerifyShape;
+    use per_request::RequestVerify;
+    let cfg = GoodputConfig { probe_budget: 0.0, verify: VerifyMode::PerRequest, min_survival: MinSurvival::Off, ..GoodputConfig::default() };
+    let mut p = GoodputPolicy::new(cfg, 1, vec![vec![0, 1]]);
+    let secs = |drafting: u32, verified: u32| 0.010 + if drafting > 0 { 0.004 } else { 0.0 } + 1e-4 * f64::from(verified);
+    let ids: Vec<u64> = (0..8).collect();
+    for i in 0..600u32 {
+        // uniform iterations at steps 0 and 1, and shortened ones where `n` requests verify 1
+        let n = match i % 3 {
+            0 => 0,
+            1 => 8,
+            _ => 1 + i % 4,
+        };
+        let steps = u32::from(n > 0);
+        let requests: Vec<RequestVerify<'_>> = ids
+            .iter()
+            .map(|&r| {
+                let v = u32::from((r as u32) < n);
+                let accepted = i64::from(v > 0 && (r == 0 || (i + r as u32) % 5 == 0));
+                RequestVerify { id: r, steps: v, accepted, draft_probs: None }
+            })
+            .collect();
+        p.observe_requests(0, 8, 8, steps, &requests, Some(secs(n, n)), 800, Some(0));
+    }
+    let step = p.per_request.draft_cost().per_step;
+    assert!((step - 0.004).abs() < 0.001, "learned fixed cost per draft step {step}");
+    let d = p.decide_requests(0, 8, 8, 8, 800, Some(0), Some(&ids));
+    let plain = d.steps == 0 || matches!(&d.verify, VerifyShape::PerRequest(l) if l.iter().all(|&v| v == 0));
+    assert!(plain, "{d:?}");
+}
