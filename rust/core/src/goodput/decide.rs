@@ -76,7 +76,13 @@ impl GoodputPolicy {
             let (t, e) = match (allocations.get(i).filter(|_| per_request), stops.get(i).copied().flatten().filter(|_| per_request)) {
                 (Some(a), _) => (a.seconds, a.tokens / f64::from(b)),
                 (None, Some((cut, t))) => (t, 1.0 + cut.accepted),
-                (None, None) => (cost.predict(bucket, b_cost, k, ctx, 0.0), expected_tokens(&alpha, k)),
+                // the batch-level candidate, its tokens from the per-request survival where the
+                // allocation ran: the shared estimates learn only from requests that verified,
+                // so under per-request budgets they see the strong requests and overrate depth
+                (None, None) => {
+                    let e = allocations.get(i).map_or_else(|| expected_tokens(&alpha, k), |a| a.uniform_tokens / f64::from(b));
+                    (cost.predict(bucket, b_cost, k, ctx, 0.0), e)
+                }
             };
             // A switch from 0 to drafting pays the catch-up once, spread over the horizon.
             let extra = if k > 0 && s.current == 0 && catch > 0.0 {

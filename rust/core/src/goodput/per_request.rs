@@ -139,6 +139,9 @@ pub struct Allocation {
     pub tokens: f64,
     /// `v_r` per request, in batch order.
     pub lengths: Vec<u32>,
+    /// Expected emitted tokens of the batch if every request verified the whole depth, from the
+    /// same survival estimates (what the batch-level candidate of this depth is worth to them).
+    pub uniform_tokens: f64,
 }
 
 impl PerRequest {
@@ -322,7 +325,7 @@ pub fn allocate(surv: &[f64], b: usize, d: u32, seconds: impl Fn(f64, f64) -> f6
     let d = d as usize;
     let mut lengths = vec![0u32; b];
     if d == 0 || b == 0 {
-        return Allocation { seconds: seconds(0.0, 0.0), tokens: b as f64, lengths };
+        return Allocation { seconds: seconds(0.0, 0.0), tokens: b as f64, lengths, uniform_tokens: b as f64 };
     }
     order.clear();
     order.extend(surv.iter().enumerate().map(|(i, &s)| (s, (i / d) as u32)));
@@ -344,7 +347,7 @@ pub fn allocate(surv: &[f64], b: usize, d: u32, seconds: impl Fn(f64, f64) -> f6
     for &(_, r) in &order[..best_n] {
         lengths[r as usize] += 1;
     }
-    Allocation { seconds: best.1, tokens: best.0, lengths }
+    Allocation { seconds: best.1, tokens: best.0, lengths, uniform_tokens: b as f64 + surv.iter().sum::<f64>() }
 }
 
 /// The best [`Allocation`] at each of `candidates` for the batch `ids` (`b_cost` after graph
