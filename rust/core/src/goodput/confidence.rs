@@ -29,6 +29,8 @@
 //! the depth, so where cutting verify tokens saves nothing (memory-bound) the decision is the
 //! batch-level one.
 
+use super::per_request::DraftCost;
+
 /// Bins of the cumulative draft probability: bin `b` holds `c` in `(e^{-(b+1)W}, e^{-bW}]`,
 /// the last one everything below.
 pub const BINS: usize = 24;
@@ -280,25 +282,27 @@ impl ConfidenceModel {
 /// The confidence stop's row of each candidate depth for the `goodput` strategy: `Some((cut,
 /// seconds))` where a rule beats no rule (or a fixed threshold `fixed` is set), `None` where the
 /// batch-level row stands. `uniform[k]` are the cost model's seconds of a uniform iteration at
-/// depth `k` (`0..=max candidate`), `draft_only` the seconds per drafted token not verified,
-/// `b` the batch size, `none[k]` the batch-level expected tokens per request at depth `k`.
+/// depth `k` (`0..=max candidate`), `draft` the drafter's terms beyond the verify (every request
+/// drafts `k` under a stop), `b` the batch size, `none[k]` the batch-level expected tokens per
+/// request at depth `k`.
+#[allow(clippy::too_many_arguments)]
 pub fn stop_rows(
     model: &ConfidenceModel,
     alpha: &[f64],
     candidates: &[u32],
     uniform: &[f64],
-    draft_only: f64,
+    draft: DraftCost,
     b: f64,
     none: &[f64],
     fixed: Option<f64>,
 ) -> Vec<Option<(Cut, f64)>> {
     let d_max = uniform.len().saturating_sub(1);
-    // seconds with `verified` drafts verified per request on average, `unverified` not
-    let seconds = |k: usize, verified: f64, unverified: f64| {
+    // seconds with `verified` drafts verified per request on average (every request drafts `k`)
+    let seconds = |k: usize, verified: f64, _unverified: f64| {
         let (lo, frac) = (verified.floor() as usize, verified.fract());
         uniform[lo.min(k)] * (1.0 - frac)
             + uniform[(lo + 1).min(k)] * frac
-            + draft_only * b * unverified
+            + draft.extra(b, k as u32, b, verified * b)
     };
     let cuts: Option<Vec<Cut>> = match fixed {
         Some(tau) => {

@@ -24,10 +24,14 @@
 //! - `t` is the cost model *in tokens*: the seconds of the uniform iteration with as many verify
 //!   tokens (`b + V`: the cost model's prediction interpolated at depth `V / b`, so where the
 //!   roofline's knee lies, cutting verify tokens below it saves nothing, and the cells say so),
-//!   plus the drafted tokens that are not verified (`D` per request that drafts, minus `V`; a
-//!   request at `v_r = 0` skips the drafter) at a cost per token learned online from the
-//!   per-request iterations' seconds beyond their uniform equivalent ([`PerRequest::learn_cost`]).
-//!   The cost model's cells learn each per-request iteration as that uniform equivalent.
+//!   plus two drafter terms learned online from the per-request iterations' seconds beyond their
+//!   uniform equivalent ([`PerRequest::learn_cost`], [`DraftCost`]): the drafted tokens that are
+//!   not verified (`D` per request that drafts, minus `V`; a request at `v_r = 0` skips the
+//!   drafter) at a cost per token, and the drafter's fixed cost per draft step, paid `D` times
+//!   whenever any request drafts (a draft forward's weights and launch do not shrink when fewer
+//!   requests draft, where the interpolation at `V / b` charges only `V / b` of them; measured
+//!   through the engine on the CPU, BENCHMARKS.md section 29). The cost model's cells learn each
+//!   per-request iteration at the depth it drafted ([`super::report`]).
 //!
 //! For a fixed `D` the best `v` admits draft positions in descending survival order (a global
 //! top-N; survival falls with depth, so each request's admitted positions form a prefix), so the
@@ -93,9 +97,38 @@ pub struct PerRequest {
     /// `(reached, accepted)` draft tokens per draft-probability bin, decayed.
     calibration: [(f64, f64); BINS],
     /// Least squares through 0 of the seconds beyond the uniform-equivalent iteration on the
-    /// drafted-only tokens: `(sum x e, sum x x)`, decayed.
-    draft_fit: (f64, f64),
+    /// drafter's two terms ([`DraftCost`]): `(X'e, X'X)` over `x = (unverified drafted tokens,
+    /// draft steps the interpolation does not charge)`, decayed.
+    draft_fit: ([f64; 2], [[f64; 2]; 2]),
 }
+
+/// The drafter's costs beyond the uniform iteration with as many verify tokens, learned from
+/// per-request iterations (both >= 0; 0 before any).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct DraftCost {
+    /// Seconds per drafted token that is not verified.
+    pub per_token: f64,
+    /// Seconds per draft step of the drafter's fixed cost (weights read, launches), paid once per
+    /// step whatever the number of drafting requests.
+    pub per_step: f64,
+}
+
+impl DraftCost {
+    /// Seconds beyond the uniform iteration at verify depth `verified / b` of an iteration at depth
+    /// `d` with `drafting` requests drafting and `verified` draft tokens verified in all (0 when
+    /// nobody drafts).
+    pub fn extra(&self, b: f64, d: u32, drafting: f64, verified: f64) -> f64 {
+        if drafting <= 0.0 || d == 0 {
+            return 0.0;
+        }
+        let d = f64::from(d);
+        self.per_token * (drafting * d - verified).max(0.0) + self.per_step * (d - verified / b).max(0.0)
+    }
+}
+
+/// Ridge weight of the drafter's two-term fit, relative to its data (keeps the terms apart where
+/// the data cannot, e.g. when every request drafts and they are collinear).
+const DRAFT_RIDGE: f64 = 1e-3;
 
 /// The best verify lengths at one depth.
 #[derive(Debug, Clone, PartialEq)]
@@ -106,6 +139,9 @@ pub struct Allocation {
     pub tokens: f64,
     /// `v_r` per request, in batch order.
     pub lengths: Vec<u32>,
+    /// Expected emitted tokens of the batch if every request verified the whole depth, from the
+    /// same survival estimates (what the batch-level candidate of this depth is worth to them).
+    pub uniform_tokens: f64,
 }
 
 impl PerRequest {
@@ -115,7 +151,7 @@ impl PerRequest {
             requests: IdMap::default(),
             decay: 1.0 - 1.0 / f64::from(window.max(1)),
             calibration: [(0.0, 0.0); BINS],
-            draft_fit: (0.0, 0.0),
+            draft_fit: ([0.0; 2], [[0.0; 2]; 2]),
         }
     }
 
@@ -179,17 +215,39 @@ impl PerRequest {
     /// Seconds per drafted token that is not verified (a request drafting beyond its verify
     /// length), learned from per-request iterations (>= 0; 0 before any).
     pub fn draft_only_cost(&self) -> f64 {
+        self.draft_cost().per_token
+    }
+
+    /// The drafter's two cost terms ([`DraftCost`]): a ridge least-squares fit through 0, each
+    /// term held >= 0 (a negative one is dropped and the other refitted alone).
+    pub fn draft_cost(&self) -> DraftCost {
         let (xe, xx) = self.draft_fit;
-        if xx > 0.0 {
-            (xe / xx).max(0.0)
-        } else {
-            0.0
+        let scale = (xx[0][0] + xx[1][1]).max(1e-300);
+        let r = DRAFT_RIDGE * scale;
+        let (a, b, c) = (xx[0][0] + r, xx[0][1], xx[1][1] + r);
+        let det = a * c - b * b;
+        if xx[0][0] + xx[1][1] <= 0.0 || det <= 0.0 {
+            return DraftCost::default();
+        }
+        let (t, s) = ((c * xe[0] - b * xe[1]) / det, (a * xe[1] - b * xe[0]) / det);
+        match (t >= 0.0, s >= 0.0) {
+            (true, true) => DraftCost { per_token: t, per_step: s },
+            _ => {
+                // one term alone, the better of the two (both >= 0)
+                let t1 = (xe[0] / a).max(0.0);
+                let s1 = (xe[1] / c).max(0.0);
+                if t1 * xe[0] >= s1 * xe[1] {
+                    DraftCost { per_token: t1, per_step: 0.0 }
+                } else {
+                    DraftCost { per_token: 0.0, per_step: s1 }
+                }
+            }
         }
     }
 
-    /// Learns what the drafts beyond the verify cost from one iteration's `seconds` at depth `d`
+    /// Learns what the drafter costs beyond the verify from one iteration's `seconds` at depth `d`
     /// and returns how the cost model should learn it: `(uniform depth with as many verify
-    /// tokens, seconds of the drafted-only tokens)`. The uniform-equivalent seconds are the cost
+    /// tokens, seconds of the drafter's terms)`. The uniform-equivalent seconds are the cost
     /// model's prediction interpolated at the verify depth `V / b`. `all_drafted`: every request
     /// drafted `d` whatever it verified (a confidence stop cuts after drafting); otherwise a
     /// request that verified nothing did not draft.
@@ -198,15 +256,22 @@ impl PerRequest {
         let (cell, _) = uniform_shape(requests);
         let verified: u32 = requests.iter().map(|r| r.steps).sum();
         let drafting = requests.iter().filter(|r| all_drafted || r.steps > 0).count() as u32;
-        let x = f64::from(d * drafting - verified);
-        if x > 0.0 {
-            let depth = f64::from(verified) / requests.len().max(1) as f64;
+        let b = requests.len().max(1) as f64;
+        let x = [f64::from(d * drafting - verified), if drafting > 0 { f64::from(d) - f64::from(verified) / b } else { 0.0 }];
+        if x[0] > 0.0 || x[1] > 0.0 {
+            let depth = f64::from(verified) / b;
             let (lo, frac) = (depth.floor() as u32, depth.fract());
             let at = |k: u32| cost.predict(bucket, b_cost, k.min(d), ctx, 0.0);
             let e = seconds - (at(lo) * (1.0 - frac) + at(lo + 1) * frac);
-            self.draft_fit = (self.draft_fit.0 * 0.99 + x * e, self.draft_fit.1 * 0.99 + x * x);
+            let (xe, xx) = &mut self.draft_fit;
+            for i in 0..2 {
+                xe[i] = xe[i] * 0.99 + x[i] * e;
+                for j in 0..2 {
+                    xx[i][j] = xx[i][j] * 0.99 + x[i] * x[j];
+                }
+            }
         }
-        (cell, x * self.draft_only_cost())
+        (cell, self.draft_cost().extra(b, d, f64::from(drafting), f64::from(verified)))
     }
 
     /// Request `id`'s multiplier of the shared rates (1 for a request never seen).
@@ -260,7 +325,7 @@ pub fn allocate(surv: &[f64], b: usize, d: u32, seconds: impl Fn(f64, f64) -> f6
     let d = d as usize;
     let mut lengths = vec![0u32; b];
     if d == 0 || b == 0 {
-        return Allocation { seconds: seconds(0.0, 0.0), tokens: b as f64, lengths };
+        return Allocation { seconds: seconds(0.0, 0.0), tokens: b as f64, lengths, uniform_tokens: b as f64 };
     }
     order.clear();
     order.extend(surv.iter().enumerate().map(|(i, &s)| (s, (i / d) as u32)));
@@ -282,7 +347,7 @@ pub fn allocate(surv: &[f64], b: usize, d: u32, seconds: impl Fn(f64, f64) -> f6
     for &(_, r) in &order[..best_n] {
         lengths[r as usize] += 1;
     }
-    Allocation { seconds: best.1, tokens: best.0, lengths }
+    Allocation { seconds: best.1, tokens: best.0, lengths, uniform_tokens: b as f64 + surv.iter().sum::<f64>() }
 }
 
 /// The best [`Allocation`] at each of `candidates` for the batch `ids` (`b_cost` after graph
@@ -304,7 +369,7 @@ pub fn allocate_candidates(
     requests.survival(ids, shared, d_max, &mut surv_max);
     let uniform: Vec<f64> = (0..=d_max as u32).map(|k| cost.predict(bucket, b_cost, k, ctx, 0.0)).collect();
     let b = ids.len() as f64;
-    let draft_only = requests.draft_only_cost();
+    let draft = requests.draft_cost();
     let (mut surv, mut order) = (Vec::new(), Vec::new());
     candidates
         .iter()
@@ -312,12 +377,12 @@ pub fn allocate_candidates(
             let d = k as usize;
             surv.clear();
             surv.extend(surv_max.chunks(d_max.max(1)).flat_map(|c| c[..d].iter().copied()));
-            // the uniform iteration with as many verify tokens, plus the drafts not verified
+            // the uniform iteration with as many verify tokens, plus the drafter's terms
             let seconds = |n: f64, drafting: f64| {
                 let depth = n / b;
                 let (lo, frac) = (depth.floor() as usize, depth.fract());
                 let t = uniform[lo.min(d)] * (1.0 - frac) + uniform[(lo + 1).min(d)] * frac;
-                t + draft_only * (drafting * f64::from(k) - n)
+                t + draft.extra(b, k, drafting, n)
             };
             allocate(&surv, ids.len(), k, seconds, &mut order)
         })
@@ -353,6 +418,38 @@ mod tests {
         let cut = allocate(&surv, 2, 3, dear, &mut order);
         assert_eq!(cut.lengths, vec![3, 0]);
         assert!((cut.seconds - 0.65).abs() < 1e-12 && (cut.tokens - (2.0 + 0.9 + 0.81 + 0.729)).abs() < 1e-12);
+    }
+
+    /// An iteration costs 10 ms, plus `step` per draft step when any request
+    /// drafts, plus `token` per drafted token, plus 0.1 ms per verified token.
+    fn truth(d: u32, drafting: u32, verified: u32, step: f64, token: f64) -> f64 {
+        0.010 + if drafting > 0 { step * f64::from(d) } else { 0.0 } + token * f64::from(drafting * d) + 1e-4 * f64::from(verified)
+    }
+
+    #[test]
+    fn the_drafters_fixed_cost_per_step_is_learned_apart_from_its_cost_per_token() {
+        let (b, step, token) = (8u32, 0.004, 2e-4);
+        let mut cost = CostModel::new(64);
+        for i in 0..200 {
+            let k = i % 4;
+            cost.observe(8, b, k, 0.0, 0.0, truth(k, if k > 0 { b } else { 0 }, b * k, step, token), true);
+        }
+        let mut p = PerRequest::new(16);
+        for i in 0..300u32 {
+            // depth 3; `n` of the 8 requests draft and verify `v` each, the others skip the drafter
+            let (n, v) = (1 + i % 8, 1 + i % 3);
+            let requests: Vec<RequestVerify<'_>> =
+                (0..b).map(|r| RequestVerify { id: u64::from(r), steps: if r < n { v } else { 0 }, accepted: 0, draft_probs: None }).collect();
+            let t = truth(3, n, n * v, step, token);
+            p.learn_cost(&cost, 8, b, 3, &requests, 0.0, t, false);
+        }
+        let c = p.draft_cost();
+        assert!((c.per_step / step - 1.0).abs() < 0.15, "{c:?}");
+        assert!((c.per_token / token - 1.0).abs() < 0.15, "{c:?}");
+        // one request drafting one token pays the whole draft step, not an eighth of it
+        let extra = c.extra(8.0, 1, 1.0, 1.0);
+        assert!((extra - step * 7.0 / 8.0).abs() < 0.15 * step, "{extra}");
+        assert_eq!(c.extra(8.0, 3, 0.0, 0.0), 0.0, "nobody drafts: no drafter cost");
     }
 
     #[test]

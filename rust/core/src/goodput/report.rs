@@ -1,0 +1,162 @@
+//! What the `goodput` strategy learns from a report: acceptance (shared and per request), the cost
+//! model, the catch-up estimate and probe credit (the module docs of [`super`]).
+
+use super::per_request::{self, RequestVerify};
+use super::GoodputPolicy;
+use crate::config::MinSurvival;
+
+impl GoodputPolicy {
+    /// Feeds one measurement of a startup sweep to the cost model (not a decode iteration:
+    /// acceptance, probe credit and slots are untouched).
+    pub fn seed_cost(&mut self, bucket: u32, b: u32, steps: u32, seconds: f64, context_tokens: u64) {
+        self.cost.observe(bucket, b, steps, context_tokens as f64, 0.0, seconds, false);
+    }
+
+    /// Records one decode iteration of slot `slot` at `steps` (validated by the caller):
+    /// accepted drafts of the requests that ran the full `steps`, measured `seconds` if any.
+    /// Returns the slot's new current steps if a switch happened since the last report.
+    #[allow(clippy::too_many_arguments)]
+    pub fn observe(
+        &mut self,
+        slot: usize,
+        bucket: u32,
+        b: u32,
+        b_cost: u32,
+        steps: u32,
+        accepted: &[i64],
+        seconds: Option<f64>,
+        context_tokens: u64,
+    ) -> Option<u32> {
+        self.observe_with(slot, bucket, b, b_cost, steps, accepted, seconds, context_tokens, None)
+    }
+
+    /// [`Self::observe`] told the drafter catch-up tokens the iteration ran (`caught_up`: 0 when
+    /// the drafter was not behind, e.g. with the zero-step extend not skipped; deferred drafter
+    /// prefills included). The cost model learns the iteration's seconds with exactly that
+    /// catch-up. `None`: the estimate ([`Self::decide_with`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn observe_with(
+        &mut self,
+        slot: usize,
+        bucket: u32,
+        b: u32,
+        b_cost: u32,
+        steps: u32,
+        accepted: &[i64],
+        seconds: Option<f64>,
+        context_tokens: u64,
+        caught_up: Option<u64>,
+    ) -> Option<u32> {
+        if let Some(switch) = self.observe_tree(slot, bucket, b_cost, steps, accepted, seconds, context_tokens as f64, caught_up) {
+            return switch;
+        }
+        self.iteration += 1;
+        if steps > 0 {
+            self.acceptance.observe(self.iteration, steps, accepted);
+        }
+        self.learn_iteration(slot, bucket, b, b_cost, steps, (steps, 0.0), seconds, seconds, context_tokens, caught_up)
+    }
+
+    /// [`Self::observe_with`] of an iteration with a verify length per request (`requests`: every
+    /// request of the batch, in batch order, with the steps it verified, its accepted drafts and
+    /// the drafter's probabilities of its verified drafts if known). The shared per-position
+    /// estimates learn from each request at its own length, the per-request histories and the
+    /// confidence calibration from each request, the cost model the iteration's tokens.
+    #[allow(clippy::too_many_arguments)]
+    pub fn observe_requests(
+        &mut self,
+        slot: usize,
+        bucket: u32,
+        b_cost: u32,
+        steps: u32,
+        requests: &[RequestVerify<'_>],
+        seconds: Option<f64>,
+        context_tokens: u64,
+        caught_up: Option<u64>,
+    ) -> Option<u32> {
+        let shared = self.acceptance.rates(self.iteration);
+        self.iteration += 1;
+        let mut group = Vec::with_capacity(requests.len());
+        for v in 1..=steps {
+            group.clear();
+            group.extend(requests.iter().filter(|r| r.steps == v).map(|r| r.accepted));
+            self.acceptance.observe(self.iteration, v, &group);
+        }
+        self.per_request.observe(self.iteration, &shared, requests.iter().copied());
+        let rule = self.last_rule.take();
+        if self.cfg.min_survival != MinSurvival::Off {
+            self.confidence.observe(steps, requests.iter().map(|r| (r.steps, r.accepted, r.draft_probs)), rule);
+        }
+        let b = requests.len() as u32;
+        let predicted = self.last_shape.take().filter(|s| s.0 == steps);
+        let verified: u32 = requests.iter().map(|r| r.steps).sum();
+        // The drafter's terms learn from the seconds beyond the uniform iteration with as many
+        // verify tokens (per_request, "the cost model in tokens"). The cells learn a shortened
+        // iteration at the depth it drafted, scaled to the uniform one by the ratio the decision
+        // predicted: learned at the depth of its verify tokens instead, a cell would take the
+        // drafter's deeper steps for its own and a depth the stop keeps running would never be
+        // measured as contexts grow (BENCHMARKS.md, issue 28 floors). A shortened iteration no
+        // decision priced (a report without one before it) teaches the drafter's terms only.
+        let shortened = verified != steps * b;
+        let mut cells = seconds;
+        let shape = match seconds {
+            Some(t) => {
+                let fallback = self.per_request.learn_cost(&self.cost, bucket, b_cost, steps, requests, context_tokens as f64, t, rule.is_some());
+                match predicted {
+                    Some((_, uniform, priced)) if shortened && priced > 0.0 => (steps, t * (1.0 - uniform / priced)),
+                    _ if shortened => {
+                        cells = None;
+                        fallback
+                    }
+                    _ => fallback,
+                }
+            }
+            None => per_request::uniform_shape(requests),
+        };
+        self.learn_iteration(slot, bucket, b, b_cost, steps, shape, seconds, cells, context_tokens, caught_up)
+    }
+
+    /// The cost model, catch-up and probe-credit part of a report (`cells`: the measured seconds
+    /// the cost model's cells learn, `None` for an iteration they must not learn).
+    #[allow(clippy::too_many_arguments)]
+    fn learn_iteration(
+        &mut self,
+        slot: usize,
+        bucket: u32,
+        b: u32,
+        b_cost: u32,
+        steps: u32,
+        (cell_steps, draft_only): (u32, f64),
+        seconds: Option<f64>,
+        cells: Option<f64>,
+        context_tokens: u64,
+        caught_up: Option<u64>,
+    ) -> Option<u32> {
+        let estimated = if steps > 0 { std::mem::take(&mut self.catch_up) } else { 0 };
+        let catch = caught_up.unwrap_or(estimated);
+        let settled = steps == self.slots[slot].current;
+        let ctx = context_tokens as f64;
+        let spent = match seconds {
+            Some(t) => {
+                if let Some(t) = cells {
+                    let uniform = (t - draft_only).max(0.5 * t);
+                    self.cost.observe(bucket, b_cost, cell_steps, ctx, catch as f64, uniform, settled);
+                }
+                t
+            }
+            None => self.cost.predict(bucket, b_cost, cell_steps, ctx, catch as f64) + draft_only,
+        };
+        if steps == 0 {
+            self.catch_up += u64::from(b);
+        }
+        let s = &mut self.slots[slot];
+        s.verifies += 1;
+        s.since_switch = s.since_switch.saturating_add(1);
+        // Credit is capped at a few iterations' worth, so a long quiet stretch does not buy a
+        // burst of probes.
+        if !self.cost.off_pace() {
+            s.credit = (s.credit + self.cfg.probe_budget * spent).min(4.0 * spent);
+        }
+        std::mem::take(&mut s.switched).then_some(s.current)
+    }
+}

@@ -1,0 +1,150 @@
+//! Tests of the `goodput` strategy across decide, report and the saved state.
+
+use super::*;
+use super::state::STATE_VERSION;
+
+fn policy() -> GoodputPolicy {
+    let cfg = GoodputConfig { probe_budget: 0.0, ..GoodputConfig::default() };
+    GoodputPolicy::new(cfg, 3, vec![(0..=7).collect()])
+}
+
+/// A run on a device where each draft step costs 40 % of a plain decode and half the drafts
+/// are accepted: steps 1 is best.
+fn trained() -> GoodputPolicy {
+    let mut p = policy();
+    // 8 requests: 4 accept 0, 2 accept 1, 1 accepts 2, 1 accepts all (alpha = 0.5 per position).
+    for i in 0..400u32 {
+        let k = i % 8;
+        let acc: Vec<i64> = [0, 0, 0, 0, 1, 1, 2, 7].iter().map(|&a: &i64| a.min(i64::from(k))).collect();
+        p.observe(0, 8, 8, 8, k, &acc, Some(0.01 * (1.0 + 0.4 * f64::from(k))), 800);
+    }
+    p
+}
+
+#[test]
+fn a_seeded_policy_decides_like_the_trained_one_at_once() {
+    let t = trained();
+    let mut warm = trained();
+    assert_eq!(warm.decide(0, 8, 8, 8, 800), 1);
+    let mut fresh = policy();
+    assert_ne!(fresh.decide(0, 8, 8, 8, 800), 1, "the prior alone must not already pick 1");
+    let mut seeded = policy();
+    seeded.import_state(&t.export_state()).unwrap();
+    assert_eq!(seeded.decide(0, 8, 8, 8, 800), 1);
+    for k in 0..8 {
+        assert_eq!(seeded.predict_seconds(8, 8, k, 800), t.predict_seconds(8, 8, k, 800));
+    }
+    // Exported again, the seeded policy writes what it read.
+    let again: serde_json::Value = serde_json::from_str(&seeded.export_state()).unwrap();
+    let orig: serde_json::Value = serde_json::from_str(&t.export_state()).unwrap();
+    assert_eq!(again["cost"]["theta"], orig["cost"]["theta"]);
+    assert_eq!(again["version"], STATE_VERSION);
+}
+
+/// Seconds of an iteration at steps `k` that caught the drafter up over `catch` tokens: a
+/// draft step costs 40 % of a plain decode, a catch-up token 1e-5 s.
+fn secs(k: u32, catch: u64) -> f64 {
+    0.01 * (1.0 + 0.4 * f64::from(k)) + 1e-5 * catch as f64
+}
+
+/// `policy()` started at `initial`, trained on the acceptance of `trained()` with the
+/// catch-up tokens each drafting iteration ran told (`told`) or left to the estimate.
+fn trained_with_catch_up(initial: u32, told: bool) -> GoodputPolicy {
+    let cfg = GoodputConfig { probe_budget: 0.0, ..GoodputConfig::default() };
+    let mut p = GoodputPolicy::new(cfg, initial, vec![(0..=7).collect()]);
+    for i in 0..400u32 {
+        let k = i % 8;
+        let acc: Vec<i64> = [0, 0, 0, 0, 1, 1, 2, 7].iter().map(|&a: &i64| a.min(i64::from(k))).collect();
+        // deferred prompts and skipped zero-step extends: a catch-up of 0..2000 tokens
+        let catch = if k > 0 { u64::from(i * 397 % 2000) } else { 0 };
+        let caught_up = told.then_some(catch);
+        p.observe_with(0, 8, 8, 8, k, &acc, Some(secs(k, catch)), 800, caught_up);
+    }
+    p
+}
+
+#[test]
+fn the_cost_model_learns_the_catch_up_the_report_tells() {
+    let told = trained_with_catch_up(3, true);
+    let extra = |p: &GoodputPolicy| p.cost.predict(8, 8, 2, 800.0, 4000.0) - p.cost.predict(8, 8, 2, 800.0, 0.0);
+    // told: 4000 catch-up tokens cost about 4000 * 1e-5 s
+    let learned = extra(&told);
+    assert!((learned - 0.04).abs() < 0.01, "learned catch-up cost {learned}, expected ~0.04");
+    // without being told, the estimate (tokens emitted at steps 0 since the last drafting
+    // iteration: 8 per iteration of this cycle) cannot explain the seconds
+    let guessed = extra(&trained_with_catch_up(3, false));
+    assert!((guessed - 0.04).abs() > 0.01, "estimated catch-up cost {guessed}");
+}
+
+#[test]
+fn a_switch_from_zero_is_charged_the_catch_up_the_scheduler_counts() {
+    // at steps 0, the best drafting steps (1) pays off unless the catch-up it must run
+    // first is large; with the zero-step extend not skipped there is none (Some(0))
+    let mut none_pending = trained_with_catch_up(0, true);
+    assert_eq!(none_pending.current_steps(0), 0);
+    assert_eq!(none_pending.decide_with(0, 8, 8, 8, 800, Some(0)), 1);
+    let mut long_pending = trained_with_catch_up(0, true);
+    assert_eq!(long_pending.decide_with(0, 8, 8, 8, 800, Some(1_000_000)), 0);
+    // the catch-up tokens are those told, not the estimate: after 50 iterations at steps 0
+    // the estimate is 400 tokens, but the scheduler says none are pending
+    let mut p = trained_with_catch_up(0, true);
+    for _ in 0..50 {
+        p.observe_with(0, 8, 8, 8, 0, &[0; 8], Some(secs(0, 0)), 800, Some(0));
+    }
+    assert_eq!(p.catch_up, 400);
+    let mut estimated = p.clone();
+    assert_eq!(p.decide_with(0, 8, 8, 8, 800, Some(0)), 1);
+    assert_eq!(estimated.decide_with(0, 8, 8, 8, 800, None), 0, "the estimate charges 400 tokens");
+}
+
+#[test]
+fn another_version_or_corrupt_text_is_refused_and_changes_nothing() {
+    let text = trained().export_state();
+    let mut p = policy();
+    let before = p.clone();
+    let other = text.replacen(&format!("\"version\":{STATE_VERSION}"), "\"version\":999", 1);
+    assert!(p.import_state(&other).unwrap_err().contains("version"));
+    assert!(p.import_state("{not json").is_err());
+    assert!(p.import_state(&text[..text.len() / 2]).is_err());
+    assert!(p.import_state(&format!("{{\"version\":{STATE_VERSION}}}")).is_err());
+    assert_eq!(p, before);
+}
+
+/// A batch of 8 where one request accepts every draft and the others one in five, drafting costs
+/// 4 ms per draft step whoever drafts (the drafter's fixed cost) on a 10 ms iteration: the
+/// batch-level decision decodes plainly, and so must the per-request one, once it has learned
+/// that one request drafting pays the whole step (BENCHMARKS.md section 29: it kept budgets 1-2
+/// where batch-level decoded plainly).
+#[test]
+fn per_request_budgets_yield_to_plain_decoding_where_the_drafters_fixed_cost_does_not_pay() {
+    use crate::config::{MinSurvival, VerifyMode};
+    use crate::decision::VerifyShape;
+    use per_request::RequestVerify;
+    let cfg = GoodputConfig { probe_budget: 0.0, verify: VerifyMode::PerRequest, min_survival: MinSurvival::Off, ..GoodputConfig::default() };
+    let mut p = GoodputPolicy::new(cfg, 1, vec![vec![0, 1]]);
+    let secs = |drafting: u32, verified: u32| 0.010 + if drafting > 0 { 0.004 } else { 0.0 } + 1e-4 * f64::from(verified);
+    let ids: Vec<u64> = (0..8).collect();
+    for i in 0..600u32 {
+        // uniform iterations at steps 0 and 1, and shortened ones where `n` requests verify 1
+        let n = match i % 3 {
+            0 => 0,
+            1 => 8,
+            _ => 1 + i % 4,
+        };
+        let steps = u32::from(n > 0);
+        let requests: Vec<RequestVerify<'_>> = ids
+            .iter()
+            .map(|&r| {
+                let v = u32::from((r as u32) < n);
+                let accepted = i64::from(v > 0 && (r == 0 || (i + r as u32) % 5 == 0));
+                RequestVerify { id: r, steps: v, accepted, draft_probs: None }
+            })
+            .collect();
+        p.observe_requests(0, 8, 8, steps, &requests, Some(secs(n, n)), 800, Some(0));
+    }
+    let step = p.per_request.draft_cost().per_step;
+    assert!((step - 0.004).abs() < 0.001, "learned fixed cost per draft step {step}");
+    let d = p.decide_requests(0, 8, 8, 8, 800, Some(0), Some(&ids));
+    let plain = d.steps == 0 || matches!(&d.verify, VerifyShape::PerRequest(l) if l.iter().all(|&v| v == 0));
+    assert!(plain, "{d:?}");
+}
