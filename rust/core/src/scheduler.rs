@@ -279,7 +279,8 @@ impl Scheduler {
     ///
     /// Errors: [`SchedulerError::InvalidConfig`] for `k > 32`, `None` without a policy, or
     /// (naming `speculative_num_draft_tokens`) a draft tree whose node count does not fit the new
-    /// largest steps (see [`validate_tree`]).
+    /// largest steps (see [`validate_tree`]) or whose scratch slots at that depth do not fit the
+    /// pool beside one full-context request (the scheduler is unchanged).
     pub fn set_fixed_steps(&mut self, steps: Option<u32>) -> Result<(), SchedulerError> {
         match steps {
             Some(k) => config::validate_fixed_steps(k)?,
@@ -300,6 +301,7 @@ impl Scheduler {
             // steps 0 runs no tree; any other depth must still fit the configured tree
             if max > 0 {
                 validate_tree(max, t.topk, Some(t.num_draft_tokens + 1))?;
+                self.check_scratch_fits(max, Some(t))?;
             }
         }
         self.fixed_steps = steps;

@@ -167,29 +167,41 @@ impl Scheduler {
         num_draft_tokens: Option<u32>,
     ) -> Result<(), SchedulerError> {
         let tree = validate_tree(self.max_steps(), topk, num_draft_tokens)?;
-        // One request of context_length tokens and its scratch slots must fit the pool alone,
-        // or admission could wait for pages forever.
+        self.check_scratch_fits(self.max_steps(), tree)?;
+        self.tree = tree;
+        Ok(())
+    }
+
+    /// One request of `context_length` tokens and the scratch slots of `tree` at depth `depth`
+    /// (`max(N, K (depth - 1))`, [`scratch_per_request`]) must fit the pool alone, or admission
+    /// could wait for pages forever. Checked when the tree is set and again when the largest
+    /// steps grow ([`Self::set_fixed_steps`]): a deeper tree feeds more frontier nodes.
+    ///
+    /// Errors: [`SchedulerError::InvalidConfig`] naming `speculative_num_draft_tokens`.
+    pub(super) fn check_scratch_fits(
+        &self,
+        depth: u32,
+        tree: Option<TreeConfig>,
+    ) -> Result<(), SchedulerError> {
         let ps = u64::from(self.config.page_size);
-        let n = tree.map_or(0, |t| {
-            scratch_per_request(self.max_steps(), t.topk, t.num_draft_tokens)
-        });
-        let pages = u64::from(self.config.context_length).div_ceil(ps) + n.div_ceil(ps);
-        if pages > u64::from(self.config.num_pages) {
+        let n = tree.map_or(0, |t| scratch_per_request(depth, t.topk, t.num_draft_tokens));
+        let request_pages = u64::from(self.config.context_length).div_ceil(ps);
+        if request_pages + n.div_ceil(ps) > u64::from(self.config.num_pages) {
             return Err(invalid(
                 "speculative_num_draft_tokens",
                 format!(
-                    "{} scratch slots (tree nodes and drafter frontier) need {} KV pages of scratch besides the {} pages of one \
-                     request of context_length {}, more than num_pages = {}: enlarge the KV \
-                     cache or pass fewer tokens",
+                    "{} scratch slots (tree nodes and drafter frontier at depth {}) need {} KV pages \
+                     of scratch besides the {} pages of one request of context_length {}, more \
+                     than num_pages = {}: enlarge the KV cache or pass fewer tokens",
                     n,
+                    depth,
                     n.div_ceil(ps),
-                    u64::from(self.config.context_length).div_ceil(ps),
+                    request_pages,
                     self.config.context_length,
                     self.config.num_pages
                 ),
             ));
         }
-        self.tree = tree;
         Ok(())
     }
 

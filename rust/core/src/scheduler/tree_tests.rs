@@ -74,6 +74,14 @@ fn tree_checks_name_the_field_and_count_the_root_as_sglang() {
     let e = small.set_draft_tree(4, Some(5)).unwrap_err();
     assert!(e.to_string().contains("more than num_pages = 17"), "{e}");
     small.set_draft_tree(2, Some(5)).unwrap(); // max(4, 2 * 2) = 4 slots: one page
+    // Deeper steps feed the drafter more frontier nodes: at depth 4, 2 * 3 = 6 slots, two
+    // pages, beside the request's 16 do not fit 17 (found by scheduler_props: the admission
+    // then waited for pages forever); refused naming the tree, the steps unchanged.
+    let e = small.set_fixed_steps(Some(4)).unwrap_err();
+    assert!(e.to_string().contains("at depth 4") && e.to_string().contains("num_pages = 17"), "{e}");
+    assert_eq!(field_of(e), "speculative_num_draft_tokens");
+    assert_eq!(small.max_steps(), 3);
+    small.set_fixed_steps(Some(2)).unwrap(); // shallower always fits
     assert_eq!(scratch_per_request(3, 4, 4), 8);
     assert_eq!(scratch_per_request(3, 2, 6), 6);
     // The scheduler refuses and stays unchanged.
