@@ -251,6 +251,19 @@ impl ConfidenceModel {
         Some(out)
     }
 
+    /// The node threshold of a draft tree under per-request budgets (issue 29 item 5,
+    /// [`super::tree_plan`]): the bins `0..t` whose calibrated survival is at least `price` (the
+    /// goodput-neutral survival of one more verified node, in tokens), so the worker keeps a node
+    /// iff its path's cumulative draft probability is `>= edge(t)`. The same calibration as the
+    /// chain's stop (one model: a tree node's path probability is a chain position's cumulative
+    /// probability along that path). Returns `t` in `1..=BINS` (`BINS`: every bin is worth its
+    /// price, no rule); bin 0 (`c >= 0.71`) is always kept, so a request never verifies fewer
+    /// nodes than a confident chain would.
+    pub fn node_edge(&self, price: f64) -> usize {
+        let s = self.survival();
+        (1..BINS).find(|&t| s[t] < price).unwrap_or(BINS)
+    }
+
     /// The cut at depth `k` with the threshold fixed at bin edge `t`.
     pub fn cut_at(&self, k: usize, t: usize) -> Option<Cut> {
         if !self.ready() {

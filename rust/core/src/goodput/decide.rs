@@ -163,7 +163,8 @@ impl GoodputPolicy {
             self.last_shape = row.map(|(_, t)| (steps, self.cost.predict(bucket, b_cost, steps, ctx, 0.0), t));
             let mut d = Decision::uniform(steps);
             d.confidence_stop = min_survival.map(|x| ConfidenceStop { min_survival: x as f32 });
-            return d;
+            // a draft tree may beat the stopped chain (issue 29 item 5, `super::tree_plan`)
+            return self.tree_decision(slot, bucket, b, b_cost, ctx, &alpha, d, probe);
         }
         let chain = match c.iter().position(|&k| k == steps).and_then(|i| allocations.into_iter().nth(i)) {
             // The batch drafts as deep as its longest verify needs (the smallest candidate that

@@ -47,7 +47,7 @@ impl GoodputPolicy {
         context_tokens: u64,
         caught_up: Option<u64>,
     ) -> Option<u32> {
-        if let Some(switch) = self.observe_tree(slot, bucket, b_cost, steps, accepted, seconds, context_tokens as f64, caught_up) {
+        if let Some(switch) = self.observe_tree(slot, bucket, b_cost, steps, accepted, seconds, context_tokens as f64, caught_up, None) {
             return switch;
         }
         self.iteration += 1;
@@ -74,6 +74,13 @@ impl GoodputPolicy {
         context_tokens: u64,
         caught_up: Option<u64>,
     ) -> Option<u32> {
+        // a draft tree's report (issue 29 item 5: `steps` of a request are its kept nodes)
+        // teaches the tree planner only, as under uniform verify
+        let accepted: Vec<i64> = requests.iter().map(|r| r.accepted).collect();
+        let nodes = requests.iter().map(|r| u64::from(r.steps)).sum();
+        if let Some(switch) = self.observe_tree(slot, bucket, b_cost, steps, &accepted, seconds, context_tokens as f64, caught_up, Some(nodes)) {
+            return switch;
+        }
         let shared = self.acceptance.rates(self.iteration);
         self.iteration += 1;
         let mut group = Vec::with_capacity(requests.len());

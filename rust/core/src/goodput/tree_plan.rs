@@ -31,17 +31,36 @@
 //!   rates, the prior's source, fresh).
 //!
 //! A tree iteration's report is a chain's (accepted path length `a <= D` per request): it feeds
-//! the shape's acceptance and the bucket's token-cost fit, never the chain estimates. Trees are
-//! not combined with per-request verify lengths (`"verify": "per_request"` drafts chains).
+//! the shape's acceptance and the bucket's token-cost fit, never the chain estimates.
+//!
+//! Per-request budgets (`"verify": "per_request"`, issue 29 item 5): a request's budget is its
+//! node count. The tree competes with the batch-level chain (or the confidence-stopped chain;
+//! per-request allocations of chain lengths, when they beat the batch level, stand). When a
+//! tree is chosen and `min_survival` is set, the decision carries a node threshold the worker
+//! applies after drafting: request `r` verifies the `n_r` nodes (`0..=N`; 0 is a plain decode
+//! through verify) whose path confidence, the cumulative draft probability the tree's drafting
+//! computed, is at least the threshold. A child's path probability is at most its parent's,
+//! so the kept set is ancestor-closed and is a subset of EAGLE-2's best `N` (the N cap holds).
+//! Chosen this way because the confidence is known only after drafting, and a rule on it needs
+//! no second crossing (the chain's stop, [`super::confidence`], is the same rule on a path).
+//! The threshold: `Fixed(x)` is `x`; `"auto"` is [`node_threshold`], the lowest bin edge whose
+//! calibrated survival (the chain stop's calibration, one model: a node's path probability is
+//! a chain position's cumulative probability along that path) still pays for the node's
+//! verify token at the bucket's fitted price `theta_v` and the shape's predicted goodput. The
+//! kept counts come back as the report's `verified`; the fit then learns the verify tokens the
+//! kept nodes ran (not `N` per request). The calibration learns from chain iterations only (a
+//! tree's report carries no per-node probabilities). With `min_survival` off a tree verifies
+//! its `N` nodes whole.
 
 use std::collections::BTreeMap;
 
 use super::acceptance::expected_tokens;
+use super::confidence::{edge, ConfidenceModel, BINS};
 use super::tree::{beam_pool, candidate_shapes, survival, TreeAcceptance, TOPK_EXPONENT};
 use super::GoodputPolicy;
 use crate::config::tree::TreeConfig;
-use crate::config::VerifyMode;
-use crate::decision::{Decision, TreeShape, VerifyShape};
+use crate::config::{MinSurvival, VerifyMode};
+use crate::decision::{ConfidenceStop, Decision, TreeShape, VerifyShape};
 
 /// Share of a chain step's per-request seconds taken as its verify token's (the rest: its draft
 /// token). An 8B target's token costs about 5x an EAGLE head's (one layer and the LM head) in
@@ -200,6 +219,20 @@ pub fn extra_tokens(shape: TreeShape, b: u32) -> [f64; 2] {
     [b * (n - d).max(0.0), b * (d - 1.0).max(0.0) * (k - 1.0)]
 }
 
+/// The node threshold of a tree under per-request budgets with `min_survival = "auto"`: a
+/// node is worth verifying while its calibrated survival `s` (the expected tokens it adds) is at
+/// least what its verify token costs in tokens, `theta_v * G`, `G = tokens / seconds` the
+/// iteration's predicted goodput (adding a token of `s` expected tokens and `theta_v` seconds
+/// raises `tokens / seconds` iff `s > theta_v * G`). Returns the cumulative draft probability
+/// below which the worker drops a node, `None` where every node pays (no rule).
+pub fn node_threshold(model: &ConfidenceModel, theta_v: f64, tokens: f64, seconds: f64) -> Option<f64> {
+    if !(seconds > 0.0 && theta_v > 0.0 && tokens > 0.0) {
+        return None;
+    }
+    let t = model.node_edge(theta_v * tokens / seconds);
+    (t < BINS).then(|| edge(t))
+}
+
 impl GoodputPolicy {
     /// The tree the strategy runs now, if any.
     pub fn current_tree(&self) -> Option<TreeShape> {
@@ -267,10 +300,9 @@ impl GoodputPolicy {
             return chain;
         };
         plan.pending = None;
-        if probe
-            || self.cfg.verify == VerifyMode::PerRequest
-            || chain.verify != VerifyShape::Uniform
-        {
+        // per-request allocations of chain lengths stand as they are; under `verify =
+        // per_request` a tree competes with the batch-level (or confidence-stop) chain
+        if probe || chain.verify != VerifyShape::Uniform {
             self.tree = Some(plan);
             return chain;
         }
@@ -358,12 +390,30 @@ impl GoodputPolicy {
         let out = match plan.current {
             Some(shape) => {
                 plan.pending = plan.acceptance.index(shape);
+                let stop = match (self.cfg.verify, self.cfg.min_survival) {
+                    (VerifyMode::PerRequest, MinSurvival::Fixed(x)) => Some(x),
+                    (VerifyMode::PerRequest, MinSurvival::Auto) => {
+                        let d = shape.depth;
+                        let (t_chain, slope_d) = at.get(d as usize).map_or((0.0, 0.0), |&(t0, t1)| (t0, t1 - t0));
+                        let slope_lower = at.get(d.saturating_sub(1) as usize).map_or(0.0, |&(t0, t1)| t1 - t0);
+                        let theta = Self::theta_from(&plan, bucket, b_cost, slope_d - slope_lower);
+                        let x = extra_tokens(shape, b_cost);
+                        let t = t_chain + theta[0] * x[0] + theta[1] * x[1];
+                        let e = plan.pending.map_or(0.0, |i| plan.acceptance.expected(i, plan.prior[i]));
+                        Some(node_threshold(&self.confidence, theta[0], bf * (1.0 + e), t)).flatten()
+                    }
+                    _ => None,
+                };
+                // the chain's stop (if any) was priced for the chain: a tree's report is the tree's
+                self.last_rule = None;
+                self.last_shape = None;
                 Decision {
                     steps: shape.depth,
                     verify: VerifyShape::Uniform,
                     tree: Some(shape),
-                    // a tree verifies its nodes whole (the stop cuts chains)
-                    confidence_stop: None,
+                    // under per-request budgets a request verifies the tree's nodes whose path
+                    // confidence reaches the threshold (module docs); otherwise the whole tree
+                    confidence_stop: stop.map(|x| ConfidenceStop { min_survival: x as f32 }),
                 }
             }
             None => chain,
@@ -386,6 +436,7 @@ impl GoodputPolicy {
         seconds: Option<f64>,
         ctx: f64,
         caught_up: Option<u64>,
+        nodes: Option<u64>,
     ) -> Option<Option<u32>> {
         let plan = self.tree.as_mut()?;
         let i = plan.pending.take()?;
@@ -399,8 +450,17 @@ impl GoodputPolicy {
         let catch = caught_up.unwrap_or(std::mem::take(&mut self.catch_up)) as f64;
         self.catch_up = 0;
         let chain = self.cost.predict(bucket, b_cost, steps, ctx, catch);
-        let x = extra_tokens(shape, b_cost);
-        let predicted = self.predict_tree_seconds(bucket, b_cost, shape, ctx as u64);
+        let mut x = extra_tokens(shape, b_cost);
+        if let Some(n) = nodes.filter(|_| !accepted.is_empty()) {
+            // under per-request node budgets the verify ran the kept nodes (`n` in all), not N
+            // per request: the fit learns the tokens verified (per request, scaled to b_cost)
+            let per_request = n as f64 / accepted.len() as f64;
+            x[0] = (f64::from(b_cost) * (per_request - f64::from(shape.depth))).max(0.0);
+        }
+        let predicted = {
+            let theta = self.tree.as_ref().map_or([0.0; 2], |t| self.token_theta(t, bucket, b_cost, shape.depth, ctx));
+            self.cost.predict(bucket, b_cost, shape.depth, ctx, 0.0) + theta[0] * x[0] + theta[1] * x[1]
+        };
         let spent = match seconds {
             Some(t) if !self.cost.off_pace() => {
                 let fit = self.tree.as_mut().expect("taken above").fits.entry(bucket).or_default();
@@ -428,6 +488,7 @@ impl GoodputPolicy {
 mod tests {
     use super::*;
     use crate::config::GoodputConfig;
+    use crate::goodput::per_request::RequestVerify;
 
     fn policy() -> GoodputPolicy {
         let tree = Some(TreeConfig { max_topk: 8, max_num_draft_tokens: 64 });
@@ -492,5 +553,54 @@ mod tests {
         }
         assert!(trees <= 3, "{trees} tree iterations: one measured tree should be enough");
         assert_eq!(p.current_tree(), None);
+    }
+
+    fn per_request_policy(min_survival: MinSurvival) -> GoodputPolicy {
+        let tree = Some(TreeConfig { max_topk: 8, max_num_draft_tokens: 64 });
+        let cfg = GoodputConfig { probe_budget: 0.0, tree, verify: VerifyMode::PerRequest, min_survival, ..GoodputConfig::default() };
+        GoodputPolicy::new(cfg, 3, vec![(0..=3).collect()])
+    }
+
+    #[test]
+    fn per_request_budgets_draft_trees_whose_node_counts_the_stop_cuts() {
+        for (ms, want) in [(MinSurvival::Fixed(0.25), Some(0.25f32)), (MinSurvival::Off, None)] {
+            let mut p = per_request_policy(ms);
+            train_chains(&mut p, 1, 1e-6);
+            let d = p.decide_requests(0, 1, 1, 1, 1000, None, Some(&[7]));
+            let shape = d.tree.expect("per-request budgets no longer rule trees out");
+            assert_eq!((d.steps, &d.verify), (shape.depth, &VerifyShape::Uniform));
+            assert_eq!(d.confidence_stop.map(|c| c.min_survival), want, "{ms:?}");
+            // the report: the request verified 3 kept nodes and accepted 2 of them; it teaches
+            // the tree planner, never the chain estimates or the confidence calibration
+            let verifies = p.acceptance.observed();
+            let r = [RequestVerify { id: 7, steps: 3, accepted: 2, draft_probs: None }];
+            p.observe_requests(0, 1, 1, shape.depth, &r, Some(secs(1, 4, 1e-6)), 1000, None);
+            assert_eq!(p.tree_iterations(), 1);
+            assert_eq!(p.acceptance.observed(), verifies);
+        }
+    }
+
+    #[test]
+    fn auto_node_threshold_follows_the_price_of_a_verify_token() {
+        let m = ConfidenceModel::new(64);
+        // free verify tokens (memory-bound): every node pays, no rule
+        assert_eq!(node_threshold(&m, 0.0, 3.0, 0.01), None);
+        assert_eq!(node_threshold(&m, 1e-9, 3.0, 0.01), None);
+        // dearer tokens keep fewer nodes: a higher threshold, never above bin 0's edge
+        let cheap = node_threshold(&m, 1e-4, 3.0, 0.01).expect("a token costs 3 % of a token");
+        let dear = node_threshold(&m, 1e-3, 3.0, 0.01).expect("a token costs 30 % of a token");
+        assert!(cheap < dear && dear <= edge(1), "{cheap} {dear}");
+        // the calibrated survival at the threshold is below the price, above it just before
+        let price = 1e-3 * 3.0 / 0.01;
+        let t = crate::goodput::confidence::edge_index(dear);
+        assert_eq!(m.node_edge(price), t);
+        // with the calibration's prior (a calibrated drafter) survival ~ confidence
+        assert!((dear / price).ln().abs() < 0.7, "{dear} vs {price}");
+        // auto on the policy: cheap tokens at batch 1, the threshold (if any) is the rule's
+        let mut p = per_request_policy(MinSurvival::Auto);
+        train_chains(&mut p, 1, 1e-6);
+        let d = p.decide_requests(0, 1, 1, 1, 1000, None, Some(&[7]));
+        assert!(d.tree.is_some());
+        assert!(d.confidence_stop.map_or(true, |c| c.min_survival > 0.0 && c.min_survival < 1.0));
     }
 }

@@ -42,7 +42,8 @@ fn validate_verified(fl: &InFlight, offsets: &[i64], verified: Option<&[i64]>) -
         return Err(bad("verified", format!("expected {} entries (one per request), got {}", fl.ids.len(), v.len())));
     }
     for (i, &n) in v.iter().enumerate() {
-        let most = i64::from(fl.steps_r[i]);
+        // a draft tree's verified count is its kept nodes (issue 29 item 5): up to N
+        let most = i64::from(fl.tree.map_or(fl.steps_r[i], |t| t.num_draft_tokens));
         let accepted = offsets[i + 1] - offsets[i] - 1;
         if !(0..=most).contains(&n) {
             return Err(bad("verified", format!("verified[{i}] = {n} must be in 0..={most} (steps_per_request[{i}])")));
@@ -376,7 +377,7 @@ impl Scheduler {
                     let n = fl.steps_r[i] as usize;
                     at += n;
                     // the policy learns from the positions verified (the cut ones have no outcome)
-                    let probs = draft_probs.map(|q| &q[at - n..at - n + verified[i] as usize]);
+                    let probs = draft_probs.map(|q| &q[at - n..at - n + (verified[i] as usize).min(n)]);
                     RequestVerify { id: fl.ids[i], steps: verified[i], accepted: accepted(i), draft_probs: probs }
                 })
                 .collect();

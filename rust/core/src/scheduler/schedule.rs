@@ -119,8 +119,9 @@ impl Scheduler {
                 let tree = d.tree.filter(|_| d.steps > 0);
                 debug_assert!(tree.map_or(true, |t| t.depth == d.steps
                     && self.tree.is_some_and(|c| t.topk <= c.topk && t.num_draft_tokens <= c.num_draft_tokens)));
-                // The confidence stop cuts a chain's verify; a tree verifies its nodes whole.
-                let stop = if tree.is_some() { 0.0 } else { d.confidence_stop.map_or(0.0, |c| c.min_survival) };
+                // The confidence stop cuts a chain's verify; on a tree (per-request budgets, issue
+                // 29 item 5) it keeps the nodes whose path confidence reaches it.
+                let stop = d.confidence_stop.map_or(0.0, |c| c.min_survival);
                 (d.steps, d.verify, graph, lower, tree, stop)
             }
             (None, None) => unreachable!("a scheduler has fixed steps or a policy"),
