@@ -62,10 +62,12 @@ def _forward(model, seq, pool=None):
 
 
 def run(target, module, shapes, sampling=None, logprobs=None, prompts=PROMPTS, new_tokens=NEW,
-        **worker_options):
+        min_survival=0.0, verified=None, **worker_options):
     """Prefill, then tree iterations of ``shapes`` (None: plain decoding, steps 0, through
     ``SpecWorker.decode``) until every request has ``NEW`` tokens. ``worker_options``: more
-    :class:`SpecWorker` keywords (CUDA graphs: tests/test_tree_graphs.py)."""
+    :class:`SpecWorker` keywords (CUDA graphs: tests/test_tree_graphs.py). ``min_survival``:
+    the plans' per-request node threshold (tests/test_tree_budget.py); ``verified``: a list
+    each tree iteration's ``(N, kept nodes [B])`` is appended to."""
     sampling = sampling or greedy(len(prompts))
     drafter = make_drafter(module, target, max_steps=7)
     slots = max(SLOTS, 96 * len(prompts))
@@ -98,8 +100,11 @@ def run(target, module, shapes, sampling=None, logprobs=None, prompts=PROMPTS, n
                             np.concatenate(new).astype(np.int64),
                                 np.concatenate(scratch).astype(np.int64), d, k, n,
                                 None if extra is None
-                                else np.concatenate(extra).astype(np.int64))
+                                else np.concatenate(extra).astype(np.int64),
+                                min_survival=min_survival)
             res = worker.decode(plan, sampling, None, logprobs)
+            if verified is not None and d:
+                verified.append((n, res.verified))
             for r in range(b):
                 a = int(res.accepted[r])
                 out[r].extend(res.tokens_of(r).tolist())

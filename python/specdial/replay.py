@@ -31,7 +31,10 @@ topk + (steps - 1) * topk**2)``; the depth is ``steps``), both or neither. The r
 chooses chain steps, so a tree line replays as a chain of its depth: ``min(a, k)`` of the
 accepted path's ``a`` drafts. That is optimistic for a chain (the tree's path may leave the
 drafter's top-1 chain, which a chain could not follow); the summary counts these verifies
-(``tree_verifies``) so a replay says how much of its trace came from trees.
+(``tree_verifies``) so a replay says how much of its trace came from trees. Under per-request
+node budgets (issue 29 item 5) a tree line carries ``min_survival`` and ``verified``: the nodes
+each request kept (``0..tree_nodes``); they bound what is known as above (a request that
+accepted all of its ``u_r`` kept nodes is censored at a chosen ``k > u_r``).
 
 Seconds: with a cost table (``--cost-table``, the JSON of :class:`specdial._core.CostTable`, which
 ``specdial policy simulate`` also reads) every verify costs what the table says for the batch
@@ -107,9 +110,11 @@ def parse_line(text: str, where: str) -> Verify | None:
     if secs is not None and (isinstance(secs, bool) or not isinstance(secs, (int, float))
                              or not math.isfinite(secs) or secs <= 0):
         raise TraceError(f"{where}: seconds must be a finite number > 0, got {secs!r}")
+    tree = _tree(obj, steps, where)
     return Verify(bs, np.asarray(acc, dtype=np.int64), steps, ctx,
-                  None if secs is None else float(secs), *_per_request(obj, acc, steps, where),
-                  tree=_tree(obj, steps, where))
+                  None if secs is None else float(secs),
+                  *_per_request(obj, acc, steps, where, None if tree is None else tree[1]),
+                  tree=tree)
 
 
 def _tree(obj: dict, steps: int | None, where: str) -> tuple[int, int] | None:
@@ -145,12 +150,14 @@ def _lengths(obj: dict, key: str, n: int, top: list[int] | int | None, where: st
     return v
 
 
-def _per_request(obj: dict, acc: list[int], steps: int | None,
-                 where: str) -> tuple[np.ndarray | None, float | None]:
+def _per_request(obj: dict, acc: list[int], steps: int | None, where: str,
+                 tree_nodes: int | None = None) -> tuple[np.ndarray | None, float | None]:
     """The record's per-request lengths (``verified`` or ``steps_per_request``, checked against
-    ``steps`` and ``accepted``) and ``min_survival``."""
+    ``steps`` and ``accepted``; a tree line's ``verified`` are kept nodes, checked against its
+    ``tree_nodes``) and ``min_survival``."""
     spr = _lengths(obj, "steps_per_request", len(acc), steps, where)
-    ver = _lengths(obj, "verified", len(acc), spr if spr is not None else steps, where)
+    top = tree_nodes if tree_nodes is not None else spr if spr is not None else steps
+    ver = _lengths(obj, "verified", len(acc), top, where)
     ms = obj.get("min_survival")
     if ms is not None and (isinstance(ms, bool) or not isinstance(ms, (int, float))
                            or not 0 < ms < 1):

@@ -83,7 +83,7 @@ def path_columns(path: torch.Tensor) -> torch.Tensor:
 
 def tree_accept(tree: DraftTree, target_logits: torch.Tensor, sampling: BatchSampling,
                 generator: torch.Generator | None, positions: torch.Tensor | None = None,
-                ancestors: torch.Tensor | None = None
+                ancestors: torch.Tensor | None = None, kept: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Accept a path of each request's draft tree (rules: the module docstring).
 
@@ -94,6 +94,10 @@ def tree_accept(tree: DraftTree, target_logits: torch.Tensor, sampling: BatchSam
       when ``sampling.any_seeded``.
     - ``ancestors`` ``[B, N + 1, N + 1]`` bool: :func:`~specdial.worker.tree.ancestor_mask`
       of ``tree.parents`` when the caller has it (the verify's tree mask), else built here.
+    - ``kept`` ``[B, N]`` bool, ancestor-closed: the nodes each request verifies (per-request
+      node budgets, :mod:`specdial.worker.tree_budget`); the others are never accepted and
+      take no part in the residual rule (a fixed subset of the deterministic children, so
+      each rule stays exact). None: every node.
 
     Returns ``(accepted [B] int64 in 0..D, path [B, D] int64, out_tokens [B, D + 1] int64)``:
     ``path[b, :accepted[b]]`` are the accepted nodes' verify columns (``-1`` after),
@@ -115,12 +119,16 @@ def tree_accept(tree: DraftTree, target_logits: torch.Tensor, sampling: BatchSam
         choice = _merge_rows(choice, _seeded_choice(tree, p, sampling, positions), sampling)
     if ancestors is None:
         ancestors = ancestor_mask(tree.parents)
-    accepted, path, last = _exact_walk(choice, tree, col_tokens, ancestors)
+    live = None if kept is None else torch.cat([kept.new_ones((b, 1)), kept], 1)  # [B, N + 1]
+    accepted, path, last = _exact_walk(choice, tree, col_tokens, ancestors, live)
     if not sampling.all_greedy and sampling.any_unseeded:
         if p is None:
             p = target_probs(logits, sampling)
-        s_acc, s_path, s_last = _sampling_walk(p, child_table(tree), col_tokens, tree.depth,
-                                               generator)
+        children = child_table(tree)
+        if live is not None:
+            flat = children.clamp(min=0).view(b, -1)
+            children = torch.where(live.gather(1, flat).view_as(children), children, -1)
+        s_acc, s_path, s_last = _sampling_walk(p, children, col_tokens, tree.depth, generator)
         exact = sampling.greedy_mask if sampling.seeded_mask is None else (
             sampling.greedy_mask | sampling.seeded_mask)
         accepted = torch.where(exact, accepted, s_acc)
@@ -159,7 +167,8 @@ def _seeded_choice(tree: DraftTree, p: torch.Tensor, sampling: BatchSampling,
 
 
 def _exact_walk(choice: torch.Tensor, tree: DraftTree, col_tokens: torch.Tensor,
-                ancestors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                ancestors: torch.Tensor, live: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Greedy / seeded walk: follow the child equal to ``choice`` ``[B, N + 1]`` at each column.
 
     Done for all columns at once instead of level by level: a node *matches* when its token
@@ -167,11 +176,14 @@ def _exact_walk(choice: torch.Tensor, tree: DraftTree, col_tokens: torch.Tensor,
     ancestors match (``ancestors`` ``[B, N + 1, N + 1]``, :func:`ancestor_mask`). Siblings
     hold distinct tokens (the top-k of one distribution), so at most one node per depth is
     on the path, and the path is the walk's. Returns ``(accepted [B], path [B, D] columns,
-    -1 past the path; the choice at the path's last column [B])``.
+    -1 past the path; the choice at the path's last column [B])``. ``live`` ``[B, N + 1]``
+    bool (or None: all): columns that may match (the kept nodes; the root is live).
     """
     pcol, depth = tree.columns()  # [B, N + 1] each; the root's parent column is -1
     match = col_tokens == choice.gather(1, pcol.clamp(min=0))
     match[:, 0] = True  # the root is always "accepted"
+    if live is not None:
+        match &= live
     on = ~(ancestors & ~match[:, None, :]).any(-1)  # [B, N + 1]
     levels = torch.arange(1, tree.depth + 1, device=choice.device)
     hit = on[:, :, None] & (depth[:, :, None] == levels)  # [B, N + 1, D]

@@ -47,6 +47,7 @@ from specdial.worker.logprobs import LogprobRows, token_logprobs
 from specdial.worker.stages import StepOutput
 from specdial.worker.tree import ancestor_mask, tree_positions
 from specdial.worker.tree_accept import path_columns, tree_accept
+from specdial.worker.tree_budget import compact_tree, kept_nodes
 from specdial.worker.tree_draft import TreeDraft, draft_tree
 from specdial.worker.tree_kv import copy_rows, copy_slots, tree_kv_indices
 from specdial.worker.tree_processing import process_tree_columns, step_histories
@@ -72,9 +73,15 @@ class TreePlan:
     #: (``max_new_tokens``, the context) accepts at most this many drafts; ``out_loc`` then
     #: holds ``sum(steps_per_request + 1)`` chain slots. None: every request ``steps``.
     steps_per_request: np.ndarray | None = None
+    #: per-request node budgets (issue 29 item 5, :mod:`specdial.worker.tree_budget`): a
+    #: request verifies only the nodes whose path confidence is ``>= min_survival``; 0: all N
+    min_survival: float = 0.0
 
     def __post_init__(self) -> None:
         b, d, k, n = len(self.rows), self.steps, self.tree_topk, self.num_draft_tokens
+        if not 0.0 <= self.min_survival < 1.0:
+            raise ValueError(f"tree plan: min_survival must be in [0, 1) (0: every node "
+                             f"verified), got {self.min_survival}")
         spr = self.steps_per_request
         if spr is not None and (len(spr) != b or (b and (spr.min() < 0 or spr.max() > d))):
             raise ValueError(f"tree plan: steps_per_request must hold {b} values in 0..{d}, "
@@ -113,7 +120,8 @@ class TreePlan:
         return cls(i64(plan.rows), i64(plan.input_ids), i64(plan.positions), i64(plan.out_loc),
                    i64(plan.scratch_loc), int(plan.steps), int(plan.tree_topk),
                    int(plan.num_draft_tokens), None if draft is None else i64(draft),
-                   None if spr is None else i64(spr))
+                   None if spr is None else i64(spr),
+                   float(getattr(plan, "min_survival", 0.0) or 0.0))
 
 
 def is_tree_plan(plan: Any) -> bool:
@@ -163,12 +171,14 @@ def run_tree_iteration(worker: Any, plan: TreePlan, sampling: BatchSampling,
     try:
         td = draft_tree(drafter, worker.backend, tables, rows_d, lens, root, first_hidden,
                         draft_loc, topk=k, depth=d, num_nodes=n, grammar=tg, rows_host=rows)
+        td, kept, n_kept = _node_budget(worker, td, plan.min_survival)
+        scratch = scratch[:, : td.tree.num_nodes]
         if tg is not None:  # the tree goes to the host during the target's forward
             tg.start_verify(td.tree)
         ancestors = ancestor_mask(td.tree.parents)  # [B, N + 1, N + 1]: verify and acceptance
         raw = _verify(worker, td, rows, lens, root, chain[:, 0], scratch, ancestors)
         acc, path, out, lp_pending = _accept(worker, td, raw, rows, lens, root, sampling,
-                                             generator, logprobs, tg, ancestors)
+                                             generator, logprobs, tg, ancestors, kept)
     finally:
         if tg is not None:
             tg.reset()  # the matchers at their requests' states, even after a failure
@@ -179,23 +189,43 @@ def run_tree_iteration(worker: Any, plan: TreePlan, sampling: BatchSampling,
     fed = _copy_path(worker, td, path, chain[:, 1:], scratch)
     tables.req_to_ids[rows_d[:, None], lens_d[:, None] + 1 + torch.arange(d + 1, device=dev)] \
         = out
-    host = torch.cat([acc[:, None], fed[:, None], out], 1).cpu().numpy()  # the one sync
+    host = torch.cat([acc[:, None], fed[:, None], n_kept[:, None], out], 1)
+    host = host.cpu().numpy()  # the one sync
     lp_host = None if lp_pending is None else lp_pending()
     accepted, fed_h = host[:, 0].astype(np.int64), host[:, 1].astype(np.int64)
+    verified = None if kept is None else host[:, 2].astype(np.int64)
+    out_h = host[:, 3:]
     if sampling.grammar is not None:  # the emitted tokens advance the matchers once
-        sampling.grammar.advance(accepted + 1, host[:, 2:])
+        sampling.grammar.advance(accepted + 1, out_h)
     ds.after_verify(rows, lens, fed_h + 1, accepted)
     ds.catch_up(rows, lens + accepted + 1, runner)
     keep = np.arange(d + 1)[None, :] <= accepted[:, None]
-    tokens = host[:, 2:][keep].astype(np.int64)
+    tokens = out_h[keep].astype(np.int64)
     offsets = np.concatenate([[0], np.cumsum(accepted + 1)]).astype(np.int64)
-    return StepOutput(d, tokens, offsets, accepted, lp_host)
+    return StepOutput(d, tokens, offsets, accepted, lp_host, verified=verified)
+
+
+def _node_budget(worker: Any, td: TreeDraft, min_survival: float
+                 ) -> tuple[TreeDraft, torch.Tensor | None, torch.Tensor]:
+    """Per-request node budgets (:mod:`specdial.worker.tree_budget`): ``(tree, kept [B, N']
+    bool or None, kept counts [B] int64)``. Without a threshold every node is kept (``kept``
+    None, counts ``N``); on a CPU device without tree graphs the tree is compacted to the
+    batch's most kept nodes (at least 1 column), elsewhere only masked."""
+    b, n = td.tree.tokens.shape
+    if not min_survival:
+        return td, None, torch.full((b,), n, dtype=torch.int64, device=td.tree.tokens.device)
+    kept = kept_nodes(td.confidence, min_survival)
+    count = kept.sum(1)
+    if worker.device.type == "cpu" and getattr(worker, "tree_graphs", None) is None:
+        width = max(1, int(count.max())) if b else 1  # host memory: no sync
+        td, kept = compact_tree(td, kept, width)
+    return td, kept, count
 
 
 def _accept(worker: Any, td: TreeDraft, raw: torch.Tensor, rows: np.ndarray, lens: np.ndarray,
             root: torch.Tensor, sampling: BatchSampling, generator: torch.Generator | None,
             logprobs: LogprobRows | None, grammar: TreeGrammar | None,
-            ancestors: torch.Tensor) -> tuple[Any, ...]:
+            ancestors: torch.Tensor, kept: torch.Tensor | None = None) -> tuple[Any, ...]:
     """Process the verify logits ``raw`` ``[B, N + 1, V]`` (each column with its own path:
     processors, then the grammar masks) and accept (:func:`tree_accept` over the tree mask
     ``ancestors`` ``[B, N + 1, N + 1]`` bool); returns
@@ -211,7 +241,7 @@ def _accept(worker: Any, td: TreeDraft, raw: torch.Tensor, rows: np.ndarray, len
     if grammar is not None:
         logits = grammar.mask_verify(logits)
     acc, path, out = tree_accept(td.tree, logits, sampling, generator, lens_d + 1,
-                                 ancestors=ancestors)
+                                 ancestors=ancestors, kept=kept)
     lp_pending = None
     if logprobs is not None:
         cols = path_columns(path)  # the uncapped path: a cap keeps its prefix

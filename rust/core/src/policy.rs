@@ -381,10 +381,13 @@ impl AdaptiveSpeculativeParams {
         let batch_size = requests.len() as i64;
         let (slot, _) = self.route(batch_size)?;
         let steps = obs.steps.or(self.pending[slot]).unwrap_or_else(|| self.current_steps(slot));
+        // a draft tree's per-request counts are its kept nodes (issue 29 item 5): up to N
+        let tree = self.goodput().and_then(|g| g.pending_tree()).filter(|t| t.depth == steps);
+        let most = tree.map_or(steps, |t| t.num_draft_tokens);
         for (i, r) in requests.iter().enumerate() {
             let bad = |m: String| Err(PolicyError::Requests(m));
-            if r.steps > steps {
-                return bad(format!("steps_per_request[{i}] = {} is above the iteration's steps {steps}", r.steps));
+            if r.steps > most {
+                return bad(format!("steps_per_request[{i}] = {} is above the iteration's steps {most}", r.steps));
             }
             if r.accepted < 0 || r.accepted > i64::from(r.steps) {
                 return bad(format!("accepted[{i}] = {} is outside 0..={} (its steps_per_request)", r.accepted, r.steps));

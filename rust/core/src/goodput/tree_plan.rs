@@ -239,6 +239,13 @@ impl GoodputPolicy {
         self.tree.as_ref().and_then(|t| t.current)
     }
 
+    /// The tree decided and not yet reported (its report's per-request counts are kept nodes,
+    /// up to its `num_draft_tokens`), if the last decision was a tree.
+    pub fn pending_tree(&self) -> Option<TreeShape> {
+        let plan = self.tree.as_ref()?;
+        plan.pending.map(|i| plan.acceptance.shapes()[i])
+    }
+
     /// Tree iterations reported so far.
     pub fn tree_iterations(&self) -> u64 {
         self.tree.as_ref().map_or(0, |t| t.iterations)
