@@ -255,3 +255,24 @@ def test_tree_lines_with_kept_node_counts_parse_and_are_bounded_by_tree_nodes():
     chain = {k: x for k, x in line.items() if k not in ("tree_topk", "tree_nodes")}
     with pytest.raises(TraceError, match="verified .* exceeds 3"):
         parse_line(json.dumps(chain), "t:1")
+
+
+def test_graph_replay_keeps_its_node_count_and_the_budget_only_masks_acceptance(tiny):
+    """With tree verify graphs (emulated on the CPU) the verify keeps the plan's ``N`` (its
+    graph key) and the budgets only mask acceptance: greedy tokens equal the compacted eager
+    run's and target-only, the verify replays, and the kept counts are the eager run's."""
+    from test_tree_graphs import GRAPH_BS
+
+    shapes = [(2, 3, 4), (4, 3, 8), (3, 4, 12)]
+    eager_v, graph_v = [], []
+    _, _, want, _ = run(tiny.target, tiny.draft_noisy, shapes, min_survival=0.3,
+                        verified=eager_v)
+    worker, _, out, _ = run(tiny.target, tiny.draft_noisy, shapes, min_survival=0.3,
+                            verified=graph_v, cuda_graph_bs=GRAPH_BS, cuda_graph_mode="emulate",
+                            tree_max_num_draft_tokens=16)
+    assert out == want
+    for r, prompt in enumerate(PROMPTS):
+        assert out[r] == reference_greedy(tiny.target, prompt, len(out[r]))
+    assert worker.tree_graphs.stats.replays["tree_verify"] > 0
+    assert [v.tolist() for _, v in graph_v] == [v.tolist() for _, v in eager_v]
+    assert any((v < n).any() for n, v in graph_v)
