@@ -363,3 +363,23 @@ fn the_trace_records_the_tree_shape_of_tree_iterations_only() {
     assert_eq!((trace[0].steps, trace[0].tree), (0, None));
     assert!(!trace[0].to_json().contains("tree"));
 }
+
+#[test]
+fn a_tree_reports_kept_node_counts_up_to_its_nodes() {
+    // Per-request node budgets (issue 29 item 5): a tree iteration's `verified` are the nodes
+    // each request kept, up to N (8 here), above the depth (3); above N is refused by name.
+    let mut s = tree(config(64, 4), 3, 4, 9);
+    s.add_request(vec![7; 5], 20, vec![], false).unwrap();
+    step(&mut s, &mut full).unwrap(); // prefill
+    let report = |s: &mut Scheduler, verified: &[i64]| {
+        let plan = s.schedule().unwrap().unwrap();
+        let (id, l) = (plan.request_ids[0], plan.positions[0]);
+        let tokens: Vec<i64> = (l + 1..=l + 3).map(|p| tok(id, p)).collect();
+        let extras = ReportExtras { verified: Some(verified), ..Default::default() };
+        s.report_with(&tokens, &[0, 3], Some(&[2]), extras)
+    };
+    report(&mut s, &[6]).unwrap();
+    s.check_invariants().unwrap();
+    let e = report(&mut s, &[9]).unwrap_err();
+    assert!(matches!(e, SchedulerError::InvalidReport { field: "verified", .. }), "{e:?}");
+}
