@@ -6,7 +6,9 @@ Arms (built-in target with the built-in draft model or the default EAGLE head, g
 - ``tree_adaptive``: the same policy with trees up to ``--topk`` and ``--num-draft-tokens``
   (SGLang's counting, the root included) as its bounds;
 - ``chain_fixed``: ``--fixed-steps`` drafts a chain every iteration;
-- ``tree_fixed``: the fixed tree ``(--fixed-steps, --topk, --fixed-tree-tokens)``.
+- ``tree_fixed``: the fixed tree ``(--fixed-steps, --topk, --fixed-tree-tokens)``;
+- ``tree_budget``: ``tree_adaptive`` with per-request node budgets (``"verify": "per_request"``,
+  ``"min_survival": "auto"``; issue 29 item 5), paired against ``tree_adaptive``.
 
 Every engine is built once and warmed up; each repetition runs every arm in turn (order
 rotated per repetition) over the same prompts, one request at a time (batch size 1), or with
@@ -51,9 +53,15 @@ def build(arm: str, args: argparse.Namespace):
         kw["draft_model_path"] = str(builtin_model_path("draft"))
     if arm.endswith("fixed"):
         kw.update(speculative_adaptive=False, speculative_num_steps=args.fixed_steps)
-    if arm == "tree_adaptive":
+    if arm in ("tree_adaptive", "tree_budget"):
         kw.update(speculative_eagle_topk=args.topk,
                   speculative_num_draft_tokens=args.num_draft_tokens)
+    if arm == "tree_budget":
+        from specdial._core import AdaptiveConfig
+
+        cfg = json.loads(AdaptiveConfig.default().to_json())
+        kw["speculative_adaptive_config"] = {**cfg, "verify": "per_request",
+                                             "min_survival": "auto"}
     if arm == "tree_fixed":
         kw.update(speculative_eagle_topk=args.topk,
                   speculative_num_draft_tokens=args.fixed_tree_tokens)
@@ -86,6 +94,9 @@ def paired(rates: dict[str, list[float]], prefix: str) -> dict[str, float]:
         if t in rates and c in rates:
             out[f"{prefix}tree/chain {kind}"] = statistics.median(
                 x / y for x, y in zip(rates[t], rates[c]))
+    if "tree_budget" in rates and "tree_adaptive" in rates:
+        out[f"{prefix}tree_budget/tree_adaptive"] = statistics.median(
+            x / y for x, y in zip(rates["tree_budget"], rates["tree_adaptive"]))
     return out
 
 
@@ -150,7 +161,7 @@ def main() -> None:
               f"{result['tokens_per_cpu_s'][a]:8.1f} tok/CPU-s  accept "
               f"{result['accept_length'][a]:.2f}")
     for k, v in result.items():
-        if "tree/chain" in k:
+        if "tree/chain" in k or "tree_budget/" in k:
             print(f"{k}: median paired ratio {v:.3f}")
     print(f"identical {identical}; load {load} -> {result['load_after']}")
 
