@@ -317,6 +317,11 @@ def speculative_accept(
         p = target_probs(target_logits, sampling)  # [B, k+1, V]
         choice = _merge_seeded(choice, _coupled_draws(p, sampling, positions), sampling)
     accepted = _capped(_accepted_prefix(draft_tokens == choice[:, :k]), limits)
+    if sampling.all_greedy or not sampling.any_unseeded:
+        # every row emits its target choices up to the accepted count: the accepted drafts
+        # equal them, and the choice after them is the correction or bonus token
+        cols = torch.arange(k + 1, device=choice.device)
+        return accepted, torch.where(cols <= accepted[:, None], choice, -1)
     last = choice.gather(1, accepted[:, None]).squeeze(1)
     if not sampling.all_greedy and sampling.any_unseeded:
         if p is None:
