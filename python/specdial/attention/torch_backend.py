@@ -25,7 +25,10 @@ class TorchAttentionMetadata(AttentionMetadata):
     - ``q_dst`` ``[T]`` int64: row of each packed query in the padded ``[B * max_qo_len]`` layout.
     - ``kv_gather`` ``[B, max_kv_len]`` int64: slot of each padded key (padding reads a valid
       slot of the batch and is masked out).
-    - ``mask`` ``[B, 1, max_qo_len, max_kv_len]`` bool: True where a query may attend.
+    - ``mask`` ``[B, 1, max_qo_len, max_kv_len]`` bool: True where a query may attend; None
+      on the CPU when every query may attend to every key (one query per request, no padded
+      keys: a draft step at batch size 1 or of equal lengths), where SDPA's result is the
+      same.
     - ``dense``: every request has ``max_qo_len`` queries (a decode batch: one token per draft
       step, ``steps + 1`` per verify), so ``q_dst`` is ``arange(T)`` and the padded layout is
       the packed one: the forward skips the scatter into it and the gather back (the same
@@ -36,7 +39,7 @@ class TorchAttentionMetadata(AttentionMetadata):
     max_kv_len: int
     q_dst: torch.Tensor
     kv_gather: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
     dense: bool = False
 
 
@@ -79,16 +82,22 @@ class TorchAttentionBackend(AttentionBackend):
 
         j = np.arange(max_kv, dtype=np.int64)
         kv_valid = j[None, :] < kv[:, None]  # [B, max_kv]
-        if b and (kv == max_kv).all():  # no padded keys: row r is kv_indices' r-th run
+        same_kv = bool(b) and bool((kv == max_kv).all())
+        if same_kv:  # no padded keys: row r is kv_indices' r-th run
             kv_gather = kv_indices.view(b, max_kv)
         else:
             flat = torch.from_numpy(np.where(kv_valid, kv_indptr[:-1, None] + j[None, :], 0))
             kv_gather = kv_indices[flat.to(dev)] if kv_indices.numel() else flat.to(dev)
 
+        mask: torch.Tensor | None = None
         if tree_mask is None:
-            q_pos = (kv - qo)[:, None] + np.arange(max_q, dtype=np.int64)[None, :]  # [B, max_q]
-            # padded query rows (i >= qo_len) see every valid key: no all-masked rows, no NaNs
-            mask = torch.from_numpy(kv_valid[:, None, :] & (j[None, None, :] <= q_pos[:, :, None]))
+            # one query per request, no padded keys: every query sees every key, and on the
+            # CPU SDPA without a mask gives the same values (its GPU kernels may differ)
+            if max_q > 1 or not same_kv or dev.type != "cpu":
+                q_pos = (kv - qo)[:, None] + np.arange(max_q, dtype=np.int64)[None, :]
+                # padded query rows (i >= qo_len) see every valid key: no all-masked rows
+                mask = torch.from_numpy(kv_valid[:, None, :]
+                                        & (j[None, None, :] <= q_pos[:, :, None]))
         else:  # draft trees: prefix + ancestors (base module docstring)
             mask = tree_key_mask(qo_t, kv_t, tree_mask.to("cpu"), max_kv)
 
@@ -97,7 +106,8 @@ class TorchAttentionBackend(AttentionBackend):
             qo_indptr=torch.from_numpy(qo_indptr).to(dev),
             kv_indptr=torch.from_numpy(kv_indptr).to(dev),
             max_qo_len=max_q, max_kv_len=max_kv, q_dst=torch.from_numpy(q_dst).to(dev),
-            kv_gather=kv_gather, mask=mask[:, None].to(dev), dense=dense,
+            kv_gather=kv_gather, mask=None if mask is None else mask[:, None].to(dev),
+            dense=dense,
         )
 
     def forward(self, q: torch.Tensor, layer_id: int, kv_pool: KVPool,
