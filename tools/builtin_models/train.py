@@ -321,12 +321,12 @@ def eagle_train_forward(head, input_ids: torch.Tensor, hidden_in: torch.Tensor,
     hq, hk, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
     x = head.fc(torch.cat([head.embed_tokens(input_ids), hidden_in], -1))
     positions = torch.arange(t)
-    cos, sin = head.rotary(positions, x.dtype)  # [T, D]
+    cos, sin = head.rotary(positions, x.dtype)  # [T, 1, D] (cos, rot_sin)
     hn = layer.input_layernorm(x)
 
     def rot(z, heads):  # [B, T, heads*D] -> rotated [B, heads, T, D]
         z = z.view(b * t, heads, d)
-        z = apply_rotary(z, cos.repeat(b, 1), sin.repeat(b, 1))
+        z = apply_rotary(z, cos.repeat(b, 1, 1), sin.repeat(b, 1, 1))
         return z.view(b, t, heads, d).transpose(1, 2)
 
     q = rot(attn.q_proj(hn), hq)

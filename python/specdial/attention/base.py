@@ -33,6 +33,28 @@ def indptr(lens: torch.Tensor) -> torch.Tensor:
     return torch.cat([zero, torch.cumsum(lens, 0)])
 
 
+def host_indptr(lens: np.ndarray) -> np.ndarray:
+    """:func:`indptr` of host int64 ``lens`` ``[B]``: numpy int64 ``[B + 1]``."""
+    out = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=out[1:])
+    return out
+
+
+def check_host_lens(qo_lens: np.ndarray, kv_lens: np.ndarray, kv_indices: torch.Tensor) -> None:
+    """:meth:`AttentionMetadata.check_lens` over host int64 lens ``[B]`` (numpy): the same
+    rules and ``ValueError`` messages, no torch op (a plan runs several per iteration)."""
+    if qo_lens.ndim != 1 or kv_lens.ndim != 1 or kv_indices.dim() != 1:
+        raise ValueError("qo_lens, kv_lens and kv_indices must be 1-D tensors")
+    if len(qo_lens) != len(kv_lens):
+        raise ValueError(f"qo_lens has {len(qo_lens)} requests, kv_lens {len(kv_lens)}")
+    if (qo_lens < 0).any() or (qo_lens > kv_lens).any():
+        raise ValueError("every request needs 0 <= qo_len <= kv_len")
+    total = int(kv_lens.sum())
+    if total != kv_indices.numel():
+        raise ValueError(f"kv_indices has {kv_indices.numel()} entries, "
+                         f"sum(kv_lens) is {total}")
+
+
 @dataclass
 class AttentionMetadata:
     """Per-batch attention layout (flashinfer-style CSR), shared by all layers.

@@ -8,8 +8,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specdial.attention.base import (AttentionBackend, AttentionMetadata, indptr,
-                                     check_static_plan, expand_kv_indices, tree_key_mask)
+from specdial.attention.base import (AttentionBackend, AttentionMetadata, check_host_lens,
+                                     check_static_plan, expand_kv_indices, host_indptr,
+                                     tree_key_mask)
 from specdial.kv_pool import KVPool
 
 
@@ -24,7 +25,10 @@ class TorchAttentionMetadata(AttentionMetadata):
     - ``q_dst`` ``[T]`` int64: row of each packed query in the padded ``[B * max_qo_len]`` layout.
     - ``kv_gather`` ``[B, max_kv_len]`` int64: slot of each padded key (padding reads a valid
       slot of the batch and is masked out).
-    - ``mask`` ``[B, 1, max_qo_len, max_kv_len]`` bool: True where a query may attend.
+    - ``mask`` ``[B, 1, max_qo_len, max_kv_len]`` bool: True where a query may attend; None
+      on the CPU when every query may attend to every key (one query per request, no padded
+      keys: a draft step at batch size 1 or of equal lengths), where SDPA's result is the
+      same.
     - ``dense``: every request has ``max_qo_len`` queries (a decode batch: one token per draft
       step, ``steps + 1`` per verify), so ``q_dst`` is ``arange(T)`` and the padded layout is
       the packed one: the forward skips the scatter into it and the gather back (the same
@@ -35,7 +39,7 @@ class TorchAttentionMetadata(AttentionMetadata):
     max_kv_len: int
     q_dst: torch.Tensor
     kv_gather: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
     dense: bool = False
 
 
@@ -52,38 +56,58 @@ class TorchAttentionBackend(AttentionBackend):
     def plan(self, qo_lens: torch.Tensor, kv_lens: torch.Tensor,
              kv_indices: torch.Tensor, tree_mask: torch.Tensor | None = None
              ) -> TorchAttentionMetadata:
+        """The padded layout of a batch (:class:`TorchAttentionMetadata`).
+
+        Index arithmetic on the host in numpy (a few µs per array, where each small torch op
+        costs several: a decode iteration plans 4-5 batches), then one gather of the key slots
+        on ``kv_indices``'s device; when every request has the same KV length the padded key
+        table is ``kv_indices`` itself, viewed ``[B, max_kv]`` (no gather). Raises
+        ``ValueError`` on inconsistent lengths (:func:`check_host_lens`)."""
         dev = self.device if self.device is not None else kv_indices.device
-        qo = qo_lens.to("cpu", torch.int64)
-        kv = kv_lens.to("cpu", torch.int64)
+        qo_t = qo_lens.to("cpu", torch.int64)
+        kv_t = kv_lens.to("cpu", torch.int64)
+        qo, kv = qo_t.numpy(), kv_t.numpy()
         kv_indices = kv_indices.to(dev, torch.int64).contiguous()
-        AttentionMetadata.check_lens(qo, kv, kv_indices)
-        b = qo.numel()
+        check_host_lens(qo, kv, kv_indices)
+        b = len(qo)
         max_q = int(qo.max()) if b else 0
         max_kv = int(kv.max()) if b else 0
-        qo_indptr, kv_indptr = indptr(qo), indptr(kv)
+        qo_indptr, kv_indptr = host_indptr(qo), host_indptr(kv)
+        dense = int(qo_indptr[-1]) == b * max_q
+        if dense:  # every request has max_q queries: the padded layout is the packed one
+            q_dst = np.arange(b * max_q, dtype=np.int64)
+        else:  # packed token t of request r, i-th query -> padded row r * max_q + i
+            req = np.repeat(np.arange(b, dtype=np.int64), qo)
+            q_dst = req * max_q + (np.arange(len(req), dtype=np.int64) - qo_indptr[req])
 
-        # packed token t of request r, i-th query -> padded row r * max_q + i
-        req = torch.repeat_interleave(torch.arange(b), qo)
-        q_dst = req * max_q + (torch.arange(req.numel()) - qo_indptr[req])
-
-        j = torch.arange(max_kv)
+        j = np.arange(max_kv, dtype=np.int64)
         kv_valid = j[None, :] < kv[:, None]  # [B, max_kv]
-        flat = torch.where(kv_valid, kv_indptr[:-1, None] + j[None, :], 0)
-        kv_gather = kv_indices[flat.to(dev)] if kv_indices.numel() else flat.to(dev)
+        same_kv = bool(b) and bool((kv == max_kv).all())
+        if same_kv:  # no padded keys: row r is kv_indices' r-th run
+            kv_gather = kv_indices.view(b, max_kv)
+        else:
+            flat = torch.from_numpy(np.where(kv_valid, kv_indptr[:-1, None] + j[None, :], 0))
+            kv_gather = kv_indices[flat.to(dev)] if kv_indices.numel() else flat.to(dev)
 
+        mask: torch.Tensor | None = None
         if tree_mask is None:
-            q_pos = (kv - qo)[:, None] + torch.arange(max_q)[None, :]  # [B, max_q]
-            # padded query rows (i >= qo_len) see every valid key: no all-masked rows, no NaNs
-            mask = kv_valid[:, None, :] & (j[None, None, :] <= q_pos[:, :, None])
+            # one query per request, no padded keys: every query sees every key, and on the
+            # CPU SDPA without a mask gives the same values (its GPU kernels may differ)
+            if max_q > 1 or not same_kv or dev.type != "cpu":
+                q_pos = (kv - qo)[:, None] + np.arange(max_q, dtype=np.int64)[None, :]
+                # padded query rows (i >= qo_len) see every valid key: no all-masked rows
+                mask = torch.from_numpy(kv_valid[:, None, :]
+                                        & (j[None, None, :] <= q_pos[:, :, None]))
         else:  # draft trees: prefix + ancestors (base module docstring)
-            mask = tree_key_mask(qo, kv, tree_mask.to("cpu"), max_kv)
+            mask = tree_key_mask(qo_t, kv_t, tree_mask.to("cpu"), max_kv)
 
         return TorchAttentionMetadata(
-            qo_lens=qo.to(dev), kv_lens=kv.to(dev), kv_indices=kv_indices,
-            qo_indptr=qo_indptr.to(dev), kv_indptr=kv_indptr.to(dev),
-            max_qo_len=max_q, max_kv_len=max_kv, q_dst=q_dst.to(dev),
-            kv_gather=kv_gather, mask=mask[:, None].to(dev),
-            dense=req.numel() == b * max_q,
+            qo_lens=qo_t.to(dev), kv_lens=kv_t.to(dev), kv_indices=kv_indices,
+            qo_indptr=torch.from_numpy(qo_indptr).to(dev),
+            kv_indptr=torch.from_numpy(kv_indptr).to(dev),
+            max_qo_len=max_q, max_kv_len=max_kv, q_dst=torch.from_numpy(q_dst).to(dev),
+            kv_gather=kv_gather, mask=None if mask is None else mask[:, None].to(dev),
+            dense=dense,
         )
 
     def forward(self, q: torch.Tensor, layer_id: int, kv_pool: KVPool,

@@ -56,9 +56,14 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Computes ``(cos, sin)`` ``[T, head_dim]`` for positions ``[T]``, once per forward.
+    """Computes the rotation ``(cos, rot_sin)`` ``[T, 1, head_dim]`` for positions ``[T]``,
+    once per forward, in the form :func:`apply_rotary` takes.
 
-    ``inv_freq`` stays float32 even if the module is cast to another dtype.
+    ``cos``/``sin`` are transformers' (``emb = cat(freqs, freqs)``, computed in float32, cast
+    to ``dtype``); ``rot_sin`` is ``sin`` with its first half negated, so that
+    ``rotate_half(x) * sin == x.roll(head_dim // 2, -1) * rot_sin`` exactly (negation is exact
+    in floating point): the rotation then costs 4 ops instead of 7. ``inv_freq`` stays float32
+    even if the module is cast to another dtype.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -75,18 +80,17 @@ class RotaryEmbedding(nn.Module):
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        sin = emb.sin().to(dtype)
+        half = sin.shape[-1] // 2
+        sin[:, :half].neg_()
+        return emb.cos().to(dtype)[:, None, :], sin[:, None, :]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, heads, head_dim]`` by ``cos``/``sin`` ``[T, head_dim]``."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return x * cos + _rotate_half(x) * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, rot_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[T, heads, head_dim]`` by :class:`RotaryEmbedding`'s ``cos`` /
+    ``rot_sin`` ``[T, 1, head_dim]``: transformers' ``x * cos + rotate_half(x) * sin``,
+    bit for bit (``rotate_half(x) = cat(-x2, x1)``, here ``x.roll(half) * rot_sin``)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * rot_sin
 
 
 class MLP(nn.Module):
@@ -135,10 +139,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch, kv: KVPool, backend: AttentionBackend) -> torch.Tensor:
-        t = x.shape[0]
-        q = apply_rotary(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
-        self.write_kv(x, cos, sin, batch, kv)
-        o = backend.forward(q, self.layer_id, kv, batch.attn, self.scale)
+        t, h = x.shape[0], self.num_heads
+        q = self.q_proj(x).view(t, h, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        qk = apply_rotary(torch.cat([q, k], 1), cos, sin)  # one rotation for q and k
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        kv.write(self.layer_id, batch.out_loc, qk[:, h:], v)
+        o = backend.forward(qk[:, :h], self.layer_id, kv, batch.attn, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 

@@ -49,9 +49,12 @@ class DraftRun:
             logits = proc.draft_step(d.to_target_logits(logits), i, input_ids)
         conf = None
         if sampling.all_greedy:
-            tok = logits.argmax(-1)
-            if self.conf_out is not None:
-                conf = greedy_confidence(logits)
+            if self.conf_out is not None:  # max's index is argmax's (the first maximum)
+                logits = logits.float()
+                top, tok = logits.max(-1)
+                conf = torch.exp(top - torch.logsumexp(logits, -1))  # softmax at the argmax
+            else:
+                tok = logits.argmax(-1)
             tok = tok if proc is not None else d.to_target_ids(tok)
         else:
             if proc is None:
@@ -68,7 +71,7 @@ class DraftRun:
             assert self.conf_out is not None
             # a probability (Scheduler.report checks [0, 1]): renormalised top-k / top-p
             # weights can round a hair above 1, and a row masked to nothing has no confidence
-            self.conf_out[:, i].copy_(conf.nan_to_num(0.0).clamp(0.0, 1.0))
+            self.conf_out[:, i].copy_(conf.nan_to_num_(0.0).clamp_(0.0, 1.0))
         self.tokens.append(tok)
         return tok
 

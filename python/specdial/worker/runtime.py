@@ -48,6 +48,10 @@ class RequestTables:
         self.max_bs, self.width, self.device = max_bs, width, device
         self.req_to_token = torch.zeros(max_bs, width, dtype=I64, device=device)
         self.req_to_ids = torch.zeros(max_bs, width, dtype=I64, device=device)
+        #: CPU tables: a numpy view of ``req_to_token`` (same memory), so the eager plans'
+        #: slot lists are one numpy gather instead of several small torch ops
+        self.host_token = (self.req_to_token.numpy() if self.req_to_token.device.type == "cpu"
+                           else None)
 
     def write(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray,
               kv_slots: np.ndarray | None = None, ids: np.ndarray | None = None) -> None:
@@ -72,6 +76,19 @@ class RequestTables:
         starts = torch.cumsum(kv_lens, 0) - kv_lens
         pos = torch.arange(total, device=self.device) - starts[req]
         return self.req_to_token[rows[req], pos]
+
+    def kv_indices_host(self, rows: np.ndarray, kv_lens: np.ndarray) -> torch.Tensor | None:
+        """:meth:`kv_indices` from host ``rows`` / ``kv_lens`` (numpy int64 ``[B]``) on CPU
+        tables: a fresh CPU tensor ``[sum(kv_lens)]`` (copied out of the table, which later
+        iterations overwrite). None on other devices (use :meth:`kv_indices`, which keeps the
+        arithmetic on the device)."""
+        if self.host_token is None:
+            return None
+        if len(rows) == 1:
+            return torch.from_numpy(self.host_token[int(rows[0]), : int(kv_lens[0])].copy())
+        row_rep, pos = ragged_positions(np.asarray(rows, np.int64), np.zeros_like(kv_lens),
+                                        kv_lens)
+        return torch.from_numpy(self.host_token[row_rep, pos])
 
 
 def ragged_positions(rows: np.ndarray, starts: np.ndarray,

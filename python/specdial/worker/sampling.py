@@ -317,15 +317,25 @@ def speculative_accept(
         p = target_probs(target_logits, sampling)  # [B, k+1, V]
         choice = _merge_seeded(choice, _coupled_draws(p, sampling, positions), sampling)
     accepted = _capped(_accepted_prefix(draft_tokens == choice[:, :k]), limits)
+    if sampling.all_greedy or not sampling.any_unseeded:
+        return accepted, _emitted_choices(choice, accepted)
     last = choice.gather(1, accepted[:, None]).squeeze(1)
-    if not sampling.all_greedy and sampling.any_unseeded:
-        if p is None:
-            p = target_probs(target_logits, sampling)
-        rejection, drawn = _rejection_sample(draft_tokens, draft_probs, p, generator, limits)
-        exact = _exact_rows(sampling)
-        accepted = torch.where(exact, accepted, rejection)
-        last = torch.where(exact, last, drawn)
+    p = target_probs(target_logits, sampling) if p is None else p
+    rejection, drawn = _rejection_sample(draft_tokens, draft_probs, p, generator, limits)
+    exact = _exact_rows(sampling)
+    accepted = torch.where(exact, accepted, rejection)
+    last = torch.where(exact, last, drawn)
     return accepted, _emitted(draft_tokens, accepted, last)
+
+
+def _emitted_choices(choice: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+    """:func:`_emitted` of a batch without unseeded sampling rows: ``choice`` ``[B, k + 1]``
+    (the target's argmax or seeded draw per column), ``accepted`` ``[B]`` -> ``[B, k + 1]``,
+    ``choice`` up to column ``accepted`` and ``-1`` after. The accepted drafts equal those
+    choices and the choice after them is the correction or bonus token, so this is the same
+    tensor in 2 ops instead of a gather and ``_emitted``'s 6."""
+    cols = torch.arange(choice.shape[1], device=choice.device)
+    return torch.where(cols <= accepted[:, None], choice, -1)
 
 
 def _capped(accepted: torch.Tensor, limits: torch.Tensor | None) -> torch.Tensor:

@@ -127,11 +127,16 @@ class StepRunner:
         return self.graph.sizes
 
     # ------------------------------------------------------------------ decode preparation
-    def _plan(self, rows: torch.Tensor, qo_lens: np.ndarray, kv_lens: np.ndarray):
-        """Eager metadata from the request tables (no pool)."""
+    def _plan(self, rows: torch.Tensor, qo_lens: np.ndarray, kv_lens: np.ndarray,
+              host_rows: np.ndarray | None = None):
+        """Eager metadata from the request tables (no pool); ``host_rows``: ``rows`` as a
+        host array, which lets CPU tables gather the slot lists in numpy."""
         assert self.tables is not None
-        kv_d = load(self.buffers.kv_lens, kv_lens)
-        kv_indices = self.tables.kv_indices(rows, kv_d, int(kv_lens.sum()))
+        kv_indices = (None if host_rows is None
+                      else self.tables.kv_indices_host(host_rows, kv_lens))
+        if kv_indices is None:
+            kv_d = load(self.buffers.kv_lens, kv_lens)
+            kv_indices = self.tables.kv_indices(rows, kv_d, int(kv_lens.sum()))
         return self.backend.plan(torch.from_numpy(qo_lens), torch.from_numpy(kv_lens),
                                  kv_indices)
 
@@ -174,7 +179,7 @@ class StepRunner:
             layout = KVLayout(t.kv_indices(rows_d, load(buf.kv_lens, lens), int(lens.sum())),
                               lens)
         meta: Any = None if graphs else self._plan(rows_d, np.full(b, n, np.int64),
-                                                   target_len + n)
+                                                   target_len + n, rows)
         verify = ForwardBatch(ids.view(-1), positions.view(-1), out_loc.view(-1), meta)
         draft = []
         if k:
@@ -186,7 +191,7 @@ class StepRunner:
                 draft.append(ForwardBatch(
                     buf.draft_input_ids[i, :b], buf.draft_positions[i, :b],
                     buf.draft_out_loc[i, :b],
-                    None if graphs else self._plan(rows_d, ones, target_len + i + 1)))
+                    None if graphs else self._plan(rows_d, ones, target_len + i + 1, rows)))
         if not graphs:
             return DecodeBatches(verify, draft, rows_d, positions, ids)
         return DecodeBatches(verify, draft, rows_d, positions, ids,
@@ -227,7 +232,7 @@ class StepRunner:
         also returns, per token at position ``p``, the hidden-buffer row of position ``p - 1``
         (``hidden_rows`` for ``p = 0``): EAGLE's input feature index."""
         ids, pos_d, loc, hidx = self.ragged_inputs(rows, starts, ends, hidden_rows)
-        meta = self._plan(load(self.buffers.ragged_rows, rows), ends - starts, ends)
+        meta = self._plan(load(self.buffers.ragged_rows, rows), ends - starts, ends, rows)
         return ForwardBatch(ids, pos_d, loc, meta), hidx
 
     def ragged_inputs(self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
