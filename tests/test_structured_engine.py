@@ -333,7 +333,20 @@ def test_a_request_waits_for_its_grammar_and_a_cancel_meanwhile_drops_it():
 
 
 def test_tree_engines_verified_trees_under_grammars(engine):
-    """Last for each engine: the tree engines' constrained requests above went through the
-    tree iteration with their grammar (the adaptive one among chains), the chain engines'
-    never did."""
-    assert (sum(engine.constrained_trees) > 0) == engine.speculation.startswith("tree")
+    """The fixed-tree engine's constrained requests go through the tree iteration with their
+    grammar; the chain engines' never do. What holds whatever the machine's speed: the
+    adaptive tree engine (``tree4_adaptive``) runs trees only when the goodput policy, which
+    learns from measured seconds, chooses them, so whether it does within a few requests
+    depends on the machine's load and is not asserted (its outputs under the grammars are
+    checked by the tests above; trees of topk 2 and 4 under grammars, greedy-exact, by
+    ``test_greedy_with_trees_equals_target_only_greedy``). Runs its own requests, so it
+    does not depend on the order of the tests."""
+    engine.constrained_trees.clear()
+    outs = engine.generate([PROMPTS[i % len(PROMPTS)] for i in range(8)],
+                           {"max_new_tokens": 24, "temperature": 1.0, "regex": REGEX})
+    assert all(_valid_prefix(engine, "regex", REGEX, o["output_ids"]) for o in outs)
+    verified = engine.constrained_trees
+    if engine.speculation == "tree2x3":  # a fixed tree: every decode iteration is a tree
+        assert sum(verified) > 0 and all(verified), verified
+    elif not engine.speculation.startswith("tree"):
+        assert not verified, verified  # chains never run the tree iteration
