@@ -18,7 +18,8 @@ weak EAGLE head, ``builtin/eagle-weak``) are loaded once; every run builds a fre
 them (``Engine.from_modules``, no policy cache), warms it with a few requests (untimed), then
 runs ``--num-prompts`` requests of ``mixed-batch`` (greedy code and temperature-1.0 prose
 interleaved in arrival order; ``--max-new-tokens`` each, EOS ignored) at the concurrency, all
-arriving at once. Each round runs every arm, the order rotated and reversed every other round.
+arriving at once. Each round runs every arm, in an order that gives every arm every position
+(:func:`round_order`).
 
 Two clocks per run, over the timed requests only (the warm-up excluded):
 
@@ -133,13 +134,21 @@ def issue28_arms(survivals: str, auto: bool) -> dict[str, dict[str, Any]]:
     return arms
 
 
+def round_order(names: list[str], r: int) -> list[str]:
+    """The arms' order in round ``r``: ``names`` rotated by ``r // 2``, reversed in odd rounds.
+    Two arms alternate ABBA (each first in half the rounds); three run all six orders in six
+    rounds. (Rotating by ``r`` and reversing odd rounds, as before, put the first of two arms
+    first in every round: the rotation and the reversal cancel.)"""
+    k = (r // 2) % len(names)
+    order = names[k:] + names[:k]
+    return order if r % 2 == 0 else order[::-1]
+
+
 def run_round(base: Engine, arms: dict[str, dict[str, Any]], names: list[str], c: int,
               r: int, args: Any) -> dict[str, Any]:
-    """Round ``r`` at concurrency ``c``: every arm once, in an order that puts every arm in
-    every position (rotated, reversed every other round); the paired ratios over the first
-    arm on both clocks. Prints the round as one JSON line."""
-    order = names[r % len(names):] + names[:r % len(names)]
-    order = order if r % 2 == 0 else order[::-1]
+    """Round ``r`` at concurrency ``c``: every arm once, in :func:`round_order`; the paired
+    ratios over the first arm on both clocks. Prints the round as one JSON line."""
+    order = round_order(names, r)
     load, started = os.getloadavg()[0], time.perf_counter()
     got: dict[str, Any] = {arm: one_run(base, arms[arm], c, args) for arm in order}
     base_arm = got[names[0]]

@@ -118,6 +118,20 @@ def test_verify_budgets_benches_smoke(tmp_path):
     assert all(0 < loop_ms[arm] <= proc_ms[arm] for arm in ("a", "b")), (proc_ms, loop_ms)
 
 
+def test_verify_budgets_ab_gives_every_arm_every_position():
+    """The paired A/B's order: two arms alternate (each first in half the rounds), three run
+    all six orders in six rounds."""
+    sys.path.insert(0, str(ROOT / "benches"))
+    try:
+        from verify_budgets_ab import round_order
+    finally:
+        sys.path.remove(str(ROOT / "benches"))
+    two = [round_order(["a", "b"], r)[0] for r in range(8)]
+    assert two.count("a") == two.count("b") == 4, two
+    three = {tuple(round_order(["a", "b", "c"], r)) for r in range(6)}
+    assert len(three) == 6, three
+
+
 def test_prefix_cache_ab_smoke():
     """Issue 30's on/off script runs both workloads, alternating, and reports both sides (no
     speed is asserted: cached tokens and ratios are figures)."""
