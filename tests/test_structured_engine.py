@@ -347,8 +347,8 @@ def test_tree_engines_verified_trees_under_grammars(engine):
     tokens, so every one decodes), not relying on the tests before it. The adaptive tree
     engine is a fresh one whose policy learns from :func:`memory_bound_seconds`: with
     measured seconds, whether it picks trees depends on the machine's load, and the shared
-    engine's learned state on the unseeded requests before (idle runs of a fresh engine read
-    8-11 tree iterations of about 15)."""
+    engine's learned state on the unseeded requests before (trial runs of a fresh engine with
+    this cost, 8 requests of 48 tokens, read 8-11 tree iterations of about 15)."""
     fresh = engine.speculation == "tree4_adaptive"
     e = Engine(model_path=None, **KW, **SPECULATION[engine.speculation]) if fresh else engine
     try:
