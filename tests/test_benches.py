@@ -112,6 +112,24 @@ def test_verify_budgets_benches_smoke(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(out.read_text())["by_concurrency"]["2"]
     assert len(res["ratios"]) == 1 and res["median_ratio_b_over_a"] > 0
+    # the CPU clocks beside the wall one: the loop thread's CPU is part of the process's
+    assert res["median_cpu_ratio_b_over_a"] > 0 and len(res["by_arm"]["b"]["cpu"]["ratios"]) == 1
+    proc_ms, loop_ms = res["median_cpu_ms_per_token"], res["median_loop_cpu_ms_per_token"]
+    assert all(0 < loop_ms[arm] <= proc_ms[arm] for arm in ("a", "b")), (proc_ms, loop_ms)
+
+
+def test_verify_budgets_ab_gives_every_arm_every_position():
+    """The paired A/B's order: two arms alternate (each first in half the rounds), three run
+    all six orders in six rounds."""
+    sys.path.insert(0, str(ROOT / "benches"))
+    try:
+        from verify_budgets_ab import round_order
+    finally:
+        sys.path.remove(str(ROOT / "benches"))
+    two = [round_order(["a", "b"], r)[0] for r in range(8)]
+    assert two.count("a") == two.count("b") == 4, two
+    three = {tuple(round_order(["a", "b", "c"], r)) for r in range(6)}
+    assert len(three) == 6, three
 
 
 def test_prefix_cache_ab_smoke():

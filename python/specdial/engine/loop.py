@@ -109,6 +109,9 @@ class EngineLoop(LoopInbox):
         self._goodput_at = -POLICY_REFRESH_S
         # read once: only this loop changes them (set_fixed_steps), and the strategy never
         self._policy = scheduler.policy_strategy
+        #: the test hook for a deterministic cost: ``f(plan, measured_s) -> seconds`` reported
+        #: to the policy instead of the measured wall seconds (None: the measured ones)
+        self.decode_seconds: Callable[[Any, float], float] | None = None
         self._fixed_steps = scheduler.fixed_steps
         self._unfinished = 0  # live requests in the scheduler, from the latest stats
         self._stats_stale = False  # a request finished after the report's stats
@@ -214,11 +217,14 @@ class EngineLoop(LoopInbox):
     def _run_decode(self, plan: Any, rids: list[int], started: float
                     ) -> tuple[StepOutput, Any, StopCheck]:
         """The decode passes and their report, timed from ``started`` (before ``schedule()``)
-        to the passes' end: the ``seconds`` the adaptive policy's cost model learns from. The
+        to the passes' end: the ``seconds`` the adaptive policy's cost model learns from
+        (``decode_seconds(plan, measured)`` instead where that test hook is set). The
         stop strings are checked before the report, which finishes those that matched."""
         sampling = self._sampling_for(rids)
         out = self.worker.decode(plan, sampling, self.generator, self._lp_rows)
         seconds = time.perf_counter() - started
+        if self.decode_seconds is not None:
+            seconds = float(self.decode_seconds(plan, seconds))
         stops = check_stop_strings(self.live, rids, out.tokens, out.offsets)
         res = self.sched.report(out.tokens, out.offsets, out.accepted, seconds=seconds,
                                 stop_strings=stops.stopped, **out.decode_extras())
