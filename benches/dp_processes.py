@@ -11,7 +11,8 @@ checkout's ``python`` directory, its ``_core`` module built) and ``dp1_baseline`
 thread, the same), for a paired before/after of a change to the serving path; ``--configs``
 runs only the configurations it names. Each configuration runs in its own
 process, started once and kept warm, so that the repetitions can alternate: repetition ``r``
-runs every configuration in turn (order rotated each repetition), ``--repeats`` times; the
+runs every configuration in turn (order rotated each repetition, and reversed every other
+one), ``--repeats`` times; the
 median tokens/s per configuration is reported with the ratio of dp 2 to the best dp 1. Two
 paths, each with its own processes:
 
@@ -207,7 +208,11 @@ def measure(path: str, ns: argparse.Namespace) -> dict:
         server_ms: dict[str, list[float]] = {name: [] for name in runs}
         names = list(runs)
         for rep in range(ns.repeats):
-            for name in names[rep % len(names):] + names[:rep % len(names)]:
+            order = names[rep % len(names):] + names[:rep % len(names)]
+            # odd repetitions run backwards: each configuration follows a different one in
+            # turn (a rotation alone keeps the cyclic order, so one configuration would always
+            # run right after the same other one, and inherit its after-effects)
+            for name in order[::-1] if rep % 2 else order:
                 out = runs[name].run(ns.tokens)
                 tps[name].append(out["tps"])
                 cpu_ms[name].append(1000 * out["cpu_s"] / out["tokens"])
