@@ -10,8 +10,9 @@ token over it). ``--baseline DIR`` adds ``dp2_baseline``: dp 2 with ``PYTHONPATH
 checkout's ``python`` directory, its ``_core`` module built) and ``dp1_baseline`` (dp 1, one
 thread, the same), for a paired before/after of a change to the serving path; run the other
 arms from a copy too (``PYTHONPATH=NEWDIR ... --baseline OLDDIR``, both copies on one file
-system): on this VM the same code read 8-25 % more CPU per token imported from the editable
-install under /work than copied to /tmp. ``--configs`` runs only the configurations it names. Each configuration runs in its own
+system). One process per arm: on the loaded VM single server processes of the same code read
+5-25 % apart in CPU per token (BENCHMARKS.md), so a change of a few percent needs a paired
+comparison inside one process. ``--configs`` runs only the configurations it names. Each configuration runs in its own
 process, started once and kept warm, so that the repetitions can alternate: repetition ``r``
 runs every configuration in turn (order rotated each repetition, and reversed every other
 one), ``--repeats`` times; the
