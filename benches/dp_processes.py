@@ -7,10 +7,15 @@ Configurations: ``dp1_1thread`` and ``dp1_2threads`` (one engine, ``cpu_threads`
 one thread, half the requests: what each dp 2 replica runs, so its CPU per token is what dp 2
 would cost if the process split added nothing; ``split_cpu_over_half_batch`` is dp 2's CPU per
 token over it). ``--baseline DIR`` adds ``dp2_baseline``: dp 2 with ``PYTHONPATH=DIR`` (another
-checkout's ``python`` directory, its ``_core`` module built), for a paired before/after of a
-change to the replica path. Each configuration runs in its own
+checkout's ``python`` directory, its ``_core`` module built) and ``dp1_baseline`` (dp 1, one
+thread, the same), for a paired before/after of a change to the serving path; run the other
+arms from a copy too (``PYTHONPATH=NEWDIR ... --baseline OLDDIR``, both copies on one file
+system). One process per arm: on the loaded VM single server processes of the same code read
+5-25 % apart in CPU per token (BENCHMARKS.md), so a change of a few percent needs a paired
+comparison inside one process. ``--configs`` runs only the configurations it names. Each configuration runs in its own
 process, started once and kept warm, so that the repetitions can alternate: repetition ``r``
-runs every configuration in turn (order rotated each repetition), ``--repeats`` times; the
+runs every configuration in turn (order rotated each repetition, and reversed every other
+one), ``--repeats`` times; the
 median tokens/s per configuration is reported with the ratio of dp 2 to the best dp 1. Two
 paths, each with its own processes:
 
@@ -23,7 +28,8 @@ Greedy outputs of every configuration are compared (``identical``). Speed is nev
 the machine is shared, so report the load average beside the figures (printed at start and end).
 Beside tokens/s, the CPU milliseconds per output token of each configuration's processes (router
 and replicas; /proc) show what the process split costs in work, which other users' load moves
-far less than it moves tokens/s.
+far less than it moves tokens/s; on the ``http`` path the serving process's own share (the
+router, without its replica processes; with dp 1 the whole engine) is reported too.
 
 Usage: ``nice -n 19 .venv/bin/python benches/dp_processes.py [--repeats 5] [--out r.json]``.
 """
@@ -49,14 +55,22 @@ CONFIGS = {"dp1_1thread": (1, 1, 1.0), "dp1_2threads": (1, 2, 1.0), "dp2_process
            "dp1_half_batch": (1, 1, 0.5)}
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` and its descendants (from /proc; a
-    figure of the work done that, unlike tokens/s, other users' load barely moves)."""
-    tick = os.sysconf("SC_CLK_TCK")
+def own_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` alone (its threads, not its children;
+    from /proc; 0.0 once it is gone)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-        total = (int(fields[11]) + int(fields[12])) / tick
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and its descendants (from /proc; a
+    figure of the work done that, unlike tokens/s, other users' load barely moves)."""
+    total = own_cpu_seconds(pid)
+    try:
         for task in os.listdir(f"/proc/{pid}/task"):
             with open(f"/proc/{pid}/task/{task}/children") as f:
                 total += sum(cpu_seconds(int(c)) for c in f.read().split())
@@ -162,12 +176,14 @@ class HttpRun:
                     for p in _prompts(self.requests)))
             return [r.json() for r in rs]
 
-        cpu, t0 = cpu_seconds(self.proc.pid), time.perf_counter()
+        own, cpu = own_cpu_seconds(self.proc.pid), cpu_seconds(self.proc.pid)
+        t0 = time.perf_counter()
         outs = asyncio.run(main())
         seconds = time.perf_counter() - t0
         done = sum(o["usage"]["completion_tokens"] for o in outs)
         return {"tps": done / seconds, "ids": [o["choices"][0]["text"] for o in outs],
-                "cpu_s": cpu_seconds(self.proc.pid) - cpu, "tokens": done}
+                "cpu_s": cpu_seconds(self.proc.pid) - cpu, "tokens": done,
+                "server_cpu_s": own_cpu_seconds(self.proc.pid) - own}
 
     def close(self) -> None:
         self.proc.terminate()
@@ -181,31 +197,55 @@ def measure(path: str, ns: argparse.Namespace) -> dict:
     env = None
     if ns.baseline:
         configs["dp2_baseline"] = (2, None, 1.0)
+        configs["dp1_baseline"] = (1, 1, 1.0)
         env = {**os.environ, "PYTHONPATH": ns.baseline}
+    if ns.configs:
+        configs = {n: c for n, c in configs.items() if n in ns.configs.split(",")}
     runs = {name: cls(dp, threads, max(1, int(ns.requests * share)), ns.fixed_steps,
-                      env if name == "dp2_baseline" else None)
+                      env if name.endswith("_baseline") else None)
             for name, (dp, threads, share) in configs.items()}
     try:
         outputs = {name: r.run(8)["ids"] for name, r in runs.items()}  # warm-up
         tps: dict[str, list[float]] = {name: [] for name in runs}
         cpu_ms: dict[str, list[float]] = {name: [] for name in runs}
+        server_ms: dict[str, list[float]] = {name: [] for name in runs}
         names = list(runs)
         for rep in range(ns.repeats):
-            for name in names[rep % len(names):] + names[:rep % len(names)]:
+            order = names[rep % len(names):] + names[:rep % len(names)]
+            # odd repetitions run backwards: each configuration follows a different one in
+            # turn (a rotation alone keeps the cyclic order, so one configuration would always
+            # run right after the same other one, and inherit its after-effects)
+            for name in order[::-1] if rep % 2 else order:
                 out = runs[name].run(ns.tokens)
                 tps[name].append(out["tps"])
                 cpu_ms[name].append(1000 * out["cpu_s"] / out["tokens"])
+                if "server_cpu_s" in out:
+                    server_ms[name].append(1000 * out["server_cpu_s"] / out["tokens"])
     finally:
         for r in runs.values():
             r.close()
+    return _summary(tps, cpu_ms, server_ms, outputs)
+
+
+def _summary(tps: dict[str, list[float]], cpu_ms: dict[str, list[float]],
+             server_ms: dict[str, list[float]], outputs: dict[str, list]) -> dict:
+    """Medians per configuration, and the ratios of those that ran (``--configs``)."""
     med = {name: statistics.median(v) for name, v in tps.items()}
-    best = max(med["dp1_1thread"], med["dp1_2threads"])
     cpu = {n: statistics.median(v) for n, v in cpu_ms.items()}
     half = min(len(v) for v in outputs.values())  # the half batch runs the first prompts
-    return {"median_tps": med, "all_tps": tps, "dp2_over_best_dp1": med["dp2_processes"] / best,
-            "median_cpu_ms_per_token": cpu, "all_cpu_ms_per_token": cpu_ms,
-            "split_cpu_over_half_batch": cpu["dp2_processes"] / cpu["dp1_half_batch"],
-            "identical": len({json.dumps(v[:half]) for v in outputs.values()}) == 1}
+    out = {"median_tps": med, "all_tps": tps, "median_cpu_ms_per_token": cpu,
+           "all_cpu_ms_per_token": cpu_ms,
+           "identical": len({json.dumps(v[:half]) for v in outputs.values()}) == 1}
+    if any(server_ms.values()):  # the http path: the serving process's own share
+        out["median_server_cpu_ms_per_token"] = {n: statistics.median(v)
+                                                 for n, v in server_ms.items() if v}
+        out["all_server_cpu_ms_per_token"] = server_ms
+    dp1 = [med[n] for n in ("dp1_1thread", "dp1_2threads") if n in med]
+    if dp1 and "dp2_processes" in med:
+        out["dp2_over_best_dp1"] = med["dp2_processes"] / max(dp1)
+    if "dp1_half_batch" in cpu and "dp2_processes" in cpu:
+        out["split_cpu_over_half_batch"] = cpu["dp2_processes"] / cpu["dp1_half_batch"]
+    return out
 
 
 def main() -> None:
@@ -218,8 +258,12 @@ def main() -> None:
                    help="fixed speculative_num_steps instead of the adaptive policy (each "
                    "replica adapts on its own timings, which differ on a loaded machine)")
     p.add_argument("--baseline", default=None, metavar="DIR",
-                   help="also run dp 2 with PYTHONPATH=DIR (another checkout's python/ with its "
-                   "_core built) as dp2_baseline, alternating with the others")
+                   help="also run dp 2 and dp 1 (one thread) with PYTHONPATH=DIR (another "
+                   "checkout's python/ with its _core built) as dp2_baseline and dp1_baseline, "
+                   "alternating with the others")
+    p.add_argument("--configs", default=None,
+                   help="comma-separated configurations to run (default: all; "
+                   f"{', '.join(CONFIGS)}; dp2_baseline, dp1_baseline with --baseline)")
     p.add_argument("--out", default=None)
     p.add_argument("--runner", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dp", type=int, default=1, help=argparse.SUPPRESS)
@@ -233,10 +277,15 @@ def main() -> None:
     for path in ns.paths.split(","):
         result[path] = r = measure(path, ns)
         print(f"[{path}] " + "  ".join(f"{k} {v:.1f} tok/s" for k, v in r["median_tps"].items())
-              + f"  dp2/best dp1 x{r['dp2_over_best_dp1']:.2f}  identical {r['identical']}"
+              + (f"  dp2/best dp1 x{r['dp2_over_best_dp1']:.2f}" if "dp2_over_best_dp1" in r
+                 else "") + f"  identical {r['identical']}"
               + "\n  CPU ms per output token (all processes): " + "  ".join(
                   f"{k} {v:.2f}" for k, v in r["median_cpu_ms_per_token"].items())
-              + f"  dp2 / half batch x{r['split_cpu_over_half_batch']:.2f}", flush=True)
+              + (f"  dp2 / half batch x{r['split_cpu_over_half_batch']:.2f}"
+                 if "split_cpu_over_half_batch" in r else "")
+              + ("\n  of which the serving process: " + "  ".join(
+                  f"{k} {v:.2f}" for k, v in r["median_server_cpu_ms_per_token"].items())
+                 if "median_server_cpu_ms_per_token" in r else ""), flush=True)
     result["load_after"] = os.getloadavg()
     print(f"load average before {result['load_before']}, after {result['load_after']}")
     if ns.out:

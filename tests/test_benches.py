@@ -93,6 +93,33 @@ def test_dp_processes_bench_smoke(tmp_path):
     assert result["identical"] is True and result["dp2_over_best_dp1"] > 0
 
 
+def test_dp_http_benches_smoke(tmp_path):
+    """The HTTP path of benches/dp_processes.py with ``--configs`` (the serving process's own
+    CPU share reported; only the ratios of what ran), and benches/dp_thread_cpu.py's split of
+    a dp 2 server's CPU by process and thread (thread ids without py-spy)."""
+    out = tmp_path / "dp.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benches" / "dp_processes.py"), "--paths", "http",
+         "--configs", "dp1_1thread,dp2_processes", "--repeats", "1", "--tokens", "4",
+         "--requests", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=scaled(900))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())["http"]
+    assert set(result["median_tps"]) == {"dp1_1thread", "dp2_processes"}
+    server = result["median_server_cpu_ms_per_token"]
+    assert 0 <= server["dp2_processes"] <= result["median_cpu_ms_per_token"]["dp2_processes"]
+    assert "split_cpu_over_half_batch" not in result and result["identical"] is True
+    out = tmp_path / "threads.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benches" / "dp_thread_cpu.py"), "--dp", "2", "--repeats",
+         "1", "--tokens", "32", "--requests", "2", "--py-spy", "", "--out", str(out)],
+        capture_output=True, text=True, timeout=scaled(900))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["new"]["ms_per_token"]
+    assert {k.split()[0] for k in rows} <= {"server", "replica0", "replica1"}
+    assert any(k.startswith("replica") for k in rows), rows
+
+
 def test_verify_budgets_benches_smoke(tmp_path):
     """Issue 28's scripts: the cost of a budgeted iteration, and the paired A/B on mixed-batch."""
     proc = subprocess.run(

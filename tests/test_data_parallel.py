@@ -8,10 +8,12 @@ order; the in-process backend does the same. Faults: tests/test_dp_processes.py.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -118,6 +120,76 @@ def test_generate_list_keeps_order_and_abort_routes(dp):
             call()
         assert e.value.param == "max_new_tokens"
     assert engine.data_parallel.inflight() == [0, 0]
+
+
+def _sse(r) -> tuple[dict, dict, dict, dict | None]:
+    """Per choice index of a streamed completion: text, finish reason, tokens; the usage."""
+    text: dict = {}
+    reason: dict = {}
+    tokens: dict = {}
+    usage = None
+    for line in r.text.splitlines():
+        if not line.startswith("data: {"):
+            continue
+        event = json.loads(line[6:])
+        usage = event.get("usage") or usage
+        for c in event["choices"]:
+            i = c["index"]
+            text[i] = text.get(i, "") + c["text"]
+            reason[i] = c["finish_reason"] or reason.get(i)
+            tokens.setdefault(i, []).extend((c.get("logprobs") or {}).get("tokens") or [])
+    return text, reason, tokens, usage
+
+
+def test_whole_responses_through_replica_processes_equal_the_streamed_ones(dp):
+    """A non-streaming completion (its replica sends each request's chunks in one message at
+    its end) answers what the same request streamed answers (the chunks per iteration): text,
+    finish reasons (a stop string matched, and length), logprob tokens, ``n`` 2, usage; the
+    replica's late delivery still measures time to first token at emission (below the
+    end-to-end latency) and inter-token gaps; a replica's ``whole`` stream hands over its first
+    chunk only after its last was emitted."""
+    url = dp.url + "/v1/completions"
+    base = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0}
+    free = httpx.post(url, json=base, timeout=scaled(120)).json()["choices"][0]["text"]
+    stop = free[4:6]
+    assert len(free) >= 8 and stop.strip(), free  # a stop string inside the greedy text
+    names = ("time_to_first_token", "e2e_request_latency", "inter_token_latency")
+    before = [metric(dp, f"specdial:{m}_seconds_sum") for m in names]
+    long = {**base, "max_tokens": 24, "ignore_eos": True}
+    r = httpx.post(url, json=long, timeout=scaled(120))
+    assert r.status_code == 200
+    ttft, e2e, itl = (metric(dp, f"specdial:{m}_seconds_sum") - b for m, b in zip(names, before))
+    # taken at arrival, all 24 tokens' chunks would read the same instant (gaps of microseconds)
+    assert e2e - ttft > 0.003 and itl == pytest.approx(e2e - ttft, rel=1e-6)
+    body = {**base, "stop": [stop], "n": 2, "logprobs": 2}
+    whole = httpx.post(url, json=body, timeout=scaled(120)).json()
+    streamed = httpx.post(url, json={**body, "stream": True,
+                                     "stream_options": {"include_usage": True}},
+                          timeout=scaled(120))
+    text, reason, tokens, usage = _sse(streamed)
+    assert [c["text"] for c in whole["choices"]] == [text[0], text[1]] == \
+        [free[:free.index(stop)]] * 2
+    assert [c["finish_reason"] for c in whole["choices"]] == [reason[0], reason[1]] == ["stop"] * 2
+    assert [c["logprobs"]["tokens"] for c in whole["choices"]] == [tokens[0], tokens[1]]
+    # (a stop string's completion_tokens may count tokens of the last verify past the stop:
+    # they depend on the adaptive steps of the moment, so usage is compared on `long`)
+    assert whole["usage"]["prompt_tokens"] == usage["prompt_tokens"]
+    text, reason, _, usage = _sse(httpx.post(url, json={
+        **long, "stream": True, "stream_options": {"include_usage": True}}, timeout=scaled(120)))
+    assert (text[0], reason[0]) == (r.json()["choices"][0]["text"], "length")
+    assert r.json()["usage"] == usage and usage["completion_tokens"] == 24
+    replica = dp.engine.data_parallel.replicas[0]
+
+    async def received():
+        out = []
+        async for c in replica.async_stream(PROMPTS[1], sampling_params={
+                "max_new_tokens": 24, "temperature": 0, "ignore_eos": True}, whole=True):
+            out.append((time.perf_counter(), c))
+        return out
+
+    got = asyncio.run(received())
+    assert len(got) > 1 and got[-1][1].finished and got[-1][1].finish_reason["type"] == "length"
+    assert got[0][0] >= got[-1][1].emitted_s > got[0][1].emitted_s
 
 
 @pytest.mark.parametrize("backend", ["mp", "inprocess"])
@@ -232,8 +304,6 @@ def test_a_failed_replica_is_named_and_skipped_and_all_failed_is_503():
     """A replica whose ``failure`` is set: ``/health`` answers 200 ``degraded`` naming it,
     requests go to the other; once every replica failed, ``/health`` and generation requests
     answer 503 naming the failures."""
-    import httpx
-
     from test_server_fake_engine import FakeEngine
     well, broken = FakeEngine(), FakeEngine()
     engine = DataParallelEngine([well, broken])

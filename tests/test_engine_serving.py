@@ -181,6 +181,50 @@ def test_async_stream_cancel_and_aclose_abort(tiny, ref):
     engine.shutdown()
 
 
+def test_async_stream_whole_holds_the_chunks_until_the_end(tiny, ref):
+    """``async_stream(whole=True)`` (the server's non-streaming responses): the same chunks as
+    a stream, none handed over before the request's last one was emitted, each stamped with a
+    non-decreasing ``emitted_s``; a stream's chunks carry none (their arrival is their time).
+    Submission errors still come before any chunk; leaving early still aborts."""
+    engine = Engine.from_modules(tiny.target, tiny.eagle_random, **KW)
+
+    async def main():
+        streamed = [c async for c in engine.async_stream(input_ids=MORE[3],
+                                                         sampling_params=greedy(40))]
+        received = []
+        async for chunk in engine.async_stream(input_ids=MORE[3], sampling_params=greedy(40),
+                                               whole=True):
+            received.append((time.perf_counter(), chunk))
+        with pytest.raises(RequestError) as e:
+            await engine.async_stream(input_ids=[1, 2], sampling_params={"temperature": -1},
+                                      whole=True).__anext__()
+        long = engine.async_stream(input_ids=MORE[4], sampling_params=greedy(200), whole=True)
+        task = asyncio.ensure_future(long.__anext__())
+        while engine.stats().running == 0:
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return streamed, received, e.value
+
+    streamed, received, err = asyncio.run(main())
+    whole = [c for _, c in received]
+    assert len(whole) == len(streamed) > 2  # several iterations' chunks
+    for a, b in zip(whole, streamed):
+        assert (a.text, a.token_ids, a.finished, a.finish_reason, a.meta_info["completion_tokens"]) \
+            == (b.text, b.token_ids, b.finished, b.finish_reason, b.meta_info["completion_tokens"])
+    assert [t for c in whole for t in c.token_ids] == ref[3]
+    stamps = [c.emitted_s for c in whole]
+    assert all(s is not None for s in stamps) and stamps == sorted(stamps)
+    assert stamps[-1] > stamps[0]  # emitted over several iterations ...
+    assert received[0][0] >= stamps[-1]  # ... and the first handed over after the last
+    assert all(c.emitted_s is None for c in streamed)
+    assert err.param == "temperature"
+    wait_idle(engine)  # the cancelled one was aborted
+    assert engine.stats().requests_finished == 2
+    engine.shutdown()
+
+
 def test_abort_queued_and_running_and_queue_limit(tiny, ref):
     engine = Engine.from_modules(tiny.target, tiny.draft_noisy, max_running_requests=1,
                                  max_queued_requests=1, kv_cache_tokens=1024, page_size=8)

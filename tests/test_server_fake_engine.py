@@ -147,9 +147,13 @@ class FakeEngine:
     # ---------------------------------------------------------------- contract
     async def async_stream(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
                            sampling_params: dict[str, Any] | None = None,
-                           stop: list[str] | None = None) -> AsyncIterator[StreamChunk]:
-        """Generates after submission on the first ``__anext__`` (see the class docstring)."""
+                           stop: list[str] | None = None,
+                           whole: bool = False) -> AsyncIterator[StreamChunk]:
+        """Generates after submission on the first ``__anext__`` (see the class docstring);
+        ``whole`` is allowed and ignored (each chunk comes as it is made, which the contract
+        allows), and recorded as ``submitted[rid]["whole"]``."""
         rid, ids, p = self._submit(prompt, input_ids, sampling_params)
+        self.submitted[rid]["whole"] = whole
         self._waiting.add(rid)
         finished = False
         try:

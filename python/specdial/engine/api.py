@@ -5,10 +5,13 @@ can import it cheaply. The Engine implements the contract; the server (``specdia
 consumes it:
 
 - ``engine.async_stream(prompt=None, *, input_ids=None, sampling_params=None, stop=None,
-  logprobs=None)`` -> ``AsyncIterator[StreamChunk]`` (``logprobs``: a :class:`LogprobOptions`
-  fills the chunks' logprob fields; callers pass it only when they want logprobs, so engines
-  without them keep working for everything else): the request is submitted on the first
-  iteration;
+  logprobs=None, whole=False)`` -> ``AsyncIterator[StreamChunk]`` (``logprobs``: a
+  :class:`LogprobOptions` fills the chunks' logprob fields; ``whole=True``: the consumer needs
+  the output only at the request's end (a non-streaming HTTP response), so the same chunks may
+  arrive together when it finishes, each with :attr:`StreamChunk.emitted_s` set, instead of
+  one wake-up of the consumer per decode iteration; callers pass either only when they want
+  it, so engines without them keep working for everything else): the request is submitted on
+  the first iteration;
   :class:`RequestError` or :class:`QueueFullError` is raised then, before any chunk. If the
   consumer stops iterating (``aclose()``, or cancellation of the task awaiting the next chunk,
   e.g. a disconnected HTTP client) the request is aborted and everything it held is freed.
@@ -85,6 +88,11 @@ class StreamChunk:
       ``token_ids`` entry), ``top_logprobs`` (one :data:`TopLogprobs` per token); on the first
       chunk that carries tokens, ``prompt_logprobs`` (positions ``prompt_start..P-1``, None
       at position 0) and ``prompt_top_logprobs`` (None at position 0), when asked for.
+    - ``emitted_s``: ``time.perf_counter()`` seconds when the engine loop emitted the chunk,
+      set where its delivery is deferred (``async_stream(whole=True)``, ``generate``) so that
+      latencies are still measured at emission; None when it is delivered as made (its
+      arrival is its time). On Linux ``perf_counter`` reads ``CLOCK_MONOTONIC``, one clock for
+      every process of the host, so a replica process's stamp compares with the router's.
     """
 
     request_id: int
@@ -97,6 +105,7 @@ class StreamChunk:
     top_logprobs: list[TopLogprobs] | None = None
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[TopLogprobs | None] | None = None
+    emitted_s: float | None = None
 
 
 # Raised at submission when the engine's waiting queue is full (``max_queued_requests``); the
@@ -199,7 +208,8 @@ class EngineProtocol(Protocol):
     def async_stream(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
                      sampling_params: dict[str, Any] | None = None,
                      stop: list[str] | None = None,
-                     logprobs: LogprobOptions | None = None) -> AsyncIterator[StreamChunk]: ...
+                     logprobs: LogprobOptions | None = None,
+                     whole: bool = False) -> AsyncIterator[StreamChunk]: ...
 
     def stream(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
                sampling_params: dict[str, Any] | None = None,

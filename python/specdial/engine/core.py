@@ -403,14 +403,18 @@ class Engine:
                            input_ids: list[int] | None = None,
                            sampling_params: dict[str, Any] | None = None,
                            stop: list[str] | None = None,
-                           logprobs: LogprobOptions | None = None) -> AsyncIterator[StreamChunk]:
+                           logprobs: LogprobOptions | None = None,
+                           whole: bool = False) -> AsyncIterator[StreamChunk]:
         """Stream one request (asyncio). Submitted on the first ``__anext__``, which raises
         :class:`RequestError` / :class:`QueueFullError` before any chunk; ``aclose()`` or
         cancelling the task awaiting a chunk aborts the request. ``logprobs``: fills the
-        chunks' logprob fields."""
+        chunks' logprob fields. ``whole=True``: the caller wants the output only at the end
+        (the server's non-streaming responses): the same chunks come together once the
+        request ends, each stamped with its ``emitted_s``, which spares the caller's event
+        loop (and, with ``dp_size > 1``, the router) one wake-up per decode iteration."""
         chunks = self._front.async_stream(prompt, input_ids=input_ids,
                                           sampling_params=sampling_params, stop=stop,
-                                          logprobs=logprobs)
+                                          logprobs=logprobs, whole=whole)
         try:
             async for chunk in chunks:
                 yield chunk

@@ -90,11 +90,13 @@ class LocalFront:
     def async_stream(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
                      sampling_params: dict[str, Any] | None = None,
                      stop: list[str] | None = None,
-                     logprobs: LogprobOptions | None = None) -> AsyncIterator[StreamChunk]:
-        """:meth:`specdial.Engine.async_stream` on this replica."""
+                     logprobs: LogprobOptions | None = None,
+                     whole: bool = False) -> AsyncIterator[StreamChunk]:
+        """:meth:`specdial.Engine.async_stream` on this replica (``whole``: the chunks held
+        until the request ends, :func:`~specdial.engine.requests.held_until_end`)."""
         return async_stream(self._post, self._cancel,
                             self._spec(prompt, input_ids, sampling_params, stop,
-                                       logprobs=logprobs))
+                                       logprobs=logprobs), whole=whole)
 
     def _stream_dicts(self, spec: RequestSpec, out: OutputAccumulator
                       ) -> Iterator[dict[str, Any]]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import re
+import time
 from types import MappingProxyType
 from typing import Any, AsyncGenerator, Callable, Iterator, Mapping
 
@@ -331,13 +332,16 @@ def held_until_end(deliver: Callable[[list[Any]], None]) -> Callable[[Any], None
     a ``QueueFullError``). So the consumer's thread or event loop is woken once per request
     instead of once per decode iteration: each wake-up costs the engine loop a thread hand-over
     and the GIL back (BENCHMARKS.md, issue 32's per-chunk wake-up), a per-iteration cost that
-    does not shrink with the batch."""
+    does not shrink with the batch. Each chunk gets its :attr:`~specdial.engine.api.
+    StreamChunk.emitted_s` (``time.perf_counter()`` now, on the loop's thread as it emits)."""
     held: list[Any] = []
 
     def sink(item: Any) -> None:
         held.append(item)
-        if isinstance(item, StreamChunk) and not item.finished:
-            return
+        if isinstance(item, StreamChunk):
+            item.emitted_s = time.perf_counter()
+            if not item.finished:
+                return
         items = held[:]
         held.clear()
         deliver(items)

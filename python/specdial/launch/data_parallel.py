@@ -187,10 +187,15 @@ class DataParallelEngine:
                            input_ids: list[int] | None = None,
                            sampling_params: dict[str, Any] | None = None,
                            stop: list[str] | None = None,
-                           logprobs: LogprobOptions | None = None) -> AsyncIterator[StreamChunk]:
-        """:meth:`stream` on an asyncio loop (the replica's ``async_stream``)."""
+                           logprobs: LogprobOptions | None = None,
+                           whole: bool = False) -> AsyncIterator[StreamChunk]:
+        """:meth:`stream` on an asyncio loop (the replica's ``async_stream``; ``whole``: its
+        chunks together at the end, so a replica process sends them in one message instead of
+        one per decode iteration)."""
         with self._routed(self._work(prompt, input_ids, sampling_params)) as i:
-            kwargs = {} if logprobs is None else {"logprobs": logprobs}
+            kwargs: dict[str, Any] = {} if logprobs is None else {"logprobs": logprobs}
+            if whole:
+                kwargs["whole"] = True
             it = self.replicas[i].async_stream(prompt, input_ids=input_ids,
                                                sampling_params=sampling_params, stop=stop,
                                                **kwargs)

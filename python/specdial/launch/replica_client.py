@@ -287,11 +287,15 @@ class ReplicaClient:
                            input_ids: list[int] | None = None,
                            sampling_params: dict[str, Any] | None = None,
                            stop: list[str] | None = None,
-                           logprobs: LogprobOptions | None = None) -> AsyncIterator[StreamChunk]:
-        """``Engine.async_stream`` on the replica; ``aclose()`` or cancellation aborts it."""
+                           logprobs: LogprobOptions | None = None,
+                           whole: bool = False) -> AsyncIterator[StreamChunk]:
+        """``Engine.async_stream`` on the replica; ``aclose()`` or cancellation aborts it.
+        ``whole``: the replica holds the chunks until the request ends and sends them in one
+        message (one wake-up here per request, not per decode iteration)."""
         call = self._open(w.STREAM, dict(prompt=prompt, input_ids=input_ids,
                                          sampling_params=sampling_params, stop=stop,
-                                         logprobs=logprobs), asyncio.get_running_loop())
+                                         logprobs=logprobs, whole=whole),
+                          asyncio.get_running_loop())
         try:
             while not call.done:
                 chunk = self._chunk(call, *(await call.inbox.get()))

@@ -9,10 +9,12 @@ shuts down.
 **Format.** Each message is one :func:`pickle.dumps` (highest protocol) of a list of items, so
 that everything one side has to say at a moment goes in one frame: a replica sends all the
 stream chunks its engine loop delivered in one iteration (for every request it runs) as one
-message, and the router wakes each waiting event loop once per message, not per chunk.
+message, and the router wakes each waiting event loop once per message, not per chunk. A
+stream opened with ``whole=True`` (a non-streaming HTTP response) sends nothing until its
+request ends, then all its chunks, each stamped with its ``emitted_s``, in one message.
 
 - router -> replica, items ``(op, call_id, payload)``: :data:`STREAM` (payload: the keyword
-  arguments of ``async_stream``), :data:`GENERATE` (``(args, kwargs)`` of ``async_generate``),
+  arguments of ``async_stream``, ``whole`` included), :data:`GENERATE` (``(args, kwargs)`` of ``async_generate``),
   :data:`CANCEL` (None: the consumer left; the replica cancels that call, which aborts its
   request), :data:`ABORT` (an engine request id), :data:`STATS`, :data:`GRAPH_STATS`
   (``graph_stats()``), :data:`FLUSH` (``flush_cache()``), :data:`SHUTDOWN` (``drain``);

@@ -154,7 +154,8 @@ async def serve(state: ServerState, request: Request,
     """Run ``jobs`` and answer: a stream once every job started, else JSON when all finished
     (500 with the cause when a choice failed; 499, unread, when the client went away).
     ``params`` maps the engine's field names to the request's in error messages."""
-    run = state.new_run(jobs, arrival, request_id(request.scope))
+    run = state.new_run(jobs, arrival, request_id(request.scope),
+                        whole=not req.stream)
     run.start()
     watcher = asyncio.create_task(watch_disconnect(request, run))
     streaming = False

@@ -98,15 +98,23 @@ class Run:
     :meth:`start` to :meth:`close` / :meth:`abort`; ``arrival`` is the request's
     ``time.perf_counter()`` and ``rid`` its id in log lines (default: a new one).
 
+    ``whole``: the response is sent only when every job ended (not streamed), so the jobs ask
+    the engine for their chunks at the end (``async_stream(whole=True)``): one wake-up of this
+    event loop per job instead of one per decode iteration, and with replica processes one
+    message per job instead of one per iteration through the router. The latencies are then
+    taken at each chunk's ``emitted_s`` (when the engine emitted it), not at its arrival, so
+    the time-to-first-token and inter-token histograms read as for a stream.
+
     Cancelling a pump task (``close``) cancels its ``await stream.__anext__()``, which aborts the
     engine request (the :mod:`specdial.engine.api` contract); the pump then also calls
     ``aclose()``.
     """
 
     def __init__(self, engine: Any, metrics: ServerMetrics, registry: set[Run],
-                 jobs: list[Job], arrival: float, rid: str | None = None) -> None:
+                 jobs: list[Job], arrival: float, rid: str | None = None,
+                 whole: bool = False) -> None:
         self.engine, self.metrics, self.registry = engine, metrics, registry
-        self.jobs, self.arrival = jobs, arrival
+        self.jobs, self.arrival, self.whole = jobs, arrival, whole
         self.rid = rid or uuid.uuid4().hex  # the request id of the log lines
         self.choices = [Choice(j.index) for j in jobs]
         self.queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
@@ -128,7 +136,9 @@ class Run:
     async def _pump(self, job: Job) -> None:
         stream: Any = None
         try:
-            extra = {} if job.logprobs is None else {"logprobs": job.logprobs}
+            extra: dict[str, Any] = {} if job.logprobs is None else {"logprobs": job.logprobs}
+            if self.whole:
+                extra["whole"] = True
             stream = self.engine.async_stream(
                 prompt=job.prompt, input_ids=job.input_ids,
                 sampling_params=job.sampling_params, stop=job.stop, **extra)
@@ -202,7 +212,8 @@ class Run:
         self.complete = True
 
     def _account(self, c: Choice, chunk: StreamChunk) -> Choice:
-        now = time.perf_counter() - self.arrival
+        made = chunk.emitted_s if chunk.emitted_s is not None else time.perf_counter()
+        now = made - self.arrival
         if chunk.text:
             c.parts.append(chunk.text)
         if chunk.token_ids:

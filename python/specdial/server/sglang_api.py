@@ -149,7 +149,8 @@ async def generate(request: Request, state: StateDep) -> Response:
                               skip_special=j.sampling_params.get("skip_special_tokens")
                               is not False) for j in jobs]
     ids_ = [r or uuid.uuid4().hex for r in rids]
-    run = state.new_run(jobs, arrival, request_id(request.scope))
+    run = state.new_run(jobs, arrival, request_id(request.scope),
+                        whole=not req.stream)
     run.start()
     watcher = asyncio.create_task(watch_disconnect(request, run))
     streaming = False

@@ -77,10 +77,12 @@ class ServerState:
         """``fn(*args)`` in the parsing/tokenizing thread (blocking work off the event loop)."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    def new_run(self, jobs: list[Job], arrival: float, rid: str | None) -> Run:
+    def new_run(self, jobs: list[Job], arrival: float, rid: str | None,
+                whole: bool = False) -> Run:
         """A :class:`~specdial.server.runs.Run` of ``jobs`` on this engine (not started);
-        ``arrival``: ``time.perf_counter()`` seconds at the request's arrival."""
-        return Run(self.engine, self.metrics, self.runs, jobs, arrival, rid)
+        ``arrival``: ``time.perf_counter()`` seconds at the request's arrival; ``whole``: a
+        non-streaming response (the chunks may come at each job's end)."""
+        return Run(self.engine, self.metrics, self.runs, jobs, arrival, rid, whole)
 
     def abort_runs(self, message: str) -> None:
         """End every open HTTP request now: its engine requests are aborted and each choice
