@@ -56,7 +56,6 @@ fn all() -> Vec<&'static Case> {
 }
 
 #[test]
-#[ignore = "floor not met (BENCHMARKS.md, issue 28: yield to batch-level, the drafter's fixed cost): per-request / batch-level is 0.895 on mixed-128 (h200x4-llama70b) and 0.947 on context-growth (a100); >= 0.986 in the other 48 cases"]
 fn per_request_is_never_much_worse_than_batch_level() {
     let all = all();
     for c in &all {

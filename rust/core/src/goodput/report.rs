@@ -88,36 +88,31 @@ impl GoodputPolicy {
             self.confidence.observe(steps, requests.iter().map(|r| (r.steps, r.accepted, r.draft_probs)), rule);
         }
         let b = requests.len() as u32;
-        let predicted = self.last_shape.take().filter(|s| s.0 == steps);
         let verified: u32 = requests.iter().map(|r| r.steps).sum();
         // The drafter's terms learn from the seconds beyond the uniform iteration with as many
-        // verify tokens (per_request, "the cost model in tokens"). The cells learn a shortened
-        // iteration at the depth it drafted, scaled to the uniform one by the ratio the decision
-        // predicted: learned at the depth of its verify tokens instead, a cell would take the
-        // drafter's deeper steps for its own and a depth the stop keeps running would never be
-        // measured as contexts grow (BENCHMARKS.md, issue 28 floors). A shortened iteration no
-        // decision priced (a report without one before it) teaches the drafter's terms only.
+        // verify tokens (per_request, "the cost model in tokens"); the cells and the plane learn
+        // uniform iterations only. A shortened iteration used to teach the cell of the depth it
+        // drafted, scaled to the uniform iteration by the ratio its decision predicted; but that
+        // ratio is the model's own, so the scaled seconds confirmed whatever the model believed
+        // of the uniform depth (within the noise), counted as measurements of it (so its probes
+        // never came), and fed the model's error at the depths the ratio was interpolated from
+        // into the plane and every other depth (h200x4-llama70b mixed-128: steps 5's cell held
+        // 0.034 s against the curve's 0.044 s, steps 1 read 0.019-0.022 s against 0.015 s, and the
+        // slot never went back to steps 1; BENCHMARKS.md, issue 28 floors). The cells a
+        // per-request decision is priced from are kept current by staleness probes instead
+        // ([`super::decide::STALE_AFTER`]).
         let shortened = verified != steps * b;
-        let mut cells = seconds;
+        let cells = seconds.filter(|_| !shortened);
         let shape = match seconds {
-            Some(t) => {
-                let fallback = self.per_request.learn_cost(&self.cost, bucket, b_cost, steps, requests, context_tokens as f64, t, rule.is_some());
-                match predicted {
-                    Some((_, uniform, priced)) if shortened && priced > 0.0 => (steps, t * (1.0 - uniform / priced)),
-                    _ if shortened => {
-                        cells = None;
-                        fallback
-                    }
-                    _ => fallback,
-                }
-            }
+            Some(t) => self.per_request.learn_cost(&self.cost, bucket, b_cost, steps, requests, context_tokens as f64, t, rule.is_some()),
             None => per_request::uniform_shape(requests),
         };
         self.learn_iteration(slot, bucket, b, b_cost, steps, shape, seconds, cells, context_tokens, caught_up)
     }
 
     /// The cost model, catch-up and probe-credit part of a report (`cells`: the measured seconds
-    /// the cost model's cells learn, `None` for an iteration they must not learn).
+    /// the cost model learns, `None` for an iteration it must not learn, which only advances the
+    /// cells' ages).
     #[allow(clippy::too_many_arguments)]
     fn learn_iteration(
         &mut self,
@@ -138,9 +133,12 @@ impl GoodputPolicy {
         let ctx = context_tokens as f64;
         let spent = match seconds {
             Some(t) => {
-                if let Some(t) = cells {
-                    let uniform = (t - draft_only).max(0.5 * t);
-                    self.cost.observe(bucket, b_cost, cell_steps, ctx, catch as f64, uniform, settled);
+                match cells {
+                    Some(t) => {
+                        let uniform = (t - draft_only).max(0.5 * t);
+                        self.cost.observe(bucket, b_cost, cell_steps, ctx, catch as f64, uniform, settled);
+                    }
+                    None => self.cost.tick(),
                 }
                 t
             }
