@@ -158,3 +158,42 @@ impl GoodputPolicy {
         std::mem::take(&mut s.switched).then_some(s.current)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::{GoodputConfig, GoodputPolicy};
+    use super::RequestVerify;
+    use crate::config::{MinSurvival, VerifyMode};
+
+    /// 8 requests, uniform iterations at steps 0..=5 (10 ms + 2 ms per draft step).
+    fn trained() -> GoodputPolicy {
+        let cfg = GoodputConfig { probe_budget: 0.0, verify: VerifyMode::PerRequest, min_survival: MinSurvival::Off, ..GoodputConfig::default() };
+        let mut p = GoodputPolicy::new(cfg, 3, vec![(0..=7).collect()]);
+        for i in 0..120u32 {
+            let k = i % 6;
+            let req: Vec<RequestVerify<'_>> = (0..8).map(|id| RequestVerify { id, steps: k, accepted: i64::from(k / 2), draft_probs: None }).collect();
+            p.observe_requests(0, 8, 8, k, &req, Some(0.010 + 0.002 * f64::from(k)), 800, None);
+        }
+        p
+    }
+
+    #[test]
+    fn a_shortened_iteration_teaches_the_drafters_terms_and_no_cell() {
+        let mut p = trained();
+        let ids: Vec<u64> = (0..8).collect();
+        let predict = |p: &GoodputPolicy| (0..8).map(|k| p.cost.predict(8, 8, k, 800.0, 0.0)).collect::<Vec<f64>>();
+        let before = predict(&p);
+        let drafter = p.per_request.draft_cost();
+        for _ in 0..20 {
+            p.decide_requests(0, 8, 8, 8, 800, None, Some(&ids));
+            // depth 5, half the requests verify 1: slower than its uniform-equivalent iteration
+            let req: Vec<RequestVerify<'_>> = ids.iter().map(|&id| RequestVerify { id, steps: if id < 4 { 5 } else { 1 }, accepted: 1, draft_probs: None }).collect();
+            p.observe_requests(0, 8, 8, 5, &req, Some(0.030), 800, None);
+        }
+        // the cells and the plane are what the uniform iterations taught, to the last bit
+        assert_eq!(predict(&p), before);
+        // the seconds beyond the uniform-equivalent iteration went to the drafter's terms
+        let learned = p.per_request.draft_cost();
+        assert!(learned.per_token + learned.per_step > drafter.per_token + drafter.per_step, "{learned:?} vs {drafter:?}");
+    }
+}
