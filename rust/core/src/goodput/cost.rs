@@ -290,6 +290,37 @@ impl CostModel {
             self.skipped += 1;
             return;
         }
+        let t = self.learn_cell(bucket, b, k, ctx, catch_up, seconds);
+        let b = f64::from(b);
+        let x = features(b, k, ctx, catch_up);
+        for i in 0..F {
+            self.xty[i] = self.xty[i] * self.plane_decay + x[i] * t;
+            for j in 0..F {
+                self.xtx[i][j] = self.xtx[i][j] * self.plane_decay + x[i] * x[j];
+            }
+        }
+        self.observations += 1;
+        self.theta = self.solve();
+        let theta = self.theta;
+        for (&(_, k), c) in self.cells.iter_mut() {
+            c.residual = c.mean_t - plane_at(&theta, c.mean_b, k, c.mean_c, c.mean_catch);
+        }
+    }
+
+    /// Counts an iteration whose seconds no cell learns (a shortened one under per-request
+    /// verify lengths), so cell ages ([`Self::cell_age`]) and idle decay keep counting iterations.
+    pub fn tick(&mut self) {
+        self.clock += 1;
+    }
+
+    /// Iterations since cell `(bucket, k)` was last measured (`None`: never).
+    pub fn cell_age(&self, bucket: u32, k: u32) -> Option<u64> {
+        self.cells.get(&(bucket, k)).map(|c| self.clock - c.last)
+    }
+
+    /// The cell part of a measurement: the cell's decayed means move toward it (clipped at
+    /// `OUTLIER` times a well-measured cell's mean). Returns the seconds learned.
+    fn learn_cell(&mut self, bucket: u32, b: u32, k: u32, ctx: f64, catch_up: f64, seconds: f64) -> f64 {
         let cell = self.cells.entry((bucket, k)).or_default();
         let t = if cell.count >= 3 {
             seconds.clamp(cell.mean_t / OUTLIER, cell.mean_t * OUTLIER)
@@ -310,19 +341,7 @@ impl CostModel {
         cell.mean_c += a * (ctx - cell.mean_c);
         cell.mean_catch += a * (catch_up - cell.mean_catch);
         cell.count += 1;
-        let x = features(b, k, ctx, catch_up);
-        for i in 0..F {
-            self.xty[i] = self.xty[i] * self.plane_decay + x[i] * t;
-            for j in 0..F {
-                self.xtx[i][j] = self.xtx[i][j] * self.plane_decay + x[i] * x[j];
-            }
-        }
-        self.observations += 1;
-        self.theta = self.solve();
-        let theta = self.theta;
-        for (&(_, k), c) in self.cells.iter_mut() {
-            c.residual = c.mean_t - plane_at(&theta, c.mean_b, k, c.mean_c, c.mean_catch);
-        }
+        t
     }
 
     /// Ridge solution `(X'X + RIDGE I) theta = X'y + RIDGE prior`, refitted with the fixed cost

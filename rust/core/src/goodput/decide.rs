@@ -13,6 +13,11 @@ use crate::decision::{ConfidenceStop, Decision, VerifyShape};
 /// decision's choice on the same cost model, or yield to it").
 pub const YIELD_MARGIN: f64 = 0.01;
 
+/// Iterations after which a cell a per-request decision is priced from counts as stale: the
+/// decision then runs that depth uniformly once (a staleness probe), since shortened iterations
+/// teach the cells nothing ([`super::report`]).
+pub const STALE_AFTER: u64 = 48;
+
 impl GoodputPolicy {
     /// The decision for slot `slot` with `b` requests (`b_cost` after graph padding, bucketed as
     /// `bucket`) and `context_tokens` tokens of context, the catch-up estimated.
@@ -141,6 +146,32 @@ impl GoodputPolicy {
                 self.probes += 1;
             }
         }
+        // A staleness probe: the per-request row at `steps` is priced from the uniform cells of
+        // `steps` (the depth drafted) and of its mean verify depth; the older of the two, once
+        // stale, runs uniformly this iteration (at most one iteration in `STALE_AFTER` per cell).
+        let mut stale = false;
+        if !probe {
+            let i = self.slots[slot].candidates.iter().position(|&k| k == steps);
+            let verify_depth = i.and_then(|i| match (allocations.get(i), stops.get(i).copied().flatten()) {
+                (Some(a), _) => Some(f64::from(a.lengths.iter().sum::<u32>()) / f64::from(b)),
+                (None, Some((cut, _))) => Some(cut.kept * f64::from(steps)),
+                _ => None,
+            });
+            if let Some(v) = verify_depth {
+                let c = &self.slots[slot].candidates;
+                let near = c.iter().copied().min_by(|&x, &y| (f64::from(x) - v).abs().total_cmp(&(f64::from(y) - v).abs())).unwrap_or(steps);
+                let age = |k: u32| cost.cell_age(bucket, k).unwrap_or(u64::MAX);
+                let target = if age(near) > age(steps) { near } else { steps };
+                if age(target) > STALE_AFTER {
+                    steps = target;
+                    probe = true;
+                    stale = true;
+                    self.probes += 1;
+                    allocations.clear();
+                    stops.clear();
+                }
+            }
+        }
         self.last = Some(DecisionView {
             slot,
             batch_size: b_cost,
@@ -149,18 +180,17 @@ impl GoodputPolicy {
             steps,
             probe,
         });
-        self.last_shape = None;
         let c = &self.slots[slot].candidates;
         if stop {
             let i = c.iter().position(|&k| k == steps);
             let cut = i.and_then(|i| stops.get(i).copied().flatten()).map(|(cut, _)| cut.edge);
+            // a staleness probe verifies uniformly, a fixed threshold included
             let min_survival = match self.cfg.min_survival {
-                MinSurvival::Fixed(x) => Some(x),
+                MinSurvival::Fixed(x) if !stale => Some(x),
+                MinSurvival::Fixed(_) => None,
                 _ => cut.filter(|&e| e < confidence::BINS).map(confidence::edge),
             };
             self.last_rule = min_survival.map(confidence::edge_index);
-            let row = i.and_then(|i| stops.get(i).copied().flatten()).filter(|_| min_survival.is_some());
-            self.last_shape = row.map(|(_, t)| (steps, self.cost.predict(bucket, b_cost, steps, ctx, 0.0), t));
             let mut d = Decision::uniform(steps);
             d.confidence_stop = min_survival.map(|x| ConfidenceStop { min_survival: x as f32 });
             // a draft tree may beat the stopped chain (issue 29 item 5, `super::tree_plan`)
@@ -173,8 +203,6 @@ impl GoodputPolicy {
             Some(a) => {
                 let longest = a.lengths.iter().copied().max().unwrap_or(0);
                 let depth = c.iter().copied().find(|&k| k >= longest).unwrap_or(steps);
-                // the prediction is for drafting `steps`; a shallower depth is not what it priced
-                self.last_shape = (depth == steps).then(|| (steps, self.cost.predict(bucket, b_cost, steps, ctx, 0.0), a.seconds));
                 Decision { steps: depth, verify: VerifyShape::PerRequest(a.lengths), tree: None, confidence_stop: None }
             }
             None => Decision::uniform(steps),

@@ -119,10 +119,6 @@ pub struct GoodputPolicy {
     /// of the last decision (`None`: no rule).
     confidence: ConfidenceModel,
     last_rule: Option<usize>,
-    /// `(steps, predicted seconds of the uniform iteration, predicted seconds of the shortened
-    /// one)` of the last decision when it shortened verifies (per-request lengths or a rule), for
-    /// the cost model's cell of the drafted depth ([`report`]).
-    last_shape: Option<(u32, f64, f64)>,
 }
 
 impl GoodputPolicy {
@@ -163,7 +159,6 @@ impl GoodputPolicy {
             per_request: PerRequest::new(window),
             confidence: ConfidenceModel::new(window.saturating_mul(4)),
             last_rule: None,
-            last_shape: None,
         }
     }
 

@@ -95,36 +95,31 @@ impl GoodputPolicy {
             self.confidence.observe(steps, requests.iter().map(|r| (r.steps, r.accepted, r.draft_probs)), rule);
         }
         let b = requests.len() as u32;
-        let predicted = self.last_shape.take().filter(|s| s.0 == steps);
         let verified: u32 = requests.iter().map(|r| r.steps).sum();
         // The drafter's terms learn from the seconds beyond the uniform iteration with as many
-        // verify tokens (per_request, "the cost model in tokens"). The cells learn a shortened
-        // iteration at the depth it drafted, scaled to the uniform one by the ratio the decision
-        // predicted: learned at the depth of its verify tokens instead, a cell would take the
-        // drafter's deeper steps for its own and a depth the stop keeps running would never be
-        // measured as contexts grow (BENCHMARKS.md, issue 28 floors). A shortened iteration no
-        // decision priced (a report without one before it) teaches the drafter's terms only.
+        // verify tokens (per_request, "the cost model in tokens"); the cells and the plane learn
+        // uniform iterations only. A shortened iteration used to teach the cell of the depth it
+        // drafted, scaled to the uniform iteration by the ratio its decision predicted; but that
+        // ratio is the model's own, so the scaled seconds confirmed whatever the model believed
+        // of the uniform depth (within the noise), counted as measurements of it (so its probes
+        // never came), and fed the model's error at the depths the ratio was interpolated from
+        // into the plane and every other depth (h200x4-llama70b mixed-128: steps 5's cell held
+        // 0.034 s against the curve's 0.044 s, steps 1 read 0.019-0.022 s against 0.015 s, and the
+        // slot never went back to steps 1; BENCHMARKS.md, issue 28 floors). The cells a
+        // per-request decision is priced from are kept current by staleness probes instead
+        // ([`super::decide::STALE_AFTER`]).
         let shortened = verified != steps * b;
-        let mut cells = seconds;
+        let cells = seconds.filter(|_| !shortened);
         let shape = match seconds {
-            Some(t) => {
-                let fallback = self.per_request.learn_cost(&self.cost, bucket, b_cost, steps, requests, context_tokens as f64, t, rule.is_some());
-                match predicted {
-                    Some((_, uniform, priced)) if shortened && priced > 0.0 => (steps, t * (1.0 - uniform / priced)),
-                    _ if shortened => {
-                        cells = None;
-                        fallback
-                    }
-                    _ => fallback,
-                }
-            }
+            Some(t) => self.per_request.learn_cost(&self.cost, bucket, b_cost, steps, requests, context_tokens as f64, t, rule.is_some()),
             None => per_request::uniform_shape(requests),
         };
         self.learn_iteration(slot, bucket, b, b_cost, steps, shape, seconds, cells, context_tokens, caught_up)
     }
 
     /// The cost model, catch-up and probe-credit part of a report (`cells`: the measured seconds
-    /// the cost model's cells learn, `None` for an iteration they must not learn).
+    /// the cost model learns, `None` for an iteration it must not learn, which only advances the
+    /// cells' ages).
     #[allow(clippy::too_many_arguments)]
     fn learn_iteration(
         &mut self,
@@ -145,9 +140,12 @@ impl GoodputPolicy {
         let ctx = context_tokens as f64;
         let spent = match seconds {
             Some(t) => {
-                if let Some(t) = cells {
-                    let uniform = (t - draft_only).max(0.5 * t);
-                    self.cost.observe(bucket, b_cost, cell_steps, ctx, catch as f64, uniform, settled);
+                match cells {
+                    Some(t) => {
+                        let uniform = (t - draft_only).max(0.5 * t);
+                        self.cost.observe(bucket, b_cost, cell_steps, ctx, catch as f64, uniform, settled);
+                    }
+                    None => self.cost.tick(),
                 }
                 t
             }
@@ -165,5 +163,44 @@ impl GoodputPolicy {
             s.credit = (s.credit + self.cfg.probe_budget * spent).min(4.0 * spent);
         }
         std::mem::take(&mut s.switched).then_some(s.current)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{GoodputConfig, GoodputPolicy};
+    use super::RequestVerify;
+    use crate::config::{MinSurvival, VerifyMode};
+
+    /// 8 requests, uniform iterations at steps 0..=5 (10 ms + 2 ms per draft step).
+    fn trained() -> GoodputPolicy {
+        let cfg = GoodputConfig { probe_budget: 0.0, verify: VerifyMode::PerRequest, min_survival: MinSurvival::Off, ..GoodputConfig::default() };
+        let mut p = GoodputPolicy::new(cfg, 3, vec![(0..=7).collect()]);
+        for i in 0..120u32 {
+            let k = i % 6;
+            let req: Vec<RequestVerify<'_>> = (0..8).map(|id| RequestVerify { id, steps: k, accepted: i64::from(k / 2), draft_probs: None }).collect();
+            p.observe_requests(0, 8, 8, k, &req, Some(0.010 + 0.002 * f64::from(k)), 800, None);
+        }
+        p
+    }
+
+    #[test]
+    fn a_shortened_iteration_teaches_the_drafters_terms_and_no_cell() {
+        let mut p = trained();
+        let ids: Vec<u64> = (0..8).collect();
+        let predict = |p: &GoodputPolicy| (0..8).map(|k| p.cost.predict(8, 8, k, 800.0, 0.0)).collect::<Vec<f64>>();
+        let before = predict(&p);
+        let drafter = p.per_request.draft_cost();
+        for _ in 0..20 {
+            p.decide_requests(0, 8, 8, 8, 800, None, Some(&ids));
+            // depth 5, half the requests verify 1: slower than its uniform-equivalent iteration
+            let req: Vec<RequestVerify<'_>> = ids.iter().map(|&id| RequestVerify { id, steps: if id < 4 { 5 } else { 1 }, accepted: 1, draft_probs: None }).collect();
+            p.observe_requests(0, 8, 8, 5, &req, Some(0.030), 800, None);
+        }
+        // the cells and the plane are what the uniform iterations taught, to the last bit
+        assert_eq!(predict(&p), before);
+        // the seconds beyond the uniform-equivalent iteration went to the drafter's terms
+        let learned = p.per_request.draft_cost();
+        assert!(learned.per_token + learned.per_step > drafter.per_token + drafter.per_step, "{learned:?} vs {drafter:?}");
     }
 }
