@@ -413,7 +413,6 @@ impl GoodputPolicy {
                 };
                 // the chain's stop (if any) was priced for the chain: a tree's report is the tree's
                 self.last_rule = None;
-                self.last_shape = None;
                 Decision {
                     steps: shape.depth,
                     verify: VerifyShape::Uniform,
