@@ -105,11 +105,27 @@ class LoopInbox:
 
     def _handle_inbox(self, block: bool) -> None:
         messages = [self.inbox.get()] if block else []
+        flushed: list[tuple[Any, bool]] = []  # answered after the stats show the flush
         while True:
             try:
                 messages.append(self.inbox.get_nowait())
             except queue.Empty:
                 break
+        try:
+            self._handle_messages(messages, flushed)
+        except BaseException as e:  # the loop fails: no flush caller waits forever
+            for reply, _ in flushed:
+                reply.set_exception(RuntimeError(f"the engine loop failed: {e}"))
+            raise
+        if messages:
+            self._refresh_stats()
+            self._flush()
+        for reply, done in flushed:  # a caller reading stats() after flush_cache() sees it
+            reply.set_result(done)
+
+    def _handle_messages(self, messages: list[Any], flushed: list[tuple[Any, bool]]) -> None:
+        """Act on ``messages`` in order; a :class:`FlushCache` is done here and its reply with
+        its result appended to ``flushed`` (answered by the caller once stats are refreshed)."""
         for message in messages:
             match message:
                 case Submit(specs):
@@ -134,12 +150,9 @@ class LoopInbox:
                 case Crash(text):
                     raise RuntimeError(text)
                 case FlushCache(reply):
-                    reply.set_result(bool(self.sched.flush_cache()))
+                    flushed.append((reply, bool(self.sched.flush_cache())))
                 case _:
                     raise TypeError(f"unknown engine loop message {message!r}")
-        if messages:
-            self._refresh_stats()
-            self._flush()
 
     def _submit(self, spec: RequestSpec) -> None:
         """Add ``spec`` to the scheduler (its sink gets ``Submitted`` or the error), or hold it
