@@ -22,7 +22,7 @@ from specdial.worker.tree_accept import tree_accept
 from specdial.worker.tree_budget import compact_tree, kept_nodes
 from specdial.worker.tree_draft import TreeDraft
 from specdial.worker.tree_step import TreePlan
-from test_tree_step import SHAPES, _forward, reference_greedy, run
+from test_tree_step import SHAPES, assert_target_greedy_and_chain_kv, reference_greedy, run
 from tree_helpers import ToyLM, column_logits, draft_tree
 
 V = 12
@@ -136,13 +136,7 @@ def test_worker_trees_with_node_budgets_give_target_greedy_and_chain_kv(request,
     for ms in (0.02, 0.3):
         verified = []
         worker, chain, out, _ = run(target, module, SHAPES, min_survival=ms, verified=verified)
-        for r, prompt in enumerate(PROMPTS):
-            assert out[r] == reference_greedy(target, prompt, len(out[r]))
-            seq = list(prompt) + out[r][:-1]
-            fresh = target.make_kv_pool(len(seq))
-            _forward(target, seq, fresh)
-            torch.testing.assert_close(worker.kv.k_buffer[:, torch.tensor(chain[r])],
-                                       fresh.k_buffer[:, :len(seq)], atol=2e-5, rtol=1e-4)
+        assert_target_greedy_and_chain_kv(target, worker, chain, out)
         counts = np.concatenate([v for _, v in verified])
         assert all(0 <= v.min() and v.max() <= n for n, v in verified)
         if ms == 0.3:  # the budgets bite: some requests keep fewer than N nodes

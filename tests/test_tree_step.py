@@ -61,6 +61,18 @@ def _forward(model, seq, pool=None):
     return model.compute_logits(h), h
 
 
+def assert_target_greedy_and_chain_kv(target, worker, chain, out, prompts=PROMPTS):
+    """Each request's tokens ``out[r]`` are the target's greedy ones and the target KV at its
+    chain slots ``chain[r]`` equals a fresh prefill of its sequence (tolerance: float32)."""
+    for r, prompt in enumerate(prompts):
+        assert out[r] == reference_greedy(target, prompt, len(out[r]))
+        seq = list(prompt) + out[r][:-1]
+        fresh = target.make_kv_pool(len(seq))
+        _forward(target, seq, fresh)
+        torch.testing.assert_close(worker.kv.k_buffer[:, torch.tensor(chain[r])],
+                                   fresh.k_buffer[:, :len(seq)], atol=2e-5, rtol=1e-4)
+
+
 def run(target, module, shapes, sampling=None, logprobs=None, prompts=PROMPTS, new_tokens=NEW,
         min_survival=0.0, verified=None, **worker_options):
     """Prefill, then tree iterations of ``shapes`` (None: plain decoding, steps 0, through
@@ -211,13 +223,7 @@ def test_eagle3_tree_iterations_give_target_greedy():
     prompts = [[1, 2, 3], [7, 7, 0, 5, 4]]
     worker, chain, out, _ = run(target, eagle3_head(target), [(3, 3, 6), (6, 2, 12), (8, 4, 20),
                                                               (1, 5, 5)], prompts=prompts)
-    for r, prompt in enumerate(prompts):
-        assert out[r] == reference_greedy(target, prompt, len(out[r]))
-        seq = list(prompt) + out[r][:-1]
-        fresh = target.make_kv_pool(len(seq))
-        _forward(target, seq, fresh)
-        torch.testing.assert_close(worker.kv.k_buffer[:, torch.tensor(chain[r])],
-                                   fresh.k_buffer[:, :len(seq)], atol=2e-5, rtol=1e-4)
+    assert_target_greedy_and_chain_kv(target, worker, chain, out, prompts)
 
 
 @pytest.mark.parametrize("shape", [(2, 2, 4), (3, 2, 6)])
