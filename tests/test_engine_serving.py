@@ -185,8 +185,10 @@ def test_async_stream_whole_holds_the_chunks_until_the_end(tiny, ref):
     """``async_stream(whole=True)`` (the server's non-streaming responses): the same chunks as
     a stream, none handed over before the request's last one was emitted, each stamped with a
     non-decreasing ``emitted_s``; a stream's chunks carry none (their arrival is their time).
-    Submission errors still come before any chunk; leaving early still aborts."""
-    engine = Engine.from_modules(tiny.target, tiny.eagle_random, **KW)
+    Submission errors still come before any chunk; leaving early still aborts. Fixed steps:
+    the two runs' chunk boundaries must not depend on an adaptive policy's timings."""
+    engine = Engine.from_modules(tiny.target, tiny.eagle_random, speculative_adaptive=False,
+                                 speculative_num_steps=3, **KW)
 
     async def main():
         streamed = [c async for c in engine.async_stream(input_ids=MORE[3],
