@@ -82,17 +82,9 @@ class AttentionMetadata:
 
     @staticmethod
     def check_lens(qo_lens: torch.Tensor, kv_lens: torch.Tensor, kv_indices: torch.Tensor) -> None:
-        """Validate shapes and lengths; raises ``ValueError``. Syncs if the lens are on a GPU."""
-        if qo_lens.dim() != 1 or kv_lens.dim() != 1 or kv_indices.dim() != 1:
-            raise ValueError("qo_lens, kv_lens and kv_indices must be 1-D tensors")
-        if qo_lens.numel() != kv_lens.numel():
-            raise ValueError(f"qo_lens has {qo_lens.numel()} requests, kv_lens {kv_lens.numel()}")
-        if bool((qo_lens < 0).any()) or bool((qo_lens > kv_lens).any()):
-            raise ValueError("every request needs 0 <= qo_len <= kv_len")
-        total = int(kv_lens.sum())
-        if total != kv_indices.numel():
-            raise ValueError(f"kv_indices has {kv_indices.numel()} entries, "
-                             f"sum(kv_lens) is {total}")
+        """Validate shapes and lengths (:func:`check_host_lens` on the lens copied to the
+        host); raises ``ValueError``. Syncs if the lens are on a GPU."""
+        check_host_lens(qo_lens.detach().cpu().numpy(), kv_lens.detach().cpu().numpy(), kv_indices)
 
     @classmethod
     def from_lens(cls, qo_lens: torch.Tensor, kv_lens: torch.Tensor,
