@@ -55,7 +55,9 @@ def test_a_stop_string_finish_is_decided_in_the_report(text_models):
     names = [name for name, _ in recording.calls]
     assert "finish_request" not in names and "abort" not in names, names
     stopped = [kw["stop_strings"] for name, kw in recording.calls if name == "report"]
-    assert stopped[-1] == [got[-1].request_id], "the last report finished it"
+    [(rid, keep)] = stopped[-1]  # the last report finished it, keeping `keep` tokens
+    assert rid == got[-1].request_id and keep >= 1
+    assert got[-1].meta_info["completion_tokens"] == sum(len(c.token_ids) for c in got)
     assert all(ids == [] for ids in stopped[:-1])
     # the snapshot the final chunk followed is the report's own: the finish is in it
     assert engine.stats().requests_finished == finished_before + 1

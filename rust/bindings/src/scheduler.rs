@@ -993,11 +993,15 @@ impl PyScheduler {
     /// drafts per request, checked against ``offsets``. Arrays: 1-D integer buffers (numpy) or
     /// lists. ``seconds`` (decode plans only, optional): the iteration's wall time, a float > 0,
     /// from just before ``schedule()`` to just after the passes returned; the adaptive policy
-    /// learns its cost model from it (``goodput``). ``stop_strings``: ids of the plan's requests
-    /// whose stop string matched in the text of the tokens they emitted now (the caller
-    /// detokenizes): each finishes here with reason "stop" and no stop token, its tokens kept,
-    /// unless EOS, a stop token or the length finishes it first; so every finish is decided in
-    /// the report and nothing is called back after it. Results for requests aborted meanwhile are
+    /// learns its cost model from it (``goodput``). ``stop_strings``: ``(request_id, keep)``
+    /// pairs, one per request of the plan whose stop string matched in the text of the tokens
+    /// it emitted now (the caller detokenizes); ``keep`` (1 ..= its emitted tokens) counts its
+    /// emitted tokens up to and including the one whose text completed the stop string. The
+    /// tokens after it are dropped (not output, not counted, their KV freed) and EOS, stop tokens
+    /// and the length then apply to the kept ones; the request finishes here with reason "stop"
+    /// and no stop token unless those finish it first; so every finish is decided in the report,
+    /// nothing is called back after it, and the output does not depend on how many tokens one
+    /// verify emitted. The policy still sees every accepted draft. Results for requests aborted meanwhile are
     /// ignored. ``draft_probs`` (decode plans only, optional; issue 28): the drafter's probability
     /// of each draft token the plan verified, request after request in plan order
     /// (``sum(steps_per_request)`` floats in [0, 1], float32/float64 buffer or list); the
@@ -1018,7 +1022,7 @@ impl PyScheduler {
         offsets: &Bound<'_, PyAny>,
         accepted: Option<&Bound<'_, PyAny>>,
         seconds: Option<&Bound<'_, PyAny>>,
-        stop_strings: Vec<u64>,
+        stop_strings: Vec<(u64, i64)>,
         draft_probs: Option<&Bound<'_, PyAny>>,
         verified: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyReportResult> {
@@ -1038,6 +1042,15 @@ impl PyScheduler {
                 Some(v) if !v.is_none() => Some(int_array(v, "verified")?),
                 _ => None,
             };
+            let stop_strings = stop_strings
+                .into_iter()
+                .map(|(id, keep)| match usize::try_from(keep) {
+                    Ok(keep) => Ok((id, keep)),
+                    Err(_) => Err(PyValueError::new_err(format!(
+                        "stop_strings: request {id} keeps {keep} tokens; must be >= 1"
+                    ))),
+                })
+                .collect::<PyResult<Vec<_>>>()?;
             let extras = ReportExtras {
                 seconds,
                 stop_strings: &stop_strings,

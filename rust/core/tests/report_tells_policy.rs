@@ -1,7 +1,8 @@
 //! What a report tells the policy about the iteration it answers (issue 27, item 1): the drafter
 //! catch-up tokens the iteration really ran (deferred drafter prefills and skipped zero-step
 //! extends, 0 when the extend is not skipped), the pending catch-up when the policy decides, and
-//! stop-string finishes decided in `report` itself.
+//! stop-string finishes decided in `report` itself: the tokens after the one that completed the
+//! stop string are dropped, while the policy still sees every draft the verify accepted.
 
 use specdial_core::strategies::{DecideContext, SlotView, StepStrategy, VerifyObservation};
 use specdial_core::{
@@ -17,6 +18,8 @@ struct Recorder {
     decided: Vec<Option<u64>>,
     /// `(steps, catch_up_tokens)` of every observation.
     observed: Vec<(u32, Option<u64>)>,
+    /// Accepted drafts per request of every observation.
+    accepted: Vec<Vec<i64>>,
 }
 
 impl StepStrategy for Recorder {
@@ -32,6 +35,7 @@ impl StepStrategy for Recorder {
     }
     fn on_verify_complete(&mut self, obs: &VerifyObservation<'_>) -> Result<Option<u32>, PolicyError> {
         self.observed.push((obs.steps, obs.catch_up_tokens));
+        self.accepted.push(obs.accepted.to_vec());
         Ok(None)
     }
     fn slot_state(&self, _slot: usize) -> SlotView {
@@ -121,25 +125,77 @@ fn without_skipped_extends_nothing_is_deferred_or_caught_up() {
 }
 
 #[test]
-fn a_stop_string_finishes_in_the_report_with_the_tokens_kept() {
+fn a_stop_string_finishes_in_the_report_with_the_tokens_up_to_the_completing_one() {
     let mut s = scheduler(true);
     let a = s.add_request(vec![1; 5], 40, vec![], true).unwrap();
     let b = s.add_request(vec![1; 5], 40, vec![], true).unwrap();
+    let c = s.add_request(vec![1; 5], 40, vec![], true).unwrap();
     run(&mut s, 0);
+    let pages_before = s.stats().kv_pages_used;
+    let generated_before = s.stats().tokens_generated;
     recorder(&mut s).next = 2;
     let plan = s.schedule().unwrap().unwrap();
-    assert_eq!(plan.request_ids, vec![a as i64, b as i64]);
-    let (tokens, offsets) = ([7i64, 8, 9, 7, 8, 9], [0i64, 3, 6]);
-    // an id outside the plan, or one without tokens, is refused and nothing changes
-    let bad = s.report_with(&tokens, &offsets, None, ReportExtras { stop_strings: &[99], ..Default::default() });
-    assert!(bad.unwrap_err().to_string().starts_with("stop_strings: request 99"));
-    assert!(s.plan_in_flight());
-    let out = s.report_with(&tokens, &offsets, None, ReportExtras { stop_strings: &[b], ..Default::default() }).unwrap();
-    assert_eq!(out.new_tokens, tokens.to_vec(), "every emitted token is kept");
-    assert_eq!(out.finished.len(), 1);
-    let f = out.finished[0];
-    assert_eq!((f.request_id, f.reason.as_str(), f.reason.stop_token_id(), f.output_len), (b, "stop", None, 4));
-    assert_eq!(s.output_ids(b), None);
+    assert_eq!(plan.request_ids, vec![a as i64, b as i64, c as i64]);
+    let (tokens, offsets) = ([7i64, 8, 9, 7, 8, 9, 4, 5, 6], [0i64, 3, 6, 9]);
+    // an id outside the plan, a keep outside 1..=emitted or an id twice is refused, unchanged
+    for (stops, message) in [
+        (vec![(99, 1)], "stop_strings: request 99 is not in the plan"),
+        (vec![(b, 0)], "stop_strings: request 1 keeps 0 tokens; must be 1..=3"),
+        (vec![(b, 4)], "stop_strings: request 1 keeps 4 tokens; must be 1..=3"),
+        (vec![(b, 1), (b, 2)], "stop_strings: request 1 is listed twice"),
+    ] {
+        let bad = s.report_with(&tokens, &offsets, None, ReportExtras { stop_strings: &stops, ..Default::default() });
+        let err = bad.unwrap_err().to_string();
+        assert!(err.starts_with(message), "{err}");
+        assert!(s.plan_in_flight());
+    }
+    let observed_before = recorder(&mut s).accepted.len();
+    let stops = [(b, 1), (c, 3)];
+    let out = s.report_with(&tokens, &offsets, None, ReportExtras { stop_strings: &stops, ..Default::default() }).unwrap();
+    // b keeps the token that completed its stop string and drops the two after it; c keeps all
+    assert_eq!(out.new_tokens, vec![7, 8, 9, 7, 4, 5, 6]);
+    assert_eq!(out.new_offsets, vec![0, 3, 4, 7]);
+    let ends: Vec<_> = out.finished.iter().map(|f| (f.request_id, f.reason.as_str(), f.reason.stop_token_id(), f.output_len)).collect();
+    assert_eq!(ends, vec![(b, "stop", None, 2), (c, "stop", None, 4)]);
+    assert_eq!((s.output_ids(b), s.output_ids(c)), (None, None));
     assert_eq!(s.output_ids(a).unwrap(), &[7, 7, 8, 9]);
-    assert_eq!(out.stats.requests_finished, 1);
+    let st = out.stats;
+    assert_eq!((st.requests_finished, st.tokens_generated - generated_before), (2, 7));
+    // the finished requests' pages are all back: only a's remain (fewer than before)
+    assert!(st.kv_pages_used < pages_before, "{} !< {pages_before}", st.kv_pages_used);
+    // the policy saw what the verify accepted: 2 drafts each, b's truncation is no rejection
+    let rec = recorder(&mut s);
+    assert_eq!(rec.accepted.len(), observed_before + 1);
+    assert_eq!(rec.accepted.last().unwrap(), &vec![2, 2, 2]);
+    // a drains: every page is returned
+    s.abort(a).unwrap();
+    assert_eq!(s.stats().kv_pages_used, 0);
+}
+
+#[test]
+fn the_core_rules_run_on_the_kept_tokens_only() {
+    // EOS (token 0) after the completing token is not output: the stop string finishes first,
+    // as it would one token per iteration; an EOS at or before it finishes by its own rule
+    let config = AdaptiveConfig::from_json(r#"{"1": {"candidate_steps": [0, 3]}}"#).unwrap();
+    let params = AdaptiveSpeculativeParams::with_strategy(config, Box::new(Recorder::default()));
+    let cfg = SchedulerConfig {
+        max_running_requests: 4, max_prefill_tokens: 64, context_length: 64, num_pages: 64,
+        page_size: 4, eos_token_ids: vec![0], ..SchedulerConfig::default()
+    };
+    let mut s = Scheduler::new(cfg, StepsSource::Adaptive(params)).unwrap();
+    let a = s.add_request(vec![1; 5], 40, vec![], false).unwrap();
+    let b = s.add_request(vec![1; 5], 40, vec![], false).unwrap();
+    let c = s.add_request(vec![1; 5], 3, vec![], false).unwrap();
+    run(&mut s, 0);
+    recorder(&mut s).next = 3;
+    s.schedule().unwrap().unwrap();
+    // c may produce 2 more tokens (max_new_tokens 3, 1 from the prefill): its plan runs 1 step
+    let (tokens, offsets) = ([5i64, 6, 0, 8, 5, 0, 6, 8, 5, 6], [0i64, 4, 8, 10]);
+    let stops = [(a, 2), (b, 3), (c, 2)];
+    let out = s.report_with(&tokens, &offsets, None, ReportExtras { stop_strings: &stops, ..Default::default() }).unwrap();
+    assert_eq!(out.new_tokens, vec![5, 6, 5, 0, 5, 6]);
+    let ends: Vec<_> = out.finished.iter().map(|f| (f.request_id, f.reason.as_str(), f.reason.stop_token_id(), f.output_len)).collect();
+    // c: its length rule finishes it at the token that also completed its stop string
+    assert_eq!(ends, vec![(a, "stop", None, 3), (b, "stop", Some(0), 3), (c, "length", None, 3)]);
+    assert_eq!(s.stats().kv_pages_used, 0);
 }

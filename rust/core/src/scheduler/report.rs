@@ -15,10 +15,16 @@ pub struct ReportExtras<'a> {
     /// The decode iteration's measured wall time, seconds (finite, > 0; decode plans only).
     pub seconds: Option<f64>,
     /// Requests of the plan whose stop string the caller found in the text of the tokens they
-    /// emitted now (the caller detokenizes; the core has no text). Each finishes with reason
-    /// `stop` and no stop token, unless the core's own rules (EOS, stop token, length) finish it
-    /// first; its tokens are kept as emitted.
-    pub stop_strings: &'a [u64],
+    /// emitted now (the caller detokenizes; the core has no text), as `(request id, keep)`:
+    /// `keep` (1 ..= the tokens it emitted) is how many of its emitted tokens to keep, up to and
+    /// including the token whose text completed the stop string. The tokens after it are dropped
+    /// before the core's own rules (EOS, stop token, length) run on the kept ones, so the
+    /// request's output, its usage and the KV it frees are those of plain decoding, one token
+    /// per iteration, whatever the speculative depth (vLLM's multi-step output processor appends
+    /// a multi-token step one token at a time and stops at the first that finishes). It finishes
+    /// with reason `stop` and no stop token unless those rules finish it first, at or before
+    /// `keep`. The policy still sees every token the verify accepted: a stop is no rejection.
+    pub stop_strings: &'a [(u64, usize)],
     /// Decode only, optional (issue 28): the drafter's probability of each draft token the plan
     /// verified, request after request in plan order (`sum(steps_per_request)` values, each
     /// finite in `[0, 1]`). The `goodput` strategy with `verify = per_request` takes them as the
@@ -81,7 +87,7 @@ fn validate(
     tokens: &[i64],
     offsets: &[i64],
     accepted: Option<&[i64]>,
-    stop_strings: &[u64],
+    stop_strings: &[(u64, usize)],
 ) -> Result<(), SchedulerError> {
     let b = fl.ids.len();
     if offsets.len() != b + 1 {
@@ -141,15 +147,25 @@ fn validate(
             ));
         }
     }
-    for &id in stop_strings {
+    for (j, &(id, keep)) in stop_strings.iter().enumerate() {
         let Some(i) = fl.ids.iter().position(|&x| x == id) else {
             return Err(bad("stop_strings", format!("request {id} is not in the plan in flight")));
         };
-        if offsets[i + 1] == offsets[i] {
+        let n = (offsets[i + 1] - offsets[i]) as usize;
+        if n == 0 {
             return Err(bad(
                 "stop_strings",
                 format!("request {id} emitted no token in this plan, so no stop string can match"),
             ));
+        }
+        if !(1..=n).contains(&keep) {
+            return Err(bad(
+                "stop_strings",
+                format!("request {id} keeps {keep} tokens; must be 1..={n} (the tokens it emitted in this plan, up to the one that completed the stop string)"),
+            ));
+        }
+        if stop_strings[..j].iter().any(|&(x, _)| x == id) {
+            return Err(bad("stop_strings", format!("request {id} is listed twice")));
         }
     }
     if let Some((i, &t)) = tokens.iter().enumerate().find(|(_, &t)| t < 0) {
@@ -284,7 +300,12 @@ impl Scheduler {
         out.new_offsets.push(0);
         for i in 0..b {
             let id = fl.ids[i];
-            let emitted = &tokens[offsets[i] as usize..offsets[i + 1] as usize];
+            let mut emitted = &tokens[offsets[i] as usize..offsets[i + 1] as usize];
+            // a stop string completed at emitted[keep - 1]: the tokens after it are not output
+            let stop_string = stop_strings.iter().find(|&&(x, _)| x == id);
+            if let Some(&(_, keep)) = stop_string {
+                emitted = &emitted[..keep];
+            }
             if let Some(r) = self.requests.get_mut(&id) {
                 let mut finish = None;
                 // KV positions holding accepted tokens (what the prefix cache may take)
@@ -329,7 +350,7 @@ impl Scheduler {
                         }
                     }
                 }
-                if finish.is_none() && stop_strings.contains(&id) {
+                if finish.is_none() && stop_string.is_some() {
                     finish = Some(FinishReason::Stop(None));
                 }
                 self.cache_committed(id, committed);
