@@ -26,7 +26,6 @@ from specdial.engine.parts import EngineParts
 from specdial.engine.policy_setup import policy_options
 from specdial.engine.startup_profile import startup_profile
 from specdial.models import LlamaForCausalLM
-from specdial.profiling import ProfilePoint
 from specdial.worker.drafters import make_drafter
 from specdial.worker.graph_tables import default_cuda_graph_bs, normalize_graph_bs
 from specdial.worker.worker import SpecWorker
