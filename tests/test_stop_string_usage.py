@@ -118,6 +118,7 @@ def test_stream_chunks_and_logprobs_follow_the_kept_tokens(engines, ref):
             sp = greedy(MAX_NEW, ignore_eos=True, stop=[stop])
             chunks = list(engine.stream(PROMPT, sampling_params=sp))
             assert [t for c in chunks for t in c.token_ids] == ids[:k], (name, stop)
+            assert "".join(c.text for c in chunks) == text[:text.index(stop)], (name, stop)
             assert chunks[-1].meta_info["completion_tokens"] == k
             out = engine.generate(PROMPT, sp, return_logprob=True, top_logprobs_num=1,
                                   return_text_in_logprobs=True)
@@ -158,6 +159,21 @@ def test_token_rules_count_the_same_at_every_depth(engines, ref):
         for n in (1, 2, 7, 13):
             out = engine.generate(PROMPT, greedy(n, ignore_eos=True))
             assert (out["meta_info"]["completion_tokens"], out["output_ids"]) == (n, ids[:n])
+
+
+def test_min_tokens_masks_a_stop_token_the_same_at_every_depth(engines, ref):
+    """A stop token id masked by ``min_tokens`` (it cannot be sampled before that many tokens,
+    at every draft position of a verify too) gives the steps-0 output at every depth."""
+    ids, _, _ = ref
+    stop_id = ids[len(ids) // 3]
+    m = ids.index(stop_id) + 1  # its first occurrence is masked
+    sp = greedy(MAX_NEW, ignore_eos=True, stop_token_ids=[stop_id], min_tokens=m)
+    want = engines["steps0"].generate(PROMPT, sp)
+    assert want["output_ids"][:m - 1] == ids[:m - 1] and stop_id not in want["output_ids"][:m]
+    for name, engine in engines.items():
+        out = engine.generate(PROMPT, sp)
+        assert out["output_ids"] == want["output_ids"], name
+        assert out["meta_info"]["completion_tokens"] == len(want["output_ids"]), name
 
 
 # ---------------------------------------------------------------------------- HTTP
