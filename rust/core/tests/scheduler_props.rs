@@ -1,7 +1,8 @@
 //! Property tests of the scheduler on random workloads: random prompts and limits, random step
 //! choices (fixed steps changing between iterations, or the adaptive policy), random accepted
-//! counts, random EOS, random aborts and stop strings (also while a plan is in flight), and
-//! small pools that force preemption, and plans abandoned after a failed step.
+//! counts, random EOS, random aborts and stop strings (also while a plan is in flight, and in the
+//! report, keeping a random prefix of the emitted tokens), and small pools that force preemption,
+//! and plans abandoned after a failed step.
 //!
 //! Rows: every plan's rows are unique and in range, equal `row_of`, and a request keeps its row
 //! from the prefill chunk at position 0 until it finishes or is preempted (checked against the
@@ -16,7 +17,8 @@ use std::collections::{HashMap, HashSet};
 use proptest::prelude::*;
 use specdial_core::scheduler::{FinishReason, Finished, Plan, PlanKind, RequestState};
 use specdial_core::{
-    AdaptiveConfig, AdaptiveSpeculativeParams, Scheduler, SchedulerConfig, StepsSource,
+    AdaptiveConfig, AdaptiveSpeculativeParams, ReportExtras, Scheduler, SchedulerConfig,
+    StepsSource,
 };
 
 const EOS: i64 = 0;
@@ -40,10 +42,13 @@ struct Req {
 enum Op {
     Add(Req),
     /// One iteration; the seed draws the accepted counts; `abort_in_flight` aborts the plan's
-    /// request at that index (mod B) between schedule and report.
+    /// request at that index (mod B) between schedule and report; `stop_string`: `(i, k)`, the
+    /// report finishes the plan's request at index i (mod B) with a stop string that keeps
+    /// `1 + k % emitted` of its emitted tokens.
     Step {
         seed: u64,
         abort_in_flight: Option<usize>,
+        stop_string: Option<(usize, usize)>,
     },
     /// Abort (or finish with a stop string) the live request at this index (mod live count).
     Abort(usize, bool),
@@ -77,8 +82,9 @@ fn req(ctx: u32) -> impl Strategy<Value = Req> {
 fn op(ctx: u32) -> impl Strategy<Value = Op> {
     prop_oneof![
         3 => req(ctx).prop_map(Op::Add),
-        8 => (any::<u64>(), prop::option::weighted(0.1, 0usize..8))
-            .prop_map(|(seed, abort_in_flight)| Op::Step { seed, abort_in_flight }),
+        8 => (any::<u64>(), prop::option::weighted(0.1, 0usize..8),
+              prop::option::weighted(0.1, (0usize..8, 0usize..8)))
+            .prop_map(|(seed, abort_in_flight, stop_string)| Op::Step { seed, abort_in_flight, stop_string }),
         1 => (0usize..8, any::<bool>()).prop_map(|(i, stop)| Op::Abort(i, stop)),
         1 => (0u32..8).prop_map(Op::SetSteps),
     ]
@@ -348,6 +354,7 @@ fn iteration(
     cfg: &SchedulerConfig,
     seed: u64,
     abort_in_flight: Option<usize>,
+    stop_string: Option<(usize, usize)>,
 ) -> Result<bool, TestCaseError> {
     let Some(plan) = s.schedule().unwrap() else {
         return Ok(false);
@@ -403,14 +410,34 @@ fn iteration(
         }
         offsets.push(tokens.len() as i64);
     }
+    let bs = plan.batch_size();
     if let Some(i) = abort_in_flight {
-        let id = plan.request_ids[i % plan.batch_size()] as u64;
+        let id = plan.request_ids[i % bs] as u64;
         let f = s.abort(id).unwrap();
         model.finish(f)?;
     }
+    // a stop string completed at a random emitted token of a request still live
+    let stopped: Vec<(u64, usize)> = stop_string
+        .map(|(i, k)| (i % bs, k))
+        .filter(|&(b, _)| abort_in_flight.is_none_or(|a| a % bs != b) && offsets[b + 1] > offsets[b])
+        .map(|(b, k)| (plan.request_ids[b] as u64, 1 + k % (offsets[b + 1] - offsets[b]) as usize))
+        .into_iter()
+        .collect();
     let acc = (plan.kind == PlanKind::Decode).then_some(&accepted[..]);
-    let out = s.report(&tokens, &offsets, acc).unwrap();
+    let extras = ReportExtras { stop_strings: &stopped, ..Default::default() };
+    let out = s.report_with(&tokens, &offsets, acc, extras).unwrap();
     prop_assert_eq!(&out.request_ids, &plan.request_ids);
+    for &(id, keep) in &stopped {
+        // the tokens after the completing one are dropped; a core rule may finish it earlier
+        let b = plan.request_ids.iter().position(|&x| x as u64 == id).unwrap();
+        let new = &out.new_tokens[out.new_offsets[b] as usize..out.new_offsets[b + 1] as usize];
+        let f = out.finished.iter().find(|f| f.request_id == id);
+        prop_assert!(f.is_some(), "request {} was not finished by its stop string", id);
+        let f = f.unwrap();
+        let emitted = &tokens[offsets[b] as usize..offsets[b + 1] as usize];
+        prop_assert!(new.len() <= keep && new == &emitted[..new.len()], "{:?} {:?}", new, emitted);
+        prop_assert!(f.reason != FinishReason::Stop(None) || new.len() == keep, "{:?}", f);
+    }
     for b in 0..plan.batch_size() {
         let id = plan.request_ids[b] as u64;
         let new = &out.new_tokens[out.new_offsets[b] as usize..out.new_offsets[b + 1] as usize];
@@ -497,8 +524,9 @@ fn run(w: Workload) -> Result<(), TestCaseError> {
             Op::Step {
                 seed,
                 abort_in_flight,
+                stop_string,
             } => {
-                iteration(&mut s, &mut model, &cfg, seed, abort_in_flight)?;
+                iteration(&mut s, &mut model, &cfg, seed, abort_in_flight, stop_string)?;
             }
             Op::Abort(i, stop) => {
                 live.retain(|id| !model.finished.contains_key(id));
@@ -531,7 +559,7 @@ fn run(w: Workload) -> Result<(), TestCaseError> {
     let mut seed = 1u64;
     for _ in 0..20_000 {
         seed = seed.wrapping_mul(31).wrapping_add(7);
-        if !iteration(&mut s, &mut model, &cfg, seed, None)? {
+        if !iteration(&mut s, &mut model, &cfg, seed, None, None)? {
             break;
         }
         check_bounds(&s, &cfg)?;
@@ -621,6 +649,7 @@ fn tiny_pool_heavy_preemption() {
         ops.push(Op::Step {
             seed: i as u64,
             abort_in_flight: None,
+            stop_string: None,
         });
     }
     let w = Workload {
@@ -653,7 +682,7 @@ fn tiny_pool_heavy_preemption() {
         model.streamed.insert(i, vec![]);
     }
     let mut seed = 0;
-    while iteration(&mut s, &mut model, &w.cfg, seed, None).unwrap() {
+    while iteration(&mut s, &mut model, &w.cfg, seed, None, None).unwrap() {
         seed += 1;
     }
     assert!(s.stats().preemptions > 0);
