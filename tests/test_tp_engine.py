@@ -1,7 +1,7 @@
 """The engine with its models sharded over 2 gloo ranks (``Engine(tp_size=2)``, no launcher).
 
 Greedy outputs equal tp 1 for both drafters (EAGLE head, draft model) at fixed steps 0 and 3
-and adaptive; sampling runs to the end with the ranks' tokens checked equal after every pass;
+and adaptive; a stop string's output ids and ``completion_tokens`` equal plain decoding's; sampling runs to the end with the ranks' tokens checked equal after every pass;
 ``serve``'s options (``--tp-size``) through the ``openai`` client; a killed worker rank fails
 the running request with a message and ``/health`` answers 503 within ``dist_timeout``; two
 "nodes" on loopback (``serve --node-rank 1`` as a second process)."""
@@ -66,6 +66,32 @@ def test_greedy_tp2_equals_tp1(algo):
             assert len(sampled) == 3 and engine.failure is None  # ranks agreed throughout
         finally:
             engine.shutdown()
+
+
+def test_stop_string_usage_tp2_equals_plain_decoding():
+    """A stop string under tp 2 at steps 3 ends the output ids and ``completion_tokens`` where
+    plain decoding at tp 1 ends them (the tokens a verify emitted past it are dropped)."""
+    common = dict(model_path=TARGET, draft_model_path=str(DRAFTERS["DRAFT"]),
+                  speculative_algorithm="DRAFT", speculative_adaptive=False,
+                  log_interval_s=None)
+    sp = {**GREEDY, "max_new_tokens": 32}
+    plain = specdial.Engine(speculative_num_steps=0, **common)
+    try:
+        free = plain.generate(PROMPTS, sp)
+        stops = [o["text"][len(o["text"]) // 2:len(o["text"]) // 2 + 2] for o in free]
+        want = [plain.generate(p, {**sp, "stop": [s]}) for p, s in zip(PROMPTS, stops)]
+    finally:
+        plain.shutdown()
+    engine = specdial.Engine(tp_size=2, speculative_num_steps=3, **common)
+    try:
+        got = [engine.generate(p, {**sp, "stop": [s]}) for p, s in zip(PROMPTS, stops)]
+        assert engine.stats().num_accepted_tokens > 0
+    finally:
+        engine.shutdown()
+    for g, w, s in zip(got, want, stops):
+        assert g["meta_info"]["finish_reason"] == {"type": "stop", "matched": s}
+        assert (g["output_ids"], g["meta_info"]["completion_tokens"]) == (
+            w["output_ids"], w["meta_info"]["completion_tokens"])
 
 
 def test_constrained_tp2_equals_tp1():
