@@ -21,13 +21,16 @@ draft tree (topk 4, 8 draft tokens), over the same random target with a near-cop
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import httpx
+import numpy as np
 import pytest
 
 from greedy import greedy
 from specdial.detokenize import IncrementalText, decode
 from specdial.engine import Engine
+from specdial.engine.stops import check_stop_strings
 from test_engine_serving import build_text_models
 from test_server_fake_engine import LiveServer
 from timeouts import scaled
@@ -81,6 +84,37 @@ def one_token_at_a_time(tok, ids: list[int], stop: str, min_tokens: int) -> int:
 def stops_of(text: str) -> list[str]:
     """3-character stop strings at many places of ``text`` (their first occurrence counts)."""
     return list(dict.fromkeys(text[i:i + 3] for i in range(2, min(len(text), 90) - 3, 4)))
+
+
+def test_check_stop_strings_keeps_the_emitted_tokens_up_to_the_completing_one(ref):
+    """The check alone: per request, ``(id, keep)`` with keep the shortest prefix of the
+    emitted tokens whose text matches; the text state and delta kept for reuse are those of
+    that prefix; requests without a match (or stop strings) are not stopped."""
+    ids, text, tok = ref
+    stop = stops_of(text)[5]
+    k = completing(tok, ids, stop)
+    assert k >= 3
+
+    def live(before: int, stops: list[str]) -> SimpleNamespace:
+        state = IncrementalText(tok, stops)
+        state.update(ids[:before], final=False)
+        return SimpleNamespace(spec=SimpleNamespace(stop=stops), text=state,
+                               output=list(ids[:before]))
+
+    # request 1 emits k - 2 .. k + 3 (its stop completes at its 2nd emitted token), request 2
+    # the same tokens without stop strings, request 3 tokens before the stop completes
+    lives = {1: live(k - 2, [stop]), 2: live(k - 2, []), 3: live(0, [stop])}
+    emitted = [ids[k - 2:k + 3], ids[k - 2:k + 3], ids[:k - 1]]
+    offsets = np.cumsum([0] + [len(e) for e in emitted])
+    check = check_stop_strings(lives, [1, 2, 3], np.array(sum(emitted, []), np.int64), offsets)
+    assert check.stopped == [(1, 2)]
+    state, delta = check.trials[1]
+    assert state.matched == stop and lives[1].text.matched is None  # checked on a copy
+    assert lives[1].text.sent + delta == text[:text.index(stop)]
+    assert check.trials[3][0].matched is None and 2 not in check.trials
+    finished = SimpleNamespace(reason="stop", stop_token_id=None)
+    assert check.text_for(1, finished) == (state, delta)
+    assert check.text_for(1, SimpleNamespace(reason="length", stop_token_id=None)) is None
 
 
 def test_the_speculative_engines_emit_several_tokens_per_verify(engines):
