@@ -250,11 +250,13 @@ impl Scheduler {
     }
 
     /// [`Scheduler::report`] with everything the caller knows of the iteration
-    /// ([`ReportExtras`]): its seconds, and the requests a stop string finished, so every finish
-    /// is decided here, in one place, and the caller never calls back after the report.
+    /// ([`ReportExtras`]): its seconds, and the requests a stop string finished with the tokens
+    /// they keep, so every finish is decided here, in one place, and the caller never calls back
+    /// after the report.
     ///
     /// Errors: those of `report_timed`, and [`SchedulerError::InvalidReport`] naming
-    /// `stop_strings` for an id not in the plan or one that emitted no token.
+    /// `stop_strings` for an id not in the plan, one that emitted no token, a `keep` outside
+    /// `1..=` its emitted tokens, or an id listed twice.
     pub fn report_with(
         &mut self,
         tokens: &[i64],
