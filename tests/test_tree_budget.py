@@ -181,20 +181,47 @@ def test_unseeded_sampling_with_node_budgets_keeps_the_target_distribution(shape
         assert stat < CRITICAL_DF7_ALPHA_1E3, (col, stat)
 
 
+NODE_S = 0.0005  # the injected cost's seconds per verify token (tree node or chain position)
+
+
+def verify_priced_cost(last_tree: dict):
+    """The engine test's deterministic cost (the loop's ``decode_seconds`` hook): 20 ms, 0.2 ms
+    per draft step and ``NODE_S`` per verify token, the root included: ``steps_per_request + 1``
+    per request for a chain, ``1 +`` its kept nodes for a tree (the tree iteration's
+    ``verified``, recorded in ``last_tree``; ``plan.num_draft_tokens`` per request where no
+    threshold ran). Verify nodes are not free, so ``"auto"`` prices them and cuts the least
+    confident ones (with nodes free it never cuts: the threshold is their price)."""
+    def cost(plan, measured):
+        b = plan.batch_size
+        if plan.tree_topk > 1:
+            v = last_tree.pop("verified")
+            nodes = b * plan.num_draft_tokens if v is None else int(np.sum(v))
+        else:
+            nodes = int(np.sum(plan.steps_per_request))
+        return 0.020 + 0.0002 * plan.steps + NODE_S * (nodes + b)
+    return cost
+
+
 def test_engine_trees_with_per_request_budgets_are_lossless_and_replay(tiny, tmp_path, capsys,
                                                                         monkeypatch):
-    """Goodput per-request with trees allowed and ``"min_survival": "auto"``: trees are drafted
-    (before issue 29 item 5 the policy drafted chains only under per-request budgets) with node
-    thresholds, greedy output equals target-only, every page comes back, and the trace's tree
-    lines carry the kept node counts and replay. (A fixed threshold's decision: the Rust test
-    ``per_request_budgets_draft_trees_whose_node_counts_the_stop_cuts``; through the engine its
-    choice between a stopped chain and a tree depends on measured seconds.)"""
-    ms = "auto"
+    """Goodput per-request with trees allowed and ``"min_survival": "auto"``, verify nodes
+    priced (:func:`verify_priced_cost`): trees are drafted with node thresholds that cut
+    (some requests verify fewer nodes than the tree drafted), greedy output equals target-only,
+    every page comes back, and the trace's tree lines carry the kept node counts and replay.
+    (A fixed threshold's decision: the Rust test
+    ``per_request_budgets_draft_trees_whose_node_counts_the_stop_cuts``.)"""
     import specdial.worker.worker as worker_module
-    trees_run = []
+    last_tree: dict = {}
+    cuts = []  # per tree iteration that applied a threshold: (N, kept nodes per request)
     run_tree = worker_module.run_tree_iteration
-    monkeypatch.setattr(worker_module, "run_tree_iteration",
-                        lambda *a, **k: trees_run.append(a[1].min_survival) or run_tree(*a, **k))
+
+    def recording(*a, **k):
+        out = run_tree(*a, **k)
+        last_tree["verified"] = out.verified
+        if out.verified is not None:
+            cuts.append((a[1].num_draft_tokens, out.verified))
+        return out
+    monkeypatch.setattr(worker_module, "run_tree_iteration", recording)
     from greedy import greedy
     from specdial.cli import main as cli_main
     from specdial.engine import Engine
@@ -202,7 +229,7 @@ def test_engine_trees_with_per_request_budgets_are_lossless_and_replay(tiny, tmp
 
     kw = dict(max_running_requests=4, kv_cache_tokens=4096, page_size=8, log_interval_s=None,
               policy_cache=False)
-    cfg = {"strategy": "goodput", "verify": "per_request", "min_survival": ms,
+    cfg = {"strategy": "goodput", "verify": "per_request", "min_survival": "auto",
            "1": {"candidate_steps": [0, 1, 2, 3]}}
     with Engine.from_modules(tiny.target, None, **kw) as plain:
         want = [o["output_ids"] for o in plain.generate(input_ids=PROMPTS,
@@ -211,25 +238,25 @@ def test_engine_trees_with_per_request_budgets_are_lossless_and_replay(tiny, tmp
     with Engine.from_modules(tiny.target, tiny.draft_random, record_trace=str(trace),
                              speculative_eagle_topk=4, speculative_num_draft_tokens=12,
                              speculative_adaptive_config=cfg, **kw) as engine:
-        # the policy learns from a fixed cost, not the machine's seconds (trees ran in 0 of 10
-        # rounds once under CI's load): 20 ms, 0.2 ms per draft step, nothing per node, so a
-        # tree pays wherever a chain of its depth is measured
-        engine._loop.decode_seconds = lambda plan, measured: 0.020 + 0.0002 * plan.steps
-        for _ in range(10):  # until trees ran
+        engine._loop.decode_seconds = verify_priced_cost(last_tree)
+        for _ in range(10):  # until thresholds cut
             got = [o["output_ids"] for o in engine.generate(input_ids=PROMPTS,
                                                              sampling_params=greedy(32))]
             assert got == want
-            if len(trees_run) >= 4:
+            if sum(int((v < n).sum()) for n, v in cuts) >= 4:
                 break
         assert_no_leak(engine)
     rows = [json.loads(x) for x in trace.read_text().splitlines()]
     trees = [r for r in rows if "tree_topk" in r]
     assert trees, "per-request budgets draft trees"
     cut = [r for r in trees if "verified" in r]
+    assert cut, "auto thresholds ran on trees"
     assert all(0 < r["min_survival"] < 1 for r in cut)
     assert all(len(r["verified"]) == r["batch_size"]
                and all(a <= v <= r["tree_nodes"] for a, v in zip(r["accepted"], r["verified"]))
                for r in cut)
+    shrunk = [v for r in cut for v in r["verified"] if v < r["tree_nodes"]]
+    assert shrunk, "some requests verified fewer nodes than their tree drafted"
     assert cli_main(["policy", "replay", "--trace", str(trace), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["tree_verifies"] == len(trees)

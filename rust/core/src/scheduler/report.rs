@@ -265,9 +265,14 @@ impl Scheduler {
         let fl = self.in_flight.take().expect("checked above");
         self.release_scratch(); // a tree's scratch slots (scheduler/tree.rs)
         if fl.kind == PlanKind::Decode {
-            let verified: Vec<u32> = match verified {
-                Some(v) => v.iter().map(|&n| n as u32).collect(),
-                None => fl.steps_r.clone(),
+            // Unreported: a chain verified its `steps_per_request`, a draft tree all its `N`
+            // nodes (not its depth: the tree planner's token-cost fit learns the verify tokens
+            // from these counts, and with the depth it learned 0 extra verify tokens per tree,
+            // so its seconds per verify token stayed at the prior and "auto" never cut a node)
+            let verified: Vec<u32> = match (verified, fl.tree) {
+                (Some(v), _) => v.iter().map(|&n| n as u32).collect(),
+                (None, Some(t)) => vec![t.num_draft_tokens; fl.ids.len()],
+                (None, None) => fl.steps_r.clone(),
             };
             self.observe_verify(&fl, offsets, seconds, draft_probs, &verified);
         }
@@ -417,8 +422,10 @@ impl Scheduler {
             c.spec_num_drafts += 1;
             c.spec_num_draft_tokens += u64::from(sr);
             c.spec_num_accepted_tokens += a as u64;
-            if c.spec_accepted_per_pos.len() < sr as usize {
-                c.spec_accepted_per_pos.resize(sr as usize, 0);
+            // positions are depths: a tree's kept nodes (up to N) are not positions
+            let positions = sr.min(steps) as usize;
+            if c.spec_accepted_per_pos.len() < positions {
+                c.spec_accepted_per_pos.resize(positions, 0);
             }
             for slot in &mut c.spec_accepted_per_pos[..a] {
                 *slot += 1;
