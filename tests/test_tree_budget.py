@@ -22,7 +22,7 @@ from specdial.worker.tree_accept import tree_accept
 from specdial.worker.tree_budget import compact_tree, kept_nodes
 from specdial.worker.tree_draft import TreeDraft
 from specdial.worker.tree_step import TreePlan
-from test_tree_step import SHAPES, assert_target_greedy_and_chain_kv, reference_greedy, run
+from test_tree_step import NEW, SHAPES, assert_target_greedy_and_chain_kv, reference_greedy, run
 from tree_helpers import ToyLM, column_logits, draft_tree
 
 V = 12
@@ -53,11 +53,15 @@ def paths(tree, row, nodes):
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 6), (4, 4, 16), (8, 7, 64), (3, 2, 9)])
-@pytest.mark.parametrize("ms", [0.02, 0.2, 0.6])
-def test_kept_nodes_are_ancestor_closed_and_compaction_keeps_exactly_them(shape, ms):
+@pytest.mark.parametrize("quantile", [0.2, 0.5, 0.9])
+def test_kept_nodes_are_ancestor_closed_and_compaction_keeps_exactly_them(shape, quantile):
+    """The threshold is a quantile of the batch's path confidences, so every case cuts some
+    requests' trees part-way (a fixed threshold kept every node of some shapes: identity)."""
     td, *_ = toy_tree(shape, seed=shape[2])
     tree = td.tree
+    ms = float(td.confidence.flatten().quantile(quantile))
     kept = kept_nodes(td.confidence, ms)
+    assert bool(((kept.sum(1) > 0) & (kept.sum(1) < tree.num_nodes)).any()), kept.sum(1)
     parent_kept = torch.where(tree.parents < 0, True,
                               kept.gather(1, tree.parents.clamp(min=0)))
     assert bool((~kept | parent_kept).all()), "a kept node's parent is kept"
@@ -90,13 +94,22 @@ def test_bad_budgets_are_refused_naming_the_field():
 
 
 @pytest.mark.parametrize("seeded", [False, True])
-@pytest.mark.parametrize("shape,ms", [((2, 3, 6), 0.2), ((4, 4, 16), 0.05), ((3, 2, 9), 0.5)])
-def test_acceptance_over_the_kept_subtree_is_a_pruned_trees(shape, ms, seeded):
+@pytest.mark.parametrize("shape,ms,case", [((2, 3, 6), 0.2, "accepts"),
+                                           ((4, 4, 16), 0.05, "accepts"),
+                                           ((3, 2, 9), 0.3, "accepts"), ((3, 2, 9), 0.5, "empty")])
+def test_acceptance_over_the_kept_subtree_is_a_pruned_trees(shape, ms, seeded, case):
     """Per request (batch 1, so the compacted tree holds exactly the kept nodes): greedy and
     seeded acceptance with the ``kept`` mask over the whole tree equals acceptance over the
-    tree of the kept nodes alone; the accepted path never leaves the kept set."""
+    tree of the kept nodes alone; the accepted path never leaves the kept set. Every case cuts
+    some request part-way; ``case`` says what else it must exercise: a request that accepted
+    drafts, or one that kept no node."""
     td, target, prev, last = toy_tree(shape, rows=8, seed=3)
     kept = kept_nodes(td.confidence, ms)
+    counts = kept.sum(1)
+    assert bool(((counts > 0) & (counts < shape[2])).any()), counts
+    if case == "empty":
+        assert bool((counts == 0).any()), counts
+    accepted = []
     logits = column_logits(target, td.tree, prev, last)
     params = SamplingParams(temperature=0.8, seed=11) if seeded else SamplingParams()
     s1 = BatchSampling.from_params([params])
@@ -107,6 +120,7 @@ def test_acceptance_over_the_kept_subtree_is_a_pruned_trees(shape, ms, seeded):
                                      ancestors=ancestor_mask(sub.tree.parents),
                                      kept=kept[r:r + 1])
         n = int(kept[r].sum())
+        accepted.append(int(acc[0]))
         on = path[0, : int(acc[0])]
         assert bool(kept[r][on - 1].all()), "the path stays in the kept subtree"
         if n == 0:
@@ -117,6 +131,8 @@ def test_acceptance_over_the_kept_subtree_is_a_pruned_trees(shape, ms, seeded):
         acc2, _, out2 = tree_accept(small.tree, small_logits, s1, None, pos)
         assert int(acc2[0]) == int(acc[0])
         assert out2[0, : int(acc[0]) + 1].tolist() == out[0, : int(acc[0]) + 1].tolist()
+    if case == "accepts":
+        assert max(accepted) > 0, accepted
 
 
 def _row(td, r):
@@ -150,11 +166,13 @@ def test_seeded_tokens_do_not_depend_on_the_kept_subset(tiny):
     sampling = BatchSampling.from_params(params, prompt_lens=[len(p) for p in PROMPTS])
     _, _, plain, _ = run(tiny.target, tiny.draft_noisy, None, sampling)
     for ms in (0.05, 0.4):
+        verified = []
         _, _, got, _ = run(tiny.target, tiny.draft_noisy, [(2, 3, 4), (4, 3, 8), (3, 4, 12)],
-                           sampling, min_survival=ms)
+                           sampling, min_survival=ms, verified=verified)
+        assert any((v < n).any() for n, v in verified), "the budgets cut some trees"
         for r in range(len(PROMPTS)):
             n = min(len(plain[r]), len(got[r]))
-            assert got[r][:n] == plain[r][:n]
+            assert n >= NEW and got[r][:n] == plain[r][:n]
 
 
 @pytest.mark.parametrize("shape,ms", [((3, 2, 6), 0.2), ((2, 3, 6), 0.4)])
