@@ -160,7 +160,12 @@ class EngineStats:
     ``{verify length: request-iterations}`` over decode iterations, each request counted at
     its own verify budget (``steps_per_request``, drafts verified; 0 = a plain decode), or at
     the length it verified after a confidence stop (``min_survival``), which differs from the
-    batch's steps under per-request budgets (issue 28).
+    batch's steps under per-request budgets (issue 28); chain iterations only.
+    ``tree_node_histogram``: cumulative ``{tree nodes: request-iterations}`` over draft-tree
+    decode iterations (issue 29), each request counted at the nodes it verified (its kept
+    nodes under a per-request node budget, else the tree's ``N``; 0 = a plain decode through
+    verify). Kept apart from ``verify_length_histogram``: a tree's nodes are not drafts on one
+    path (a tree of ``N`` nodes and depth ``D`` accepts at most ``D``).
     """
 
     running: int = 0
@@ -186,6 +191,7 @@ class EngineStats:
     goodput: dict[str, Any] | None = None
     policy_cache: str | None = None
     verify_length_histogram: dict[int, int] = field(default_factory=dict)
+    tree_node_histogram: dict[int, int] = field(default_factory=dict)
 
     @property
     def num_draft_tokens(self) -> int:
