@@ -153,7 +153,10 @@ class EngineStats:
     acceptance per draft position), ``probes``, ``switches`` and ``last_decision``
     (``batch_size``, ``context_tokens``, ``steps``, ``probe``, ``predicted_seconds`` {steps:
     seconds per decode iteration at that batch size}, ``expected_tokens`` {steps: tokens per
-    request per verify}); see :meth:`specdial._core.Scheduler.goodput_state`.
+    request per verify}) and ``confidence_calibration`` (per bin of cumulative draft
+    probability, factor ``sqrt 2`` per bin, the decayed ``(reported, survived)`` counts of chain
+    positions and draft-tree nodes the confidence stop and node thresholds are priced from);
+    see :meth:`specdial._core.Scheduler.goodput_state`.
     ``policy_cache``: whether the goodput policy was seeded from this machine's policy cache
     (``"loaded"``, ``"none"``, ``"ignored: <why>"``, ``"off"``, ``"n/a: <why>"``; see
     :mod:`specdial.engine.policy_cache`). ``verify_length_histogram``: cumulative

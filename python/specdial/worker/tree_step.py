@@ -47,7 +47,7 @@ from specdial.worker.logprobs import LogprobRows, token_logprobs
 from specdial.worker.stages import StepOutput
 from specdial.worker.tree import ancestor_mask, tree_positions
 from specdial.worker.tree_accept import path_columns, tree_accept
-from specdial.worker.tree_budget import compact_tree, kept_nodes
+from specdial.worker.tree_budget import compact_tree, kept_nodes, path_first_confidences
 from specdial.worker.tree_draft import TreeDraft, draft_tree
 from specdial.worker.tree_kv import copy_rows, copy_slots, tree_kv_indices
 from specdial.worker.tree_processing import process_tree_columns, step_histories
@@ -189,12 +189,17 @@ def run_tree_iteration(worker: Any, plan: TreePlan, sampling: BatchSampling,
     fed = _copy_path(worker, td, path, chain[:, 1:], scratch)
     tables.req_to_ids[rows_d[:, None], lens_d[:, None] + 1 + torch.arange(d + 1, device=dev)] \
         = out
-    host = torch.cat([acc[:, None], fed[:, None], n_kept[:, None], out], 1)
-    host = host.cpu().numpy()  # the one sync
+    conf = path_first_confidences(td, kept, path).to(torch.float64).view(torch.int64)
+    host = torch.cat([acc[:, None], fed[:, None], n_kept[:, None], out, conf], 1)
+    host = host.cpu().numpy()  # the one sync (the confidences ride bit for bit as int64)
     lp_host = None if lp_pending is None else lp_pending()
     accepted, fed_h = host[:, 0].astype(np.int64), host[:, 1].astype(np.int64)
     verified = None if kept is None else host[:, 2].astype(np.int64)
-    out_h = host[:, 3:]
+    out_h = host[:, 3:4 + d]
+    conf_h = np.ascontiguousarray(host[:, 4 + d:]).view(np.float64)
+    # per request its verified nodes' path confidences, the accepted path first (the report's
+    # draft_probs of a tree: the confidence calibration learns from them)
+    node_probs = conf_h[np.arange(conf_h.shape[1])[None, :] < host[:, 2:3]]
     if sampling.grammar is not None:  # the emitted tokens advance the matchers once
         sampling.grammar.advance(accepted + 1, out_h)
     ds.after_verify(rows, lens, fed_h + 1, accepted)
@@ -202,7 +207,8 @@ def run_tree_iteration(worker: Any, plan: TreePlan, sampling: BatchSampling,
     keep = np.arange(d + 1)[None, :] <= accepted[:, None]
     tokens = out_h[keep].astype(np.int64)
     offsets = np.concatenate([[0], np.cumsum(accepted + 1)]).astype(np.int64)
-    return StepOutput(d, tokens, offsets, accepted, lp_host, verified=verified)
+    return StepOutput(d, tokens, offsets, accepted, lp_host, verified=verified,
+                      draft_probs=node_probs)
 
 
 def _node_budget(worker: Any, td: TreeDraft, min_survival: float
