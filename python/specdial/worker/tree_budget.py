@@ -17,14 +17,14 @@ threshold: ``n_b`` nodes in ``0..N`` (0: a plain decode through verify).
   (:mod:`specdial.worker.tree_accept`, ``kept``). The confidence stop's deviation for unseeded
   chains (``max_x q`` instead of ``q(d)``) is not needed: a tree's node tokens are not drawn.
 - **Compute**: on a CPU device (no CUDA graphs; reading ``n_b`` there is no sync) the tree is
-  compacted to ``N' = max_b n_b`` columns (:func:`compact_tree`) so the target runs ``N' + 1``
-  columns per request; a request with fewer kept nodes pads with masked copies of its last
-  kept node (never accepted; their scratch KV is freed with the rest of the scratch at the
-  report). On a CUDA device the verify keeps the plan's ``N`` (its ``(N, batch)`` graph key,
+  compacted to ``N' = max_b n_b`` columns (:func:`compact_tree`) and the verify is ragged:
+  request ``b`` puts only its root and its ``n_b`` kept nodes through the target, ``n_b + 1``
+  tokens, not ``N' + 1`` (``tree_step._verify_ragged``; the attention's ragged tree rule,
+  :mod:`specdial.attention.base`); its padded columns get no KV and logits 0, and are never
+  accepted. On a CUDA device the verify keeps the plan's ``N`` (its ``(N, batch)`` graph key,
   no sync): the dropped nodes are only masked out of acceptance, as the chain's stop only
-  shortens what acceptance reads on a GPU. Ragged per-request packing of a tree verify (each
-  request only its own ``n_b + 1`` columns) is not done: it needs ragged tree masks in the
-  attention backends.
+  shortens what acceptance reads on a GPU (ragged eager verifies there would need the kept
+  counts on the host: a sync).
 
 The kept counts ride in the iteration's one host copy and come back as the report's
 ``verified`` (the trace's ``verified`` beside ``tree_nodes``). So do the verified nodes' path

@@ -176,7 +176,10 @@ def run_tree_iteration(worker: Any, plan: TreePlan, sampling: BatchSampling,
         if tg is not None:  # the tree goes to the host during the target's forward
             tg.start_verify(td.tree)
         ancestors = ancestor_mask(td.tree.parents)  # [B, N + 1, N + 1]: verify and acceptance
-        raw = _verify(worker, td, rows, lens, root, chain[:, 0], scratch, ancestors)
+        # ragged on the compacted CPU path: request b puts its n_b + 1 columns through the
+        # target, not the batch's widest (n_kept is host memory there: no sync)
+        ragged = n_kept.numpy() if kept is not None and _compacts(worker) else None
+        raw = _verify(worker, td, rows, lens, root, chain[:, 0], scratch, ancestors, ragged)
         acc, path, out, lp_pending = _accept(worker, td, raw, rows, lens, root, sampling,
                                              generator, logprobs, tg, ancestors, kept)
     finally:
@@ -222,10 +225,16 @@ def _node_budget(worker: Any, td: TreeDraft, min_survival: float
         return td, None, torch.full((b,), n, dtype=torch.int64, device=td.tree.tokens.device)
     kept = kept_nodes(td.confidence, min_survival)
     count = kept.sum(1)
-    if worker.device.type == "cpu" and getattr(worker, "tree_graphs", None) is None:
+    if _compacts(worker):
         width = max(1, int(count.max())) if b else 1  # host memory: no sync
         td, kept = compact_tree(td, kept, width)
     return td, kept, count
+
+
+def _compacts(worker: Any) -> bool:
+    """Whether node budgets compact the tree and verify it ragged: a CPU device (the kept
+    counts are host memory, no sync) without tree verify graphs (their key is the plan's N)."""
+    return worker.device.type == "cpu" and getattr(worker, "tree_graphs", None) is None
 
 
 def _accept(worker: Any, td: TreeDraft, raw: torch.Tensor, rows: np.ndarray, lens: np.ndarray,
@@ -270,9 +279,11 @@ def _padded_chain(out_loc: np.ndarray, limit: np.ndarray, d: int, pad: int) -> t
 
 def _verify(worker: Any, td: TreeDraft, rows: np.ndarray, lens: np.ndarray,
             root: torch.Tensor, root_loc: torch.Tensor, scratch: torch.Tensor,
-            ancestors: torch.Tensor) -> torch.Tensor:
+            ancestors: torch.Tensor, ragged: np.ndarray | None = None) -> torch.Tensor:
     """The target over ``[x_L, nodes]`` with the tree mask ``ancestors`` (host ``rows``);
-    logits ``[B, N + 1, V]``."""
+    logits ``[B, N + 1, V]``. ``ragged`` (host int64 ``[B]``, the compacted CPU path of a node
+    budget): request ``b`` runs only the root and its first ``ragged[b]`` nodes (its kept
+    ones), ``ragged[b] + 1`` tokens; the other columns' logits are 0 (never accepted)."""
     tree = td.tree
     b, n = tree.tokens.shape
     extra = torch.cat([root_loc[:, None], scratch], 1)  # [B, N + 1]
@@ -286,12 +297,42 @@ def _verify(worker: Any, td: TreeDraft, rows: np.ndarray, lens: np.ndarray,
         worker.drafter_state.store_features(extra.reshape(-1), feats)
         return logits
     kv_idx, kv_lens = tree_kv_indices(worker.tables, rows, lens, extra)
+    if ragged is not None:
+        return _verify_ragged(worker, ids, pos, extra, kv_idx, kv_lens, lens, ancestors, ragged)
     qo = torch.full((b,), n + 1, dtype=torch.int64)  # host lengths, as tree_kv_indices's
     meta = worker.backend.plan(qo, kv_lens, kv_idx, tree_mask=ancestors)
     batch = ForwardBatch(ids.reshape(-1), pos.reshape(-1), extra.reshape(-1), meta)
     hidden, feats = run_target(worker.target, worker.drafter, batch, worker.kv, worker.backend)
     worker.drafter_state.store_features(batch.out_loc, feats)
     return worker.target.compute_logits(hidden).view(b, n + 1, -1)
+
+
+def _verify_ragged(worker: Any, ids: torch.Tensor, pos: torch.Tensor, extra: torch.Tensor,
+                   kv_idx: torch.Tensor, kv_lens: np.ndarray, lens: np.ndarray,
+                   ancestors: torch.Tensor, kept: np.ndarray) -> torch.Tensor:
+    """:func:`_verify` of a compacted tree (``ids`` / ``pos`` / ``extra`` ``[B, N' + 1]``)
+    with request ``b``'s first ``kept[b] + 1`` columns packed (its kept nodes come first:
+    :func:`~specdial.worker.tree_budget.compact_tree`); the attention's tree part of each
+    request is its own columns (ragged rule, :mod:`specdial.attention.base`)."""
+    b, t = ids.shape
+    qo = kept.astype(np.int64) + 1
+    sel_h = np.arange(t)[None, :] < qo[:, None]  # [B, N' + 1] host
+    # keys: the prefix and each request's own columns only (drop the unverified ones' slots)
+    full = np.asarray(kv_lens, np.int64)
+    off = np.arange(int(full.sum())) - np.repeat(np.cumsum(full) - full, full)
+    keys = np.nonzero(off < np.repeat(lens + qo, full))[0]
+    kv_idx = kv_idx[torch.from_numpy(keys).to(kv_idx.device)]
+    kv_lens = lens.astype(np.int64) + qo
+    meta = worker.backend.plan(torch.from_numpy(qo), torch.from_numpy(kv_lens), kv_idx,
+                               tree_mask=ancestors)
+    sel = torch.from_numpy(sel_h).to(ids.device)
+    batch = ForwardBatch(ids[sel], pos[sel], extra[sel], meta)
+    hidden, feats = run_target(worker.target, worker.drafter, batch, worker.kv, worker.backend)
+    worker.drafter_state.store_features(batch.out_loc, feats)
+    packed = worker.target.compute_logits(hidden)  # [sum(kept + 1), V]
+    logits = packed.new_zeros(b, t, packed.shape[-1])
+    logits[sel] = packed
+    return logits
 
 
 def _copy_path(worker: Any, td: TreeDraft, path: torch.Tensor, dst: torch.Tensor,
