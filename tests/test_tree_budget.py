@@ -149,14 +149,14 @@ def test_worker_trees_with_node_budgets_give_target_greedy_and_chain_kv(request,
     target = fx.target
     module = {"draft": "draft_noisy", "eagle": "eagle_noisy", "random": "draft_random"}[name]
     module = getattr(fx, module)
-    for ms in (0.02, 0.3):
+    for ms in (0.02, 0.05, 0.3):
         verified = []
         worker, chain, out, _ = run(target, module, SHAPES, min_survival=ms, verified=verified)
         assert_target_greedy_and_chain_kv(target, worker, chain, out)
         counts = np.concatenate([v for _, v in verified])
         assert all(0 <= v.min() and v.max() <= n for n, v in verified)
-        if ms == 0.3:  # the budgets bite: some requests keep fewer than N nodes
-            assert any((v < n).any() for n, v in verified), counts
+        if ms == 0.05:  # the budgets bite part-way: some requests keep some, not all, nodes
+            assert any(((v > 0) & (v < n)).any() for n, v in verified), counts
 
 
 def test_seeded_tokens_do_not_depend_on_the_kept_subset(tiny):
