@@ -199,10 +199,7 @@ def run_tree_iteration(worker: Any, plan: TreePlan, sampling: BatchSampling,
     accepted, fed_h = host[:, 0].astype(np.int64), host[:, 1].astype(np.int64)
     verified = None if kept is None else host[:, 2].astype(np.int64)
     out_h = host[:, 3:4 + d]
-    conf_h = np.ascontiguousarray(host[:, 4 + d:]).view(np.float64)
-    # per request its verified nodes' path confidences, the accepted path first (the report's
-    # draft_probs of a tree: the confidence calibration learns from them)
-    node_probs = conf_h[np.arange(conf_h.shape[1])[None, :] < host[:, 2:3]]
+    node_probs = _host_node_probs(host, d)
     if sampling.grammar is not None:  # the emitted tokens advance the matchers once
         sampling.grammar.advance(accepted + 1, out_h)
     ds.after_verify(rows, lens, fed_h + 1, accepted)
@@ -229,6 +226,15 @@ def _node_budget(worker: Any, td: TreeDraft, min_survival: float
         width = max(1, int(count.max())) if b else 1  # host memory: no sync
         td, kept = compact_tree(td, kept, width)
     return td, kept, count
+
+
+def _host_node_probs(host: np.ndarray, d: int) -> np.ndarray:
+    """The report's ``draft_probs`` of a tree from the iteration's host copy ``host`` (columns
+    ``2``: verified nodes ``[B]``; ``4 + d ..``: :func:`path_first_confidences` as float64
+    bits): per request its verified nodes' path confidences, the accepted path first, request
+    after request, float64 ``[sum(verified)]``."""
+    conf = np.ascontiguousarray(host[:, 4 + d:]).view(np.float64)
+    return conf[np.arange(conf.shape[1])[None, :] < host[:, 2:3]]
 
 
 def _compacts(worker: Any) -> bool:
