@@ -164,7 +164,8 @@ def run(config: str, concurrency: int, prompts: list[str], max_new_tokens: int,
             "scheduler_us_per_call": round(1e6 * sc / max(clock.calls.get("scheduler", 1), 1), 1),
             "scheduler_crossings_per_iteration": round(
                 totals["sched"].crossings / max(totals["iterations"], 1), 2),
-            "verify_lengths": dict(st.verify_length_histogram)}
+            "verify_lengths": dict(st.verify_length_histogram),
+            "tree_nodes": dict(st.tree_node_histogram)}
 
 
 def main() -> None:

@@ -8,7 +8,12 @@ Arms (built-in target with the built-in draft model or the default EAGLE head, g
 - ``chain_fixed``: ``--fixed-steps`` drafts a chain every iteration;
 - ``tree_fixed``: the fixed tree ``(--fixed-steps, --topk, --fixed-tree-tokens)``;
 - ``tree_budget``: ``tree_adaptive`` with per-request node budgets (``"verify": "per_request"``,
-  ``"min_survival": "auto"``; issue 29 item 5), paired against ``tree_adaptive``.
+  ``"min_survival": "auto"``; issue 29 item 5), paired against ``tree_adaptive``;
+- ``tree_budget_padded``: ``tree_budget`` with the CPU path's ragged tree verify turned off
+  while it runs (every request of a verify runs the batch's widest kept count + 1 columns, as
+  before ragged packing; a bench-only patch of ``tree_step._verify``), paired against
+  ``tree_budget``: what ragged packing saves (only at ``--concurrency`` > 1: a batch of one is
+  never padded).
 
 Every engine is built once and warmed up; each repetition runs every arm in turn (order
 rotated per repetition) over the same prompts, one request at a time (batch size 1), or with
@@ -27,6 +32,7 @@ Usage: ``nice -n 19 .venv/bin/python benches/tree_ab.py [--repeats 9] [--drafter
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -53,10 +59,10 @@ def build(arm: str, args: argparse.Namespace):
         kw["draft_model_path"] = str(builtin_model_path("draft"))
     if arm.endswith("fixed"):
         kw.update(speculative_adaptive=False, speculative_num_steps=args.fixed_steps)
-    if arm in ("tree_adaptive", "tree_budget"):
+    if arm in ("tree_adaptive", "tree_budget", "tree_budget_padded"):
         kw.update(speculative_eagle_topk=args.topk,
                   speculative_num_draft_tokens=args.num_draft_tokens)
-    if arm == "tree_budget":
+    if arm in ("tree_budget", "tree_budget_padded"):
         from specdial._core import AdaptiveConfig
 
         cfg = json.loads(AdaptiveConfig.default().to_json())
@@ -66,6 +72,20 @@ def build(arm: str, args: argparse.Namespace):
         kw.update(speculative_eagle_topk=args.topk,
                   speculative_num_draft_tokens=args.fixed_tree_tokens)
     return specdial.Engine(**kw)
+
+
+@contextlib.contextmanager
+def padded_tree_verify(on: bool):
+    """While ``on``: tree verifies without ragged packing (``tree_budget_padded``)."""
+    from specdial.worker import tree_step
+
+    real = tree_step._verify
+    if on:
+        tree_step._verify = lambda *a, **k: real(*a[:8], None)
+    try:
+        yield
+    finally:
+        tree_step._verify = real
 
 
 def run_once(engine, prompts: list[str], tokens: int,
@@ -94,9 +114,10 @@ def paired(rates: dict[str, list[float]], prefix: str) -> dict[str, float]:
         if t in rates and c in rates:
             out[f"{prefix}tree/chain {kind}"] = statistics.median(
                 x / y for x, y in zip(rates[t], rates[c]))
-    if "tree_budget" in rates and "tree_adaptive" in rates:
-        out[f"{prefix}tree_budget/tree_adaptive"] = statistics.median(
-            x / y for x, y in zip(rates["tree_budget"], rates["tree_adaptive"]))
+    for base in ("tree_adaptive", "tree_budget_padded"):
+        if "tree_budget" in rates and base in rates:
+            out[f"{prefix}tree_budget/{base}"] = statistics.median(
+                x / y for x, y in zip(rates["tree_budget"], rates[base]))
     return out
 
 
@@ -127,9 +148,10 @@ def main() -> None:
     load = os.getloadavg()
     engines = {a: build(a, args) for a in arms}
     try:
-        for e in engines.values():  # warm-up
-            run_once(e, prompts, args.tokens, together) if together else run_once(
-                e, prompts[:1], args.tokens)
+        for a, e in engines.items():  # warm-up
+            with padded_tree_verify(a == "tree_budget_padded"):
+                run_once(e, prompts, args.tokens, together) if together else run_once(
+                    e, prompts[:1], args.tokens)
         rates: dict[str, list[float]] = {a: [] for a in arms}
         cpu_rates: dict[str, list[float]] = {a: [] for a in arms}
         accepts: dict[str, list[float]] = {a: [] for a in arms}
@@ -137,7 +159,9 @@ def main() -> None:
         for r in range(args.repeats):
             texts = None
             for a in arms[r % len(arms):] + arms[: r % len(arms)]:
-                rate, cpu_rate, acc, got = run_once(engines[a], prompts, args.tokens, together)
+                with padded_tree_verify(a == "tree_budget_padded"):
+                    rate, cpu_rate, acc, got = run_once(engines[a], prompts, args.tokens,
+                                                        together)
                 rates[a].append(rate)
                 cpu_rates[a].append(cpu_rate)
                 accepts[a].append(acc)

@@ -105,6 +105,7 @@ def one_run(base: Engine, options: dict[str, Any], concurrency: int, args: Any) 
         return {"tokens_per_s": s["output_throughput"], "cpu_s_per_token": cpu / tokens,
                 "loop_cpu_s_per_token": loop / tokens, "output_tokens": tokens,
                 "wall_s": s["duration_s"], "verify_lengths": s["verify_length_histogram"],
+                "tree_nodes": s["tree_node_histogram"],
                 "accept_length": s["mean_accept_length"]}
     finally:
         engine.shutdown()

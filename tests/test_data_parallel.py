@@ -284,13 +284,14 @@ def test_front_sums_loop_turns_and_graph_stats():
 def test_aggregate_stats():
     a = EngineStats(running=1, queued=2, accepted_per_pos=[3, 1], steps_per_slot={1: 3},
                     slot_states=[{"lower_bound": 1, "steps": 3}], generation_tokens=5,
-                    verify_length_histogram={0: 2, 3: 1})
+                    verify_length_histogram={0: 2, 3: 1}, tree_node_histogram={8: 3})
     b = EngineStats(running=2, accepted_per_pos=[1, 1, 1], steps_per_slot={1: 0},
                     slot_states=[{"lower_bound": 1, "steps": 0}], generation_tokens=7,
-                    verify_length_histogram={1: 4, 3: 2})
+                    verify_length_histogram={1: 4, 3: 2}, tree_node_histogram={3: 1, 8: 2})
     s = aggregate_stats([a, b])
     assert (s.running, s.queued, s.generation_tokens) == (3, 2, 12)
     assert s.verify_length_histogram == {0: 2, 1: 4, 3: 3}
+    assert s.tree_node_histogram == {3: 1, 8: 5}
     assert s.accepted_per_pos == [4, 2, 1]
     assert s.steps_per_slot == {1: 3}
     assert [d["replica"] for d in s.slot_states] == [0, 1]

@@ -22,7 +22,7 @@ from specdial.worker.tree_accept import tree_accept
 from specdial.worker.tree_budget import compact_tree, kept_nodes
 from specdial.worker.tree_draft import TreeDraft
 from specdial.worker.tree_step import TreePlan
-from test_tree_step import SHAPES, assert_target_greedy_and_chain_kv, reference_greedy, run
+from test_tree_step import NEW, SHAPES, assert_target_greedy_and_chain_kv, reference_greedy, run
 from tree_helpers import ToyLM, column_logits, draft_tree
 
 V = 12
@@ -53,11 +53,15 @@ def paths(tree, row, nodes):
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 6), (4, 4, 16), (8, 7, 64), (3, 2, 9)])
-@pytest.mark.parametrize("ms", [0.02, 0.2, 0.6])
-def test_kept_nodes_are_ancestor_closed_and_compaction_keeps_exactly_them(shape, ms):
+@pytest.mark.parametrize("quantile", [0.2, 0.5, 0.9])
+def test_kept_nodes_are_ancestor_closed_and_compaction_keeps_exactly_them(shape, quantile):
+    """The threshold is a quantile of the batch's path confidences, so every case cuts some
+    requests' trees part-way (a fixed threshold kept every node of some shapes: identity)."""
     td, *_ = toy_tree(shape, seed=shape[2])
     tree = td.tree
+    ms = float(td.confidence.flatten().quantile(quantile))
     kept = kept_nodes(td.confidence, ms)
+    assert bool(((kept.sum(1) > 0) & (kept.sum(1) < tree.num_nodes)).any()), kept.sum(1)
     parent_kept = torch.where(tree.parents < 0, True,
                               kept.gather(1, tree.parents.clamp(min=0)))
     assert bool((~kept | parent_kept).all()), "a kept node's parent is kept"
@@ -90,13 +94,22 @@ def test_bad_budgets_are_refused_naming_the_field():
 
 
 @pytest.mark.parametrize("seeded", [False, True])
-@pytest.mark.parametrize("shape,ms", [((2, 3, 6), 0.2), ((4, 4, 16), 0.05), ((3, 2, 9), 0.5)])
-def test_acceptance_over_the_kept_subtree_is_a_pruned_trees(shape, ms, seeded):
+@pytest.mark.parametrize("shape,ms,case", [((2, 3, 6), 0.2, "accepts"),
+                                           ((4, 4, 16), 0.05, "accepts"),
+                                           ((3, 2, 9), 0.3, "accepts"), ((3, 2, 9), 0.5, "empty")])
+def test_acceptance_over_the_kept_subtree_is_a_pruned_trees(shape, ms, seeded, case):
     """Per request (batch 1, so the compacted tree holds exactly the kept nodes): greedy and
     seeded acceptance with the ``kept`` mask over the whole tree equals acceptance over the
-    tree of the kept nodes alone; the accepted path never leaves the kept set."""
+    tree of the kept nodes alone; the accepted path never leaves the kept set. Every case cuts
+    some request part-way; ``case`` says what else it must exercise: a request that accepted
+    drafts, or one that kept no node."""
     td, target, prev, last = toy_tree(shape, rows=8, seed=3)
     kept = kept_nodes(td.confidence, ms)
+    counts = kept.sum(1)
+    assert bool(((counts > 0) & (counts < shape[2])).any()), counts
+    if case == "empty":
+        assert bool((counts == 0).any()), counts
+    accepted = []
     logits = column_logits(target, td.tree, prev, last)
     params = SamplingParams(temperature=0.8, seed=11) if seeded else SamplingParams()
     s1 = BatchSampling.from_params([params])
@@ -107,6 +120,7 @@ def test_acceptance_over_the_kept_subtree_is_a_pruned_trees(shape, ms, seeded):
                                      ancestors=ancestor_mask(sub.tree.parents),
                                      kept=kept[r:r + 1])
         n = int(kept[r].sum())
+        accepted.append(int(acc[0]))
         on = path[0, : int(acc[0])]
         assert bool(kept[r][on - 1].all()), "the path stays in the kept subtree"
         if n == 0:
@@ -117,6 +131,8 @@ def test_acceptance_over_the_kept_subtree_is_a_pruned_trees(shape, ms, seeded):
         acc2, _, out2 = tree_accept(small.tree, small_logits, s1, None, pos)
         assert int(acc2[0]) == int(acc[0])
         assert out2[0, : int(acc[0]) + 1].tolist() == out[0, : int(acc[0]) + 1].tolist()
+    if case == "accepts":
+        assert max(accepted) > 0, accepted
 
 
 def _row(td, r):
@@ -133,14 +149,14 @@ def test_worker_trees_with_node_budgets_give_target_greedy_and_chain_kv(request,
     target = fx.target
     module = {"draft": "draft_noisy", "eagle": "eagle_noisy", "random": "draft_random"}[name]
     module = getattr(fx, module)
-    for ms in (0.02, 0.3):
+    for ms in (0.02, 0.05, 0.3):
         verified = []
         worker, chain, out, _ = run(target, module, SHAPES, min_survival=ms, verified=verified)
         assert_target_greedy_and_chain_kv(target, worker, chain, out)
         counts = np.concatenate([v for _, v in verified])
         assert all(0 <= v.min() and v.max() <= n for n, v in verified)
-        if ms == 0.3:  # the budgets bite: some requests keep fewer than N nodes
-            assert any((v < n).any() for n, v in verified), counts
+        if ms == 0.05:  # the budgets bite part-way: some requests keep some, not all, nodes
+            assert any(((v > 0) & (v < n)).any() for n, v in verified), counts
 
 
 def test_seeded_tokens_do_not_depend_on_the_kept_subset(tiny):
@@ -150,11 +166,13 @@ def test_seeded_tokens_do_not_depend_on_the_kept_subset(tiny):
     sampling = BatchSampling.from_params(params, prompt_lens=[len(p) for p in PROMPTS])
     _, _, plain, _ = run(tiny.target, tiny.draft_noisy, None, sampling)
     for ms in (0.05, 0.4):
+        verified = []
         _, _, got, _ = run(tiny.target, tiny.draft_noisy, [(2, 3, 4), (4, 3, 8), (3, 4, 12)],
-                           sampling, min_survival=ms)
+                           sampling, min_survival=ms, verified=verified)
+        assert any((v < n).any() for n, v in verified), "the budgets cut some trees"
         for r in range(len(PROMPTS)):
             n = min(len(plain[r]), len(got[r]))
-            assert got[r][:n] == plain[r][:n]
+            assert n >= NEW and got[r][:n] == plain[r][:n]
 
 
 @pytest.mark.parametrize("shape,ms", [((3, 2, 6), 0.2), ((2, 3, 6), 0.4)])
@@ -181,20 +199,47 @@ def test_unseeded_sampling_with_node_budgets_keeps_the_target_distribution(shape
         assert stat < CRITICAL_DF7_ALPHA_1E3, (col, stat)
 
 
+NODE_S = 0.0005  # the injected cost's seconds per verify token (tree node or chain position)
+
+
+def verify_priced_cost(last_tree: dict):
+    """The engine test's deterministic cost (the loop's ``decode_seconds`` hook): 20 ms, 0.2 ms
+    per draft step and ``NODE_S`` per verify token, the root included: ``steps_per_request + 1``
+    per request for a chain, ``1 +`` its kept nodes for a tree (the tree iteration's
+    ``verified``, recorded in ``last_tree``; ``plan.num_draft_tokens`` per request where no
+    threshold ran). Verify nodes are not free, so ``"auto"`` prices them and cuts the least
+    confident ones (with nodes free it never cuts: the threshold is their price)."""
+    def cost(plan, measured):
+        b = plan.batch_size
+        if plan.tree_topk > 1:
+            v = last_tree.pop("verified")
+            nodes = b * plan.num_draft_tokens if v is None else int(np.sum(v))
+        else:
+            nodes = int(np.sum(plan.steps_per_request))
+        return 0.020 + 0.0002 * plan.steps + NODE_S * (nodes + b)
+    return cost
+
+
 def test_engine_trees_with_per_request_budgets_are_lossless_and_replay(tiny, tmp_path, capsys,
                                                                         monkeypatch):
-    """Goodput per-request with trees allowed and ``"min_survival": "auto"``: trees are drafted
-    (before issue 29 item 5 the policy drafted chains only under per-request budgets) with node
-    thresholds, greedy output equals target-only, every page comes back, and the trace's tree
-    lines carry the kept node counts and replay. (A fixed threshold's decision: the Rust test
-    ``per_request_budgets_draft_trees_whose_node_counts_the_stop_cuts``; through the engine its
-    choice between a stopped chain and a tree depends on measured seconds.)"""
-    ms = "auto"
+    """Goodput per-request with trees allowed and ``"min_survival": "auto"``, verify nodes
+    priced (:func:`verify_priced_cost`): trees are drafted with node thresholds that cut
+    (some requests verify fewer nodes than the tree drafted), greedy output equals target-only,
+    every page comes back, and the trace's tree lines carry the kept node counts and replay.
+    (A fixed threshold's decision: the Rust test
+    ``per_request_budgets_draft_trees_whose_node_counts_the_stop_cuts``.)"""
     import specdial.worker.worker as worker_module
-    trees_run = []
+    last_tree: dict = {}
+    cuts = []  # per tree iteration that applied a threshold: (N, kept nodes per request)
     run_tree = worker_module.run_tree_iteration
-    monkeypatch.setattr(worker_module, "run_tree_iteration",
-                        lambda *a, **k: trees_run.append(a[1].min_survival) or run_tree(*a, **k))
+
+    def recording(*a, **k):
+        out = run_tree(*a, **k)
+        last_tree["verified"] = out.verified
+        if out.verified is not None:
+            cuts.append((a[1].num_draft_tokens, out.verified))
+        return out
+    monkeypatch.setattr(worker_module, "run_tree_iteration", recording)
     from greedy import greedy
     from specdial.cli import main as cli_main
     from specdial.engine import Engine
@@ -202,7 +247,7 @@ def test_engine_trees_with_per_request_budgets_are_lossless_and_replay(tiny, tmp
 
     kw = dict(max_running_requests=4, kv_cache_tokens=4096, page_size=8, log_interval_s=None,
               policy_cache=False)
-    cfg = {"strategy": "goodput", "verify": "per_request", "min_survival": ms,
+    cfg = {"strategy": "goodput", "verify": "per_request", "min_survival": "auto",
            "1": {"candidate_steps": [0, 1, 2, 3]}}
     with Engine.from_modules(tiny.target, None, **kw) as plain:
         want = [o["output_ids"] for o in plain.generate(input_ids=PROMPTS,
@@ -211,25 +256,25 @@ def test_engine_trees_with_per_request_budgets_are_lossless_and_replay(tiny, tmp
     with Engine.from_modules(tiny.target, tiny.draft_random, record_trace=str(trace),
                              speculative_eagle_topk=4, speculative_num_draft_tokens=12,
                              speculative_adaptive_config=cfg, **kw) as engine:
-        # the policy learns from a fixed cost, not the machine's seconds (trees ran in 0 of 10
-        # rounds once under CI's load): 20 ms, 0.2 ms per draft step, nothing per node, so a
-        # tree pays wherever a chain of its depth is measured
-        engine._loop.decode_seconds = lambda plan, measured: 0.020 + 0.0002 * plan.steps
-        for _ in range(10):  # until trees ran
+        engine._loop.decode_seconds = verify_priced_cost(last_tree)
+        for _ in range(10):  # until thresholds cut
             got = [o["output_ids"] for o in engine.generate(input_ids=PROMPTS,
                                                              sampling_params=greedy(32))]
             assert got == want
-            if len(trees_run) >= 4:
+            if sum(int((v < n).sum()) for n, v in cuts) >= 4:
                 break
         assert_no_leak(engine)
     rows = [json.loads(x) for x in trace.read_text().splitlines()]
     trees = [r for r in rows if "tree_topk" in r]
     assert trees, "per-request budgets draft trees"
     cut = [r for r in trees if "verified" in r]
+    assert cut, "auto thresholds ran on trees"
     assert all(0 < r["min_survival"] < 1 for r in cut)
     assert all(len(r["verified"]) == r["batch_size"]
                and all(a <= v <= r["tree_nodes"] for a, v in zip(r["accepted"], r["verified"]))
                for r in cut)
+    shrunk = [v for r in cut for v in r["verified"] if v < r["tree_nodes"]]
+    assert shrunk, "some requests verified fewer nodes than their tree drafted"
     assert cli_main(["policy", "replay", "--trace", str(trace), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["tree_verifies"] == len(trees)

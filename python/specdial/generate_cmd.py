@@ -113,7 +113,8 @@ def run_generation(engine: Any, cfg: Any, startup_seconds: float) -> dict[str, A
         "meta_info": out["meta_info"], "seconds": seconds, "startup_seconds": startup_seconds,
         "speculative_algorithm": algorithm, "policy": policy,
         "policy_cache": engine.stats().policy_cache, "no_spec": None,
-        "verify_lengths": engine.stats().verify_length_histogram}
+        "verify_lengths": engine.stats().verify_length_histogram,
+        "tree_nodes": engine.stats().tree_node_histogram}
     if cfg.compare_no_spec and algorithm is not None:
         plain = _no_spec_engine(engine, cfg)
         try:
@@ -156,8 +157,10 @@ def format_generation(report: dict[str, Any]) -> str:
             f"verifies           {m.get('spec_verify_ct', 0)} decode iterations, {drafting} with "
             "drafts (steps 0 is a plain decode)",
             f"steps histogram    {hist_text or '-'} (steps: decode iterations)",
-            f"verify lengths     {_hist_text(report.get('verify_lengths'))} (drafts verified "
-            "per request: decode iterations)"]
+            f"verify lengths     {_hist_text(report.get('verify_lengths'))} (chains: drafts "
+            "verified per request: decode iterations)",
+            f"tree nodes         {_hist_text(report.get('tree_nodes'))} (draft trees: nodes "
+            "verified per request: decode iterations)"]
     seconds = float(report["seconds"])
     lines += ["--- time ---",
               f"start-up           {report.get('startup_seconds', 0.0):.2f} s (loading the models "

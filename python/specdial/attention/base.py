@@ -12,7 +12,9 @@ replaces the causal rule. Every request then has ``qo_len == n`` queries and ``t
 its first ``kv_len - t`` keys (the prefix) are visible to every query, and key
 ``kv_len - t + j`` is visible to query ``i`` iff ``m[b, i, j]`` (a node sees itself and its
 ancestors; :func:`tree_key_mask`). Positions then come from the forward batch (siblings share
-one), not from the layout.
+one), not from the layout. Ragged trees (a per-request node budget, issue 29 item 5): with a
+square ``m`` (``n == t``) a request may have ``qo_len < n`` queries; its tree part is then its
+last ``qo_len`` keys and ``m[b, :qo_len, :qo_len]`` (the torch backend only).
 """
 
 from __future__ import annotations
@@ -101,20 +103,26 @@ def tree_key_mask(qo_lens: torch.Tensor, kv_lens: torch.Tensor, tree_mask: torch
     """Dense visibility ``[B, n, max_kv]`` bool (on ``tree_mask``'s device) of a tree mask
     ``[B, n, t]`` over host int64 ``qo_lens`` / ``kv_lens`` ``[B]``: key ``j < kv_len - t``
     visible to all, key ``kv_len - t + c`` iff ``tree_mask[b, i, c]``, keys ``>= kv_len``
-    never. Raises ``ValueError`` naming the bound when ``qo_lens != n`` or ``t > kv_len``."""
+    never. Ragged (``n == t`` and some ``qo_len < n``, module docstring): request ``b``'s tree
+    part is its last ``w = qo_len`` keys, key ``kv_len - w + c`` visible iff
+    ``tree_mask[b, i, c]`` (rows ``i >= w`` are padding: they see the prefix). Raises
+    ``ValueError`` naming the bound when ``qo_lens`` is neither ``n`` everywhere nor a ragged
+    ``1..n`` of a square mask, or a tree part is longer than ``kv_len``."""
     if tree_mask.dim() != 3 or tree_mask.shape[0] != qo_lens.numel():
         raise ValueError(f"tree_mask must be [B={qo_lens.numel()}, n, t] bool, got "
                          f"{list(tree_mask.shape)}")
     b, n, t = tree_mask.shape
     qo, kv_host = qo_lens.cpu().numpy(), kv_lens.cpu().numpy()
-    if (qo != n).any() or (kv_host < t).any():
+    ragged = bool((qo != n).any())
+    width = qo if ragged else np.full(b, t, np.int64)
+    if (ragged and (n != t or (qo < 1).any() or (qo > n).any())) or (kv_host < width).any():
         raise ValueError(f"tree_mask [B, n={n}, t={t}] needs qo_len == n and kv_len >= t for "
-                         f"every request, got qo_lens {qo_lens.tolist()}, "
-                         f"kv_lens {kv_lens.tolist()}")
+                         f"every request (ragged: n == t, qo_len in 1..n, kv_len >= qo_len), "
+                         f"got qo_lens {qo_lens.tolist()}, kv_lens {kv_lens.tolist()}")
     # index arithmetic on the host (numpy); two small copies and one gather on the device
     dev, kv = tree_mask.device, kv_host
     j = np.arange(max_kv)[None, :]
-    rel = j - (kv[:, None] - t)  # [B, max_kv]: index into the tree part
+    rel = j - (kv[:, None] - width[:, None])  # [B, max_kv]: index into the tree part
     rel_d = torch.from_numpy(np.clip(rel, 0, t - 1)).to(dev)
     prefix = torch.from_numpy(rel < 0).to(dev)[:, None, :]
     valid = torch.from_numpy(j < kv[:, None]).to(dev)[:, None, :]

@@ -107,6 +107,8 @@ def packed_custom_mask(qo_lens: torch.Tensor, kv_lens: torch.Tensor, tree_mask: 
     dense = tree_key_mask(qo_lens, kv_lens, tree_mask.to(device), max_kv)  # [B, n, max_kv]
     # the flat positions of the valid keys, found on the host (no device sync), then gathered
     valid = (torch.arange(max_kv)[None, :] < kv_lens[:, None])[:, None, :].expand(dense.shape)
+    # a ragged tree's padded query rows (i >= qo_len) are no queries
+    valid = valid & (torch.arange(dense.shape[1])[None, :, None] < qo_lens[:, None, None])
     flat = valid.reshape(-1).nonzero().squeeze(1).to(device, non_blocking=True)
     return dense.reshape(-1)[flat]
 

@@ -99,7 +99,8 @@ class TorchAttentionBackend(AttentionBackend):
                 mask = torch.from_numpy(kv_valid[:, None, :]
                                         & (j[None, None, :] <= q_pos[:, :, None]))
         else:  # draft trees: prefix + ancestors (base module docstring)
-            mask = tree_key_mask(qo_t, kv_t, tree_mask.to("cpu"), max_kv)
+            # (ragged: the padded layout has max(qo_len) query rows, maybe fewer than n)
+            mask = tree_key_mask(qo_t, kv_t, tree_mask.to("cpu"), max_kv)[:, :max_q]
 
         return TorchAttentionMetadata(
             qo_lens=qo_t.to(dev), kv_lens=kv_t.to(dev), kv_indices=kv_indices,

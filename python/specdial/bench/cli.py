@@ -276,6 +276,11 @@ def format_result(result: dict[str, Any]) -> str:
         n_vl = sum(vl.values())
         rows.append(("Verify lengths (request-iterations)", ", ".join(
             f"{k}: {v} ({100 * v / n_vl:.0f}%)" for k, v in vl.items())))
+    tn = s.get("tree_node_histogram")
+    if tn:
+        n_tn = sum(tn.values())
+        rows.append(("Tree nodes verified (request-iterations)", ", ".join(
+            f"{k}: {v} ({100 * v / n_tn:.0f}%)" for k, v in tn.items())))
     width = 42
     lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=width + 20, c="=")]
     for k, v in rows:

@@ -64,7 +64,8 @@ def prometheus_snapshot(text: str) -> dict[str, Any]:
     ``/metrics`` body: specdial's names (``specdial:spec_decode_num_drafts_total``, ...), or
     vLLM's/SGLang's where they match; ``steps_per_slot`` from
     ``specdial:spec_decode_num_steps{slot=...}``; ``verify_length_histogram`` from
-    ``specdial:spec_decode_verify_length_total{verify_length=...}``."""
+    ``specdial:spec_decode_verify_length_total{verify_length=...}``; ``tree_node_histogram``
+    from ``specdial:spec_decode_tree_nodes_total{tree_nodes=...}``."""
     samples = parse_prometheus(text)
 
     def lookup(base: str) -> list[tuple[dict[str, str], float]] | None:
@@ -84,6 +85,10 @@ def prometheus_snapshot(text: str) -> dict[str, Any]:
     if lengths is not None:
         snap["verify_length_histogram"] = {int(lab["verify_length"]): int(v)
                                            for lab, v in lengths if "verify_length" in lab}
+    nodes = lookup("spec_decode_tree_nodes_total")
+    if nodes is not None:
+        snap["tree_node_histogram"] = {int(lab["tree_nodes"]): int(v)
+                                       for lab, v in nodes if "tree_nodes" in lab}
     return snap
 
 

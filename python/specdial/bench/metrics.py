@@ -178,9 +178,9 @@ def snapshot(stats: Any, t: float) -> dict[str, Any]:
     if data.get("iterations_per_steps") is not None:
         snap["iterations_per_steps"] = {int(k): int(v)
                                         for k, v in data["iterations_per_steps"].items()}
-    if data.get("verify_length_histogram") is not None:
-        snap["verify_length_histogram"] = {int(k): int(v)
-                                           for k, v in data["verify_length_histogram"].items()}
+    for name in ("verify_length_histogram", "tree_node_histogram"):
+        if data.get(name) is not None:
+            snap[name] = {int(k): int(v) for k, v in data[name].items()}
     return snap
 
 
@@ -275,8 +275,10 @@ def summarize(runs: Sequence[RunData]) -> dict[str, Any]:
     / ``e2e_latency_s`` (each ``{"mean", "p50", "p99", "count"}``, seconds),
     ``mean_accept_length``, ``draft_acceptance_rate``, ``tokens_per_verify``,
     ``steps_histogram``, ``engine_iterations_per_steps``, ``steps_time_share``,
-    ``verify_length_histogram`` (``{drafts verified: request-iterations}``, each request at
-    its own verify budget; from the engine's stats timeline, None without one),
+    ``verify_length_histogram`` (``{drafts verified: request-iterations}`` of chain
+    iterations, each request at its own verify budget; from the engine's stats timeline, None
+    without one), ``tree_node_histogram`` (``{tree nodes verified: request-iterations}`` of
+    draft-tree iterations, kept apart: a node count is no verify length; None likewise),
     ``step_switches``, ``streaming``, ``errors`` (up to 5 messages), ``cached_tokens`` (prompt
     tokens the prefix cache served, summed over the requests that reported it; None when none
     did), ``prefix_cache_hit_rate`` (those over their prompt tokens) and ``ttft_per_turn_s``
@@ -326,6 +328,7 @@ def _run_figures(runs: Sequence[RunData], ok: Sequence[RequestRecord],
                 engine_iters[k] = engine_iters.get(k, 0) + v - first.get(k, 0)
     return {
         "verify_length_histogram": _hist_delta(runs, "verify_length_histogram"),
+        "tree_node_histogram": _hist_delta(runs, "tree_node_histogram"),
         "completed": len(ok),
         "failed": len(records) - len(ok),
         "duration_s": duration,

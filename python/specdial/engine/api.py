@@ -153,14 +153,22 @@ class EngineStats:
     acceptance per draft position), ``probes``, ``switches`` and ``last_decision``
     (``batch_size``, ``context_tokens``, ``steps``, ``probe``, ``predicted_seconds`` {steps:
     seconds per decode iteration at that batch size}, ``expected_tokens`` {steps: tokens per
-    request per verify}); see :meth:`specdial._core.Scheduler.goodput_state`.
+    request per verify}) and ``confidence_calibration`` (per bin of cumulative draft
+    probability, factor ``sqrt 2`` per bin, the decayed ``(reported, survived)`` counts of chain
+    positions and draft-tree nodes the confidence stop and node thresholds are priced from);
+    see :meth:`specdial._core.Scheduler.goodput_state`.
     ``policy_cache``: whether the goodput policy was seeded from this machine's policy cache
     (``"loaded"``, ``"none"``, ``"ignored: <why>"``, ``"off"``, ``"n/a: <why>"``; see
     :mod:`specdial.engine.policy_cache`). ``verify_length_histogram``: cumulative
     ``{verify length: request-iterations}`` over decode iterations, each request counted at
     its own verify budget (``steps_per_request``, drafts verified; 0 = a plain decode), or at
     the length it verified after a confidence stop (``min_survival``), which differs from the
-    batch's steps under per-request budgets (issue 28).
+    batch's steps under per-request budgets (issue 28); chain iterations only.
+    ``tree_node_histogram``: cumulative ``{tree nodes: request-iterations}`` over draft-tree
+    decode iterations (issue 29), each request counted at the nodes it verified (its kept
+    nodes under a per-request node budget, else the tree's ``N``; 0 = a plain decode through
+    verify). Kept apart from ``verify_length_histogram``: a tree's nodes are not drafts on one
+    path (a tree of ``N`` nodes and depth ``D`` accepts at most ``D``).
     """
 
     running: int = 0
@@ -186,6 +194,7 @@ class EngineStats:
     goodput: dict[str, Any] | None = None
     policy_cache: str | None = None
     verify_length_histogram: dict[int, int] = field(default_factory=dict)
+    tree_node_histogram: dict[int, int] = field(default_factory=dict)
 
     @property
     def num_draft_tokens(self) -> int:

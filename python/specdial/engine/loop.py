@@ -102,7 +102,8 @@ class EngineLoop(LoopInbox):
         self._decode_iters = self.turns = 0  # turns: of _main's loop (Engine.loop_turns)
         self._prompt_tokens = 0  # submitted (the scheduler's also counts startup profiling's)
         self._verify_reqs = self._verify_tokens = 0
-        self._verify_lengths = VerifyLengths()  # per-request verify budgets, cumulative
+        self._verify_lengths = VerifyLengths()  # chains: drafts verified per request
+        self._tree_nodes = VerifyLengths()  # draft trees: nodes verified per request
         self._log_mark = (time.monotonic(), 0, 0, 0)
         self._stats = EngineStats()
         self._goodput: dict[str, Any] | None = None
@@ -229,7 +230,12 @@ class EngineLoop(LoopInbox):
         res = self.sched.report(out.tokens, out.offsets, out.accepted, seconds=seconds,
                                 stop_strings=stops.stopped, **out.decode_extras())
         self._decode_iters += 1
-        self._verify_lengths.add(plan.steps_per_request if out.verified is None else out.verified)
+        if plan.tree_topk > 1:  # a tree's nodes are no verify length (loop_stats.VerifyLengths)
+            self._tree_nodes.add(np.full(plan.batch_size, plan.num_draft_tokens, np.int64)
+                                 if out.verified is None else out.verified)
+        else:
+            self._verify_lengths.add(plan.steps_per_request if out.verified is None
+                                     else out.verified)
         self._last_decode = (int(plan.steps), int(plan.graph_bs or plan.batch_size))
         return out, res, stops
 
@@ -398,7 +404,8 @@ class EngineLoop(LoopInbox):
         self._stats = engine_stats(s, slot_states, fixed_steps=self._fixed_steps,
                                    prompt_tokens=self._prompt_tokens, policy=self._policy,
                                    last_decode=self._last_decode, goodput=self._goodput_state(),
-                                   verify_lengths=self._verify_lengths.as_dict())
+                                   verify_lengths=self._verify_lengths.as_dict(),
+                                   tree_nodes=self._tree_nodes.as_dict())
 
     def _goodput_state(self) -> dict[str, Any] | None:
         """The goodput strategy's state, rebuilt at most every POLICY_REFRESH_S seconds while

@@ -14,15 +14,20 @@ logger = logging.getLogger("specdial.engine")
 
 
 class VerifyLengths:
-    """The engine's per-request verify-length histogram (issue 28): ``counts[v]`` = request
-    decode iterations whose verify budget was ``v`` drafts (``steps_per_request``; 0 is a
-    plain decode through verify). One ``np.bincount`` per iteration, no per-request Python."""
+    """A per-request histogram of decode iterations, one ``np.bincount`` per iteration, no
+    per-request Python. The engine keeps two, never mixed (their units differ): the chain
+    verify lengths (issue 28): ``counts[v]`` = request decode iterations of a chain whose verify
+    budget was ``v`` drafts (``steps_per_request``, or what a confidence stop left; 0 is a plain
+    decode through verify); and the draft trees' verified nodes (issue 29): ``counts[n]`` =
+    request decode iterations of a tree that verified ``n`` nodes (its kept nodes under a node
+    budget, else the tree's ``N``; 0 is a plain decode through verify). A tree's node count is
+    no verify length: ``N`` nodes of depth ``D`` verify at most ``D`` drafts on one path."""
 
     def __init__(self) -> None:
         self.counts = np.zeros(1, np.int64)
 
     def add(self, budgets: Any) -> None:
-        """Count one decode plan's ``steps_per_request`` (``[B]`` non-negative ints)."""
+        """Count one decode iteration's per-request values (``[B]`` non-negative ints)."""
         got = np.bincount(np.asarray(budgets, np.int64).reshape(-1))
         if len(got) > len(self.counts):
             self.counts = np.concatenate([self.counts, np.zeros(len(got) - len(self.counts),
@@ -30,19 +35,21 @@ class VerifyLengths:
         self.counts[:len(got)] += got
 
     def as_dict(self) -> dict[int, int]:
-        """``{verify length: request-iterations}``, the lengths seen so far (ascending)."""
+        """``{value: request-iterations}``, the values seen so far (ascending)."""
         return {int(v): int(n) for v, n in enumerate(self.counts) if n}
 
 
 def engine_stats(s: Any, slot_states: Any, *, fixed_steps: int | None, prompt_tokens: int,
                  last_decode: tuple[int, int] | None, policy: str | None,
                  goodput: dict[str, Any] | None,
-                 verify_lengths: dict[int, int] | None = None) -> EngineStats:
+                 verify_lengths: dict[int, int] | None = None,
+                 tree_nodes: dict[int, int] | None = None) -> EngineStats:
     """The snapshot of scheduler stats ``s`` (``specdial._core.SchedulerStats``) and
     ``slot_states`` (``(lower bound, steps, accepted estimate, verifies)`` per slot).
     ``fixed_steps``: shown as the one slot ``{1: steps}`` when the policy has no slots;
     ``last_decode``: ``(steps, padded batch size)`` of the latest decode iteration;
-    ``verify_lengths``: :meth:`VerifyLengths.as_dict`."""
+    ``verify_lengths`` (chains) and ``tree_nodes`` (draft trees): :meth:`VerifyLengths.as_dict`
+    of the two histograms."""
     states = [{"lower_bound": int(lb), "steps": int(k), "ema_accept_len": float(ema),
                "verify_count": int(n)} for lb, k, ema, n in slot_states]
     slots = {int(st["lower_bound"]): int(st["steps"]) for st in states}
@@ -60,7 +67,8 @@ def engine_stats(s: Any, slot_states: Any, *, fixed_steps: int | None, prompt_to
         slot_states=states,
         last_decode_steps=None if last_decode is None else last_decode[0],
         last_decode_batch_size=None if last_decode is None else last_decode[1],
-        policy=policy, goodput=goodput, verify_length_histogram=dict(verify_lengths or {}))
+        policy=policy, goodput=goodput, verify_length_histogram=dict(verify_lengths or {}),
+        tree_node_histogram=dict(tree_nodes or {}))
 
 
 def log_progress(s: EngineStats, seconds: float, tokens: int, verifies: int,

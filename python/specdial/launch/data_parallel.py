@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
@@ -46,7 +46,8 @@ def aggregate_stats(parts: Sequence[EngineStats]) -> EngineStats:
     """One :class:`EngineStats` for replicas ``parts`` (at least one).
 
     Gauges and counters are summed (``accepted_per_pos`` position by position,
-    ``verify_length_histogram`` length by length). Policy state
+    ``verify_length_histogram`` length by length, ``tree_node_histogram`` node count by node
+    count). Policy state
     cannot be summed: ``slot_states`` lists every replica's slots with a ``replica`` key added;
     ``steps_per_slot``, ``last_decode_steps`` / ``last_decode_batch_size``, ``policy`` and
     ``goodput`` are replica 0's (each replica adapts on its own; see :meth:`DataParallelEngine.
@@ -59,12 +60,17 @@ def aggregate_stats(parts: Sequence[EngineStats]) -> EngineStats:
     width = max(len(p.accepted_per_pos) for p in parts)
     out.accepted_per_pos = [sum(p.accepted_per_pos[i] for p in parts
                                 if i < len(p.accepted_per_pos)) for i in range(width)]
-    out.verify_length_histogram = {v: sum(p.verify_length_histogram.get(v, 0) for p in parts)
-                                   for v in sorted(set().union(*(p.verify_length_histogram
-                                                                 for p in parts)))}
+    out.verify_length_histogram = _summed(p.verify_length_histogram for p in parts)
+    out.tree_node_histogram = _summed(p.tree_node_histogram for p in parts)
     out.slot_states = [{**s, "replica": i} for i, p in enumerate(parts) for s in p.slot_states]
     out.steps_per_slot = dict(first.steps_per_slot)
     return out
+
+
+def _summed(hists: Iterable[dict[int, int]]) -> dict[int, int]:
+    """``{key: count}`` histograms summed key by key (keys ascending)."""
+    hists = list(hists)
+    return {v: sum(h.get(v, 0) for h in hists) for v in sorted(set().union(*hists))}
 
 
 class DataParallelEngine:

@@ -162,11 +162,22 @@ class EngineCollector:
         yield per_pos
         lengths = CounterMetricFamily(
             "specdial:spec_decode_verify_length",
-            "Request decode iterations by their verify length (drafts the request verified, its "
-            "own budget; 0 = a plain decode through verify).", labels=["verify_length"])
+            "Request decode iterations of a chain by their verify length (drafts the request "
+            "verified, its own budget; 0 = a plain decode through verify; draft trees: "
+            "spec_decode_tree_nodes).", labels=["verify_length"])
         for v, n in sorted((getattr(s, "verify_length_histogram", None) or {}).items()):
             lengths.add_metric([str(v)], n)
         yield lengths
+        # a tree's nodes are no verify length: their own family (vLLM's spec_decode_* counters
+        # name one unit each: num_draft_tokens, num_accepted_tokens_per_pos{position})
+        nodes = CounterMetricFamily(
+            "specdial:spec_decode_tree_nodes",
+            "Request decode iterations of a draft tree by the tree nodes the request verified "
+            "(its kept nodes under a per-request node budget, else the tree's N; 0 = a plain "
+            "decode through verify).", labels=["tree_nodes"])
+        for v, n in sorted((getattr(s, "tree_node_histogram", None) or {}).items()):
+            nodes.add_metric([str(v)], n)
+        yield nodes
         yield from self._goodput(getattr(s, "goodput", None))
 
     @staticmethod

@@ -53,7 +53,10 @@ class StepOutput:
     after request, the drafter's probability of each draft token the request drafted
     (``softmax`` of the draft logits at a greedy draft, ``q(d)`` at a sampled one; issue 28's
     confidence signal for the goodput policy, ``Scheduler.report(..., draft_probs=)``),
-    copied in the iteration's one device sync.
+    copied in the iteration's one device sync. A draft tree's (issue 29 item 5): float64
+    ``[sum(verified)]`` (``N`` per request without a node budget), request after request, the
+    path confidence of each node it verified, its accepted path's nodes first
+    (:func:`~specdial.worker.tree_budget.path_first_confidences`).
     """
 
     steps: int

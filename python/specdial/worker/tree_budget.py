@@ -17,17 +17,20 @@ threshold: ``n_b`` nodes in ``0..N`` (0: a plain decode through verify).
   (:mod:`specdial.worker.tree_accept`, ``kept``). The confidence stop's deviation for unseeded
   chains (``max_x q`` instead of ``q(d)``) is not needed: a tree's node tokens are not drawn.
 - **Compute**: on a CPU device (no CUDA graphs; reading ``n_b`` there is no sync) the tree is
-  compacted to ``N' = max_b n_b`` columns (:func:`compact_tree`) so the target runs ``N' + 1``
-  columns per request; a request with fewer kept nodes pads with masked copies of its last
-  kept node (never accepted; their scratch KV is freed with the rest of the scratch at the
-  report). On a CUDA device the verify keeps the plan's ``N`` (its ``(N, batch)`` graph key,
+  compacted to ``N' = max_b n_b`` columns (:func:`compact_tree`) and the verify is ragged:
+  request ``b`` puts only its root and its ``n_b`` kept nodes through the target, ``n_b + 1``
+  tokens, not ``N' + 1`` (``tree_step._verify_ragged``; the attention's ragged tree rule,
+  :mod:`specdial.attention.base`); its padded columns get no KV and logits 0, and are never
+  accepted. On a CUDA device the verify keeps the plan's ``N`` (its ``(N, batch)`` graph key,
   no sync): the dropped nodes are only masked out of acceptance, as the chain's stop only
-  shortens what acceptance reads on a GPU. Ragged per-request packing of a tree verify (each
-  request only its own ``n_b + 1`` columns) is not done: it needs ragged tree masks in the
-  attention backends.
+  shortens what acceptance reads on a GPU (ragged eager verifies there would need the kept
+  counts on the host: a sync).
 
 The kept counts ride in the iteration's one host copy and come back as the report's
-``verified`` (the trace's ``verified`` beside ``tree_nodes``).
+``verified`` (the trace's ``verified`` beside ``tree_nodes``). So do the verified nodes' path
+confidences, the accepted path's first (:func:`path_first_confidences`): the report's
+``draft_probs`` of a tree, from which the core's confidence calibration (the one that prices
+nodes for ``"auto"``) learns which nodes of each confidence were accepted.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import torch
 from specdial.worker.tree import DraftTree
 from specdial.worker.tree_draft import TreeDraft
 
-__all__ = ["compact_tree", "kept_nodes"]
+__all__ = ["compact_tree", "kept_nodes", "path_first_confidences"]
 
 I64 = torch.int64
 
@@ -85,3 +88,20 @@ def compact_tree(td: TreeDraft, kept: torch.Tensor, width: int) -> tuple[TreeDra
     out = dataclasses.replace(td, tree=small, node_fed=td.node_fed.gather(1, take),
                               confidence=td.confidence.gather(1, take))
     return out, col < count
+
+
+def path_first_confidences(td: TreeDraft, kept: torch.Tensor | None,
+                           path: torch.Tensor) -> torch.Tensor:
+    """``[B, N]`` float32: each request's node path confidences (:attr:`TreeDraft.confidence`)
+    reordered so the nodes on its accepted path come first (depth order: parents precede
+    children), then its other kept nodes (node order), then the rest. ``kept`` ``[B, N]`` bool
+    (None: every node is kept); ``path`` ``[B, D]`` int64: the accepted nodes' verify columns
+    (node ``c - 1`` is column ``c``; ``-1`` past the path), as
+    :func:`~specdial.worker.tree_accept.tree_accept` returns them (capped where the plan caps).
+    The first ``verified[b]`` entries of row ``b`` are what the report's ``draft_probs`` carries
+    for it, its first ``accepted[b]`` the accepted ones (``Scheduler.report``). No host sync."""
+    b, n = td.confidence.shape
+    on = torch.zeros(b, n + 1, dtype=torch.int8, device=path.device)
+    on = on.scatter_(1, path.clamp(min=0), 1)[:, 1:].bool()  # column 0 (root) is the sink
+    rank = torch.where(on, 0, 1) if kept is None else torch.where(on, 0, torch.where(kept, 1, 2))
+    return td.confidence.gather(1, rank.argsort(dim=1, stable=True))

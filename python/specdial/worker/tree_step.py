@@ -47,7 +47,7 @@ from specdial.worker.logprobs import LogprobRows, token_logprobs
 from specdial.worker.stages import StepOutput
 from specdial.worker.tree import ancestor_mask, tree_positions
 from specdial.worker.tree_accept import path_columns, tree_accept
-from specdial.worker.tree_budget import compact_tree, kept_nodes
+from specdial.worker.tree_budget import compact_tree, kept_nodes, path_first_confidences
 from specdial.worker.tree_draft import TreeDraft, draft_tree
 from specdial.worker.tree_kv import copy_rows, copy_slots, tree_kv_indices
 from specdial.worker.tree_processing import process_tree_columns, step_histories
@@ -176,7 +176,10 @@ def run_tree_iteration(worker: Any, plan: TreePlan, sampling: BatchSampling,
         if tg is not None:  # the tree goes to the host during the target's forward
             tg.start_verify(td.tree)
         ancestors = ancestor_mask(td.tree.parents)  # [B, N + 1, N + 1]: verify and acceptance
-        raw = _verify(worker, td, rows, lens, root, chain[:, 0], scratch, ancestors)
+        # ragged on the compacted CPU path: request b puts its n_b + 1 columns through the
+        # target, not the batch's widest (n_kept is host memory there: no sync)
+        ragged = n_kept.numpy() if kept is not None and _compacts(worker) else None
+        raw = _verify(worker, td, rows, lens, root, chain[:, 0], scratch, ancestors, ragged)
         acc, path, out, lp_pending = _accept(worker, td, raw, rows, lens, root, sampling,
                                              generator, logprobs, tg, ancestors, kept)
     finally:
@@ -189,12 +192,14 @@ def run_tree_iteration(worker: Any, plan: TreePlan, sampling: BatchSampling,
     fed = _copy_path(worker, td, path, chain[:, 1:], scratch)
     tables.req_to_ids[rows_d[:, None], lens_d[:, None] + 1 + torch.arange(d + 1, device=dev)] \
         = out
-    host = torch.cat([acc[:, None], fed[:, None], n_kept[:, None], out], 1)
-    host = host.cpu().numpy()  # the one sync
+    conf = path_first_confidences(td, kept, path).to(torch.float64).view(torch.int64)
+    host = torch.cat([acc[:, None], fed[:, None], n_kept[:, None], out, conf], 1)
+    host = host.cpu().numpy()  # the one sync (the confidences ride bit for bit as int64)
     lp_host = None if lp_pending is None else lp_pending()
     accepted, fed_h = host[:, 0].astype(np.int64), host[:, 1].astype(np.int64)
     verified = None if kept is None else host[:, 2].astype(np.int64)
-    out_h = host[:, 3:]
+    out_h = host[:, 3:4 + d]
+    node_probs = _host_node_probs(host, d)
     if sampling.grammar is not None:  # the emitted tokens advance the matchers once
         sampling.grammar.advance(accepted + 1, out_h)
     ds.after_verify(rows, lens, fed_h + 1, accepted)
@@ -202,7 +207,8 @@ def run_tree_iteration(worker: Any, plan: TreePlan, sampling: BatchSampling,
     keep = np.arange(d + 1)[None, :] <= accepted[:, None]
     tokens = out_h[keep].astype(np.int64)
     offsets = np.concatenate([[0], np.cumsum(accepted + 1)]).astype(np.int64)
-    return StepOutput(d, tokens, offsets, accepted, lp_host, verified=verified)
+    return StepOutput(d, tokens, offsets, accepted, lp_host, verified=verified,
+                      draft_probs=node_probs)
 
 
 def _node_budget(worker: Any, td: TreeDraft, min_survival: float
@@ -216,10 +222,25 @@ def _node_budget(worker: Any, td: TreeDraft, min_survival: float
         return td, None, torch.full((b,), n, dtype=torch.int64, device=td.tree.tokens.device)
     kept = kept_nodes(td.confidence, min_survival)
     count = kept.sum(1)
-    if worker.device.type == "cpu" and getattr(worker, "tree_graphs", None) is None:
+    if _compacts(worker):
         width = max(1, int(count.max())) if b else 1  # host memory: no sync
         td, kept = compact_tree(td, kept, width)
     return td, kept, count
+
+
+def _host_node_probs(host: np.ndarray, d: int) -> np.ndarray:
+    """The report's ``draft_probs`` of a tree from the iteration's host copy ``host`` (columns
+    ``2``: verified nodes ``[B]``; ``4 + d ..``: :func:`path_first_confidences` as float64
+    bits): per request its verified nodes' path confidences, the accepted path first, request
+    after request, float64 ``[sum(verified)]``."""
+    conf = np.ascontiguousarray(host[:, 4 + d:]).view(np.float64)
+    return conf[np.arange(conf.shape[1])[None, :] < host[:, 2:3]]
+
+
+def _compacts(worker: Any) -> bool:
+    """Whether node budgets compact the tree and verify it ragged: a CPU device (the kept
+    counts are host memory, no sync) without tree verify graphs (their key is the plan's N)."""
+    return worker.device.type == "cpu" and getattr(worker, "tree_graphs", None) is None
 
 
 def _accept(worker: Any, td: TreeDraft, raw: torch.Tensor, rows: np.ndarray, lens: np.ndarray,
@@ -264,9 +285,11 @@ def _padded_chain(out_loc: np.ndarray, limit: np.ndarray, d: int, pad: int) -> t
 
 def _verify(worker: Any, td: TreeDraft, rows: np.ndarray, lens: np.ndarray,
             root: torch.Tensor, root_loc: torch.Tensor, scratch: torch.Tensor,
-            ancestors: torch.Tensor) -> torch.Tensor:
+            ancestors: torch.Tensor, ragged: np.ndarray | None = None) -> torch.Tensor:
     """The target over ``[x_L, nodes]`` with the tree mask ``ancestors`` (host ``rows``);
-    logits ``[B, N + 1, V]``."""
+    logits ``[B, N + 1, V]``. ``ragged`` (host int64 ``[B]``, the compacted CPU path of a node
+    budget): request ``b`` runs only the root and its first ``ragged[b]`` nodes (its kept
+    ones), ``ragged[b] + 1`` tokens; the other columns' logits are 0 (never accepted)."""
     tree = td.tree
     b, n = tree.tokens.shape
     extra = torch.cat([root_loc[:, None], scratch], 1)  # [B, N + 1]
@@ -280,12 +303,42 @@ def _verify(worker: Any, td: TreeDraft, rows: np.ndarray, lens: np.ndarray,
         worker.drafter_state.store_features(extra.reshape(-1), feats)
         return logits
     kv_idx, kv_lens = tree_kv_indices(worker.tables, rows, lens, extra)
+    if ragged is not None:
+        return _verify_ragged(worker, ids, pos, extra, kv_idx, kv_lens, lens, ancestors, ragged)
     qo = torch.full((b,), n + 1, dtype=torch.int64)  # host lengths, as tree_kv_indices's
     meta = worker.backend.plan(qo, kv_lens, kv_idx, tree_mask=ancestors)
     batch = ForwardBatch(ids.reshape(-1), pos.reshape(-1), extra.reshape(-1), meta)
     hidden, feats = run_target(worker.target, worker.drafter, batch, worker.kv, worker.backend)
     worker.drafter_state.store_features(batch.out_loc, feats)
     return worker.target.compute_logits(hidden).view(b, n + 1, -1)
+
+
+def _verify_ragged(worker: Any, ids: torch.Tensor, pos: torch.Tensor, extra: torch.Tensor,
+                   kv_idx: torch.Tensor, kv_lens: np.ndarray, lens: np.ndarray,
+                   ancestors: torch.Tensor, kept: np.ndarray) -> torch.Tensor:
+    """:func:`_verify` of a compacted tree (``ids`` / ``pos`` / ``extra`` ``[B, N' + 1]``)
+    with request ``b``'s first ``kept[b] + 1`` columns packed (its kept nodes come first:
+    :func:`~specdial.worker.tree_budget.compact_tree`); the attention's tree part of each
+    request is its own columns (ragged rule, :mod:`specdial.attention.base`)."""
+    b, t = ids.shape
+    qo = kept.astype(np.int64) + 1
+    sel_h = np.arange(t)[None, :] < qo[:, None]  # [B, N' + 1] host
+    # keys: the prefix and each request's own columns only (drop the unverified ones' slots)
+    full = np.asarray(kv_lens, np.int64)
+    off = np.arange(int(full.sum())) - np.repeat(np.cumsum(full) - full, full)
+    keys = np.nonzero(off < np.repeat(lens + qo, full))[0]
+    kv_idx = kv_idx[torch.from_numpy(keys).to(kv_idx.device)]
+    kv_lens = lens.astype(np.int64) + qo
+    meta = worker.backend.plan(torch.from_numpy(qo), torch.from_numpy(kv_lens), kv_idx,
+                               tree_mask=ancestors)
+    sel = torch.from_numpy(sel_h).to(ids.device)
+    batch = ForwardBatch(ids[sel], pos[sel], extra[sel], meta)
+    hidden, feats = run_target(worker.target, worker.drafter, batch, worker.kv, worker.backend)
+    worker.drafter_state.store_features(batch.out_loc, feats)
+    packed = worker.target.compute_logits(hidden)  # [sum(kept + 1), V]
+    logits = packed.new_zeros(b, t, packed.shape[-1])
+    logits[sel] = packed
+    return logits
 
 
 def _copy_path(worker: Any, td: TreeDraft, path: torch.Tensor, dst: torch.Tensor,

@@ -382,6 +382,7 @@ pub(crate) fn goodput_dict<'py>(py: Python<'py>, g: &specdial_core::goodput::Goo
     d.set_item("probes", g.probes())?;
     d.set_item("switches", g.switches())?;
     d.set_item("off_pace_skipped", g.off_pace_skipped())?;
+    d.set_item("confidence_calibration", g.confidence_calibration())?;
     match g.last_decision() {
         None => d.set_item("last_decision", py.None())?,
         Some(v) => {

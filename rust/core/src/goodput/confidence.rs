@@ -136,6 +136,35 @@ impl ConfidenceModel {
         }
     }
 
+    /// Learns one draft tree's outcome (issue 29 item 5): per request, its accepted drafts
+    /// and the path confidences of the nodes it verified (`None`: not reported, skipped), the
+    /// accepted path's `accepted` nodes first. Each node counts in the calibration bin of its
+    /// path confidence, as survived iff it is on the accepted path: a node survives iff every
+    /// node of its path is accepted, as a chain position does, and its path confidence is the
+    /// cumulative draft probability along that path, so the one calibration serves the chain's
+    /// stop and the node threshold ([`Self::node_edge`]). The per-position occupancy is left
+    /// alone: a tree's nodes per depth are not a chain's positions. The calibration decays by
+    /// the same per-iteration factor as under [`Self::observe`].
+    pub fn observe_nodes<'a>(&mut self, requests: impl IntoIterator<Item = (i64, Option<&'a [f64]>)>) {
+        let slow = self.decay.sqrt();
+        self.calibration
+            .iter_mut()
+            .for_each(|c| *c = (c.0 * slow, c.1 * slow));
+        for (accepted, confidences) in requests {
+            let Some(c) = confidences else { continue };
+            for (j, &c) in c.iter().enumerate() {
+                let cal = &mut self.calibration[bin(c)];
+                cal.0 += 1.0;
+                cal.1 += if (j as i64) < accepted { 1.0 } else { 0.0 };
+            }
+        }
+    }
+
+    /// Per bin, the decayed `(reported, survived)` counts the calibration learned.
+    pub fn calibration(&self) -> &[(f64, f64); BINS] {
+        &self.calibration
+    }
+
     /// Calibrated survival per bin (non-increasing).
     fn survival(&self) -> [f64; BINS] {
         let mut s = [0.0; BINS];
@@ -351,6 +380,35 @@ mod tests {
             assert_eq!(bin(edge(t) * 0.9999), t);
         }
         assert_eq!(edge_index(0.5), 2);
+    }
+
+    /// Tree reports move the node threshold: nodes of confidence 0.9, 0.6 and 0.45 (bins 0-2)
+    /// always accepted and nodes of 0.1 (bin 6) never raise the calibrated survival of bins 0-2
+    /// to about 1, so at price 0.5 the threshold admits bin 2 too (edge 3; the prior, a
+    /// calibrated drafter, stops at edge 2); an overconfident drafter's rejected nodes of 0.9
+    /// lower it to the least threshold (edge 1). The accepted path's nodes are the first
+    /// `accepted` of each request; the occupancy (a chain's positions) is untouched.
+    #[test]
+    fn tree_nodes_calibrate_the_node_threshold() {
+        let mut m = ConfidenceModel::new(64);
+        assert_eq!(m.node_edge(0.5), 2);
+        let path = [0.9, 0.6, 0.45, 0.1, 0.1];
+        for _ in 0..100 {
+            m.observe_nodes([(3, Some(&path[..])), (0, None)]);
+        }
+        let s = m.survival();
+        assert!(s[0] > 0.9 && s[2] > 0.9 && s[6] < 0.1, "{s:?}");
+        assert_eq!(m.node_edge(0.5), 3);
+        assert!(m.occupancy.is_empty() && !m.ready());
+        // the order says which were accepted: with 1 accepted, 0.6 and 0.45 were rejected
+        let mut once = ConfidenceModel::new(64);
+        once.observe_nodes([(1, Some(&path[..]))]);
+        assert_eq!((once.calibration[0], once.calibration[1], once.calibration[2]), ((1.0, 1.0), (1.0, 0.0), (1.0, 0.0)));
+        let mut over = ConfidenceModel::new(64);
+        for _ in 0..100 {
+            over.observe_nodes([(0, Some(&[0.9, 0.9][..]))]);
+        }
+        assert_eq!(over.node_edge(0.5), 1);
     }
 
     /// Two kinds of requests: confident ones (draft probability 0.95, all accepted) and doubtful

@@ -203,6 +203,13 @@ impl GoodputPolicy {
         self.last.as_ref()
     }
 
+    /// The draft-confidence calibration's decayed `(reported, survived)` counts per bin of
+    /// cumulative draft probability ([`confidence::bin`]): chain positions and, under per-request
+    /// node budgets, draft-tree nodes ([`ConfidenceModel::observe_nodes`]).
+    pub fn confidence_calibration(&self) -> Vec<(f64, f64)> {
+        self.confidence.calibration().to_vec()
+    }
+
     /// Conditional acceptance per draft position `1..=max candidate` now.
     pub fn acceptance_rates(&self) -> Vec<f64> {
         self.acceptance.clone().rates(self.iteration)

@@ -81,11 +81,13 @@ struct History {
 #[derive(Debug, Clone, Copy)]
 pub struct RequestVerify<'a> {
     pub id: u64,
-    /// Draft tokens it verified (`v_r`).
+    /// Draft tokens it verified (`v_r`; a draft tree's: the nodes it verified).
     pub steps: u32,
     /// Of which accepted (`<= steps`).
     pub accepted: i64,
-    /// The drafter's probability of each of its `steps` verified draft tokens, if reported.
+    /// The drafter's probability of each of its `steps` verified draft tokens, if reported (a
+    /// draft tree's: each verified node's path confidence, the accepted path's `accepted`
+    /// nodes first; [`crate::scheduler::ReportExtras::draft_probs`]).
     pub draft_probs: Option<&'a [f64]>,
 }
 

@@ -75,10 +75,14 @@ impl GoodputPolicy {
         caught_up: Option<u64>,
     ) -> Option<u32> {
         // a draft tree's report (issue 29 item 5: `steps` of a request are its kept nodes)
-        // teaches the tree planner only, as under uniform verify
+        // teaches the tree planner, as under uniform verify, and the confidence calibration
+        // (its nodes' path confidences and which were accepted), never the chain estimates
         let accepted: Vec<i64> = requests.iter().map(|r| r.accepted).collect();
         let nodes = requests.iter().map(|r| u64::from(r.steps)).sum();
         if let Some(switch) = self.observe_tree(slot, bucket, b_cost, steps, &accepted, seconds, context_tokens as f64, caught_up, Some(nodes)) {
+            if self.cfg.min_survival != MinSurvival::Off {
+                self.confidence.observe_nodes(requests.iter().map(|r| (r.accepted, r.draft_probs)));
+            }
             return switch;
         }
         let shared = self.acceptance.rates(self.iteration);

@@ -48,9 +48,12 @@
 //! a chain position's cumulative probability along that path) still pays for the node's
 //! verify token at the bucket's fitted price `theta_v` and the shape's predicted goodput. The
 //! kept counts come back as the report's `verified`; the fit then learns the verify tokens the
-//! kept nodes ran (not `N` per request). The calibration learns from chain iterations only (a
-//! tree's report carries no per-node probabilities). With `min_survival` off a tree verifies
-//! its `N` nodes whole.
+//! kept nodes ran (not `N` per request; a report without kept counts verified all `N`). The
+//! calibration learns from chain iterations and from tree iterations: a tree's report carries
+//! each verified node's path confidence, the accepted path's first
+//! ([`crate::scheduler::ReportExtras::draft_probs`]), and
+//! [`ConfidenceModel::observe_nodes`] counts each node in its confidence's bin, survived iff
+//! accepted. With `min_survival` off a tree verifies its `N` nodes whole.
 
 use std::collections::BTreeMap;
 
@@ -583,6 +586,27 @@ mod tests {
             p.observe_requests(0, 1, 1, shape.depth, &r, Some(secs(1, 4, 1e-6)), 1000, None);
             assert_eq!(p.tree_iterations(), 1);
             assert_eq!(p.acceptance.observed(), verifies);
+        }
+    }
+
+    #[test]
+    fn a_tree_report_with_node_confidences_feeds_the_calibration() {
+        // Per request the verified nodes' path confidences, the accepted path first: with a
+        // node threshold the calibration learns them (the chain estimates still do not);
+        // with min_survival off nothing reads the calibration and it is left alone.
+        for (ms, learns) in [(MinSurvival::Auto, true), (MinSurvival::Fixed(0.25), true), (MinSurvival::Off, false)] {
+            let mut p = per_request_policy(ms);
+            train_chains(&mut p, 1, 1e-6);
+            let d = p.decide_requests(0, 1, 1, 1, 1000, None, Some(&[7]));
+            let shape = d.tree.expect("a tree at batch 1");
+            let before = p.confidence.clone();
+            let verifies = p.acceptance.observed();
+            let nodes = [0.9, 0.5, 0.3, 0.05];
+            let r = [RequestVerify { id: 7, steps: 4, accepted: 1, draft_probs: Some(&nodes) }];
+            p.observe_requests(0, 1, 1, shape.depth, &r, Some(secs(1, 5, 1e-6)), 1000, None);
+            assert_eq!(p.tree_iterations(), 1);
+            assert_eq!(p.acceptance.observed(), verifies);
+            assert_eq!(p.confidence != before, learns, "{ms:?}");
         }
     }
 

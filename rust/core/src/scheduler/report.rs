@@ -29,6 +29,11 @@ pub struct ReportExtras<'a> {
     /// verified, request after request in plan order (`sum(steps_per_request)` values, each
     /// finite in `[0, 1]`). The `goodput` strategy with `verify = per_request` takes them as the
     /// next decision's draft confidence; other strategies do not use them.
+    /// A draft tree's (issue 29 item 5): per request, the path confidence (cumulative draft
+    /// probability) of each node it verified, its accepted path's `accepted` nodes first in
+    /// depth order, then its other verified nodes (`sum(verified)` values, `N` per request
+    /// without `verified`); the confidence calibration learns from them which nodes of each
+    /// confidence were accepted.
     pub draft_probs: Option<&'a [f64]>,
     /// Decode only, optional (issue 28's confidence stop): the draft tokens each request
     /// verified, `0 <= verified[b] <= steps_per_request[b]` and `accepted[b] <= verified[b]`
@@ -62,13 +67,20 @@ fn validate_verified(fl: &InFlight, offsets: &[i64], verified: Option<&[i64]>) -
 }
 
 /// Checks `draft_probs` against the plan in flight (see [`ReportExtras::draft_probs`]).
-fn validate_draft_probs(fl: &InFlight, probs: Option<&[f64]>) -> Result<(), SchedulerError> {
+/// `verified`: the report's (checked before).
+fn validate_draft_probs(fl: &InFlight, probs: Option<&[f64]>, verified: Option<&[i64]>) -> Result<(), SchedulerError> {
     let Some(q) = probs else { return Ok(()) };
     if fl.kind == PlanKind::Prefill {
         return Err(bad("draft_probs", "is reported for decode plans only".into()));
     }
+    if let Some(t) = fl.tree {
+        let want: usize = verified.map_or(fl.ids.len() * t.num_draft_tokens as usize, |v| v.iter().map(|&n| n as usize).sum());
+        if q.len() != want {
+            return Err(bad("draft_probs", format!("of a draft tree must hold sum(verified) = {want} path confidences (one per verified node), got {}", q.len())));
+        }
+    }
     let want: usize = fl.steps_r.iter().map(|&s| s as usize).sum();
-    if q.len() != want {
+    if fl.tree.is_none() && q.len() != want {
         return Err(bad("draft_probs", format!("must hold sum(steps_per_request) = {want} probabilities (one per verified draft token), got {}", q.len())));
     }
     if let Some(i) = q.iter().position(|p| !(0.0..=1.0).contains(p)) {
@@ -270,8 +282,8 @@ impl Scheduler {
             .as_ref()
             .ok_or(SchedulerError::NoPlanInFlight)?;
         validate(fl, tokens, offsets, accepted, stop_strings)?;
-        validate_draft_probs(fl, draft_probs)?;
         validate_verified(fl, offsets, verified)?;
+        validate_draft_probs(fl, draft_probs, verified)?;
         if let Some(t) = seconds {
             if fl.kind == PlanKind::Prefill {
                 return Err(bad("seconds", "is reported for decode plans only".into()));
@@ -283,9 +295,14 @@ impl Scheduler {
         let fl = self.in_flight.take().expect("checked above");
         self.release_scratch(); // a tree's scratch slots (scheduler/tree.rs)
         if fl.kind == PlanKind::Decode {
-            let verified: Vec<u32> = match verified {
-                Some(v) => v.iter().map(|&n| n as u32).collect(),
-                None => fl.steps_r.clone(),
+            // Unreported: a chain verified its `steps_per_request`, a draft tree all its `N`
+            // nodes (not its depth: the tree planner's token-cost fit learns the verify tokens
+            // from these counts, and with the depth it learned 0 extra verify tokens per tree,
+            // so its seconds per verify token stayed at the prior and "auto" never cut a node)
+            let verified: Vec<u32> = match (verified, fl.tree) {
+                (Some(v), _) => v.iter().map(|&n| n as u32).collect(),
+                (None, Some(t)) => vec![t.num_draft_tokens; fl.ids.len()],
+                (None, None) => fl.steps_r.clone(),
             };
             self.observe_verify(&fl, offsets, seconds, draft_probs, &verified);
         }
@@ -397,7 +414,8 @@ impl Scheduler {
             let mut at = 0usize;
             let requests: Vec<RequestVerify<'_>> = (0..b)
                 .map(|i| {
-                    let n = fl.steps_r[i] as usize;
+                    // a chain's probabilities cover its drafts, a tree's its verified nodes
+                    let n = if fl.tree.is_some() { verified[i] } else { fl.steps_r[i] } as usize;
                     at += n;
                     // the policy learns from the positions verified (the cut ones have no outcome)
                     let probs = draft_probs.map(|q| &q[at - n..at - n + (verified[i] as usize).min(n)]);
@@ -440,8 +458,10 @@ impl Scheduler {
             c.spec_num_drafts += 1;
             c.spec_num_draft_tokens += u64::from(sr);
             c.spec_num_accepted_tokens += a as u64;
-            if c.spec_accepted_per_pos.len() < sr as usize {
-                c.spec_accepted_per_pos.resize(sr as usize, 0);
+            // positions are depths: a tree's kept nodes (up to N) are not positions
+            let positions = sr.min(steps) as usize;
+            if c.spec_accepted_per_pos.len() < positions {
+                c.spec_accepted_per_pos.resize(positions, 0);
             }
             for slot in &mut c.spec_accepted_per_pos[..a] {
                 *slot += 1;

@@ -46,7 +46,8 @@ pub struct SchedulerStats {
     pub decode_iterations_by_steps: Vec<(u32, u64)>,
     /// vLLM's `spec_decode_num_drafts`: requests verified with `steps_r > 0`.
     pub spec_num_drafts: u64,
-    /// vLLM's `spec_decode_num_draft_tokens`: sum of `steps_r`.
+    /// vLLM's `spec_decode_num_draft_tokens`: sum of the drafts verified (`steps_r`, or what a
+    /// confidence stop left; a draft tree's verified nodes: its kept ones, else its `N`).
     pub spec_num_draft_tokens: u64,
     /// vLLM's `spec_decode_num_accepted_tokens`: sum of accepted drafts.
     pub spec_num_accepted_tokens: u64,

@@ -383,3 +383,59 @@ fn a_tree_reports_kept_node_counts_up_to_its_nodes() {
     let e = report(&mut s, &[9]).unwrap_err();
     assert!(matches!(e, SchedulerError::InvalidReport { field: "verified", .. }), "{e:?}");
 }
+
+#[test]
+fn a_tree_report_without_kept_counts_verified_all_its_nodes() {
+    // A tree whose report carries no `verified` (no node budget) verified its N nodes (8), not
+    // its depth (3): the draft-token counter (and the policy's report) count 8, and the
+    // per-position acceptance counts depths (3 positions), never nodes.
+    let mut s = tree(config(64, 4), 3, 4, 9);
+    s.add_request(vec![7; 5], 20, vec![], false).unwrap();
+    step(&mut s, &mut full).unwrap(); // prefill
+    let plan = s.schedule().unwrap().unwrap();
+    let (id, l) = (plan.request_ids[0], plan.positions[0]);
+    let tokens: Vec<i64> = (l + 1..=l + 3).map(|p| tok(id, p)).collect();
+    s.report(&tokens, &[0, 3], Some(&[2])).unwrap();
+    let st = s.stats();
+    assert_eq!((st.spec_num_drafts, st.spec_num_draft_tokens, st.spec_num_accepted_tokens), (1, 8, 2));
+    assert_eq!(st.spec_accepted_per_pos, vec![1, 1, 0]);
+    // with kept counts: those nodes
+    let plan = s.schedule().unwrap().unwrap();
+    let (id, l) = (plan.request_ids[0], plan.positions[0]);
+    let tokens: Vec<i64> = (l + 1..=l + 2).map(|p| tok(id, p)).collect();
+    let extras = ReportExtras { verified: Some(&[5]), ..Default::default() };
+    s.report_with(&tokens, &[0, 2], Some(&[1]), extras).unwrap();
+    let st = s.stats();
+    assert_eq!((st.spec_num_draft_tokens, st.spec_accepted_per_pos.clone()), (13, vec![2, 1, 0]));
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn a_tree_reports_one_path_confidence_per_verified_node() {
+    // draft_probs of a tree: sum(verified) values (N = 8 each without verified), checked by
+    // name against that count, not the chain's sum(steps_per_request) (3 here).
+    let mut s = tree(config(64, 4), 3, 4, 9);
+    s.add_request(vec![7; 5], 20, vec![], false).unwrap();
+    step(&mut s, &mut full).unwrap(); // prefill
+    let report = |s: &mut Scheduler, probs: &[f64], verified: Option<&[i64]>| {
+        let plan = s.schedule().unwrap().unwrap();
+        let (id, l) = (plan.request_ids[0], plan.positions[0]);
+        let tokens: Vec<i64> = (l + 1..=l + 2).map(|p| tok(id, p)).collect();
+        let extras = ReportExtras { draft_probs: Some(probs), verified, ..Default::default() };
+        let out = s.report_with(&tokens, &[0, 2], Some(&[1]), extras);
+        if out.is_err() {
+            // refused: the plan stays in flight, unchanged; a valid report clears it
+            s.report(&tokens, &[0, 2], Some(&[1])).unwrap();
+        }
+        out
+    };
+    report(&mut s, &[0.9, 0.5, 0.4, 0.3, 0.2], Some(&[5])).unwrap();
+    report(&mut s, &[0.5; 8], None).unwrap();
+    let e = report(&mut s, &[0.9, 0.5, 0.4], None).unwrap_err();
+    assert!(matches!(&e, SchedulerError::InvalidReport { field: "draft_probs", message } if message.contains("sum(verified) = 8")), "{e:?}");
+    let e = report(&mut s, &[0.9, 0.5, 0.4], Some(&[5])).unwrap_err();
+    assert!(matches!(&e, SchedulerError::InvalidReport { field: "draft_probs", message } if message.contains("= 5")), "{e:?}");
+    let e = report(&mut s, &[0.9, 1.5, 0.4, 0.3, 0.2], Some(&[5])).unwrap_err();
+    assert!(matches!(&e, SchedulerError::InvalidReport { field: "draft_probs", .. }), "{e:?}");
+    s.check_invariants().unwrap();
+}
