@@ -16,7 +16,10 @@ class KVPool:
     ``k_buffer`` / ``v_buffer``: ``[num_layers, num_slots + 1, num_kv_heads, head_dim]`` of
     ``dtype`` on ``device``, zero-initialised. Slot ``num_slots`` (:attr:`pad_slot`) is a
     sentinel: padded tokens (e.g. in CUDA-graph batches) write there and no attention read
-    ever uses it.
+    ever uses it. ``k_layers`` / ``v_layers``: the per-layer views ``k_buffer[l]`` /
+    ``v_buffer[l]`` ``[num_slots + 1, num_kv_heads, head_dim]``, made once (indexing the
+    buffer per layer call is a torch op each time); they stay valid as long as the buffers
+    are modified in place, never reassigned.
 
     Raises ``ValueError`` for non-positive sizes.
     """
@@ -43,6 +46,8 @@ class KVPool:
         shape = (num_layers, num_slots + 1, num_kv_heads, head_dim)
         self.k_buffer = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v_buffer = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.k_layers = self.k_buffer.unbind(0)
+        self.v_layers = self.v_buffer.unbind(0)
 
     @property
     def pad_slot(self) -> int:
@@ -58,8 +63,8 @@ class KVPool:
         """
         if k.dtype != self.dtype or v.dtype != self.dtype:  # (a same-dtype cast: a dispatched no-op)
             k, v = k.to(self.dtype), v.to(self.dtype)
-        self.k_buffer[layer].index_copy_(0, loc, k)
-        self.v_buffer[layer].index_copy_(0, loc, v)
+        self.k_layers[layer].index_copy_(0, loc, k)
+        self.v_layers[layer].index_copy_(0, loc, v)
 
     @property
     def nbytes(self) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -24,7 +24,8 @@ class TorchAttentionMetadata(AttentionMetadata):
     - ``max_qo_len`` / ``max_kv_len``: padded query / key lengths.
     - ``q_dst`` ``[T]`` int64: row of each packed query in the padded ``[B * max_qo_len]`` layout.
     - ``kv_gather`` ``[B, max_kv_len]`` int64: slot of each padded key (padding reads a valid
-      slot of the batch and is masked out).
+      slot of the batch and is masked out); ``kv_flat`` (derived, not an argument) the same
+      ``[B * max_kv_len]``, a view when ``kv_gather`` is contiguous (in-place updates show).
     - ``mask`` ``[B, 1, max_qo_len, max_kv_len]`` bool: True where a query may attend; None
       on the CPU when every query may attend to every key (one query per request, no padded
       keys: a draft step at batch size 1 or of equal lengths), where SDPA's result is the
@@ -41,6 +42,10 @@ class TorchAttentionMetadata(AttentionMetadata):
     kv_gather: torch.Tensor
     mask: torch.Tensor | None
     dense: bool = False
+    kv_flat: torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.kv_flat = self.kv_gather.reshape(-1)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -118,9 +123,13 @@ class TorchAttentionBackend(AttentionBackend):
         b, max_q = meta.batch_size, meta.max_qo_len
         qp = q if meta.dense else q.new_zeros(b * max_q, h, d).index_copy_(0, meta.q_dst, q)
         qp = qp.view(b, max_q, h, d).transpose(1, 2)  # [B, H, max_q, D]
-        k = kv_pool.k_buffer[layer_id][meta.kv_gather].transpose(1, 2)  # [B, kvh, max_kv, D]
-        v = kv_pool.v_buffer[layer_id][meta.kv_gather].transpose(1, 2)
-        rep = h // k.shape[1]
+        # K/V rows of every padded key: index_select over the flat key table (the same rows as
+        # indexing with kv_gather; a plain row gather, 2-3x faster here than advanced indexing)
+        kvh = kv_pool.num_kv_heads
+        shape = (b, meta.max_kv_len, kvh, d)
+        k = kv_pool.k_layers[layer_id].index_select(0, meta.kv_flat).view(shape).transpose(1, 2)
+        v = kv_pool.v_layers[layer_id].index_select(0, meta.kv_flat).view(shape).transpose(1, 2)
+        rep = h // kvh
         # GQA: on the CPU, SDPA maps the query heads to their K/V head itself (the same
         # values, without copying K/V rep times); elsewhere the heads are repeated, as the
         # GPU kernels that take a mask do not all take enable_gqa
