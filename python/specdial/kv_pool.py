@@ -16,10 +16,8 @@ class KVPool:
     ``k_buffer`` / ``v_buffer``: ``[num_layers, num_slots + 1, num_kv_heads, head_dim]`` of
     ``dtype`` on ``device``, zero-initialised. Slot ``num_slots`` (:attr:`pad_slot`) is a
     sentinel: padded tokens (e.g. in CUDA-graph batches) write there and no attention read
-    ever uses it. ``k_layers`` / ``v_layers``: the per-layer views ``k_buffer[l]`` /
-    ``v_buffer[l]`` ``[num_slots + 1, num_kv_heads, head_dim]``, made once (indexing the
-    buffer per layer call is a torch op each time); they stay valid as long as the buffers
-    are modified in place, never reassigned.
+    ever uses it. The buffers are modified in place, never reassigned (:meth:`layer` keeps
+    views of them).
 
     Raises ``ValueError`` for non-positive sizes.
     """
@@ -46,8 +44,8 @@ class KVPool:
         shape = (num_layers, num_slots + 1, num_kv_heads, head_dim)
         self.k_buffer = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v_buffer = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.k_layers = self.k_buffer.unbind(0)
-        self.v_layers = self.v_buffer.unbind(0)
+        # per-layer views for :meth:`layer` (used where gradients are disabled)
+        self._layers = [(self.k_buffer[i], self.v_buffer[i]) for i in range(num_layers)]
 
     @property
     def pad_slot(self) -> int:
@@ -63,8 +61,18 @@ class KVPool:
         """
         if k.dtype != self.dtype or v.dtype != self.dtype:  # (a same-dtype cast: a dispatched no-op)
             k, v = k.to(self.dtype), v.to(self.dtype)
-        self.k_layers[layer].index_copy_(0, loc, k)
-        self.v_layers[layer].index_copy_(0, loc, v)
+        kb, vb = self.layer(layer)
+        kb.index_copy_(0, loc, k)
+        vb.index_copy_(0, loc, v)
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k_buffer[layer], v_buffer[layer])`` ``[num_slots + 1, num_kv_heads, head_dim]``:
+        views made once, at construction (a select per call is a dispatched op, 4 per decoder
+        layer); fresh views where gradients are enabled (autograd tracks in-place writes
+        through a view made after the previous write only)."""
+        if torch.is_grad_enabled():
+            return self.k_buffer[layer], self.v_buffer[layer]
+        return self._layers[layer]
 
     @property
     def nbytes(self) -> int:

@@ -127,8 +127,9 @@ class TorchAttentionBackend(AttentionBackend):
         # indexing with kv_gather; a plain row gather, 2-3x faster here than advanced indexing)
         kvh = kv_pool.num_kv_heads
         shape = (b, meta.max_kv_len, kvh, d)
-        k = kv_pool.k_layers[layer_id].index_select(0, meta.kv_flat).view(shape).transpose(1, 2)
-        v = kv_pool.v_layers[layer_id].index_select(0, meta.kv_flat).view(shape).transpose(1, 2)
+        kb, vb = kv_pool.layer(layer_id)
+        k = kb.index_select(0, meta.kv_flat).view(shape).transpose(1, 2)  # [B, kvh, max_kv, D]
+        v = vb.index_select(0, meta.kv_flat).view(shape).transpose(1, 2)
         rep = h // kvh
         # GQA: on the CPU, SDPA maps the query heads to their K/V head itself (the same
         # values, without copying K/V rep times); elsewhere the heads are repeated, as the
