@@ -1,11 +1,12 @@
 """Torch ops and CPU time of one model forward at batch size 1 (issue 29: per-op cost).
 
     .venv/bin/python benches/forward_ops.py [--context 256] [--calls 40] [--rounds 7]
-        [--layer-ops] [--json]
+        [--layer-ops] [--scattered] [--json]
     .venv/bin/python benches/forward_ops.py --base /path/to/base/python [--rounds 7] [--json]
 
 On the built-in models (float32, one torch thread, the torch attention backend on the CPU),
-after a prefill of ``--context`` tokens, each case runs one forward of one request:
+after a prefill of ``--context`` tokens, each case runs one forward of one request (its KV
+slots consecutive, as the page pool hands them to a lone request, or ``--scattered``):
 
 - ``target_decode`` / ``target_verify4``: the target over 1 / 4 new tokens (a plain decode,
   a chain-3 verify);
@@ -22,7 +23,8 @@ calls. ``--layer-ops`` also prints the ops of one target decoder layer's forward
 
 ``--base``: the A/B. Each of ``--rounds`` rounds runs this script in a fresh process once per
 side, order alternating, with ``PYTHONPATH`` at ``--base`` (another copy of the ``specdial``
-package, its compiled ``_core`` included) or at this checkout's ``python/``; reported per
+package, its compiled ``_core`` included) or at ``--new`` (default: this checkout's
+``python/``); reported per
 case: both sides' ops, the median µs per forward and the median of the paired new/base
 ratios. Speed is never asserted; the load average is printed beside it.
 """
@@ -43,8 +45,10 @@ CASES = ("target_decode", "target_verify4", "target_verify4_logits", "draft_deco
          "draft_decode_logits", "draft_verify4", "eagle_decode")
 
 
-def _setup(context: int):
-    """The models, KV pools and one forward closure per case."""
+def _setup(context: int, scattered: bool = False):
+    """The models, KV pools and one forward closure per case. ``scattered``: the request's
+    KV slots in a random order (else ``0..n - 1``, what the page pool hands out to a lone
+    request)."""
     import torch
 
     from specdial.attention.torch_backend import TorchAttentionBackend
@@ -63,18 +67,17 @@ def _setup(context: int):
     pools = {m: m.make_kv_pool(slots) for m in (target, draft, eagle)}
     vocab = target.config.vocab_size
     ids = torch.randint(0, vocab, (context + 4,))
+    slot = torch.randperm(slots) if scattered else torch.arange(slots)
 
     def batch(n_new: int) -> ForwardBatch:
         kv_len = context + n_new
         pos = torch.arange(context, kv_len)
-        meta = backend.plan(torch.tensor([n_new]), torch.tensor([kv_len]),
-                            torch.arange(kv_len))
-        return ForwardBatch(ids[context:kv_len], pos, pos.clone(), meta)
+        meta = backend.plan(torch.tensor([n_new]), torch.tensor([kv_len]), slot[:kv_len])
+        return ForwardBatch(ids[context:kv_len], pos, slot[context:kv_len], meta)
 
     with torch.inference_mode():
-        meta = backend.plan(torch.tensor([context]), torch.tensor([context]),
-                            torch.arange(context))
-        full = ForwardBatch(ids[:context], torch.arange(context), torch.arange(context), meta)
+        meta = backend.plan(torch.tensor([context]), torch.tensor([context]), slot[:context])
+        full = ForwardBatch(ids[:context], torch.arange(context), slot[:context], meta)
         hidden = target(full, pools[target], backend)
         draft(full, pools[draft], backend)
         eagle(full, pools[eagle], backend, hidden_states=hidden)
@@ -129,7 +132,7 @@ def child(args: argparse.Namespace) -> dict:
     """This process's figures (module docstring)."""
     import torch
 
-    cases, target, pool, backend, b1 = _setup(args.context)
+    cases, target, pool, backend, b1 = _setup(args.context, args.scattered)
     out: dict = {"ops": {}, "top_ops": {}, "us": {}}
     with torch.inference_mode():
         for fn in cases.values():  # warm-up
@@ -153,13 +156,14 @@ def child(args: argparse.Namespace) -> dict:
 
 def ab(args: argparse.Namespace) -> dict:
     """Alternating fresh-process rounds of both sides (module docstring)."""
-    sides = {"base": args.base, "new": str(ROOT / "python")}
+    sides = {"base": args.base, "new": args.new or str(ROOT / "python")}
     runs: dict[str, list[dict]] = {s: [] for s in sides}
     load = os.getloadavg()
     for r in range(args.rounds):
         for side in (("base", "new") if r % 2 == 0 else ("new", "base")):
             cmd = [sys.executable, __file__, "--json", "--rounds", "3", "--calls",
                    str(args.calls), "--context", str(args.context)]
+            cmd += ["--scattered"] if args.scattered else []
             proc = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=sides[side]),
                                   capture_output=True, text=True, check=True)
             runs[side].append(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -183,7 +187,11 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=40)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--layer-ops", action="store_true")
+    p.add_argument("--scattered", action="store_true",
+                   help="the request's KV slots in a random order (default: consecutive)")
     p.add_argument("--base", help="directory holding the base specdial package (A/B mode)")
+    p.add_argument("--new", help="the new side's package directory (default: this checkout's "
+                                 "python/)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     if args.base is not None:

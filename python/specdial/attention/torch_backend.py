@@ -34,6 +34,11 @@ class TorchAttentionMetadata(AttentionMetadata):
       step, ``steps + 1`` per verify), so ``q_dst`` is ``arange(T)`` and the padded layout is
       the packed one: the forward skips the scatter into it and the gather back (the same
       values; a per-layer cost that does not shrink with the batch).
+    - ``kv_run``: ``(first, stop)`` when the padded key table is the consecutive slots
+      ``first..stop - 1`` (no padded keys; at batch size 1 the usual case, the page pool
+      handing out pages in order): the forward reads K/V as a slice of the pool, a view,
+      instead of gathering a copy of every key per layer; None otherwise (and under CUDA
+      graphs, whose tables change in place).
     """
 
     max_qo_len: int
@@ -42,6 +47,7 @@ class TorchAttentionMetadata(AttentionMetadata):
     kv_gather: torch.Tensor
     mask: torch.Tensor | None
     dense: bool = False
+    kv_run: tuple[int, int] | None = None
     kv_flat: torch.Tensor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -94,6 +100,12 @@ class TorchAttentionBackend(AttentionBackend):
             flat = torch.from_numpy(np.where(kv_valid, kv_indptr[:-1, None] + j[None, :], 0))
             kv_gather = kv_indices[flat.to(dev)] if kv_indices.numel() else flat.to(dev)
 
+        kv_run = None
+        if same_kv and dev.type == "cpu" and kv_indices.numel():  # one run of slots?
+            idx = kv_indices.numpy()
+            if int(idx[-1]) - int(idx[0]) == idx.size - 1 and bool((np.diff(idx) == 1).all()):
+                kv_run = (int(idx[0]), int(idx[-1]) + 1)
+
         mask: torch.Tensor | None = None
         if tree_mask is None:
             # one query per request, no padded keys: every query sees every key, and on the
@@ -112,7 +124,7 @@ class TorchAttentionBackend(AttentionBackend):
             kv_indptr=torch.from_numpy(kv_indptr).to(dev),
             max_qo_len=max_q, max_kv_len=max_kv, q_dst=torch.from_numpy(q_dst).to(dev),
             kv_gather=kv_gather, mask=None if mask is None else mask[:, None].to(dev),
-            dense=dense,
+            dense=dense, kv_run=kv_run,
         )
 
     def forward(self, q: torch.Tensor, layer_id: int, kv_pool: KVPool,
@@ -128,8 +140,14 @@ class TorchAttentionBackend(AttentionBackend):
         kvh = kv_pool.num_kv_heads
         shape = (b, meta.max_kv_len, kvh, d)
         kb, vb = kv_pool.layer(layer_id)
-        k = kb.index_select(0, meta.kv_flat).view(shape).transpose(1, 2)  # [B, kvh, max_kv, D]
-        v = vb.index_select(0, meta.kv_flat).view(shape).transpose(1, 2)
+        # consecutive slots: a view of the pool, no copy (not where gradients are enabled:
+        # autograd would see later layers' KV writes change what this layer saved)
+        if meta.kv_run is not None and not torch.is_grad_enabled():
+            kb, vb = kb[meta.kv_run[0]:meta.kv_run[1]], vb[meta.kv_run[0]:meta.kv_run[1]]
+        else:
+            kb, vb = kb.index_select(0, meta.kv_flat), vb.index_select(0, meta.kv_flat)
+        k = kb.view(shape).transpose(1, 2)  # [B, kvh, max_kv, D]
+        v = vb.view(shape).transpose(1, 2)
         rep = h // kvh
         # GQA: on the CPU, SDPA maps the query heads to their K/V head itself (the same
         # values, without copying K/V rep times); elsewhere the heads are repeated, as the
