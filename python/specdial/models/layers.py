@@ -112,9 +112,10 @@ def fuse_linears_(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Ten
     ``requires_grad`` kept: names, shapes, ``state_dict``, ``load_state_dict`` and in-place
     edits work as before and change the fused tensors too. Replacing a Parameter (or a
     module) breaks that link: call the owner's ``fuse_()`` again (the loaders do, through
-    :func:`refuse_`). Why transposed: this CPU's GEMM is faster on ``x @ wt`` than on
+    :func:`refuse_`). Why transposed: this CPU's GEMM (MKL) is faster on ``x @ wt`` than on
     ``x @ w.T`` (``F.linear``) over the same values: 190 -> 131 µs per decoder layer's four
-    projections at 4 tokens, 358 -> 219 at 16 (``benches/forward_ops.py``, BENCHMARKS). Raises
+    projections at 4 tokens, 358 -> 219 at 16 (BENCHMARKS, issue 29's per-op section; cuBLAS
+    takes either layout). Raises
     ``ValueError`` when the modules differ in ``in_features`` or only some have a bias.
     """
     if len({m.in_features for m in linears}) != 1:
@@ -163,7 +164,7 @@ class Fused(nn.Module):
     (re)builds the fused storage; it runs at construction and after every ``.to()`` / dtype /
     device move (which copies each parameter separately)."""
 
-    def fuse_(self) -> None:  # pragma: no cover - overridden
+    def fuse_(self) -> None:
         raise NotImplementedError
 
     def _apply(self, fn, recurse=True):
@@ -195,8 +196,9 @@ class MLP(Fused):
 
     def fuse_(self) -> None:
         """``gate_up_t`` ``[hidden, 2 * inter]`` (this rank's ``inter``), ``gate_up_bias``;
-        ``down_proj``'s weight stored transposed too (its module still runs it: under tensor
-        parallelism it all-reduces)."""
+        ``down_t``: ``down_proj``'s weight, stored transposed too, run directly when the
+        module is a plain ``nn.Linear`` without bias (else None: the module runs, e.g. a
+        row-parallel one, which all-reduces)."""
         self.gate_up_t, self.gate_up_bias = fuse_linears_((self.gate_proj, self.up_proj))
         self.inter = self.gate_proj.out_features
         self.down_t = _direct_t(self.down_proj)
@@ -237,8 +239,9 @@ class Attention(Fused):
 
     def fuse_(self) -> None:
         """``qkv_t`` ``[in, (heads + 2 * kv_heads) * head_dim]`` (this rank's heads),
-        ``qkv_bias``; ``kv_t`` / ``kv_bias`` its k/v columns (views); ``o_proj``'s weight
-        stored transposed too (its module still runs it: under tensor parallelism it
+        ``qkv_bias``; ``kv_t`` / ``kv_bias`` its k/v columns (views); ``o_t``: ``o_proj``'s
+        weight, stored transposed too, run directly when the module is a plain ``nn.Linear``
+        without bias (else None: the module runs, e.g. a row-parallel one, which
         all-reduces). Call it after replacing ``q/k/v/o_proj`` or their parameters."""
         self.qkv_t, self.qkv_bias = fuse_linears_((self.q_proj, self.k_proj, self.v_proj))
         q = self.q_proj.out_features
