@@ -6,6 +6,7 @@ in-place edits, ``load_state_dict``), the forward must compute what the separate
 compute, and gradients (training the built-in models) must reach the modules.
 """
 
+import copy
 import json
 
 import pytest
@@ -84,6 +85,12 @@ def test_fused_storage_follows_the_parameters(tmp_path):
     other.load_state_dict(model.state_dict())  # copies in place
     assert_fused(other)
     assert torch.equal(_forward(other, [1, 2, 3])[0], _forward(model, [1, 2, 3])[0])
+    copied = copy.deepcopy(model)  # clones each parameter: fuse_ runs again
+    assert_fused(copied)
+    with torch.no_grad():
+        for p in copied.parameters():
+            p.add_(0.5)
+    assert_fused(copied)
     double = _model().to(torch.float64)  # a move copies each parameter: fuse_ runs again
     assert_fused(double)
     assert double.layers[0].self_attn.qkv_t.dtype == torch.float64

@@ -161,8 +161,9 @@ def _direct_t(module: nn.Linear) -> torch.Tensor | None:
 
 class Fused(nn.Module):
     """Base of the modules whose projections are fused (:func:`fuse_linears_`): ``fuse_()``
-    (re)builds the fused storage; it runs at construction and after every ``.to()`` / dtype /
-    device move (which copies each parameter separately)."""
+    (re)builds the fused storage; it runs at construction, after every ``.to()`` / dtype /
+    device move and after ``copy.deepcopy`` / unpickling (each copies every parameter
+    separately)."""
 
     def fuse_(self) -> None:
         raise NotImplementedError
@@ -171,6 +172,11 @@ class Fused(nn.Module):
         super()._apply(fn, recurse)
         self.fuse_()
         return self
+
+    def __setstate__(self, state) -> None:
+        # copy.deepcopy and unpickling clone each Parameter on its own: fuse the copies again
+        super().__setstate__(state)
+        self.fuse_()
 
 
 def refuse_(model: nn.Module) -> nn.Module:
