@@ -77,3 +77,32 @@ def test_plan_rejects_bad_lengths():
         backend.plan(torch.tensor([1]), torch.tensor([2]), torch.arange(3))
     meta = AttentionMetadata.from_lens(torch.tensor([1, 2]), torch.tensor([4, 2]), torch.arange(6))
     assert meta.kv_indptr.tolist() == [0, 4, 6] and meta.batch_size == 2
+
+
+@pytest.mark.parametrize("qo", [1, 4])
+def test_consecutive_slots_read_a_view_of_the_pool(qo):
+    """A key table of consecutive slots (a lone request, as the page pool hands them out)
+    reads K/V as a slice of the pool: the same output, bit for bit, as the gather."""
+    torch.manual_seed(1)
+    pool = KVPool(2, 64, 2, 16)
+    pool.k_buffer.normal_()
+    pool.v_buffer.normal_()
+    backend = TorchAttentionBackend()
+    q = torch.randn(qo, 8, 16)
+    meta = backend.plan(torch.tensor([qo]), torch.tensor([9]), torch.arange(10, 19))
+    assert meta.kv_run == (10, 19)
+    gather = dataclasses.replace(meta, kv_run=None)
+    for layer in range(2):
+        out = backend.forward(q, layer, pool, meta, 0.25)
+        assert torch.equal(out, backend.forward(q, layer, pool, gather, 0.25))
+        ref = _reference(q, pool, layer, torch.tensor([qo]), torch.tensor([9]),
+                         torch.arange(10, 19), 0.25)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    two = torch.tensor([2, 2])
+    assert backend.plan(two, two, torch.arange(4)).kv_run == (0, 4)  # adjacent equal runs
+    assert backend.plan(torch.tensor([1, 1]), torch.tensor([1, 3]),
+                        torch.arange(4)).kv_run is None  # padded keys
+    assert backend.plan(torch.tensor([1]), torch.tensor([3]),
+                        torch.tensor([0, 2, 1])).kv_run is None  # not in order
+    assert backend.plan(torch.tensor([1]), torch.tensor([3]),
+                        torch.tensor([0, 1, 3])).kv_run is None  # a gap

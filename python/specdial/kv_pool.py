@@ -16,7 +16,8 @@ class KVPool:
     ``k_buffer`` / ``v_buffer``: ``[num_layers, num_slots + 1, num_kv_heads, head_dim]`` of
     ``dtype`` on ``device``, zero-initialised. Slot ``num_slots`` (:attr:`pad_slot`) is a
     sentinel: padded tokens (e.g. in CUDA-graph batches) write there and no attention read
-    ever uses it.
+    ever uses it. The buffers are modified in place, never reassigned (:meth:`layer` keeps
+    views of them).
 
     Raises ``ValueError`` for non-positive sizes.
     """
@@ -43,6 +44,8 @@ class KVPool:
         shape = (num_layers, num_slots + 1, num_kv_heads, head_dim)
         self.k_buffer = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v_buffer = torch.zeros(shape, dtype=dtype, device=self.device)
+        # per-layer views for :meth:`layer` (used where gradients are disabled)
+        self._layers = [(self.k_buffer[i], self.v_buffer[i]) for i in range(num_layers)]
 
     @property
     def pad_slot(self) -> int:
@@ -58,8 +61,18 @@ class KVPool:
         """
         if k.dtype != self.dtype or v.dtype != self.dtype:  # (a same-dtype cast: a dispatched no-op)
             k, v = k.to(self.dtype), v.to(self.dtype)
-        self.k_buffer[layer].index_copy_(0, loc, k)
-        self.v_buffer[layer].index_copy_(0, loc, v)
+        kb, vb = self.layer(layer)
+        kb.index_copy_(0, loc, k)
+        vb.index_copy_(0, loc, v)
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k_buffer[layer], v_buffer[layer])`` ``[num_slots + 1, num_kv_heads, head_dim]``:
+        views made once, at construction (a select per call is a dispatched op, 4 per decoder
+        layer); fresh views where gradients are enabled (autograd tracks in-place writes
+        through a view made after the previous write only)."""
+        if torch.is_grad_enabled():
+            return self.k_buffer[layer], self.v_buffer[layer]
+        return self._layers[layer]
 
     @property
     def nbytes(self) -> int:

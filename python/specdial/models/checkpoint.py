@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from specdial.models.layers import refuse_
 from specdial.models.tensor_parallel import param_shard, read_shard
 
 __all__ = ["assign_weights", "build_on_meta", "checkpoint_index", "read_config", "read_tensor",
@@ -110,6 +111,7 @@ def assign_weights(model: nn.Module, files: dict[str, Path], names: dict[str, st
                           else read_shard(f, present[param], shard)).to(device=device, dtype=dtype)
                 owner, _, attr = param.rpartition(".")
                 setattr(model.get_submodule(owner), attr, nn.Parameter(tensor, requires_grad=False))
+    refuse_(model)
 
 
 def read_tensor(files: dict[str, Path], name: str) -> torch.Tensor:

@@ -126,8 +126,8 @@ class Eagle3DecoderLayer(nn.Module):
                 backend: AttentionBackend) -> torch.Tensor:
         """``embeds``, ``hidden`` ``[T, H]`` -> output before the final norm ``[T, H]``."""
         x, residual = self._inputs(embeds, hidden)
-        r = residual + self.self_attn(x, cos, sin, batch, kv, backend)
-        return r + self.mlp(self.post_attention_layernorm(r))
+        r = self.self_attn(x, cos, sin, batch, kv, backend, residual)
+        return self.mlp(self.post_attention_layernorm(r), r)
 
     def write_kv_only(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor, batch: ForwardBatch, kv: KVPool) -> None:

@@ -3,11 +3,20 @@
 Numerics follow transformers' Llama/Qwen2 exactly: RMSNorm in float32 then cast back and
 scaled, rotary embedding with the ``rotate_half`` convention (cos/sin computed in float32,
 cast to the activation dtype), SwiGLU MLP, GQA attention with optional biases.
+
+Fused projections (issue 29: on a small model every torch op costs a few µs, whatever its
+size): ``q/k/v_proj`` run as one matmul, ``gate/up_proj`` as one, over weights stored once,
+concatenated and transposed (``[in, out]`` contiguous, see :func:`fuse_linears_`). The modules
+keep transformers' names and parameters (checkpoints, ``state_dict``, tensor-parallel shards):
+their weights are views of the fused storage. Where gradients are enabled (training the
+built-in models) the forward calls the separate modules instead, so gradients reach them (and
+so does :class:`MLP` for inputs with more than one leading dimension).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +38,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        if dtype == torch.float32:  # no casts (each a dispatched no-op, per layer)
-            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        if dtype == torch.float32:  # one call: torch's rms_norm, the same formula in float32
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
@@ -93,8 +102,95 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, rot_sin: torch.Tensor) -> t
     return x * cos + x.roll(x.shape[-1] // 2, -1) * rot_sin
 
 
-class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+def fuse_linears_(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Store ``linears`` (same ``in_features``, on one device) as one transposed weight.
+
+    Returns ``(wt, bias)``: ``wt`` ``[in, sum(out)]`` contiguous, the modules' output features
+    side by side in the order given, so ``x @ wt`` (``x`` ``[T, in]``) is ``cat([l(x) for l in
+    linears], -1)`` up to float rounding; ``bias`` ``[sum(out)]`` or None. Each module's
+    ``weight`` (and ``bias``) becomes a Parameter *viewing* its columns (entries), its
+    ``requires_grad`` kept: names, shapes, ``state_dict``, ``load_state_dict`` and in-place
+    edits work as before and change the fused tensors too. Replacing a Parameter (or a
+    module) breaks that link: call the owner's ``fuse_()`` again (the loaders do, through
+    :func:`refuse_`). Why transposed: this CPU's GEMM (MKL) is faster on ``x @ wt`` than on
+    ``x @ w.T`` (``F.linear``) over the same values: 190 -> 131 µs per decoder layer's four
+    projections at 4 tokens, 358 -> 219 at 16 (BENCHMARKS, issue 29's per-op section; cuBLAS
+    takes either layout). Raises
+    ``ValueError`` when the modules differ in ``in_features`` or only some have a bias.
+    """
+    if len({m.in_features for m in linears}) != 1:
+        raise ValueError(f"fused linears need one in_features, got {[m.in_features for m in linears]}")
+    if len({m.bias is None for m in linears}) != 1:
+        raise ValueError("fused linears must all have a bias or all have none")
+    with torch.no_grad():
+        wt = torch.cat([m.weight for m in linears], 0).t().contiguous()
+        bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
+        start = 0
+        for m in linears:
+            stop = start + m.out_features
+            m.weight = nn.Parameter(wt[:, start:stop].t(), requires_grad=m.weight.requires_grad)
+            if bias is not None:
+                m.bias = nn.Parameter(bias[start:stop], requires_grad=m.bias.requires_grad)
+            start = stop
+    return wt, bias
+
+
+def _mm(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x`` ``[T, in]`` @ ``wt`` ``[in, out]`` (+ ``bias``): one op."""
+    return torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
+
+
+def _out_proj(h: torch.Tensor, module: nn.Linear, wt: torch.Tensor | None,
+              residual: torch.Tensor | None) -> torch.Tensor:
+    """``residual + module(h)`` (``module(h)`` without a residual). ``wt``: the module's
+    transposed weight when it is a plain ``nn.Linear`` without bias, run as one op
+    (``addmm`` adds the residual); None for other modules (a row-parallel one all-reduces
+    before its bias and the residual), which are called."""
+    if wt is not None:
+        return torch.mm(h, wt) if residual is None else torch.addmm(residual, h, wt)
+    y = module(h)
+    return y if residual is None else residual + y
+
+
+def _direct_t(module: nn.Linear) -> torch.Tensor | None:
+    """``module``'s weight stored transposed (:func:`fuse_linears_`); returned when the module
+    is a plain ``nn.Linear`` without bias (:func:`_out_proj` runs it as one op), else None."""
+    wt, bias = fuse_linears_((module,))
+    return wt if type(module) is nn.Linear and bias is None else None
+
+
+class Fused(nn.Module):
+    """Base of the modules whose projections are fused (:func:`fuse_linears_`): ``fuse_()``
+    (re)builds the fused storage; it runs at construction, after every ``.to()`` / dtype /
+    device move and after ``copy.deepcopy`` / unpickling (each copies every parameter
+    separately)."""
+
+    def fuse_(self) -> None:
+        raise NotImplementedError
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.fuse_()
+        return self
+
+    def __setstate__(self, state) -> None:
+        # copy.deepcopy and unpickling clone each Parameter on its own: fuse the copies again
+        super().__setstate__(state)
+        self.fuse_()
+
+
+def refuse_(model: nn.Module) -> nn.Module:
+    """Rebuild the fused storage of every :class:`Fused` module in ``model`` from its current
+    parameters (after parameters or modules were replaced: loading, tensor-parallel
+    sharding); returns ``model``."""
+    for m in model.modules():
+        if isinstance(m, Fused):
+            m.fuse_()
+    return model
+
+
+class MLP(Fused):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``; gate and up as one matmul (module docstring)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -102,17 +198,34 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
+        self.fuse_()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def fuse_(self) -> None:
+        """``gate_up_t`` ``[hidden, 2 * inter]`` (this rank's ``inter``), ``gate_up_bias``;
+        ``down_t``: ``down_proj``'s weight, stored transposed too, run directly when the
+        module is a plain ``nn.Linear`` without bias (else None: the module runs, e.g. a
+        row-parallel one, which all-reduces)."""
+        self.gate_up_t, self.gate_up_bias = fuse_linears_((self.gate_proj, self.up_proj))
+        self.inter = self.gate_proj.out_features
+        self.down_t = _direct_t(self.down_proj)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` ``[T, hidden]`` (any leading dims where gradients are enabled) -> same shape;
+        ``residual`` (same shape) is added to the output (by the down projection's GEMM)."""
+        if torch.is_grad_enabled() or x.dim() != 2:  # training (gradients reach the modules)
+            y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return y if residual is None else residual + y
+        gu = _mm(x, self.gate_up_t, self.gate_up_bias)
+        h = F.silu(gu[:, :self.inter]) * gu[:, self.inter:]
+        return _out_proj(h, self.down_proj, self.down_t, residual)
 
 
-class Attention(nn.Module):
+class Attention(Fused):
     """GQA self-attention writing K/V for the new tokens to the pool, then reading it back.
 
     ``input_size``: width of the q/k/v projections' input (default ``hidden_size``; an EAGLE-3
     midlayer reads ``cat(embeds, hidden)``, ``2 * hidden_size``). The output is
-    ``hidden_size`` wide either way.
+    ``hidden_size`` wide either way. q, k and v run as one matmul (module docstring).
     """
 
     def __init__(self, config: ModelConfig, layer_id: int, input_size: int | None = None) -> None:
@@ -128,25 +241,52 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(i, self.num_kv_heads * d, bias=config.qkv_bias)
         self.v_proj = nn.Linear(i, self.num_kv_heads * d, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.o_bias)
+        self.fuse_()
+
+    def fuse_(self) -> None:
+        """``qkv_t`` ``[in, (heads + 2 * kv_heads) * head_dim]`` (this rank's heads),
+        ``qkv_bias``; ``kv_t`` / ``kv_bias`` its k/v columns (views); ``o_t``: ``o_proj``'s
+        weight, stored transposed too, run directly when the module is a plain ``nn.Linear``
+        without bias (else None: the module runs, e.g. a row-parallel one, which
+        all-reduces). Call it after replacing ``q/k/v/o_proj`` or their parameters."""
+        self.qkv_t, self.qkv_bias = fuse_linears_((self.q_proj, self.k_proj, self.v_proj))
+        q = self.q_proj.out_features
+        self.kv_t = self.qkv_t[:, q:]
+        self.kv_bias = None if self.qkv_bias is None else self.qkv_bias[q:]
+        self.o_t = _direct_t(self.o_proj)
+
+    def _kv(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[T, in]`` -> ``[T, 2 * kv_heads, head_dim]``: k (unrotated), then v."""
+        if torch.is_grad_enabled():
+            kv = torch.cat([self.k_proj(x), self.v_proj(x)], -1)
+        else:
+            kv = _mm(x, self.kv_t, self.kv_bias)
+        return kv.view(x.shape[0], 2 * self.num_kv_heads, self.head_dim)
 
     def write_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  batch: ForwardBatch, kv: KVPool) -> None:
         """Project, rotate and store K/V of ``x`` ``[T, hidden]`` at ``batch.out_loc``."""
-        t = x.shape[0]
-        k = apply_rotary(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        kv.write(self.layer_id, batch.out_loc, k, v)
+        kvh = self.num_kv_heads
+        k_v = self._kv(x)
+        kv.write(self.layer_id, batch.out_loc, apply_rotary(k_v[:, :kvh], cos, sin), k_v[:, kvh:])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                batch: ForwardBatch, kv: KVPool, backend: AttentionBackend) -> torch.Tensor:
-        t, h = x.shape[0], self.num_heads
-        q = self.q_proj(x).view(t, h, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        qk = apply_rotary(torch.cat([q, k], 1), cos, sin)  # one rotation for q and k
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        kv.write(self.layer_id, batch.out_loc, qk[:, h:], v)
+                batch: ForwardBatch, kv: KVPool, backend: AttentionBackend,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` ``[T, in]`` -> ``[T, hidden]`` (plus ``residual`` ``[T, hidden]`` if given,
+        added by o_proj's GEMM); writes this layer's K/V at ``batch.out_loc``."""
+        t, h, kvh = x.shape[0], self.num_heads, self.num_kv_heads
+        grad = torch.is_grad_enabled()
+        if grad:  # training: gradients reach q_proj, k_proj and v_proj
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+        else:
+            qkv = _mm(x, self.qkv_t, self.qkv_bias)
+        qkv = qkv.view(t, h + 2 * kvh, self.head_dim)
+        qk = apply_rotary(qkv[:, :h + kvh], cos, sin)  # one rotation for q and k
+        kv.write(self.layer_id, batch.out_loc, qk[:, h:], qkv[:, h + kvh:])
         o = backend.forward(qk[:, :h], self.layer_id, kv, batch.attn, self.scale)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        return _out_proj(o.reshape(t, h * self.head_dim), self.o_proj,
+                         None if grad else self.o_t, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -169,8 +309,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch, kv: KVPool, backend: AttentionBackend) -> torch.Tensor:
         """``x`` ``[T, hidden]`` -> ``[T, hidden]``; writes this layer's K/V."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.self_attn(self.input_layernorm(x), cos, sin, batch, kv, backend, x)
+        return self.mlp(self.post_attention_layernorm(x), x)
 
     def write_kv_only(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       batch: ForwardBatch, kv: KVPool) -> None:

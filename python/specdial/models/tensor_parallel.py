@@ -10,6 +10,9 @@ loaded) so that rank ``r`` of a :class:`~specdial.distributed.group.TensorParall
   (GQA), each rank keeps one key/value head, head ``r // (n // K)``, which serves exactly this
   rank's query heads (vLLM's ``QKVParallelLinear`` replication rule);
 - MLP: ``gate_proj`` / ``up_proj`` column-parallel, ``down_proj`` row-parallel + all-reduce;
+- fused projections (:func:`specdial.models.layers.fuse_linears_`): each rank fuses its own
+  q/k/v (gate/up) shards, so the fused matmul yields this rank's heads (intermediate
+  features) in the layout the unfused modules would;
 - the vocabulary: ``embed_tokens`` split by rows (each rank looks up the ids it holds, zeros
   elsewhere, then an all-reduce) and ``lm_head`` split by rows with the logits all-gathered,
   so every rank sees the full ``[N, vocab]`` logits (identical bits on every rank, which the
@@ -184,6 +187,7 @@ def _shard_attention(attn: Attention, tp: TensorParallel) -> None:
     attn.v_proj = ColumnParallelLinear(in_f, full_kv, k0 * d, k1 * d, qkv_bias, tp)
     attn.o_proj = RowParallelLinear(heads * d, hidden, q0, q1, o_bias, tp)
     attn.num_heads, attn.num_kv_heads = per, k1 - k0
+    attn.fuse_()  # this rank's q/k/v shards, fused (the loader fuses again once loaded)
 
 
 def _shard_mlp(mlp: MLP, tp: TensorParallel) -> None:
@@ -196,6 +200,7 @@ def _shard_mlp(mlp: MLP, tp: TensorParallel) -> None:
     mlp.gate_proj = ColumnParallelLinear(hidden, inter, i0, i1, bias, tp)
     mlp.up_proj = ColumnParallelLinear(hidden, inter, i0, i1, bias, tp)
     mlp.down_proj = RowParallelLinear(inter, hidden, i0, i1, mlp.down_proj.bias is not None, tp)
+    mlp.fuse_()  # this rank's gate/up shards, fused (the loader fuses again once loaded)
 
 
 def shard_modules_(model: nn.Module, tp: TensorParallel) -> nn.Module:
