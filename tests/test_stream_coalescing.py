@@ -159,3 +159,25 @@ def test_an_error_after_chunks_of_the_same_wake_up_comes_after_their_text():
     assert events[0]["choices"][0]["text"] == "abcd"  # written before the error
     assert "error" in events[1] and "boom" in events[1]["error"]["message"]
     assert events[-1] == "[DONE]"
+
+
+def test_generate_stream_burst_is_one_cumulative_event_per_output():
+    from specdial.engine.output import OutputAccumulator
+    from specdial.server.sglang_api import _events as generate_events  # the route's writer
+
+    engine = _Burst(["ab", "c", "de"])
+
+    async def main() -> list[str]:
+        run = Run(engine, ServerMetrics(engine), set(),
+                  [Job(i, "x", None, {"max_new_tokens": 3}, None) for i in range(2)], 0.0)
+        run.start()
+        await run.wait_started()
+        outs = [OutputAccumulator([]) for _ in range(2)]
+        return [p async for p in generate_events(run, outs, lambda i: outs[i].result())]
+
+    pieces = asyncio.run(main())
+    events = [_events(p) for p in pieces]
+    assert [[(e["text"], e["meta_info"]["finish_reason"]["type"]) for e in ev if e != "[DONE]"]
+            for ev in events] == [[("abcde", "length"), ("abcde", "length")], []]
+    assert events[-1] == ["[DONE]"]
+
