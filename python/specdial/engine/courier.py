@@ -8,9 +8,9 @@ request per iteration is a per-token cost that does not shrink with the batch (i
 
 A :class:`Courier` (one per event loop, :func:`courier_for`) batches that work the way vLLM's
 ``RequestOutputCollector`` and its output handler do: the engine thread appends a request's
-items to its :class:`Box` under the courier's lock and marks the box due; only the first item
-since the event loop last ran the courier schedules a wake (one ``call_soon_threadsafe`` per
-event loop per burst, not per request). The wake resolves the waiter of each due box; a
+items to its :class:`Box` under the courier's lock and marks the box due; the engine loop
+delivers an iteration's items inside :func:`burst`, at whose end each event loop delivered to
+gets one wake (one ``call_soon_threadsafe`` per event loop per iteration, not per request). The wake resolves the waiter of each due box; a
 consumer (:meth:`Courier.take`) then gets **every item that arrived since its last take, in
 order, as one list**, so a consumer that fell behind catches up in one step (one event-loop
 wake and, in the HTTP server, one write per request; :func:`specdial.server.runs.Run.batches`)
@@ -23,13 +23,16 @@ from __future__ import annotations
 import asyncio
 import threading
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["Box", "Courier", "courier_for"]
+__all__ = ["Box", "Courier", "burst", "courier_for"]
 
 _couriers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Courier] = \
     weakref.WeakKeyDictionary()
 _couriers_lock = threading.Lock()
+_local = threading.local()  # .held: the couriers delivered to in this thread's burst
 
 
 class Box:
@@ -55,12 +58,25 @@ class Courier:
         self._scheduled = False
 
     def deliver(self, box: Box, items: list[Any]) -> bool:
-        """Append ``items`` to ``box`` and wake its consumer (the first delivery since the
-        loop last ran the courier schedules one wake for all). Returns False when the event
-        loop is closed or gone (nobody will take them)."""
+        """Append ``items`` to ``box`` and wake its consumer: inside a :func:`burst` on this
+        thread the wake waits for the burst's end (one for all the burst's deliveries to
+        this loop), else the first delivery since the loop last ran the courier schedules it.
+        Returns False when the event loop is closed or gone (nobody will take them)."""
+        loop = self._loop()
+        if loop is None or loop.is_closed():
+            return False
         with self._lock:
             box.items.extend(items)
             self._due.append(box)
+        held = getattr(_local, "held", None)
+        if held is not None:
+            held[self] = None
+            return True
+        return self._schedule()
+
+    def _schedule(self) -> bool:
+        """Schedule one :meth:`_wake` unless one is pending; False when the loop is closed."""
+        with self._lock:
             if self._scheduled:
                 return True
             self._scheduled = True
@@ -103,6 +119,26 @@ class Courier:
                 await box.waiter
             finally:
                 box.waiter = None
+
+
+@contextmanager
+def burst() -> Iterator[None]:
+    """Hold the wakes of the deliveries this thread makes inside the block; at its end wake
+    each event loop delivered to once (the engine loop wraps its per-iteration delivery in
+    it). Without it, each wake is a system call that lets the event loop's thread take the
+    GIL and run before the next delivery, so a burst to N streams woke the loop N times.
+    Nested blocks join the outer one."""
+    if getattr(_local, "held", None) is not None:
+        yield
+        return
+    held: dict[Courier, None] = {}
+    _local.held = held
+    try:
+        yield
+    finally:
+        _local.held = None
+        for courier in held:
+            courier._schedule()
 
 
 def courier_for(loop: asyncio.AbstractEventLoop) -> Courier:
