@@ -3,7 +3,7 @@ loop: one ``call_soon_threadsafe`` per stream (before) against the Courier (one 
 Process CPU (both threads) over ITER iterations, 5 alternating rounds, medians.
 ``PYTHONPATH=python .venv/bin/python benches/results/dp_stream/courier_cost.py``"""
 import asyncio, statistics, threading, time
-from specdial.engine.courier import Box, courier_for
+from specdial.engine.courier import Box, burst, courier_for
 
 STREAMS, ITER = 8, 3000
 
@@ -34,8 +34,9 @@ async def courier() -> None:
     tasks = [asyncio.create_task(consume(b)) for b in boxes]
     def engine():
         for _ in range(ITER):
-            for b in boxes:
-                c.deliver(b, ["chunk"])
+            with burst():  # as the engine loop's _flush
+                for b in boxes:
+                    c.deliver(b, ["chunk"])
             time.sleep(0.0002)
     t = threading.Thread(target=engine); t.start()
     await asyncio.gather(*tasks); t.join()
