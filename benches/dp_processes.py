@@ -31,7 +31,15 @@ and replicas; /proc) show what the process split costs in work, which other user
 far less than it moves tokens/s; on the ``http`` path the serving process's own share (the
 router, without its replica processes; with dp 1 the whole engine) is reported too.
 
-Usage: ``nice -n 19 .venv/bin/python benches/dp_processes.py [--repeats 5] [--out r.json]``.
+``--stream`` adds, on the ``http`` path, a streamed arm of every configuration
+(``<config>:stream``: ``stream: true`` with ``stream_options.include_usage``, served by the same
+process as ``<config>``, so stream against non-stream compares within one process), the
+streamed text checked against the non-streamed (``identical``), and the output tokens per SSE
+event received (``median_tokens_per_event``: above the acceptance length when events carry
+several decode iterations' tokens).
+
+Usage: ``nice -n 19 .venv/bin/python benches/dp_processes.py [--repeats 5] [--stream]
+[--out r.json]``.
 """
 
 from __future__ import annotations
@@ -166,24 +174,50 @@ class HttpRun:
                 raise RuntimeError(f"specdial serve --dp-size {dp} did not start")
             time.sleep(1.0)
 
-    def run(self, tokens: int) -> dict:
+    def run(self, tokens: int, stream: bool = False) -> dict:
+        """One round: the requests sent at once; ``stream``: as server-sent events
+        (``stream_options.include_usage``), each response's text joined from its events and
+        its tokens read from the usage of its last event; also ``events`` (SSE events with
+        choices received, over all requests)."""
         import httpx
 
-        async def main() -> list[dict]:
+        async def one(c: httpx.AsyncClient, prompt: str) -> tuple[str, int, int]:
+            body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0,
+                    "ignore_eos": True}
+            if not stream:
+                r = (await c.post(self.url + "/v1/completions", json=body)).json()
+                return r["choices"][0]["text"], r["usage"]["completion_tokens"], 1
+            body |= {"stream": True, "stream_options": {"include_usage": True}}
+            parts, usage, events = [], None, 0
+            async with c.stream("POST", self.url + "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    ev = json.loads(line[6:])
+                    if "error" in ev:
+                        raise RuntimeError(f"stream error: {ev}")
+                    if ev.get("usage"):
+                        usage = ev["usage"]
+                    if ev["choices"]:
+                        events += 1
+                        parts.append(ev["choices"][0]["text"])
+            if usage is None:
+                raise RuntimeError("the stream carried no usage")
+            return "".join(parts), usage["completion_tokens"], events
+
+        async def main() -> list[tuple[str, int, int]]:
             async with httpx.AsyncClient(timeout=600) as c:
-                rs = await asyncio.gather(*(c.post(self.url + "/v1/completions", json={
-                    "prompt": p, "max_tokens": tokens, "temperature": 0, "ignore_eos": True})
-                    for p in _prompts(self.requests)))
-            return [r.json() for r in rs]
+                return await asyncio.gather(*(one(c, p) for p in _prompts(self.requests)))
 
         own, cpu = own_cpu_seconds(self.proc.pid), cpu_seconds(self.proc.pid)
         t0 = time.perf_counter()
         outs = asyncio.run(main())
         seconds = time.perf_counter() - t0
-        done = sum(o["usage"]["completion_tokens"] for o in outs)
-        return {"tps": done / seconds, "ids": [o["choices"][0]["text"] for o in outs],
+        done = sum(n for _, n, _ in outs)
+        return {"tps": done / seconds, "ids": [t for t, _, _ in outs],
                 "cpu_s": cpu_seconds(self.proc.pid) - cpu, "tokens": done,
-                "server_cpu_s": own_cpu_seconds(self.proc.pid) - own}
+                "server_cpu_s": own_cpu_seconds(self.proc.pid) - own,
+                "events": sum(e for _, _, e in outs)}
 
     def close(self) -> None:
         self.proc.terminate()
@@ -204,27 +238,41 @@ def measure(path: str, ns: argparse.Namespace) -> dict:
     runs = {name: cls(dp, threads, max(1, int(ns.requests * share)), ns.fixed_steps,
                       env if name.endswith("_baseline") else None)
             for name, (dp, threads, share) in configs.items()}
+    # arms: name -> (its process, streamed); --stream adds "<config>:stream" on the http path,
+    # served by the same process as "<config>", so that the two compare within one process
+    arms = {name: (r, False) for name, r in runs.items()}
+    if ns.stream and path == "http":
+        arms |= {f"{name}:stream": (r, True) for name, r in runs.items()}
     try:
-        outputs = {name: r.run(8)["ids"] for name, r in runs.items()}  # warm-up
-        tps: dict[str, list[float]] = {name: [] for name in runs}
-        cpu_ms: dict[str, list[float]] = {name: [] for name in runs}
-        server_ms: dict[str, list[float]] = {name: [] for name in runs}
-        names = list(runs)
+        outputs = {name: r.run(8, True)["ids"] if stream else r.run(8)["ids"]
+                   for name, (r, stream) in arms.items()}  # warm-up
+        tps: dict[str, list[float]] = {name: [] for name in arms}
+        cpu_ms: dict[str, list[float]] = {name: [] for name in arms}
+        server_ms: dict[str, list[float]] = {name: [] for name in arms}
+        events: dict[str, list[float]] = {name: [] for name in arms}
+        names = list(arms)
         for rep in range(ns.repeats):
             order = names[rep % len(names):] + names[:rep % len(names)]
             # odd repetitions run backwards: each configuration follows a different one in
             # turn (a rotation alone keeps the cyclic order, so one configuration would always
             # run right after the same other one, and inherit its after-effects)
             for name in order[::-1] if rep % 2 else order:
-                out = runs[name].run(ns.tokens)
+                r, stream = arms[name]
+                out = r.run(ns.tokens, True) if stream else r.run(ns.tokens)
                 tps[name].append(out["tps"])
                 cpu_ms[name].append(1000 * out["cpu_s"] / out["tokens"])
                 if "server_cpu_s" in out:
                     server_ms[name].append(1000 * out["server_cpu_s"] / out["tokens"])
+                if stream:
+                    events[name].append(out["tokens"] / out["events"])
     finally:
         for r in runs.values():
             r.close()
-    return _summary(tps, cpu_ms, server_ms, outputs)
+    summary = _summary(tps, cpu_ms, server_ms, outputs)
+    if any(events.values()):  # output tokens per SSE event with choices, per streamed arm
+        summary["median_tokens_per_event"] = {n: statistics.median(v)
+                                              for n, v in events.items() if v}
+    return summary
 
 
 def _summary(tps: dict[str, list[float]], cpu_ms: dict[str, list[float]],
@@ -240,9 +288,11 @@ def _summary(tps: dict[str, list[float]], cpu_ms: dict[str, list[float]],
         out["median_server_cpu_ms_per_token"] = {n: statistics.median(v)
                                                  for n, v in server_ms.items() if v}
         out["all_server_cpu_ms_per_token"] = server_ms
-    dp1 = [med[n] for n in ("dp1_1thread", "dp1_2threads") if n in med]
-    if dp1 and "dp2_processes" in med:
-        out["dp2_over_best_dp1"] = med["dp2_processes"] / max(dp1)
+    for tag in ("", ":stream"):  # the streamed arms' ratio too (--stream)
+        dp1 = [med[n + tag] for n in ("dp1_1thread", "dp1_2threads") if n + tag in med]
+        if dp1 and "dp2_processes" + tag in med:
+            out["dp2_over_best_dp1" + tag.replace(":", "_")] = (med["dp2_processes" + tag]
+                                                                / max(dp1))
     if "dp1_half_batch" in cpu and "dp2_processes" in cpu:
         out["split_cpu_over_half_batch"] = cpu["dp2_processes"] / cpu["dp1_half_batch"]
     return out
@@ -264,6 +314,11 @@ def main() -> None:
     p.add_argument("--configs", default=None,
                    help="comma-separated configurations to run (default: all; "
                    f"{', '.join(CONFIGS)}; dp2_baseline, dp1_baseline with --baseline)")
+    p.add_argument("--stream", action="store_true",
+                   help="on the http path, also run every configuration's requests streamed "
+                   "(stream: true, include_usage) as '<config>:stream', in the same server "
+                   "process, alternating with the others; the streamed text must equal the "
+                   "non-streamed (identical)")
     p.add_argument("--out", default=None)
     p.add_argument("--runner", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dp", type=int, default=1, help=argparse.SUPPRESS)
@@ -278,14 +333,19 @@ def main() -> None:
         result[path] = r = measure(path, ns)
         print(f"[{path}] " + "  ".join(f"{k} {v:.1f} tok/s" for k, v in r["median_tps"].items())
               + (f"  dp2/best dp1 x{r['dp2_over_best_dp1']:.2f}" if "dp2_over_best_dp1" in r
-                 else "") + f"  identical {r['identical']}"
+                 else "")
+              + (f"  streamed x{r['dp2_over_best_dp1_stream']:.2f}"
+                 if "dp2_over_best_dp1_stream" in r else "") + f"  identical {r['identical']}"
               + "\n  CPU ms per output token (all processes): " + "  ".join(
                   f"{k} {v:.2f}" for k, v in r["median_cpu_ms_per_token"].items())
               + (f"  dp2 / half batch x{r['split_cpu_over_half_batch']:.2f}"
                  if "split_cpu_over_half_batch" in r else "")
               + ("\n  of which the serving process: " + "  ".join(
-                  f"{k} {v:.2f}" for k, v in r["median_server_cpu_ms_per_token"].items())
-                 if "median_server_cpu_ms_per_token" in r else ""), flush=True)
+                  f"{k} {v:.3f}" for k, v in r["median_server_cpu_ms_per_token"].items())
+                 if "median_server_cpu_ms_per_token" in r else "")
+              + ("\n  output tokens per SSE event: " + "  ".join(
+                  f"{k} {v:.2f}" for k, v in r["median_tokens_per_event"].items())
+                 if "median_tokens_per_event" in r else ""), flush=True)
     result["load_after"] = os.getloadavg()
     print(f"load average before {result['load_before']}, after {result['load_after']}")
     if ns.out:

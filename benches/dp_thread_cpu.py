@@ -11,8 +11,10 @@ totals over all rounds divided by all their tokens. Thread names come from ``py-
 when a ``py-spy`` executable is on ``PATH`` or given by ``--py-spy``; otherwise threads are
 named by their ids. Speed is never asserted.
 
+``--stream`` streams the requests instead (``stream: true``, ``include_usage``).
+
 Usage: ``.venv/bin/python benches/dp_thread_cpu.py --dp 2 --fixed-steps 3 --repeats 6
-[--baseline DIR] [--out r.json]``.
+[--stream] [--baseline DIR] [--out r.json]``.
 """
 
 from __future__ import annotations
@@ -62,16 +64,19 @@ def thread_cpu(pid: int) -> dict[str, float]:
     return out
 
 
-def one_round(run: HttpRun, names: dict[tuple[str, str], str], tokens: int
-              ) -> tuple[dict[tuple[str, str], float], int]:
-    """CPU seconds per ``(process, thread name)`` of one round, and its output tokens."""
+def one_round(run: HttpRun, names: dict[tuple[str, str], str], tokens: int,
+              stream: bool = False) -> tuple[dict[tuple[str, str], float], int]:
+    """CPU seconds per ``(process, thread name)`` of one round, and its output tokens
+    (``stream``: the requests streamed). Without py-spy's names a process's main thread (its
+    event loop in the server and in a replica) is named ``main``, the others by id."""
     procs = processes(run.proc.pid)
     before = {p: thread_cpu(pid) for p, pid in procs}
-    out = run.run(tokens)
+    out = run.run(tokens, stream)
     cpu: dict[tuple[str, str], float] = collections.Counter()
     for p, pid in procs:
         for tid, s in thread_cpu(pid).items():
-            cpu[(p, names.get((p, tid), f"tid {tid}"))] += s - before[p].get(tid, 0.0)
+            name = names.get((p, tid), "main" if tid == str(pid) else f"tid {tid}")
+            cpu[(p, name)] += s - before[p].get(tid, 0.0)
     return cpu, out["tokens"]
 
 
@@ -84,6 +89,8 @@ def main() -> None:
     ap.add_argument("--fixed-steps", type=int, default=None)
     ap.add_argument("--baseline", default=None, metavar="DIR")
     ap.add_argument("--py-spy", default=shutil.which("py-spy"))
+    ap.add_argument("--stream", action="store_true",
+                    help="stream the requests (stream: true, include_usage)")
     ap.add_argument("--out", default=None)
     ns = ap.parse_args()
     threads = 1 if ns.dp == 1 else None
@@ -97,13 +104,13 @@ def main() -> None:
     try:
         names = {}
         for name, run in runs.items():
-            run.run(8)  # warm-up: every thread exists after it
+            run.run(8, ns.stream)  # warm-up: every thread exists after it
             names[name] = {(p, tid): n for p, pid in processes(run.proc.pid)
                            for tid, n in thread_names(pid, ns.py_spy).items()}
         order = list(runs)
         for rep in range(ns.repeats):
             for name in order[rep % len(order):] + order[:rep % len(order)]:
-                got, n = one_round(runs[name], names[name], ns.tokens)
+                got, n = one_round(runs[name], names[name], ns.tokens, ns.stream)
                 tokens[name] += n
                 cpu[name].update(got)
     finally:

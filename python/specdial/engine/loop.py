@@ -54,6 +54,7 @@ from specdial.engine.inbox import LoopInbox
 from specdial.engine.isolation import sampling_isolated
 from specdial.engine.loop_stats import VerifyLengths, engine_stats, log_progress
 from specdial.engine.cache_ops import note_cached_tokens
+from specdial.engine.courier import burst
 from specdial.engine.live import LiveRequest, prompt_plan, store_prompt_logprobs
 from specdial.engine.stops import StopCheck, check_stop_strings
 from specdial.engine.messages import (Abort, Cancel, Crash, Message, RequestSpec,
@@ -374,11 +375,12 @@ class EngineLoop(LoopInbox):
 
     def _flush(self) -> None:
         out, self._outbox = self._outbox, []
-        for sink, item in out:
-            try:
-                sink(item)
-            except Exception:  # noqa: BLE001 - a broken consumer must not stop the loop
-                logger.exception("delivering a result failed")
+        with burst():  # one wake per consumer event loop for the whole batch of items
+            for sink, item in out:
+                try:
+                    sink(item)
+                except Exception:  # noqa: BLE001 - a broken consumer must not stop the loop
+                    logger.exception("delivering a result failed")
 
     def _write_trace(self) -> None:
         text = self.sched.drain_trace()

@@ -26,6 +26,7 @@ from typing import Any, AsyncGenerator, Callable, Iterator, Mapping
 from specdial._core import QueueFullError
 from specdial.engine.api import LogprobOptions, RequestError, StreamChunk
 from specdial.engine.bounds import check_vocab_bounds
+from specdial.engine.courier import Box, courier_for
 from specdial.engine.grammar_gate import start_compile
 from specdial.engine.messages import Message, RequestSpec, Submit, Submitted
 from specdial.engine.output import OutputAccumulator
@@ -354,14 +355,17 @@ async def async_stream(post: Post, cancel: Cancel, spec: RequestSpec, *,
     """The chunks of ``spec`` on the running event loop (submission on the first
     ``__anext__``; ``aclose()`` or cancellation while awaiting a chunk cancels). ``whole``:
     the consumer only needs the request's output at its end, so the chunks arrive together
-    (:func:`held_until_end`: one event-loop wake-up per request, not per iteration)."""
-    loop = asyncio.get_running_loop()
-    q: asyncio.Queue[list[Any]] = asyncio.Queue()
+    (:func:`held_until_end`: one event-loop wake-up per request, not per iteration).
+
+    Delivery goes through the loop's :class:`~specdial.engine.courier.Courier`: one wake of
+    the loop per engine iteration for all its streams, and the chunks that arrived since this
+    stream last resumed are yielded one after the other without awaiting in between (so a
+    consumer that fell behind handles them in one step)."""
+    courier = courier_for(asyncio.get_running_loop())
+    box = Box()
 
     def deliver(items: list[Any]) -> None:
-        try:
-            loop.call_soon_threadsafe(q.put_nowait, items)
-        except RuntimeError:  # the event loop is closed: nobody reads any more
+        if not courier.deliver(box, items):  # the event loop is closed: nobody reads
             cancel(spec)
 
     spec.sink = held_until_end(deliver) if whole else lambda item: deliver([item])
@@ -369,7 +373,7 @@ async def async_stream(post: Post, cancel: Cancel, spec: RequestSpec, *,
     driver = _StreamDriver(cancel, spec)
     try:
         while not driver.done:
-            for item in await q.get():
+            for item in await courier.take(box):
                 chunk = driver.take(item)
                 if chunk is not None:
                     yield chunk

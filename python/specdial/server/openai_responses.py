@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from specdial.engine.api import StreamChunk
 from specdial.engine.ends import error_body, is_failure
 from specdial.server.errors import engine_error
 from specdial.server.logprob_format import chat_logprobs, completion_logprobs
@@ -19,8 +20,8 @@ from specdial.server.runs import DONE, Choice, ClientGone, Job, Run
 from specdial.server.state import ServerState
 from specdial.engine.token_align import TokenAligner
 
-__all__ = ["LogprobTrack", "choice_logprobs", "full_response", "new_track", "response_id",
-           "sse_events"]
+__all__ = ["LogprobTrack", "choice_logprobs", "coalesce", "full_response", "new_track",
+           "response_id", "sse_events"]
 
 
 @dataclass
@@ -102,7 +103,13 @@ async def sse_events(state: ServerState, run: Run, chat: bool,
     """The server-sent events of a started ``run`` in OpenAI's chunk format (chat: a first
     ``role`` delta per choice; a failed choice: an ``error`` event), ending with ``[DONE]``;
     ``include_usage``: a last chunk with empty ``choices`` and the ``usage``, the others with
-    ``"usage": null``."""
+    ``"usage": null``.
+
+    Coalesced per wake-up (:meth:`Run.batches`): the chunks of one choice that arrived together
+    make one event carrying all their text (OpenAI's stream chunks may carry several tokens;
+    the joined text, logprobs and finish reason are what per-chunk events would give), and all
+    the events of one wake-up are yielded as one string, i.e. one write to the client; the
+    usage chunk goes out with ``[DONE]``."""
     rid, created = response_id(run, chat), int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -115,50 +122,75 @@ async def sse_events(state: ServerState, run: Run, chat: bool,
 
     jobs = {c.index: j for c, j in zip(run.choices, run.jobs)}
     tracks = {c.index: new_track(state, j) for c, j in zip(run.choices, run.jobs)}
+    started: set[int] = set()
 
-    def logprobs(c: Choice, text: str, final: bool) -> dict[str, Any] | None:
+    def events_of(c: Choice, text: str, tokens: bool, chunk: Any, out: list[str]) -> bool:
+        """Append the events of ``c``'s coalesced chunk to ``out``; True when it failed."""
+        echo = jobs[c.index].echo
+        if echo is not None and c.index not in started and (text or tokens or chunk.finished):
+            text = echo + text
+        started.add(c.index)
         track = tracks[c.index]
         track.text_chars += len(text)
-        return choice_logprobs(state, c, jobs[c.index], chat, track, track.text_chars, final)
+        lp = choice_logprobs(state, c, jobs[c.index], chat, track, track.text_chars,
+                             chunk.finished)
+        if chunk.finished and is_failure(chunk.finish_reason):
+            if text or lp:
+                out.append(event([_chunk_choice(chat, c.index, text, None, False, lp)]))
+            out.append(f"data: {json.dumps(error_body(chunk.finish_reason)[1])}\n\n")
+            return True  # the other choices are aborted when the response closes its run
+        if chunk.finished:
+            if chat and (text or lp):
+                out.append(event([_chunk_choice(chat, c.index, text, None, False, lp)]))
+                out.append(event([_chunk_choice(chat, c.index, None, c.reason, False, None)]))
+            else:
+                out.append(event([_chunk_choice(chat, c.index, text if not chat else None,
+                                                c.reason, False, lp)]))
+        elif text or lp:
+            out.append(event([_chunk_choice(chat, c.index, text, None, False, lp)]))
+        return False
 
-    def choice(c: Choice, text: str | None, reason: str | None,
-               role: bool = False, lp: dict[str, Any] | None = None) -> dict[str, Any]:
-        return _chunk_choice(chat, c.index, text, reason, role, lp)
-
+    tail = ""
     try:
         if chat:
-            for c in run.choices:
-                yield event([choice(c, None, None, role=True)])
-        started: set[int] = set()
-        async for c, chunk in run.events():
-            text = chunk.text
-            echo = jobs[c.index].echo
-            if echo is not None and c.index not in started and (text or chunk.token_ids
-                                                                 or chunk.finished):
-                text = echo + text
-            started.add(c.index)
-            lp = logprobs(c, text, chunk.finished)
-            if chunk.finished and is_failure(chunk.finish_reason):
-                if text or lp:
-                    yield event([choice(c, text, None, lp=lp)])
-                yield f"data: {json.dumps(error_body(chunk.finish_reason)[1])}\n\n"
-                break  # the other choices are aborted when the response closes its run
-            if chunk.finished:
-                if chat and (text or lp):
-                    yield event([choice(c, text, None, lp=lp)])
-                    yield event([choice(c, None, c.reason)])
-                else:
-                    yield event([choice(c, text if not chat else None, c.reason, lp=lp)])
-            elif text or lp:
-                yield event([choice(c, text, None, lp=lp)])
+            yield "".join(event([_chunk_choice(chat, c.index, None, None, True, None)])
+                          for c in run.choices)
+        failed = False
+        async for batch in run.batches():
+            out: list[str] = []
+            for c, text, tokens, chunk in coalesce(batch):
+                if events_of(c, text, tokens, chunk, out):
+                    failed = True
+                    break
+            if out:
+                yield "".join(out)
+            if failed:
+                break
         if include_usage:
-            yield event([], usage=run.usage())
+            tail = event([], usage=run.usage())
     except ClientGone:
         return
     except Exception as e:  # noqa: BLE001 - reported in-band once streaming started
-        yield f"data: {json.dumps(engine_error(e, {}).body())}\n\n"
-    yield DONE
+        tail = f"data: {json.dumps(engine_error(e, {}).body())}\n\n"
+    yield tail + DONE
 
+
+def coalesce(batch: list[tuple[Choice, StreamChunk]]
+             ) -> list[tuple[Choice, str, bool, StreamChunk]]:
+    """The chunks of one wake-up merged per choice, in the order of each choice's first chunk:
+    ``(choice, text joined, whether any carried tokens, the choice's last chunk)`` (its
+    ``finished`` and ``finish_reason`` stand for the merged chunk: a choice's final chunk is
+    its last)."""
+    merged: dict[int, list[Any]] = {}
+    for c, chunk in batch:
+        m = merged.get(c.index)
+        if m is None:
+            merged[c.index] = [c, [chunk.text], bool(chunk.token_ids), chunk]
+        else:
+            m[1].append(chunk.text)
+            m[2] = m[2] or bool(chunk.token_ids)
+            m[3] = chunk
+    return [(c, "".join(texts), tokens, last) for c, texts, tokens, last in merged.values()]
 
 
 def _chunk_choice(chat: bool, index: int, text: str | None, reason: str | None, role: bool,

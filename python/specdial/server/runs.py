@@ -123,6 +123,8 @@ class Run:
         self.complete = False  # every choice delivered its last chunk to the consumer
         self._ended = 0
         self._buffer: list[tuple[int, Any]] = []  # read by wait_started, replayed by events
+        # a queue entry (an error, the close marker) held back until a batch was yielded
+        self._held: tuple[int, Any, BaseException | None] | None = None
 
     def start(self) -> None:
         """Register the run and start one pump task per job (each submits its request)."""
@@ -183,7 +185,14 @@ class Run:
     async def _next(self, buffered: bool = True) -> tuple[int, Any]:
         if buffered and self._buffer:
             return self._buffer.pop(0)
-        i, item, err = await self.queue.get()
+        if self._held is not None:
+            entry, self._held = self._held, None
+            return self._check(*entry)
+        return self._check(*await self.queue.get())
+
+    def _check(self, i: int, item: Any, err: BaseException | None) -> tuple[int, Any]:
+        """A queue entry as ``(choice, item)``; raises ``ClientGone`` for the close marker and
+        a pump's error (after closing the run)."""
         if item is _CLOSED:
             raise ClientGone
         if err is not None:
@@ -203,12 +212,39 @@ class Run:
 
     async def events(self) -> AsyncIterator[tuple[Choice, StreamChunk]]:
         """Every chunk, in arrival order, after updating its choice and the metrics."""
+        async for batch in self.batches():
+            for pair in batch:
+                yield pair
+
+    async def batches(self) -> AsyncIterator[list[tuple[Choice, StreamChunk]]]:
+        """Every chunk as :meth:`events` gives them, grouped by wake-up: each list holds the
+        chunks that had arrived when this consumer resumed (the first one awaited, the others
+        already queued, in arrival order), each accounted (its choice and the metrics updated)
+        before the list is yielded. A streaming response writes each list as one batch of
+        server-sent events (:func:`specdial.server.openai_responses.sse_events`), so a
+        response that fell behind its engine requests catches up in one write, as vLLM's
+        output collector and SGLang's ``stream_interval`` batch a stream's tokens. A pump's
+        error is raised after the chunks that arrived before it were yielded."""
         while self._ended < len(self.jobs):
+            batch: list[tuple[Choice, StreamChunk]] = []
             i, item = await self._next()
-            if item is _END:
-                self._ended += 1
-                continue
-            yield self._account(self.choices[i], item), item
+            while True:
+                if item is _END:
+                    self._ended += 1
+                else:
+                    batch.append((self._account(self.choices[i], item), item))
+                if self._buffer:
+                    i, item = self._buffer.pop(0)
+                    continue
+                if self.queue.empty():
+                    break
+                entry = self.queue.get_nowait()
+                if batch and (entry[2] is not None or entry[1] is _CLOSED):
+                    self._held = entry  # raised by the next _next, after this batch
+                    break
+                i, item = self._check(*entry)
+            if batch:
+                yield batch
         self.complete = True
 
     def _account(self, c: Choice, chunk: StreamChunk) -> Choice:

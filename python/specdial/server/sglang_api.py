@@ -196,13 +196,20 @@ async def generate(request: Request, state: StateDep) -> Response:
 
 async def _events(run: Run, outs: list[OutputAccumulator],
                   body: Callable[[int], dict[str, Any]]) -> AsyncIterator[str]:
-    """``/generate``'s events: ``body(i)`` of output ``i`` after each of its chunks, then
-    ``[DONE]``; a failed output's event (its ``error``) ends the stream."""
+    """``/generate``'s events: ``body(i)`` of output ``i`` after its chunks, then
+    ``[DONE]``; a failed output's event (its ``error``) ends the stream. Per wake-up
+    (:meth:`Run.batches`): an output whose chunks arrived together gets one event (its body
+    after all of them; SGLang's events are cumulative), and the events go in one write."""
     try:
-        async for c, chunk in run.events():
-            outs[c.index].add(chunk)
-            yield f"data: {json.dumps(body(c.index), ensure_ascii=False)}\n\n"
-            if chunk.finished and is_failure(chunk.finish_reason):
+        async for batch in run.batches():  # one write per wake-up, one event per output
+            touched: dict[int, bool] = {}
+            for c, chunk in batch:
+                outs[c.index].add(chunk)
+                failed = chunk.finished and is_failure(chunk.finish_reason)
+                touched[c.index] = touched.get(c.index, False) or failed
+            yield "".join(f"data: {json.dumps(body(i), ensure_ascii=False)}\n\n"
+                          for i in sorted(touched, key=touched.__getitem__))  # failed last
+            if any(touched.values()):
                 break  # that event carried the error; the others are aborted on close
     except ClientGone:
         return
