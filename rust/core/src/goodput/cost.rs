@@ -127,10 +127,10 @@ struct Cell {
 /// measurements spread less than about this share around their mean context follows the plane's
 /// context slope; one measured over a wider range (contexts that grow) follows its own. 0.5 was
 /// chosen among 0.2, 0.3, 0.4, 0.5, 0.8 on the simulator's context-growth and mixed-128 regimes
-/// (issue 28's floors, BENCHMARKS.md "Issue 28: the request classes against the measured
+/// (issue 28's floors; BENCHMARKS.md "Issue 28: the request classes against the measured
 /// spreads; the context-growth floor met"): at 0.2 per-request mixed-128 fell to 0.969-0.977 of
-/// batch-level on three curves (the cells of steady contexts followed noise), at 0.8
-/// context-growth h200 read 0.983 of the best fixed depth; 0.4 and 0.5 met both.
+/// batch-level on three curves, at 0.3, 0.4 and 0.8 context-growth read 0.983-0.990 of the best
+/// fixed depth on one curve; 0.5 met both floors with the widest margin (one seed).
 const CELL_SLOPE_PRIOR: f64 = 0.5;
 
 /// What a [`CostModel`] learned, as [`CostModel::state`] saves it and [`CostModel::restore`]
