@@ -145,10 +145,14 @@ impl GoodputPolicy {
         let window = cfg.acceptance_window;
         let depths: Vec<u32> = slots.iter().flat_map(|s| s.candidates.iter().copied()).collect();
         let tree = cfg.tree.map(|t| tree_plan::TreePlanner::new(t, &depths, 4 * window));
+        let mut cost = CostModel::new(cfg.cost_window);
+        if cfg.verify == VerifyMode::PerRequest {
+            cost.use_cell_context_slopes();
+        }
         GoodputPolicy {
             tree,
             acceptance: AcceptanceModel::new(max_steps.max(1), window),
-            cost: CostModel::new(cfg.cost_window),
+            cost,
             cfg,
             slots,
             iteration: 0,
