@@ -13,7 +13,7 @@ from specdial.attention.base import tree_key_mask
 from specdial.kv_pool import KVPool
 from specdial.worker.tree import TreeExpansion, ancestor_mask, select_nodes, tree_positions
 
-from tree_helpers import valid_shapes
+from tree_helpers import assert_tree_attention_matches_loop, valid_shapes
 
 
 def _expand(b, v, topk, depth, seed, peaky=False):
@@ -135,20 +135,7 @@ def test_tree_attention_matches_reference():
     q = torch.randn(int(qo.sum()), heads, hd)
     meta = TorchAttentionBackend().plan(qo, kv, kv_indices, tree_mask=tm)
     out = TorchAttentionBackend().forward(q, 0, pool, meta, 1 / math.sqrt(hd))
-    qs = ks = 0
-    rep = heads // kv_heads
-    for r in range(3):
-        sl = kv_indices[ks:ks + kv[r]]
-        k_ = pool.k_buffer[0][sl].repeat_interleave(rep, 1)
-        v_ = pool.v_buffer[0][sl].repeat_interleave(rep, 1)
-        for i in range(n_q):
-            vis = [j for j in range(kv[r]) if j < prefix[r] or tm[r, i, j - prefix[r]]]
-            if not vis:
-                continue  # an all-masked row has no defined output
-            s = torch.einsum("hd,khd->hk", q[qs + i], k_[vis]) / math.sqrt(hd)
-            ref = torch.einsum("hk,khd->hd", s.softmax(-1), v_[vis])
-            torch.testing.assert_close(out[qs + i], ref, rtol=1e-5, atol=1e-5)
-        qs, ks = qs + n_q, ks + int(kv[r])
+    assert_tree_attention_matches_loop(out, q, pool, kv_indices, qo, kv, prefix, tm)
     with pytest.raises(ValueError, match="qo_len == n"):
         tree_key_mask(torch.tensor([5, 4, 5]), kv, tm, int(kv.max()))
     with pytest.raises(ValueError, match="kv_len >= t"):

@@ -15,6 +15,7 @@ import torch
 from specdial.attention import TorchAttentionBackend
 from specdial.attention.base import tree_key_mask
 from specdial.kv_pool import KVPool
+from tree_helpers import assert_tree_attention_matches_loop
 from test_tree_step import SHAPES, assert_target_greedy_and_chain_kv, run
 
 
@@ -36,18 +37,7 @@ def test_ragged_tree_attention_matches_each_requests_own_tree():
     meta = TorchAttentionBackend().plan(qo, kv, kv_indices, tree_mask=tm)
     out = TorchAttentionBackend().forward(q, 0, pool, meta, 1 / math.sqrt(hd))
     assert out.shape == q.shape
-    qs = ks = 0
-    rep = heads // kv_heads
-    for r in range(3):
-        sl = kv_indices[ks:ks + kv[r]]
-        k_ = pool.k_buffer[0][sl].repeat_interleave(rep, 1)
-        v_ = pool.v_buffer[0][sl].repeat_interleave(rep, 1)
-        for i in range(int(qo[r])):
-            vis = [j for j in range(int(kv[r])) if j < prefix[r] or tm[r, i, j - prefix[r]]]
-            s = torch.einsum("hd,khd->hk", q[qs + i], k_[vis]) / math.sqrt(hd)
-            ref = torch.einsum("hk,khd->hd", s.softmax(-1), v_[vis])
-            torch.testing.assert_close(out[qs + i], ref, rtol=1e-5, atol=1e-5)
-        qs, ks = qs + int(qo[r]), ks + int(kv[r])
+    assert_tree_attention_matches_loop(out, q, pool, kv_indices, qo, kv, prefix, tm)
     with pytest.raises(ValueError, match=r"ragged: n == t, qo_len in 1..n"):
         tree_key_mask(torch.tensor([5, 0, 1]), kv, tm, int(kv.max()))
     with pytest.raises(ValueError, match=r"ragged: n == t"):

@@ -65,3 +65,28 @@ def valid_shapes(max_topk: int = 8, max_depth: int = 7, max_nodes: int = 64):
             for n in sorted({d, min(cands, max_nodes), (d + min(cands, max_nodes)) // 2}):
                 if d <= n <= min(cands, max_nodes):
                     yield k, d, n
+
+
+def assert_tree_attention_matches_loop(out: torch.Tensor, q: torch.Tensor, pool, kv_indices,
+                                       qo, kv, prefix, tm: torch.Tensor) -> None:
+    """Check a tree-attention output ``out`` ``[sum(qo), heads, hd]`` against a per-query loop:
+    query ``i`` of request ``r`` sees its ``prefix[r]`` keys and the tree keys ``j`` with
+    ``tm[r, i, j - prefix[r]]`` (KV of layer 0 of ``pool`` at ``kv_indices``, packed per
+    request, ``kv[r]`` keys each; GQA heads repeated). A query seeing no key is skipped (its
+    output is undefined)."""
+    import math
+    heads, hd = q.shape[1], q.shape[2]
+    rep = heads // pool.k_buffer.shape[2]
+    qs = ks = 0
+    for r in range(len(qo)):
+        sl = kv_indices[ks:ks + int(kv[r])]
+        k_ = pool.k_buffer[0][sl].repeat_interleave(rep, 1)
+        v_ = pool.v_buffer[0][sl].repeat_interleave(rep, 1)
+        for i in range(int(qo[r])):
+            vis = [j for j in range(int(kv[r])) if j < prefix[r] or tm[r, i, j - prefix[r]]]
+            if not vis:
+                continue
+            s = torch.einsum("hd,khd->hk", q[qs + i], k_[vis]) / math.sqrt(hd)
+            ref = torch.einsum("hk,khd->hd", s.softmax(-1), v_[vis])
+            torch.testing.assert_close(out[qs + i], ref, rtol=1e-5, atol=1e-5)
+        qs, ks = qs + int(qo[r]), ks + int(kv[r])
