@@ -20,7 +20,6 @@ draft tree (topk 4, 8 draft tokens), over the same random target with a near-cop
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import httpx
@@ -32,6 +31,7 @@ from specdial.detokenize import IncrementalText, decode
 from specdial.engine import Engine
 from specdial.engine.stops import check_stop_strings
 from test_engine_serving import build_text_models
+from test_server_builtin_extras import stream_events
 from test_server_fake_engine import LiveServer
 from timeouts import scaled
 
@@ -229,17 +229,6 @@ def post(server, path: str, body: dict) -> dict:
     return r.json()
 
 
-def events(server, path: str, body: dict) -> list[dict]:
-    out = []
-    with httpx.stream("POST", server.url + path, json={**body, "stream": True},
-                      timeout=scaled(120)) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                out.append(json.loads(line[6:]))
-    return out
-
-
 def http_counts(server, stop: str, messages: list[dict] | None) -> list[int]:
     """``usage.completion_tokens`` of a greedy completion (chat with ``messages``) with
     ``stop``: plain, streamed with ``include_usage``, and plain with ``n = 2`` (summed)."""
@@ -247,7 +236,7 @@ def http_counts(server, stop: str, messages: list[dict] | None) -> list[int]:
     body = {"model": NAME, "max_tokens": MAX_NEW, "temperature": 0, "stop": [stop],
             "ignore_eos": True, **({"messages": messages} if messages else {"prompt": PROMPT})}
     plain = post(server, path, body)["usage"]["completion_tokens"]
-    streamed = events(server, path, {**body, "stream_options": {"include_usage": True}})
+    streamed = stream_events(server, path, {**body, "stream_options": {"include_usage": True}})
     two = post(server, path, {**body, "n": 2})["usage"]["completion_tokens"]
     return [plain, streamed[-1]["usage"]["completion_tokens"], two]
 
@@ -280,7 +269,7 @@ def test_sglang_generate_output_ids_are_the_same_at_every_depth(servers, ref):
                 out = post(server, "/generate", body)
                 assert (out["meta_info"]["completion_tokens"], out["output_ids"]) == (
                     k, ids[:k]), (name, stop)
-                last = events(server, "/generate", body)[-1]
+                last = stream_events(server, "/generate", body)[-1]
                 assert last["output_ids"] == ids[:k] and last["text"] == out["text"], name
             both = post(server, "/generate", {"text": PROMPT, "sampling_params": {**sp, "n": 2}})
             assert [o["meta_info"]["completion_tokens"] for o in both] == [k, k], (name, stop)
