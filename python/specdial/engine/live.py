@@ -94,11 +94,12 @@ class LiveRequest:
         return values, tops
 
     def chunk(self, text: str, new: list[int], finished: bool,
-              reason: dict[str, Any] | None, token_lp: Any) -> StreamChunk:
+              reason: dict[str, Any] | None, token_lp: Any, meta: bool = True) -> StreamChunk:
         """The :class:`StreamChunk` of ``new`` tokens and their ``text`` (``token_lp``: their
         ``(logprob, top ids, top logprobs)`` rows, or None), with the prompt logprobs on the
-        first chunk that carries tokens."""
-        chunk = StreamChunk(self.rid, text, new, finished, reason, self.meta())
+        first chunk that carries tokens. ``meta`` False: an empty ``meta_info`` (a chunk held
+        back by ``stream_interval``, whose sending chunk carries the cumulative one)."""
+        chunk = StreamChunk(self.rid, text, new, finished, reason, self.meta() if meta else {})
         if self.spec.logprobs is None:
             return chunk
         if token_lp is not None:

@@ -372,7 +372,7 @@ class EngineLoop(LoopInbox):
                 shown = lv.output[:-1]  # the matched stop token's text is left out (vLLM, SGLang)
             text = lv.text.update(shown, final=fin is not None)
         if fin is None:
-            self._send(lv, lv.chunk(text, new, False, None, token_lp), hold)
+            self._send(lv, lv.chunk(text, new, False, None, token_lp, meta=not hold), hold)
             return
         del self.live[lv.rid]
         lv.cached_tokens = int(fin.cached_tokens)
