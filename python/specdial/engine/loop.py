@@ -34,7 +34,9 @@ SGLang counts the interval on the output length, which a verify that emits sever
 step over; counting the tokens waiting keeps every sent chunk between the first and the final at
 ``>= stream_interval`` tokens. A held chunk's text is not detokenized until it is sent (the
 whole output is decoded then, once), unless a stop-string check computed it already. The
-joined text, token ids, logprobs and ``meta_info`` a consumer sees are those of interval 1.
+joined text, token ids, logprobs and ``meta_info`` a consumer sees are those of interval 1. It
+applies to every request: a non-streamed one (``whole=True``) joins its chunks at its end
+anyway, so it only gets fewer of them.
 
 A steady decode iteration makes two scheduler calls: ``schedule()`` and ``report()``.
 
