@@ -36,7 +36,10 @@ router, without its replica processes; with dp 1 the whole engine) is reported t
 process as ``<config>``, so stream against non-stream compares within one process), the
 streamed text checked against the non-streamed (``identical``), and the output tokens per SSE
 event received (``median_tokens_per_event``: above the acceptance length when events carry
-several decode iterations' tokens).
+several decode iterations' tokens). ``--stream-intervals 4,8`` adds, with ``--stream`` on the
+``http`` path, streamed arms ``dp1_1thread@siN:stream`` and ``dp2_processes@siN:stream``:
+servers started with ``--stream-interval N`` (SGLang's flag), against the interval-1 arms of the
+same run.
 
 Usage: ``nice -n 19 .venv/bin/python benches/dp_processes.py [--repeats 5] [--stream]
 [--out r.json]``.
@@ -151,7 +154,7 @@ class HttpRun:
     """A ``specdial serve`` process for one configuration (the ``http`` path)."""
 
     def __init__(self, dp: int, threads: int | None, requests: int,
-                 steps: int | None, env: dict | None = None) -> None:
+                 steps: int | None, env: dict | None = None, interval: int = 1) -> None:
         import httpx
 
         self.port = _free_port()
@@ -161,6 +164,7 @@ class HttpRun:
         argv += [] if threads is None else ["--cpu-threads", str(threads)]
         argv += [] if steps is None else ["--no-speculative-adaptive",
                                           "--speculative-num-steps", str(steps)]
+        argv += [] if interval == 1 else ["--stream-interval", str(interval)]
         self.proc = subprocess.Popen(argv, env=env)
         self.url, self.requests = f"http://127.0.0.1:{self.port}", requests
         deadline = time.monotonic() + 900
@@ -235,12 +239,20 @@ def measure(path: str, ns: argparse.Namespace) -> dict:
         env = {**os.environ, "PYTHONPATH": ns.baseline}
     if ns.configs:
         configs = {n: c for n, c in configs.items() if n in ns.configs.split(",")}
+    intervals = {}  # "<config>@siN" -> N: servers with --stream-interval N (streamed arms only)
+    if ns.stream and path == "http" and ns.stream_intervals:
+        for n in (int(x) for x in ns.stream_intervals.split(",")):
+            for base in ("dp1_1thread", "dp2_processes"):
+                if base in configs:
+                    configs[f"{base}@si{n}"] = configs[base]
+                    intervals[f"{base}@si{n}"] = n
     runs = {name: cls(dp, threads, max(1, int(ns.requests * share)), ns.fixed_steps,
-                      env if name.endswith("_baseline") else None)
+                      env if name.endswith("_baseline") else None,
+                      **({"interval": intervals[name]} if name in intervals else {}))
             for name, (dp, threads, share) in configs.items()}
     # arms: name -> (its process, streamed); --stream adds "<config>:stream" on the http path,
     # served by the same process as "<config>", so that the two compare within one process
-    arms = {name: (r, False) for name, r in runs.items()}
+    arms = {name: (r, False) for name, r in runs.items() if name not in intervals}
     if ns.stream and path == "http":
         arms |= {f"{name}:stream": (r, True) for name, r in runs.items()}
     try:
@@ -288,7 +300,8 @@ def _summary(tps: dict[str, list[float]], cpu_ms: dict[str, list[float]],
         out["median_server_cpu_ms_per_token"] = {n: statistics.median(v)
                                                  for n, v in server_ms.items() if v}
         out["all_server_cpu_ms_per_token"] = server_ms
-    for tag in ("", ":stream"):  # the streamed arms' ratio too (--stream)
+    tags = {"", ":stream"} | {n[n.index("@"):] for n in med if "@si" in n}
+    for tag in sorted(tags):  # the streamed arms' ratio too (--stream, --stream-intervals)
         dp1 = [med[n + tag] for n in ("dp1_1thread", "dp1_2threads") if n + tag in med]
         if dp1 and "dp2_processes" + tag in med:
             out["dp2_over_best_dp1" + tag.replace(":", "_")] = (med["dp2_processes" + tag]
@@ -319,6 +332,8 @@ def main() -> None:
                    "(stream: true, include_usage) as '<config>:stream', in the same server "
                    "process, alternating with the others; the streamed text must equal the "
                    "non-streamed (identical)")
+    p.add_argument("--stream-intervals", default=None, metavar="N,M",
+                   help="with --stream: also streamed arms served with --stream-interval N")
     p.add_argument("--out", default=None)
     p.add_argument("--runner", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dp", type=int, default=1, help=argparse.SUPPRESS)

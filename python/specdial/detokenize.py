@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-__all__ = ["IncrementalText", "decode"]
+__all__ = ["IncrementalText", "decode", "decoder"]
 
 _REPLACEMENT = "\ufffd"
 
@@ -33,6 +33,41 @@ def decode(tokenizer: Any, ids: Sequence[int], skip_special_tokens: bool = True)
         return str(tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
     except TypeError:
         return str(tokenizer.decode(list(ids)))
+
+
+def _hf_fast_decodes() -> tuple[Any, ...]:
+    """The ``_decode`` methods of transformers' fast (``tokenizers``-backed) tokenizer classes
+    that this version has (5.x ``TokenizersBackend``, 4.x ``PreTrainedTokenizerFast``)."""
+    found = []
+    for module, name in (("transformers.tokenization_utils_tokenizers", "TokenizersBackend"),
+                         ("transformers.tokenization_utils_fast", "PreTrainedTokenizerFast")):
+        try:
+            cls = getattr(__import__(module, fromlist=[name]), name)
+        except (ImportError, AttributeError):
+            continue
+        found.append(cls._decode)
+    return tuple(found)
+
+
+def decoder(tokenizer: Any, skip_special_tokens: bool = True) -> Any:
+    """A function ``ids -> text`` equal to :func:`decode` with these arguments, bound once.
+
+    For a transformers fast tokenizer whose ``decode`` is transformers' own (not overridden)
+    and that cleans up no tokenization spaces, it calls the Rust ``tokenizers.Tokenizer``'s
+    ``decode`` directly, which is what transformers' ``_decode`` does then: the same text
+    without transformers' Python wrapper (``to_py_obj``'s per-id ``isinstance`` checks; ~5x
+    the Rust decode's own cost for a 48-token output, BENCHMARKS.md, the section of this
+    change). Every other tokenizer goes through :func:`decode`."""
+    rust = getattr(tokenizer, "_tokenizer", None)
+    cls = type(tokenizer)
+    base = next((c for c in cls.__mro__ if c.__name__ == "PreTrainedTokenizerBase"), None)
+    if (rust is not None and base is not None and "decode" in vars(base)
+            and cls.decode is vars(base)["decode"]
+            and getattr(cls, "_decode", None) in _hf_fast_decodes()
+            and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False):
+        rust_decode = rust.decode
+        return lambda ids: rust_decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: decode(tokenizer, ids, skip_special_tokens)
 
 
 class IncrementalText:
@@ -47,6 +82,7 @@ class IncrementalText:
                  skip_special_tokens: bool = True, include_stop: bool = False,
                  min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
+        self._decode = None if tokenizer is None else decoder(tokenizer, skip_special_tokens)
         self.stop = tuple(stop)
         self.skip_special_tokens, self.include_stop = skip_special_tokens, include_stop
         self.min_tokens = min_tokens
@@ -62,11 +98,11 @@ class IncrementalText:
         before it, or right after it with ``include_stop``)."""
         if self.tokenizer is None or self.matched is not None:
             return ""
-        full = decode(self.tokenizer, ids, self.skip_special_tokens)
+        full = self._decode(list(ids))
         if self.stop and len(ids) > self.min_tokens:
             if self._floor is None:
-                self._floor = len(decode(self.tokenizer, ids[:self.min_tokens],
-                                         self.skip_special_tokens)) if self.min_tokens else 0
+                self._floor = (len(self._decode(list(ids[:self.min_tokens])))
+                               if self.min_tokens else 0)
             hit = self._find_stop(full)
             if hit is not None:
                 assert self.matched is not None

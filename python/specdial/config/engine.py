@@ -165,6 +165,11 @@ class EngineConfig:
         "seconds between the engine's log lines while decoding (running/queued requests, KV "
         "usage, tokens/s, acceptance length, steps per slot); 0 turns them off",
         default=10.0, metavar="SECONDS")
+    stream_interval: int = _opt(
+        "output tokens per streamed chunk (SGLang's --stream-interval): a request's first "
+        "tokens go out at once, then a chunk is sent once at least this many tokens are "
+        "waiting, and the final chunk always; larger values cost less per token, smaller "
+        "ones stream more smoothly", default=1, metavar="N")
     cuda_graph_bs: list[int] | None = _opt(
         "batch sizes to capture CUDA graphs for (space- or comma-separated); default: SGLang's "
         "sizes up to --max-running-requests", metavar="N")
@@ -254,7 +259,7 @@ class EngineConfig:
         self._check_draft_tree()
         check_choice("dtype", str(self.dtype).removeprefix("torch."), DTYPES)
         for name in ("max_running_requests", "max_queued_requests", "page_size",
-                     "max_prefill_tokens", "drafter_max_steps"):
+                     "max_prefill_tokens", "drafter_max_steps", "stream_interval"):
             _positive(name, getattr(self, name))
         _positive("chunked_prefill_size", self.chunked_prefill_size, optional=True)
         _positive("cpu_threads", self.cpu_threads, optional=True)

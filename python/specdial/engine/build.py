@@ -189,7 +189,8 @@ def build_parts(target: LlamaForCausalLM, drafter: Any, tokenizer: Any,
                   else open(cfg.record_trace, "a", encoding="utf-8"))
     parts.loop = EngineLoop(scheduler, worker, tokenizer=tokenizer, generator=parts.generator,
                             steps_schedule=cfg.steps_schedule, trace_file=trace_file,
-                            log_interval_s=cfg.log_interval_s)
+                            log_interval_s=cfg.log_interval_s,
+                            stream_interval=cfg.stream_interval)
     return parts
 
 

@@ -110,6 +110,9 @@ class Engine:
       ``max_prefill_tokens`` (prompt tokens per prefill iteration; longer prompts are chunked),
       ``record_trace`` (a path: the per-verify trace of ``specdial policy replay`` is appended
       to it), ``log_interval_s`` (seconds between log lines while decoding; None: off),
+      ``stream_interval`` (an int >= 1, SGLang's ``--stream-interval``: a request's chunks
+      after its first carry at least this many tokens, except its final one;
+      :mod:`specdial.engine.loop`),
       ``seed`` (the engine's sampling generator, used by requests without a ``seed`` only),
       ``drafter_max_steps``, and the
       test hook ``steps_schedule``: a sequence (decode iteration ``i`` uses

@@ -47,6 +47,8 @@ class LiveRequest:
     prompt_sent: bool = False
     # structured outputs: the request's grammar matcher (None: unconstrained)
     grammar: Any = None
+    # stream_interval > 1: its chunks emitted but not sent yet, joined (join_chunks)
+    held: StreamChunk | None = None
 
     def meta(self) -> dict[str, Any]:
         n = len(self.output)
@@ -92,11 +94,12 @@ class LiveRequest:
         return values, tops
 
     def chunk(self, text: str, new: list[int], finished: bool,
-              reason: dict[str, Any] | None, token_lp: Any) -> StreamChunk:
+              reason: dict[str, Any] | None, token_lp: Any, meta: bool = True) -> StreamChunk:
         """The :class:`StreamChunk` of ``new`` tokens and their ``text`` (``token_lp``: their
         ``(logprob, top ids, top logprobs)`` rows, or None), with the prompt logprobs on the
-        first chunk that carries tokens."""
-        chunk = StreamChunk(self.rid, text, new, finished, reason, self.meta())
+        first chunk that carries tokens. ``meta`` False: an empty ``meta_info`` (a chunk held
+        back by ``stream_interval``, whose sending chunk carries the cumulative one)."""
+        chunk = StreamChunk(self.rid, text, new, finished, reason, self.meta() if meta else {})
         if self.spec.logprobs is None:
             return chunk
         if token_lp is not None:
@@ -115,6 +118,29 @@ class LiveRequest:
             if prompt is not None:
                 chunk.prompt_logprobs, chunk.prompt_top_logprobs = prompt
         return chunk
+
+
+def join_chunks(first: StreamChunk, then: StreamChunk) -> StreamChunk:
+    """One chunk for two consecutive chunks of a request (``stream_interval`` holds chunks
+    back and sends them as one): text, token ids and per-token logprobs concatenated in
+    order; the prompt logprobs of whichever carries them (only a request's first chunk with
+    tokens does); ``finished``, ``finish_reason``, ``meta_info`` (cumulative) and
+    ``emitted_s`` of ``then``. Nothing is lost or reordered: the tokens, text and logprobs a
+    consumer joins are those of the two chunks."""
+
+    def cat(a: list[Any] | None, b: list[Any] | None) -> list[Any] | None:
+        return None if a is None and b is None else (a or []) + (b or [])
+
+    return StreamChunk(
+        then.request_id, first.text + then.text, first.token_ids + then.token_ids,
+        then.finished, then.finish_reason, then.meta_info,
+        logprobs=cat(first.logprobs, then.logprobs),
+        top_logprobs=cat(first.top_logprobs, then.top_logprobs),
+        prompt_logprobs=(first.prompt_logprobs if first.prompt_logprobs is not None
+                         else then.prompt_logprobs),
+        prompt_top_logprobs=(first.prompt_top_logprobs if first.prompt_logprobs is not None
+                             else then.prompt_top_logprobs),
+        emitted_s=then.emitted_s)
 
 
 def prompt_plan(plan: Any, rids: list[int], live: dict[int, LiveRequest]

@@ -25,6 +25,19 @@ through :meth:`EngineLoop.post` (a FIFO inbox of typed messages: :class:`Submit`
    and only then hands the chunks to the sinks (so a caller that saw its last chunk sees the
    freed pages in ``stats()``).
 
+``stream_interval`` (SGLang's ``--stream-interval``, default 1: a chunk per iteration that
+emitted tokens): a request's first chunk with tokens is sent at once (its time to first token;
+SGLang sends at ``len(output_ids) % interval == 1``, the first token included), later ones are
+held (:attr:`LiveRequest.held`, joined by :func:`~specdial.engine.live.join_chunks`) until at
+least ``stream_interval`` tokens wait, and the final chunk always goes with whatever is held.
+SGLang counts the interval on the output length, which a verify that emits several tokens can
+step over; counting the tokens waiting keeps every sent chunk between the first and the final at
+``>= stream_interval`` tokens. A held chunk's text is not detokenized until it is sent (the
+whole output is decoded then, once), unless a stop-string check computed it already. The
+joined text, token ids, logprobs and ``meta_info`` a consumer sees are those of interval 1. It
+applies to every request: a non-streamed one (``whole=True``) joins its chunks at its end
+anyway, so it only gets fewer of them.
+
 A steady decode iteration makes two scheduler calls: ``schedule()`` and ``report()``.
 
 An exception while running a plan fails the plan's requests (``abandon_plan()`` aborts them;
@@ -55,7 +68,8 @@ from specdial.engine.isolation import sampling_isolated
 from specdial.engine.loop_stats import VerifyLengths, engine_stats, log_progress
 from specdial.engine.cache_ops import note_cached_tokens
 from specdial.engine.courier import burst
-from specdial.engine.live import LiveRequest, prompt_plan, store_prompt_logprobs
+from specdial.engine.live import (LiveRequest, join_chunks, prompt_plan,
+                                  store_prompt_logprobs)
 from specdial.engine.stops import StopCheck, check_stop_strings
 from specdial.engine.messages import (Abort, Cancel, Crash, Message, RequestSpec,
                                       Shutdown, StepsSchedule, Submit, Submitted)
@@ -83,7 +97,12 @@ class EngineLoop(LoopInbox):
 
     def __init__(self, scheduler: Any, worker: SpecWorker, *, tokenizer: Any,
                  generator: torch.Generator | None, steps_schedule: StepsSchedule | None = None,
-                 trace_file: Any = None, log_interval_s: float | None) -> None:
+                 trace_file: Any = None, log_interval_s: float | None,
+                 stream_interval: int = 1) -> None:
+        if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) \
+                or stream_interval < 1:
+            raise ValueError(f"stream_interval must be an int >= 1, got {stream_interval!r}")
+        self.stream_interval = stream_interval
         self.sched, self.worker, self.tokenizer = scheduler, worker, tokenizer
         self.generator, self.steps_schedule = generator, steps_schedule
         self.trace_file, self.log_interval_s = trace_file, log_interval_s
@@ -338,10 +357,16 @@ class EngineLoop(LoopInbox):
               checked: tuple[IncrementalText, str] | None = None) -> None:
         """Append ``new`` to ``lv``'s output and queue its chunk; ``fin``: the report's finish
         record of it, or None. ``checked``: the text state and delta the stop-string check
-        computed on these tokens, when they hold (:meth:`StopCheck.text_for`)."""
+        computed on these tokens, when they hold (:meth:`StopCheck.text_for`). With
+        ``stream_interval > 1`` a chunk may be held instead of sent (module docstring)."""
+        hold = (fin is None and self.stream_interval > 1 and bool(lv.output)
+                and len(new) + (0 if lv.held is None else len(lv.held.token_ids))
+                < self.stream_interval)
         lv.output.extend(new)
         if checked is not None:
             lv.text, text = checked
+        elif hold:
+            text = ""  # detokenized with the chunk that sends these tokens
         else:
             shown = lv.output
             if (fin is not None and fin.reason == "stop" and fin.stop_token_id is not None
@@ -349,11 +374,20 @@ class EngineLoop(LoopInbox):
                 shown = lv.output[:-1]  # the matched stop token's text is left out (vLLM, SGLang)
             text = lv.text.update(shown, final=fin is not None)
         if fin is None:
-            self._out(lv.spec.sink, lv.chunk(text, new, False, None, token_lp))
+            self._send(lv, lv.chunk(text, new, False, None, token_lp, meta=not hold), hold)
             return
         del self.live[lv.rid]
         lv.cached_tokens = int(fin.cached_tokens)
-        self._out(lv.spec.sink, lv.chunk(text, new, True, finished(lv.text.matched, fin), token_lp))
+        self._send(lv, lv.chunk(text, new, True, finished(lv.text.matched, fin), token_lp))
+
+    def _send(self, lv: LiveRequest, chunk: Any, hold: bool = False) -> None:
+        """Queue ``chunk`` for ``lv``'s sink joined after what it holds, or hold it."""
+        if lv.held is not None:
+            chunk, lv.held = join_chunks(lv.held, chunk), None
+        if hold:
+            lv.held = chunk
+        else:
+            self._out(lv.spec.sink, chunk)
 
     def _finish_now(self, rid: int, reason: dict[str, Any]) -> None:
         """End a live request now (between iterations): free everything, final chunk with
@@ -367,7 +401,9 @@ class EngineLoop(LoopInbox):
         lv = self.live.pop(rid)
         self._stats_stale = True
         self._sampling_key = None
-        self._out(lv.spec.sink, lv.chunk("", [], True, reason, None))
+        # held tokens (stream_interval) go out with it, with the text they would have shown
+        text = "" if lv.held is None else lv.text.update(lv.output, final=False)
+        self._send(lv, lv.chunk(text, [], True, reason, None))
 
     # ------------------------------------------------------------------ outputs
     def _out(self, sink: Callable[[Any], None], item: Any) -> None:

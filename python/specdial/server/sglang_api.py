@@ -129,7 +129,9 @@ def server_info(state: ServerState) -> dict[str, Any]:
         "cache_hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
         "cached_pages": s.cached_pages,
     }
-    return {**state.server_args, **tree, "served_model_name": state.model_name,
+    interval = getattr(getattr(engine, "config", None), "stream_interval", None)
+    known = {"stream_interval": interval} if isinstance(interval, int) else {}  # the engine's
+    return {**state.server_args, **known, **tree, "served_model_name": state.model_name,
             "speculative_algorithm": getattr(engine, "speculative_algorithm", None),
             "context_length": int(engine.context_length), "version": __version__,
             "internal_states": [internal]}
