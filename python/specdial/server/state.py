@@ -106,8 +106,8 @@ class ServerState:
             prompts = sum(1 for j in jobs if j.counts_prompt)
             param = prompt_param if prompts == len(jobs) else n_param
             raise bad_request(
-                f"this request asks for {len(jobs)} sequences ({prompts} prompts x "
-                f"{len(jobs) // max(prompts, 1)} choices ('{n_param}')); this server holds at most "
+                f"this request asks for {len(jobs)} sequences ({prompts} prompt(s) x "
+                f"{len(jobs) // max(prompts, 1)} choice(s), '{n_param}'); this server holds at most "
                 f"{capacity} at once (--max-running-requests + --max-queued-requests, per "
                 f"--dp-size replica): ask for fewer in one request", param, "too_many_sequences")
         return Run(self.engine, self.metrics, self.runs, jobs, arrival, rid, whole)
