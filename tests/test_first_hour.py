@@ -143,3 +143,22 @@ def test_python_tree_bounds_are_the_rust_configs():
     for topk, nodes in ((MAX_TREE_TOPK + 1, MAX_TREE_NODES), (MAX_TREE_TOPK, MAX_TREE_NODES + 1)):
         with pytest.raises(ConfigError):
             config(topk, nodes)
+
+
+# ------------------------------------------------------------------ the offline Engine's words
+@pytest.mark.parametrize("prompt, input_ids, message", [
+    ("", None, "prompt is empty (0 tokens); allowed: 1+ token ids in [0, 1000)"),
+    (None, [], "input_ids is empty (0 tokens)"),
+    (None, [3, 1000], "input_ids: invalid token id 1000; allowed: token ids in [0, 1000)"),
+])
+def test_engine_prompt_errors_say_what_is_wrong(prompt, input_ids, message):
+    # before: "prompt: needs 1+ token ids in [0, 1000)" for all three (specdial generate "")
+    from specdial.engine.api import RequestError
+    from specdial.engine.requests import make_spec
+    from test_server_fake_engine import FakeTokenizer
+
+    with pytest.raises(RequestError) as e:
+        make_spec(prompt, input_ids, {"max_new_tokens": 2}, None, tokenizer=FakeTokenizer(),
+                  vocab_size=VOCAB, context_length=64, eos_token_ids=frozenset())
+    assert message in str(e.value) and e.value.param == ("prompt" if prompt is not None
+                                                         else "input_ids")
