@@ -162,3 +162,18 @@ def test_engine_prompt_errors_say_what_is_wrong(prompt, input_ids, message):
                   vocab_size=VOCAB, context_length=64, eos_token_ids=frozenset())
     assert message in str(e.value) and e.value.param == ("prompt" if prompt is not None
                                                          else "input_ids")
+
+
+def test_speculative_config_conflict_names_its_key():
+    # before: "--speculative-config 3 conflicts with --speculative-num-steps 4"
+    from specdial.cli import build_parser
+    from specdial.cli_serve import _defaults
+    from specdial.server.config import ServeConfig
+    from specdial.server.flags import resolve_compat
+
+    args = build_parser().parse_args(["serve", "--speculative-num-steps", "4",
+                                      "--speculative-config", '{"num_speculative_tokens": 3}'])
+    with pytest.raises(ValueError) as e:
+        resolve_compat(args, _defaults(ServeConfig))
+    assert str(e.value).startswith("--speculative-config's num_speculative_tokens 3 conflicts "
+                                   "with --speculative-num-steps 4")
