@@ -177,3 +177,12 @@ def test_speculative_config_conflict_names_its_key():
         resolve_compat(args, _defaults(ServeConfig))
     assert str(e.value).startswith("--speculative-config's num_speculative_tokens 3 conflicts "
                                    "with --speculative-num-steps 4")
+
+
+@pytest.mark.parametrize("stop", [-1, True, [1.5], ["a", 2], {"a": 1}])
+def test_generate_stop_of_the_wrong_type_is_a_400(live, stop):
+    # before: 500 "TypeError: object of type 'int' has no len()" (found by random bodies)
+    e = error_of(post(live, "/generate", {"text": "x", "sampling_params": {
+        "max_new_tokens": 2, "stop": stop}}))
+    assert e["param"] == "sampling_params.stop" and e["code"] == "invalid_type"
+    assert "must be a string or a list of strings" in e["message"]

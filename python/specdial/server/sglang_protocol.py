@@ -118,6 +118,9 @@ def sampling_from_sglang(params: dict[str, Any] | None, where: str) -> tuple[dic
         elif key == "stop":
             if value is not None:
                 stop = [value] if isinstance(value, str) else value
+                if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
+                    raise bad_request(f"'{name}' must be a string or a list of strings, got "
+                                      f"{json.dumps(value)[:60]}", name, "invalid_type")
         elif value is not None:
             name = _RENAMED.get(key, key)
             if name in given:
