@@ -127,7 +127,7 @@ def tree_policy(config: AdaptiveConfig | None, topk: int | None,
         return None
     if topk is None or num_draft_tokens is None:
         raise ConfigError("speculative_eagle_topk and speculative_num_draft_tokens bound the "
-                          "simulated trees together: give both (e.g. 8 and 64), got "
+                          "simulated trees together: give both (e.g. 8 and 65), got "
                           f"speculative_eagle_topk={topk}, "
                           f"speculative_num_draft_tokens={num_draft_tokens}")
     if topk < 2:

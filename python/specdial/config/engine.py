@@ -130,7 +130,7 @@ class EngineConfig:
         "draft tree width (SGLang's flag): children kept per frontier node, 1 = one chain per "
         "request; above 1 every drafting iteration verifies an EAGLE-2 tree of depth "
         "--speculative-num-steps (with --speculative-adaptive: the largest tree the policy may "
-        "choose)", default=1, metavar="K")
+        "choose); at most 64, or 16 with --speculative-adaptive", default=1, metavar="K")
     speculative_num_draft_tokens: int | None = _opt(
         "tokens verified per request per iteration, SGLang's counting: the last token (the "
         "tree's root) plus the draft tokens, so a chain's is --speculative-num-steps + 1 (given "

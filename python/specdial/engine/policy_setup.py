@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from specdial._core import AdaptiveConfig, ConfigError, validate_initial_steps
+from specdial._core import (AdaptiveConfig, ConfigError, validate_draft_tree,
+                           validate_initial_steps)
 from specdial.config import FIXED_DEFAULT_STEPS
 
 __all__ = ["cap_candidates", "policy_options"]
@@ -41,13 +42,31 @@ def cap_candidates(config: AdaptiveConfig, max_steps: int) -> AdaptiveConfig:
                           f"config's candidates: {e}") from None
 
 
+#: The goodput strategy's largest ``tree.max_topk`` and ``tree.max_num_draft_tokens`` (root
+#: excluded): ``MAX_TOPK`` and ``MAX_NUM_DRAFT_TOKENS`` of ``rust/core/src/config/tree.rs``,
+#: checked here so that the error names SGLang's flags in SGLang's counting (a test keeps the
+#: two in step).
+MAX_TREE_TOPK = 16
+MAX_TREE_NODES = 64
+
+
 def with_tree_bounds(config: AdaptiveConfig, topk: int, num_draft_tokens: int
                      ) -> AdaptiveConfig:
     """``config`` with the ``goodput`` strategy's ``tree`` key set from SGLang's
     ``speculative_eagle_topk`` / ``speculative_num_draft_tokens`` (root included; the key's
     ``max_num_draft_tokens`` excludes it): with adaptation on, the flags bound the trees the
-    policy chooses (issue 29). Raises :class:`ConfigError` naming the option for a strategy
-    that chooses no trees, or a config whose own ``tree`` key differs from the flags."""
+    policy chooses (issue 29). Raises :class:`ConfigError` naming the option for bounds out
+    of range (top-k in 2..=:data:`MAX_TREE_TOPK`, ``num_draft_tokens`` in
+    2..=:data:`MAX_TREE_NODES` + 1), a strategy that chooses no trees, or a config whose own
+    ``tree`` key differs from the flags."""
+    if not 2 <= topk <= MAX_TREE_TOPK:
+        raise ConfigError(f"speculative_eagle_topk: must be in 2..={MAX_TREE_TOPK} as the "
+                          f"adaptive policy's tree bound (a fixed tree, "
+                          f"--no-speculative-adaptive, allows more), got {topk}")
+    if not 2 <= num_draft_tokens <= MAX_TREE_NODES + 1:
+        raise ConfigError(f"speculative_num_draft_tokens: must be in 2..={MAX_TREE_NODES + 1} "
+                          f"(the root plus 1..={MAX_TREE_NODES} tree nodes) as the adaptive "
+                          f"policy's tree bound, got {num_draft_tokens}")
     data = json.loads(config.to_json())
     what = f"speculative_eagle_topk={topk}"
     if data.get("strategy") != "goodput":
@@ -92,7 +111,8 @@ def policy_options(num_steps: int | None, adaptive: bool, loaded: AdaptiveConfig
         config = loaded if loaded is not None else AdaptiveConfig.default()
         if num_steps is not None:
             config = cap_candidates(config, num_steps)
-        if tree is not None:
+        if tree is not None:  # SGLang's rule at the deepest candidate, named as the flags are
+            validate_draft_tree(config.candidate_steps[-1], *tree)
             config = with_tree_bounds(config, *tree)
         union = config.candidate_steps
         if initial is None:

@@ -146,8 +146,13 @@ def make_spec(prompt: Any, input_ids: Any, sampling_params: Any, stop: Any, *, t
             ids = None
         if ids is None or len(ids) != len(input_ids):
             raise RequestError(f"{label}input_ids must be a list of ints", "input_ids")
-    if not ids or min(ids) < 0 or max(ids) >= vocab_size:
-        raise RequestError(f"{label}{field}: needs 1+ token ids in [0, {vocab_size})", field)
+    if not ids:
+        raise RequestError(f"{label}{field} is empty (0 tokens); allowed: 1+ token ids in "
+                           f"[0, {vocab_size})", field)
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        bad = next(t for t in ids if not 0 <= t < vocab_size)
+        raise RequestError(f"{label}{field}: invalid token id {bad}; allowed: token ids in "
+                           f"[0, {vocab_size}) (the vocabulary)", field)
     try:
         params = SamplingParams.from_dict(with_defaults(sampling_params, defaults))
     except ValueError as e:

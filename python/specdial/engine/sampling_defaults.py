@@ -21,7 +21,7 @@ Under both the server's and the offline rule, the target model's ``generation_co
 comes first (SGLang's ``--sampling-defaults model``, its default, and vLLM's
 ``--generation-config auto``): :func:`model_sampling_defaults` reads the sampling fields the
 model's authors recommend, and :func:`request_defaults` puts them over SGLang's. ``openai``
-ignores the file. The built-in target has no such file.
+ignores the file. The built-in target's file sets no sampling field.
 """
 from __future__ import annotations
 

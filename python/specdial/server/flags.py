@@ -118,6 +118,11 @@ def _set(args: argparse.Namespace, dest: str, value: Any, flag: str,
     names[dest] = flag
 
 
+#: The specdial attribute of each ``--speculative-config`` key, reversed: errors name the key.
+_SPEC_KEYS = {"speculative_algorithm": "method", "draft_model_path": "model",
+              "speculative_num_steps": "num_speculative_tokens"}
+
+
 def _speculative_config(text: str) -> dict[str, Any]:
     """vLLM's ``--speculative-config`` JSON -> specdial attributes."""
     try:
@@ -160,8 +165,8 @@ def resolve_compat(args: argparse.Namespace, parser: argparse.ArgumentParser | N
         _set(args, "model_path", tag, "MODEL", defaults)
     spec = getattr(args, _PREFIX + "speculative_config", None)
     if spec is not None:
-        for dest, value in _speculative_config(spec).items():
-            _set(args, dest, value, "--speculative-config", defaults)
+        for dest, value in _speculative_config(spec).items():  # named by its JSON key
+            _set(args, dest, value, f"--speculative-config's {_SPEC_KEYS[dest]}", defaults)
     resolve_prefix_cache_flags(args)
     if getattr(args, "speculative_algorithm", None) == "STANDALONE":
         args.speculative_algorithm = "DRAFT"

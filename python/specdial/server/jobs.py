@@ -29,7 +29,7 @@ from specdial.server.runs import Job
 from specdial.server.structured import structured_sampling
 from specdial.server.state import ServerState
 
-__all__ = ["DEFAULT_COMPLETION_MAX_TOKENS", "choices", "encode",
+__all__ = ["DEFAULT_COMPLETION_MAX_TOKENS", "check_token_ids", "choices", "encode",
            "make_job", "openai_sampling", "openai_stop"]
 
 #: ``max_tokens`` default of ``/v1/completions`` (OpenAI's).
@@ -46,17 +46,38 @@ def encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
     return [int(t) for t in getattr(enc, "ids", enc)]
 
 
+def check_token_ids(lists: list[list[int]], vocab_size: int | None, param: str,
+                    where: str | None = None) -> None:
+    """Raises :class:`APIError` 400 (``invalid_value``, naming ``param``, or ``where`` in the
+    message, e.g. ``prompt[1]``, and the range) for a token id outside ``[0, vocab_size)``, the
+    range the engine allows a prompt's ids (:func:`specdial.engine.requests.make_spec`);
+    ``vocab_size`` None (an engine that does not say it) checks nothing here, and the
+    tokenizer's own refusal still answers 400."""
+    if vocab_size is None:
+        return
+    for ids in lists:
+        if ids and 0 <= min(ids) and max(ids) < vocab_size:
+            continue
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"'{where or param}': invalid token id {bad}; allowed: token ids "
+                              f"in [0, {vocab_size}) (the vocabulary)", param, "invalid_value")
+
+
 def make_job(state: ServerState, index: int, prompt: str | list[int], *, templated: bool,
              max_tokens: int | None, max_tokens_param: str, prompt_param: str, label: str,
              chat: bool, sampling: dict[str, Any], stop: list[str] | None) -> Job:
     """One engine request for ``prompt`` (text, or token ids); ``label`` names it in error
-    messages. Raises :class:`APIError` 400 for an empty prompt or one that does not fit the
-    context."""
+    messages. Raises :class:`APIError` 400 for an empty prompt, a token id outside the
+    vocabulary (:func:`check_token_ids`) or a prompt that does not fit the context."""
     engine = state.engine
     ctx = int(engine.context_length)
     tokenizer = engine.tokenizer
     if isinstance(prompt, list):
         ids = prompt
+        # here, before anything decodes them (echo): an id past the vocabulary is the
+        # request's fault (400 naming the prompt), and one past int64 must not reach a tokenizer
+        check_token_ids([ids], state.vocab_size, prompt_param, label)
     elif tokenizer is None:  # the engine reports what it cannot do (RequestError)
         n = DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
         return Job(index, prompt, None, {**sampling, "max_new_tokens": n}, stop)

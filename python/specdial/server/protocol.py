@@ -36,13 +36,14 @@ effect on generation. ``model`` may be omitted (the served model is used); a dif
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
-__all__ = ["APIError", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "MAX_N",
+__all__ = ["APIError", "error_field", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "MAX_N",
            "MAX_TEMPERATURE", "SAMPLING_EXTRAS", "UNSUPPORTED_CHAT_FIELDS",
            "UNSUPPORTED_COMPLETION_FIELDS", "choice_seed", "parse_request", "send_api_error"]
 
@@ -314,9 +315,32 @@ def _check_fields(body: dict[str, Any], model: type[BaseModel],
                               "unrecognized_parameter")
 
 
+#: A step of a pydantic error location that names a union member, not a field: ``str``,
+#: ``list[int]``, ``dict[str,any]``, ``function-after[...]`` (pydantic adds one per member it
+#: tried, e.g. ``('rid', 'str')`` for ``rid: str | list[str]``).
+_UNION_TAG = re.compile(r"str|int|float|bool|bytes|none|[\w-]+\[.*\]")
+
+
+def error_field(err: ValidationError) -> tuple[list[str], str]:
+    """The first error of ``err`` as ``(location, message)``: the location without pydantic's
+    union-member steps (a client named ``rid``, not ``rid.str``), and for a field whose value
+    fits no member of its union, each member's complaint once, joined by "; or "."""
+    errors = err.errors()
+    loc = [str(p) for p in errors[0]["loc"] if not (isinstance(p, str)
+                                                     and _UNION_TAG.fullmatch(p))]
+    msgs: list[str] = []
+    for e in errors:
+        here = [str(p) for p in e["loc"] if not (isinstance(p, str) and _UNION_TAG.fullmatch(p))]
+        same = here[:len(loc)] == loc or loc[:len(here)] == here  # a member of the same union
+        if same and e["msg"] not in msgs:
+            msgs.append(e["msg"])
+    return loc, "; or ".join(msgs)
+
+
 def _pydantic_error(err: ValidationError) -> APIError:
     first = err.errors()[0]
-    loc = [str(p) for p in first["loc"]]
+    loc, msg = error_field(err)
+    first = {**first, "msg": msg}
     top = loc[0] if loc else None
     if top == "messages" and len(loc) > 1 and loc[1].isdigit():
         where = f"messages[{loc[1]}]" + "".join(f".{p}" for p in loc[2:3])

@@ -69,7 +69,7 @@ from specdial.engine.ends import error_body, is_failure
 from specdial.engine.output import OutputAccumulator
 from specdial.server.chat import render_chat
 from specdial.server.errors import engine_error
-from specdial.server.jobs import encode
+from specdial.server.jobs import check_token_ids, encode
 from specdial.server.limits import check_detokenize_tokens, check_tokenize_chars, request_id
 from specdial.server.protocol import APIError, bad_request
 from specdial.server.runs import DONE, ClientGone, Run, RunStreamingResponse, watch_disconnect
@@ -151,8 +151,9 @@ async def generate(request: Request, state: StateDep) -> Response:
                               skip_special=j.sampling_params.get("skip_special_tokens")
                               is not False) for j in jobs]
     ids_ = [r or uuid.uuid4().hex for r in rids]
-    run = state.new_run(jobs, arrival, request_id(request.scope),
-                        whole=not req.stream)
+    run = state.new_run(jobs, arrival, request_id(request.scope), whole=not req.stream,
+                        n_param="sampling_params.n",
+                        prompt_param="text" if req.text is not None else "input_ids")
     run.start()
     watcher = asyncio.create_task(watch_disconnect(request, run))
     streaming = False
@@ -280,20 +281,6 @@ def do_tokenize(state: ServerState, raw: bytes) -> dict[str, Any]:
 async def tokenize(request: Request, state: StateDep) -> JSONResponse:
     """SGLang's and vLLM's ``/tokenize`` (:func:`do_tokenize`)."""
     return JSONResponse(await state.offload(do_tokenize, state, await request.body()))
-
-
-def check_token_ids(lists: list[list[int]], vocab_size: int | None, param: str) -> None:
-    """Raises :class:`APIError` 400 (``invalid_value``, naming ``param`` and the range) for a
-    token id outside ``[0, vocab_size)``, the range ``/generate`` allows its ``input_ids``
-    (:func:`specdial.engine.requests.make_spec`); ``vocab_size`` None (an engine that does
-    not say it) checks nothing here, and the tokenizer's own refusal still answers 400."""
-    if vocab_size is None:
-        return
-    for ids in lists:
-        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise bad_request(f"'{param}': invalid token id {bad}; allowed: token ids in "
-                              f"[0, {vocab_size}) (the vocabulary)", param, "invalid_value")
 
 
 def do_detokenize(state: ServerState, raw: bytes) -> dict[str, Any]:

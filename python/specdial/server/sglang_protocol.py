@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from specdial.engine.api import LogprobOptions
 from specdial.server.jobs import choices, make_job
 from specdial.server.limits import check_prompt_count, check_stop
-from specdial.server.protocol import MAX_N, bad_request, json_object
+from specdial.server.protocol import MAX_N, bad_request, error_field, json_object
 from specdial.server.runs import Job
 from specdial.server.state import ServerState
 from specdial.worker.logprobs import MAX_TOP_LOGPROBS
@@ -90,9 +90,10 @@ def parse_body(model: type[BaseModel], raw: bytes) -> Any:
         return model.model_validate(body)
     except ValidationError as e:
         first = e.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"]) or None
+        path, msg = error_field(e)
+        loc = ".".join(path) or None
         code = "unrecognized_parameter" if first["type"] == "extra_forbidden" else "invalid_value"
-        raise bad_request(f"Invalid value for '{loc}': {first['msg']}", loc, code) from None
+        raise bad_request(f"Invalid value for '{loc}': {msg}", loc, code) from None
 
 
 def sampling_from_sglang(params: dict[str, Any] | None, where: str) -> tuple[dict[str, Any],
@@ -117,6 +118,9 @@ def sampling_from_sglang(params: dict[str, Any] | None, where: str) -> tuple[dic
         elif key == "stop":
             if value is not None:
                 stop = [value] if isinstance(value, str) else value
+                if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
+                    raise bad_request(f"'{name}' must be a string or a list of strings, got "
+                                      f"{json.dumps(value)[:60]}", name, "invalid_type")
         elif value is not None:
             name = _RENAMED.get(key, key)
             if name in given:
@@ -220,10 +224,10 @@ def _job(state: ServerState, i: int, prompt: Any, sp: dict[str, Any] | None, *, 
         raise bad_request(f"Invalid value for '{label}.max_new_tokens': "
                           f"{str(max_new)[:40]}; allowed: an int >= 1",
                           f"{label}.max_new_tokens", "invalid_value")
+    field = "text" if text else "input_ids"
     job = make_job(state, i, prompt, templated=False, max_tokens=max_new,
                    max_tokens_param=f"{label}.max_new_tokens",
-                   prompt_param="text" if text else "input_ids",
-                   label="text" if single else f"text[{i}]", chat=False,
+                   prompt_param=field, label=field if single else f"{field}[{i}]", chat=False,
                    sampling=sampling, stop=stop)
     if lp is not None and lp.prompt_start is not None and job.input_ids is not None \
             and lp.prompt_start >= len(job.input_ids):

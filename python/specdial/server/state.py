@@ -24,7 +24,7 @@ from specdial.server.protocol import APIError, bad_request
 from specdial.server.runs import Job, Run
 from specdial.engine.token_align import TokenBytes
 
-__all__ = ["ServerState", "StateDep", "get_state", "vocab_size_of"]
+__all__ = ["ServerState", "StateDep", "admission_capacity", "get_state", "vocab_size_of"]
 
 logger = logging.getLogger("specdial.server")
 
@@ -40,6 +40,21 @@ def vocab_size_of(engine: Any) -> int | None:
         size = getattr(getattr(getattr(engine, "target", None), "config", None),
                        "vocab_size", None)
     return None if size is None else int(size)
+
+
+def admission_capacity(engine: Any) -> int | None:
+    """The most engine requests ``engine`` can hold at once: ``max_running_requests +
+    max_queued_requests`` of its ``config`` (:class:`~specdial.config.engine.EngineConfig`),
+    per data-parallel replica (each has its own scheduler and queue); None when the engine
+    has no such config (nothing is checked). One HTTP request asking for more (``n`` choices
+    times its prompts) can never be admitted: the scheduler would refuse it as a full queue
+    (503, "retry later") even on an idle server."""
+    cfg = getattr(engine, "config", None)
+    try:
+        per_replica = int(cfg.max_running_requests) + int(cfg.max_queued_requests)
+        return per_replica * max(1, int(getattr(cfg, "dp_size", 1) or 1))
+    except (AttributeError, TypeError, ValueError):
+        return None
 
 
 class ServerState:
@@ -78,10 +93,23 @@ class ServerState:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def new_run(self, jobs: list[Job], arrival: float, rid: str | None,
-                whole: bool = False) -> Run:
+                whole: bool = False, *, n_param: str = "n",
+                prompt_param: str = "prompt") -> Run:
         """A :class:`~specdial.server.runs.Run` of ``jobs`` on this engine (not started);
         ``arrival``: ``time.perf_counter()`` seconds at the request's arrival; ``whole``: a
-        non-streaming response (the chunks may come at each job's end)."""
+        non-streaming response (the chunks may come at each job's end). Raises
+        :class:`APIError` 400 naming ``n_param`` (or ``prompt_param`` for several prompts of
+        one choice each) when the jobs outnumber what the engine can ever hold
+        (:func:`admission_capacity`)."""
+        capacity = admission_capacity(self.engine)
+        if capacity is not None and len(jobs) > capacity:
+            prompts = sum(1 for j in jobs if j.counts_prompt)
+            param = prompt_param if prompts == len(jobs) else n_param
+            raise bad_request(
+                f"this request asks for {len(jobs)} sequences ({prompts} prompt(s) x "
+                f"{len(jobs) // max(prompts, 1)} choice(s), '{n_param}'); this server holds at most "
+                f"{capacity} at once (--max-running-requests + --max-queued-requests, per "
+                f"--dp-size replica): ask for fewer in one request", param, "too_many_sequences")
         return Run(self.engine, self.metrics, self.runs, jobs, arrival, rid, whole)
 
     def abort_runs(self, message: str) -> None:
