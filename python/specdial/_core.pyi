@@ -9,6 +9,8 @@ __all__ = [
     "ConfigError",
     "InternalError",
     "__version__",
+    "MAX_TREE_TOPK",
+    "MAX_TREE_NUM_DRAFT_TOKENS",
     "_panic_for_test",
     "AdaptiveConfig",
     "AdaptiveStepSlot",
@@ -30,6 +32,10 @@ __all__ = [
 ]
 
 __version__: str
+#: The goodput strategy's largest ``tree.max_topk`` (``config::tree::MAX_TOPK``).
+MAX_TREE_TOPK: int
+#: Its largest ``tree.max_num_draft_tokens``, root excluded (``config::tree::MAX_NUM_DRAFT_TOKENS``).
+MAX_TREE_NUM_DRAFT_TOKENS: int
 
 class ConfigError(ValueError):
     """A rejected adaptive config or speculative_num_steps; the message names the key and value."""

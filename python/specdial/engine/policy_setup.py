@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from specdial._core import (AdaptiveConfig, ConfigError, validate_draft_tree,
-                           validate_initial_steps)
+from specdial._core import (MAX_TREE_NUM_DRAFT_TOKENS, MAX_TREE_TOPK, AdaptiveConfig,
+                           ConfigError, validate_draft_tree, validate_initial_steps)
 from specdial.config import FIXED_DEFAULT_STEPS
 
 __all__ = ["cap_candidates", "policy_options"]
@@ -42,12 +42,10 @@ def cap_candidates(config: AdaptiveConfig, max_steps: int) -> AdaptiveConfig:
                           f"config's candidates: {e}") from None
 
 
-#: The goodput strategy's largest ``tree.max_topk`` and ``tree.max_num_draft_tokens`` (root
-#: excluded): ``MAX_TOPK`` and ``MAX_NUM_DRAFT_TOKENS`` of ``rust/core/src/config/tree.rs``,
-#: checked here so that the error names SGLang's flags in SGLang's counting (a test keeps the
-#: two in step).
-MAX_TREE_TOPK = 16
-MAX_TREE_NODES = 64
+#: The goodput strategy's largest ``tree.max_num_draft_tokens`` (root excluded), from the Rust
+#: core (``MAX_NUM_DRAFT_TOKENS`` of ``rust/core/src/config/tree.rs``, as ``MAX_TREE_TOPK`` is
+#: its ``MAX_TOPK``): checked here so that the error names SGLang's flags in SGLang's counting.
+MAX_TREE_NODES = MAX_TREE_NUM_DRAFT_TOKENS
 
 
 def with_tree_bounds(config: AdaptiveConfig, topk: int, num_draft_tokens: int
