@@ -189,6 +189,51 @@ def refuse_(model: nn.Module) -> nn.Module:
     return model
 
 
+def store_transposed_(param: torch.Tensor) -> None:
+    """Give the 2-D ``param`` (``[out, in]``, e.g. an LM head's ``[vocab, hidden]``) the
+    memory layout of its transpose on the CPU, in place: its values, shape and identity stay,
+    its storage becomes ``[in, out]`` contiguous, so ``param.t()`` is a contiguous view and
+    ``torch.mm(x, param.t())`` runs MKL's untransposed GEMM (:func:`fuse_linears_`'s reason;
+    the built-in target's LM head over 4 rows: 355 -> 230 µs, BENCHMARKS issue 29).
+    ``param.data`` is replaced, not the Parameter, so every module sharing it keeps sharing
+    it: a tied embedding then looks up strided rows (a few µs at decode; ~0.35 ms per 256
+    prompt tokens at the built-in vocabulary). On other devices the row-major layout is kept
+    (restored after a move from the CPU): cuBLAS takes either layout and a GPU's strided
+    embedding reads would be uncoalesced. The meta device is left alone. Idempotent."""
+    if param.dim() != 2 or param.device.type == "meta":
+        return
+    with torch.no_grad():
+        if param.device.type == "cpu":
+            if not param.t().is_contiguous():
+                param.data = param.data.t().contiguous().t()
+        elif not param.is_contiguous():
+            param.data = param.data.contiguous()
+
+
+class LMHead(Fused, nn.Linear):
+    """The LM head: ``nn.Linear(hidden, vocab)`` (``weight`` ``[vocab, hidden]``,
+    transformers' name and layout in ``state_dict``) whose weight is stored transposed on the
+    CPU (:func:`store_transposed_`). The weight stays one Parameter: tied to the embedding it
+    *is* ``embed_tokens.weight`` (one source of truth; in-place edits, ``load_state_dict``
+    and EAGLE heads sharing it see the same memory). ``fuse_()`` (re)applies the layout after
+    the Parameter was replaced (loading, tying, sharding: :func:`refuse_`). Forward:
+    ``x`` ``[N, hidden]`` -> ``[N, vocab]`` in the weight's dtype as ``torch.mm(x,
+    weight.t())`` (what ``F.linear`` runs, on the stored layout); other ranks or a bias go
+    through ``F.linear``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        nn.Linear.__init__(self, in_features, out_features, bias=bias)
+        self.fuse_()
+
+    def fuse_(self) -> None:
+        store_transposed_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and self.bias is None:
+            return torch.mm(x, self.weight.t())
+        return F.linear(x, self.weight, self.bias)
+
+
 class MLP(Fused):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``; gate and up as one matmul (module docstring)."""
 
