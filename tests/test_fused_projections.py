@@ -254,3 +254,28 @@ def test_lm_head_layout_follows_the_device():
     assert head.weight.t().is_contiguous() and not head.weight.is_contiguous()
     if torch.cuda.is_available():
         assert head.to("cuda").weight.is_contiguous()
+
+
+def test_rotary_table_is_the_formula():
+    """The CPU rotary table (issue 29: one index_select per forward) gives the formula's
+    values bit for bit, grows past its first size, and negative positions take the formula."""
+    from specdial.models.layers import RotaryEmbedding
+
+    cfg = ModelConfig.from_dict({**CFG, "max_position_embeddings": 64, "rope_theta": 500000.0})
+    rot = RotaryEmbedding(cfg)
+    first = rot.table_len
+    for dtype in (torch.float32, torch.bfloat16):
+        for pos in ([0], [5, 6, 7, 8], [first - 1], [3, first + 10, 1], [2 * first + 7]):
+            p = torch.tensor(pos)
+            cos, sin = rot(p, dtype)
+            want = rot.rotation(p, dtype)
+            assert cos.shape == sin.shape == (len(pos), 1, 16) and cos.dtype == dtype
+            assert torch.equal(cos, want[:, :1]) and torch.equal(sin, want[:, 1:])
+            emb = p.float()[:, None] * rot.inv_freq[None, :]
+            emb = torch.cat([emb, emb], -1)  # transformers' cos / rotate_half sin
+            assert torch.equal(cos[:, 0], emb.cos().to(dtype))
+            assert torch.equal(sin[:, 0, 8:], emb.sin().to(dtype)[:, 8:])
+            assert torch.equal(sin[:, 0, :8], -emb.sin().to(dtype)[:, :8])
+    assert rot.table_len == 4 * first and rot.table(torch.float32).shape[0] == 4 * first
+    cos, _ = rot(torch.tensor([-1, 2]), torch.float32)
+    assert torch.equal(cos, rot.rotation(torch.tensor([-1, 2]), torch.float32)[:, :1])

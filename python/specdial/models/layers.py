@@ -73,26 +73,66 @@ class RotaryEmbedding(nn.Module):
     ``rotate_half(x) * sin == x.roll(head_dim // 2, -1) * rot_sin`` exactly (negation is exact
     in floating point): the rotation then costs 4 ops instead of 7. ``inv_freq`` stays float32
     even if the module is cast to another dtype.
+
+    On the CPU both come from a table indexed by position (``[P, 2, head_dim]`` per dtype,
+    :meth:`table`): one ``index_select`` per forward instead of ~12 small ops (issue 29; the
+    values are the formula's, computed the same way per element, as vLLM's ``cos_sin_cache``).
+    The table starts at ``max(TABLE_MIN, max_position_embeddings)`` positions, capped at
+    ``TABLE_MAX``, and doubles when a forward reaches past it (a failed ``index_select``:
+    nothing is checked per forward). Other devices run the formula per forward (no table
+    read can fail inside a CUDA graph).
     """
+
+    #: positions of the smallest table built, and the largest built before one is needed
+    TABLE_MIN = 4096
+    TABLE_MAX = 32768
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.table_len = min(max(self.TABLE_MIN, config.max_position_embeddings),
+                             self.TABLE_MAX)
+        self._tables: dict[torch.dtype, torch.Tensor] = {}
 
     def _apply(self, fn, recurse=True):  # keep inv_freq float32; follow device moves only
         inv = self.inv_freq
         super()._apply(fn, recurse)
         self.inv_freq = inv.to(fn(inv).device)
+        self._tables = {}  # built again on the new device, when needed
         return self
+
+    def rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The formula: ``[T, 2, head_dim]`` (``cos``, ``rot_sin``) in ``dtype`` for
+        ``positions`` ``[T]`` (any integer dtype; float32 math, cast at the end)."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        sin = emb.sin()
+        sin[:, : sin.shape[-1] // 2].neg_()
+        return torch.stack([emb.cos(), sin], 1).to(dtype)
+
+    def table(self, dtype: torch.dtype, min_len: int = 0) -> torch.Tensor:
+        """The CPU table ``[P, 2, head_dim]`` in ``dtype``: row ``p`` is :meth:`rotation` of
+        position ``p``; rebuilt ``P``-doubled until ``P >= min_len``."""
+        t = self._tables.get(dtype)
+        if t is None or t.shape[0] < min_len:
+            while self.table_len < min_len:
+                self.table_len *= 2
+            t = self.rotation(torch.arange(self.table_len, device=self.inv_freq.device), dtype)
+            self._tables[dtype] = t
+        return t
 
     def forward(self, positions: torch.Tensor,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        sin = emb.sin().to(dtype)
-        half = sin.shape[-1] // 2
-        sin[:, :half].neg_()
-        return emb.cos().to(dtype)[:, None, :], sin[:, None, :]
+        if positions.device.type != "cpu" or self.inv_freq.device.type != "cpu":
+            t = self.rotation(positions, dtype)
+        else:
+            try:
+                t = self.table(dtype).index_select(0, positions)
+            except IndexError:  # a position past the table (or negative: the formula)
+                lo, hi = int(positions.min()), int(positions.max())
+                t = (self.rotation(positions, dtype) if lo < 0
+                     else self.table(dtype, hi + 1).index_select(0, positions))
+        return t[:, :1], t[:, 1:]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, rot_sin: torch.Tensor) -> torch.Tensor:
