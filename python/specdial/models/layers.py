@@ -83,7 +83,7 @@ class RotaryEmbedding(nn.Module):
     read can fail inside a CUDA graph).
     """
 
-    #: positions of the smallest table built, and the largest built before one is needed
+    #: bounds of the first table's length; a longer one is built only when a position needs it
     TABLE_MIN = 4096
     TABLE_MAX = 32768
 
@@ -234,10 +234,11 @@ def store_transposed_(param: torch.Tensor) -> None:
     memory layout of its transpose on the CPU, in place: its values, shape and identity stay,
     its storage becomes ``[in, out]`` contiguous, so ``param.t()`` is a contiguous view and
     ``torch.mm(x, param.t())`` runs MKL's untransposed GEMM (:func:`fuse_linears_`'s reason;
-    the built-in target's LM head over 4 rows: 355 -> 230 µs, BENCHMARKS issue 29).
+    the built-in target's LM head over 4 rows: 411 -> 301 µs, over 17 rows 618 -> 543 µs,
+    unchanged over one row, BENCHMARKS issue 29).
     ``param.data`` is replaced, not the Parameter, so every module sharing it keeps sharing
-    it: a tied embedding then looks up strided rows (a few µs at decode; ~0.35 ms per 256
-    prompt tokens at the built-in vocabulary). On other devices the row-major layout is kept
+    it: a tied embedding then looks up strided rows (+1 µs per decode token; +0.4 ms per
+    256 prompt tokens at the built-in vocabulary). On other devices the row-major layout is kept
     (restored after a move from the CPU): cuBLAS takes either layout and a GPU's strided
     embedding reads would be uncoalesced. The meta device is left alone. Idempotent."""
     if param.dim() != 2 or param.device.type == "meta":
@@ -258,8 +259,8 @@ class LMHead(Fused, nn.Linear):
     and EAGLE heads sharing it see the same memory). ``fuse_()`` (re)applies the layout after
     the Parameter was replaced (loading, tying, sharding: :func:`refuse_`). Forward:
     ``x`` ``[N, hidden]`` -> ``[N, vocab]`` in the weight's dtype as ``torch.mm(x,
-    weight.t())`` (what ``F.linear`` runs, on the stored layout); other ranks or a bias go
-    through ``F.linear``."""
+    weight.t())`` (what ``F.linear`` runs, on the stored layout); inputs with other than two
+    dimensions, or a bias, go through ``F.linear``."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         nn.Linear.__init__(self, in_features, out_features, bias=bias)

@@ -45,8 +45,8 @@ class LlamaForCausalLM(nn.Module):
     Serves ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` checkpoints (Qwen2: q/k/v bias, see
     :class:`ModelConfig`). With ``tie_word_embeddings`` ``lm_head.weight`` *is*
     ``embed_tokens.weight`` (one Parameter, :meth:`tie_lm_head_`); ``lm_head`` is an
-    :class:`~specdial.models.layers.LMHead` (its weight stored transposed on the CPU). Parameter names are HF's without the ``model.``
-    prefix. Layer ``i`` uses layer ``i`` of the :class:`KVPool`, which must have
+    :class:`~specdial.models.layers.LMHead` (its weight stored transposed on the CPU).
+    Parameter names are HF's without the ``model.`` prefix. Layer ``i`` uses layer ``i`` of the :class:`KVPool`, which must have
     ``num_hidden_layers`` layers, ``num_key_value_heads`` heads (this rank's share under tensor
     parallelism) and ``head_dim``.
     """
