@@ -13,7 +13,9 @@ slots consecutive, as the page pool hands them to a lone request, or ``--scatter
 - ``draft_decode`` / ``draft_verify4``: the built-in draft model over 1 / 4 tokens (a draft
   step, a draft extend of 4);
 - ``eagle_decode``: the built-in EAGLE-1 head over 1 token (hidden states given);
-- ``*_logits``: the same forward followed by ``compute_logits`` over its last row.
+- ``*_logits``: the same forward followed by ``compute_logits`` over its last row;
+  ``target_verify17_logits`` / ``draft_verify4_logits``: over every row (a tree verify of 16
+  nodes, a tree draft level of top-k 4: their LM heads run over 17 / 4 rows).
 
 Per case: the torch ops one forward dispatches (``torch.profiler``, CPU, ``record_shapes``
 off): ``ops`` every op event, nested ones included (``aten::linear`` and the ``aten::addmm``
@@ -41,8 +43,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = ("target_decode", "target_verify4", "target_verify4_logits", "draft_decode",
-         "draft_decode_logits", "draft_verify4", "eagle_decode")
+CASES = ("target_decode", "target_verify4", "target_verify4_logits", "target_verify17_logits",
+         "draft_decode", "draft_decode_logits", "draft_verify4", "draft_verify4_logits",
+         "eagle_decode")
 
 
 def _setup(context: int, scattered: bool = False):
@@ -63,10 +66,10 @@ def _setup(context: int, scattered: bool = False):
     draft = load_model(builtin_model_path("draft"))
     eagle = load_eagle_head(builtin_model_path("eagle"), target)
     backend = TorchAttentionBackend()
-    slots = context + 8
+    slots = context + 20
     pools = {m: m.make_kv_pool(slots) for m in (target, draft, eagle)}
     vocab = target.config.vocab_size
-    ids = torch.randint(0, vocab, (context + 4,))
+    ids = torch.randint(0, vocab, (context + 17,))
     slot = torch.randperm(slots) if scattered else torch.arange(slots)
 
     def batch(n_new: int) -> ForwardBatch:
@@ -81,20 +84,23 @@ def _setup(context: int, scattered: bool = False):
         hidden = target(full, pools[target], backend)
         draft(full, pools[draft], backend)
         eagle(full, pools[eagle], backend, hidden_states=hidden)
-    b1, b4 = batch(1), batch(4)
+    b1, b4, b17 = batch(1), batch(4), batch(17)
     h1 = hidden[-1:].clone()
 
-    def fwd(model, b, logits=False, **kw):
+    def fwd(model, b, logits: str | None = None, **kw):
         def run():
             out = model(b, pools[model], backend, **kw)
-            return model.compute_logits(out[-1:]) if logits else out
+            if logits is None:
+                return out
+            return model.compute_logits(out[-1:] if logits == "last" else out)
         return run
 
     return {
         "target_decode": fwd(target, b1), "target_verify4": fwd(target, b4),
-        "target_verify4_logits": fwd(target, b4, True),
-        "draft_decode": fwd(draft, b1), "draft_decode_logits": fwd(draft, b1, True),
-        "draft_verify4": fwd(draft, b4),
+        "target_verify4_logits": fwd(target, b4, "last"),
+        "target_verify17_logits": fwd(target, b17, "all"),
+        "draft_decode": fwd(draft, b1), "draft_decode_logits": fwd(draft, b1, "last"),
+        "draft_verify4": fwd(draft, b4), "draft_verify4_logits": fwd(draft, b4, "all"),
         "eagle_decode": fwd(eagle, b1, hidden_states=h1),
     }, target, pools[target], backend, b1
 

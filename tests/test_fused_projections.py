@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from specdial.attention import TorchAttentionBackend
 from specdial.models import (EagleHead, ForwardBatch, LlamaForCausalLM, ModelConfig,
                              load_eagle_head, load_model, save_eagle_head)
-from specdial.models.layers import MLP, Attention, RMSNorm, fuse_linears_, refuse_
+from specdial.models.layers import MLP, Attention, LMHead, RMSNorm, fuse_linears_, refuse_
 
 CFG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -56,6 +56,9 @@ def assert_fused(model: torch.nn.Module) -> None:
             assert m.gate_up_t.is_contiguous()
             n += 1
     assert n, "no fused module found"
+    for m in model.modules():  # LM heads: row-major values, transposed storage (on the CPU)
+        if isinstance(m, LMHead) and m.weight.device.type == "cpu":
+            assert m.weight.t().is_contiguous(), "LM head weight not stored transposed"
 
 
 def _batch(backend, ids):
@@ -193,3 +196,86 @@ def test_biased_eagle_head_saves_and_loads_fused(tmp_path):
             outs.append(h(_batch(backend, [4, 5, 6]), h.make_kv_pool(8), backend,
                           hidden_states=hidden))
     assert torch.equal(outs[0], outs[1])
+
+
+def _lm_head_ok(model: LlamaForCausalLM, tied: bool) -> None:
+    """The LM head is stored transposed, the tie is one Parameter, logits are the head's
+    formula and the embedding looks up the same rows as a row-major copy."""
+    head, emb = model.lm_head, model.embed_tokens
+    assert isinstance(head, LMHead) and head.weight.t().is_contiguous()
+    assert (head.weight is emb.weight) == tied
+    x, ids = torch.randn(5, 64, dtype=head.weight.dtype), torch.tensor([0, 7, 99, 7])
+    with torch.no_grad():
+        torch.testing.assert_close(head(x), x @ head.weight.contiguous().t())
+        assert torch.equal(emb(ids), emb.weight.contiguous()[ids])
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_lm_head_stored_transposed_keeps_the_tie(tmp_path, tied):
+    """Issue 29: the LM head's weight stored ``[hidden, vocab]`` on the CPU. The tie stays
+    one Parameter through construction, in-place edits, ``load_state_dict``, ``.to()``,
+    deepcopy and loading; a replaced Parameter is laid out again by ``refuse_``."""
+    model = _model(tie_word_embeddings=tied)
+    _lm_head_ok(model, tied)
+    ids = [3, 1, 4, 1, 5]
+    before = _forward(model, ids)[0]
+    with torch.no_grad():  # an in-place edit of the embedding reaches the logits when tied
+        model.embed_tokens.weight[:, 0].add_(0.25)
+    after = _forward(model, ids)[0]
+    assert not torch.equal(before, after)
+    _lm_head_ok(model, tied)
+    other = _model(tie_word_embeddings=tied)
+    other.load_state_dict(model.state_dict())  # in place: the layout stays
+    _lm_head_ok(other, tied)
+    assert torch.equal(_forward(other, ids)[0], after)
+    for copy_ in (copy.deepcopy(model), _model(tie_word_embeddings=tied).to(torch.float64)):
+        _lm_head_ok(copy_, tied)
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().contiguous())
+    refuse_(model)
+    assert model.lm_head.weight.t().is_contiguous()
+    cfg = {**CFG, "tie_word_embeddings": tied}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    save_file({("" if k.startswith("lm_head") else "model.") + k: v.contiguous()
+               for k, v in other.state_dict().items() if not (tied and k == "lm_head.weight")},
+              str(tmp_path / "model.safetensors"))
+    loaded = load_model(tmp_path)
+    _lm_head_ok(loaded, tied)
+    assert torch.equal(_forward(loaded, ids)[0], after)
+    assert loaded.state_dict()["lm_head.weight"].shape == (100, 64)  # transformers' shape
+
+
+def test_lm_head_layout_follows_the_device():
+    """Row-major off the CPU (cuBLAS takes either layout; strided embedding rows would be
+    uncoalesced on a GPU); the meta device is left alone."""
+    with torch.device("meta"):
+        head = LMHead(8, 16)
+    assert head.weight.is_contiguous()
+    head = LMHead(8, 16)
+    assert head.weight.t().is_contiguous() and not head.weight.is_contiguous()
+    if torch.cuda.is_available():
+        assert head.to("cuda").weight.is_contiguous()
+
+
+def test_rotary_table_is_the_formula():
+    """The CPU rotary table (issue 29: one index_select per forward) gives the formula's
+    values bit for bit, grows past its first size, and negative positions take the formula."""
+    from specdial.models.layers import RotaryEmbedding
+
+    cfg = ModelConfig.from_dict({**CFG, "max_position_embeddings": 64, "rope_theta": 500000.0})
+    rot = RotaryEmbedding(cfg)
+    first = rot.table_len
+    for dtype in (torch.float32, torch.bfloat16):
+        for pos in ([0], [5, 6, 7, 8], [first - 1], [3, first + 10, 1], [2 * first + 7]):
+            p = torch.tensor(pos)
+            cos, sin = rot(p, dtype)
+            want = rot.rotation(p, dtype)
+            assert cos.shape == sin.shape == (len(pos), 1, 16) and cos.dtype == dtype
+            assert torch.equal(cos, want[:, :1]) and torch.equal(sin, want[:, 1:])
+            emb = p.float()[:, None] * rot.inv_freq[None, :]
+            emb = torch.cat([emb, emb], -1)  # transformers' cos / rotate_half sin
+            assert torch.equal(cos[:, 0], emb.cos().to(dtype))
+            assert torch.equal(sin[:, 0, 8:], emb.sin().to(dtype)[:, 8:])
+            assert torch.equal(sin[:, 0, :8], -emb.sin().to(dtype)[:, :8])
+    assert rot.table_len == 4 * first and rot.table(torch.float32).shape[0] == 4 * first
+    cos, _ = rot(torch.tensor([-1, 2]), torch.float32)
+    assert torch.equal(cos, rot.rotation(torch.tensor([-1, 2]), torch.float32)[:, :1])

@@ -127,6 +127,20 @@ def test_shard_errors_name_the_sizes(cases):
         shard_modules_(model, TensorParallel(rank=0, size=3))
 
 
+def test_tied_vocab_shard_is_one_parameter_stored_transposed(cases):
+    """A rank's tied vocabulary shard (embedding rows = LM head rows) stays one Parameter,
+    stored transposed on the CPU (issue 29's LM head layout), holding this rank's rows."""
+    from specdial.models.tensor_parallel import ParallelLMHead
+    path = cases["llama_tied_bias"]["model_path"]
+    full = load_model(path)
+    for rank in range(2):
+        model = load_model(path, tp=TensorParallel(rank=rank, size=2))
+        head, emb = model.lm_head, model.embed_tokens
+        assert isinstance(head, ParallelLMHead) and head.weight is emb.weight
+        assert head.weight.t().is_contiguous()
+        assert torch.equal(head.weight, slice_shard(full.lm_head.weight, head.shards["weight"]))
+
+
 def test_slice_reads_match_full_reads(cases):
     """``read_shard`` (safetensors ``get_slice``) equals slicing the fully read tensor,
     rows, columns and padded vocabulary rows alike."""

@@ -39,7 +39,7 @@ from specdial.attention.base import AttentionBackend
 from specdial.kv_pool import KVPool
 from specdial.models.batch import ForwardBatch
 from specdial.models.config import ModelConfig
-from specdial.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from specdial.models.layers import MLP, Attention, LMHead, RMSNorm, RotaryEmbedding
 from specdial.models.tensor_parallel import full_shape
 
 #: ``eagle_config.eagle_aux_hidden_state_layer_ids`` (SGLang, SpecForge) names the layer whose
@@ -187,7 +187,7 @@ class Eagle3Head(nn.Module):
                                  f"vocabulary ({vocab}) at hidden size {h}")
             object.__setattr__(self, "lm_head", target_lm_head)
         else:
-            self.lm_head = nn.Linear(h, spec.draft_vocab_size, bias=False)
+            self.lm_head = LMHead(h, spec.draft_vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config)
         self.register_buffer("draft_to_target", torch.arange(spec.draft_vocab_size),
                              persistent=False)

@@ -12,7 +12,7 @@ from specdial.attention.base import AttentionBackend
 from specdial.kv_pool import KVPool
 from specdial.models.batch import ForwardBatch
 from specdial.models.config import ModelConfig
-from specdial.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from specdial.models.layers import DecoderLayer, LMHead, RMSNorm, RotaryEmbedding
 
 
 def run_layers(layers: nn.ModuleList, rotary: RotaryEmbedding, x: torch.Tensor,
@@ -44,8 +44,9 @@ class LlamaForCausalLM(nn.Module):
 
     Serves ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` checkpoints (Qwen2: q/k/v bias, see
     :class:`ModelConfig`). With ``tie_word_embeddings`` ``lm_head.weight`` *is*
-    ``embed_tokens.weight`` (one Parameter). Parameter names are HF's without the ``model.``
-    prefix. Layer ``i`` uses layer ``i`` of the :class:`KVPool`, which must have
+    ``embed_tokens.weight`` (one Parameter, :meth:`tie_lm_head_`); ``lm_head`` is an
+    :class:`~specdial.models.layers.LMHead` (its weight stored transposed on the CPU).
+    Parameter names are HF's without the ``model.`` prefix. Layer ``i`` uses layer ``i`` of the :class:`KVPool`, which must have
     ``num_hidden_layers`` layers, ``num_key_value_heads`` heads (this rank's share under tensor
     parallelism) and ``head_dim``.
     """
@@ -57,10 +58,18 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head: nn.Linear = LMHead(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+            self.tie_lm_head_()
         self.rotary = RotaryEmbedding(config)
+
+    def tie_lm_head_(self) -> None:
+        """Make ``lm_head.weight`` *be* ``embed_tokens.weight`` (one Parameter), stored in
+        the LM head's layout (:class:`~specdial.models.layers.LMHead`: transposed on the
+        CPU, so the embedding's rows are strided there). Call it after replacing either."""
+        self.lm_head.weight = self.embed_tokens.weight
+        if isinstance(self.lm_head, LMHead):
+            self.lm_head.fuse_()
 
     def forward(self, batch: ForwardBatch, kv: KVPool, backend: AttentionBackend, *,
                 input_embeds: torch.Tensor | None = None,

@@ -56,7 +56,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     assign_weights(model, files, {c: param(c) for c in files if c not in skip}, dtype, device,
             lambda p: p if p.startswith("lm_head.") else "model." + p)
     if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+        model.tie_lm_head_()  # one Parameter, in the LM head's layout
     model.rotary.to(device)
     return model.eval()
 

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdial.distributed.group import TensorParallel
-from specdial.models.layers import MLP, Attention
+from specdial.models.layers import MLP, Attention, LMHead
 
 __all__ = ["Shard", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "ParallelLMHead", "shard_modules_", "param_shard", "read_shard", "slice_shard",
@@ -134,9 +134,11 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.tp.all_reduce(out * inside.unsqueeze(-1).to(out.dtype))
 
 
-class ParallelLMHead(nn.Linear):
+class ParallelLMHead(LMHead):
     """LM head holding vocabulary rows ``[vocab_start, ...)``; ``forward`` gathers every rank's
-    logits: ``[N, hidden]`` -> ``[N, vocab]`` (padding rows cut), identical on all ranks."""
+    logits: ``[N, hidden]`` -> ``[N, vocab]`` (padding rows cut), identical on all ranks.
+    Each rank's shard is stored transposed on the CPU, as :class:`LMHead`'s weight (a tied
+    shard is also this rank's embedding rows, which then read strided)."""
 
     def __init__(self, hidden: int, vocab: int, tp: TensorParallel) -> None:
         start, stop, pad = _vocab_range(vocab, tp)
@@ -145,7 +147,7 @@ class ParallelLMHead(nn.Linear):
         self.shards = {"weight": Shard(0, start, stop, (vocab, hidden), pad)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_gather(F.linear(x, self.weight), -1)[..., :self.vocab]
+        return self.tp.all_gather(super().forward(x), -1)[..., :self.vocab]
 
 
 def full_shape(module: nn.Module) -> tuple[int, ...]:
@@ -232,6 +234,7 @@ def shard_modules_(model: nn.Module, tp: TensorParallel) -> nn.Module:
             model.lm_head = ParallelLMHead(head.in_features, head.out_features, tp)
         if tied:
             model.lm_head.weight = model.embed_tokens.weight
+            model.lm_head.fuse_()  # the LM head's layout (the loader ties and lays out again)
     return model
 
 
