@@ -81,10 +81,16 @@ class Trees:
         self.last: dict = {}
         self.min_survival: dict[int, float] = {}  # id(worker) -> the threshold its plans get
         self.limits: list[tuple] = []  # per iteration: (depth, per-request limits, emitted)
+        self.target_tokens: list[tuple[int, int]] = []  # per verify: (ran, B (N + 1))
 
     def clear(self) -> None:
         self.calls.clear()
         self.limits.clear()
+        self.target_tokens.clear()
+
+    def ragged(self) -> int:
+        """Tree verifies whose target forward ran fewer tokens than ``B (N + 1)``."""
+        return sum(ran < full for ran, full in self.target_tokens)
 
     def ended_by_limit(self) -> int:
         """Rows of tree iterations whose accepted path was limited below the tree's depth
@@ -107,15 +113,24 @@ class Trees:
 
 @pytest.fixture(scope="module")
 def trees():
+    import specdial.worker.tree_step as tree_step
     import specdial.worker.worker as worker_module
 
     rec = Trees()
-    run = worker_module.run_tree_iteration
+    run, run_target = worker_module.run_tree_iteration, tree_step.run_target
+    plans: list = []
+
+    def counting(target, drafter, batch, *a, **k):
+        plan = plans[-1]
+        rec.target_tokens.append((int(batch.input_ids.numel()),
+                                  len(plan.rows) * (plan.num_draft_tokens + 1)))
+        return run_target(target, drafter, batch, *a, **k)
 
     def spy(worker, plan, *a, **k):
         ms = rec.min_survival.get(id(worker))
         if ms is not None and plan.min_survival == 0:
             plan = dataclasses.replace(plan, min_survival=ms)
+        plans.append(plan)
         a = (worker, plan, *a)
         out = run(*a, **k)
         rec.last["verified"] = out.verified
@@ -127,6 +142,7 @@ def trees():
         return out
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(worker_module, "run_tree_iteration", spy)
+        mp.setattr(tree_step, "run_target", counting)
         yield rec
 
 
@@ -168,8 +184,8 @@ def _check_ran_trees(engine, trees: Trees, constrained: bool = True) -> None:
     assert trees.calls, "no tree iteration ran"
     if constrained:
         assert trees.constrained() > 0
-    if engine.speculation == "tree_node_budgets":
-        assert trees.cut() > 0, [v for _, v, _, _ in trees.calls]
+    if engine.speculation == "tree_node_budgets":  # budgets cut, and the verify was ragged
+        assert trees.cut() > 0 and trees.ragged() > 0, [v for _, v, _, _ in trees.calls]
 
 
 def _ids(outs):
