@@ -2,10 +2,14 @@
 offline Engine on the built-in models (real tokenizer, EAGLE drafter), each against target-only
 decoding (steps 0) of the same requests:
 
-- the speculations a user can configure with a grammar: a fixed draft tree, adaptive trees with
-  per-request node budgets (``"verify": "per_request"``, ``"min_survival": "auto"``: on the CPU
-  a ragged verify of each request's kept nodes) and per-request verify budgets of chains
-  (packed verify, confidence stop);
+- the speculations a user can configure with a grammar: a fixed draft tree, trees with
+  per-request node budgets (on the CPU a ragged verify of each request's kept nodes) and
+  per-request verify budgets of chains (goodput ``"verify": "per_request"``, ``"min_survival":
+  "auto"``: packed verify, confidence stop). The node budgets come from a fixed tree whose
+  plans the test gives a node threshold, as the goodput policy's per-request decision does:
+  what the policy chooses per iteration depends on what it measured, so its trees with node
+  budgets would come and go with the machine's load (they are covered over HTTP in
+  ``test_combinations_server.py``, whose policy learns a deterministic cost);
 - with each: greedy output (ids, finish reasons, logprobs) identical to target-only under a
   JSON schema with stop strings, logprobs, two copies of every prompt in one batch (what
   ``n = 2`` submits) and the prefix cache on with a shared prefix (its second pass hits the
@@ -18,9 +22,8 @@ decoding (steps 0) of the same requests:
 
 The tree engines record their tree iterations (``run_tree_iteration`` spied on), and each test
 checks that the combination did run in a tree verify (constrained rows, node budgets that cut,
-tokens emitted past a request's end). The node-budget engine's policy learns a deterministic
-cost (``test_tree_budget.verify_priced_cost``, verify tokens priced low enough that its trees
-keep paying; with a measured cost, whether it drafts trees would depend on the machine's load).
+tokens emitted past a request's end, ragged verifies); a request whose end the core caps (its
+remaining tokens) is checked to end at the cap inside a tree verify.
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ import pytest
 
 from specdial.engine import Engine
 from test_engine_greedy import assert_no_leak
-from test_tree_budget import verify_priced_cost
 from timeouts import scaled
 
 KW = dict(max_running_requests=12, kv_cache_tokens=4096, page_size=8, log_interval_s=None,
@@ -74,12 +76,12 @@ POLICY_TREES = dict(speculative_eagle_topk=4, speculative_num_draft_tokens=9,
 
 class Trees:
     """The tree iterations of every engine: per iteration ``(N, verified or None, constrained,
-    emitted tokens per row)``; ``last`` feeds :func:`verify_priced_cost`."""
+    emitted tokens per row)``, of the engine under test only."""
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
-        self.last: dict = {}
         self.min_survival: dict[int, float] = {}  # id(worker) -> the threshold its plans get
+        self.current: int | None = None  # id(worker) of the engine under test: recorded alone
         self.limits: list[tuple] = []  # per iteration: (depth, per-request limits, emitted)
         self.target_tokens: list[tuple[int, int]] = []  # per verify: (ran, B (N + 1))
 
@@ -118,22 +120,25 @@ def trees():
 
     rec = Trees()
     run, run_target = worker_module.run_tree_iteration, tree_step.run_target
-    plans: list = []
+    plans: dict[int, object] = {}  # loop thread -> its tree plan in flight (None: not mine)
 
     def counting(target, drafter, batch, *a, **k):
-        plan = plans[-1]
-        rec.target_tokens.append((int(batch.input_ids.numel()),
-                                  len(plan.rows) * (plan.num_draft_tokens + 1)))
+        plan = plans.get(threading.get_ident())
+        if plan is not None:
+            rec.target_tokens.append((int(batch.input_ids.numel()),
+                                      len(plan.rows) * (plan.num_draft_tokens + 1)))
         return run_target(target, drafter, batch, *a, **k)
 
     def spy(worker, plan, *a, **k):
         ms = rec.min_survival.get(id(worker))
         if ms is not None and plan.min_survival == 0:
             plan = dataclasses.replace(plan, min_survival=ms)
-        plans.append(plan)
+        mine = id(worker) == rec.current
+        plans[threading.get_ident()] = plan if mine else None
         a = (worker, plan, *a)
         out = run(*a, **k)
-        rec.last["verified"] = out.verified
+        if not mine:  # another engine's (one a failed test left running)
+            return out
         rows = [out.tokens_of(b).tolist() for b in range(len(out.offsets) - 1)]
         limits = (np.full(len(rows), plan.steps) if plan.steps_per_request is None
                   else np.asarray(plan.steps_per_request))
@@ -165,7 +170,9 @@ def engines(trees):
 @pytest.fixture(params=list(SPECULATION))
 def engine(request, trees, engines):
     trees.clear()
-    return engines[request.param]
+    e = engines[request.param]
+    trees.current = id(e.worker)
+    return e
 
 
 @pytest.fixture(scope="module")
@@ -214,8 +221,8 @@ def test_greedy_with_a_grammar_equals_target_only(engine, plain, trees, combo):
     elif combo == "prefix":
         prompts = PREFIXED
     want = plain.generate(prompts, sp, **kw)
-    before = engine.stats().cached_tokens
     for _ in range(2 if combo == "prefix" else 1):
+        before = engine.stats().cached_tokens
         got = engine.generate(prompts, sp, **kw)
         assert _ids(got) == _ids(want) and _ends(got) == _ends(want)
         assert_no_leak(engine)
@@ -231,8 +238,8 @@ def test_greedy_with_a_grammar_equals_target_only(engine, plain, trees, combo):
                 assert [t[1] for t in flat(a)] == [t[1] for t in flat(b)]
                 np.testing.assert_allclose([t[0] for t in flat(a)], [t[0] for t in flat(b)],
                                            atol=1e-3)
-    if combo == "prefix":  # the second pass reused the shared prefix's pages
-        assert engine.stats().cached_tokens - before >= len(PREFIXED) * 40
+    if combo == "prefix":  # the second pass found every prompt's full pages (>= 4 of 8) cached
+        assert engine.stats().cached_tokens - before >= len(PREFIXED) * 32
     _check_ran_trees(engine, trees)
 
 

@@ -202,14 +202,13 @@ def test_unseeded_sampling_with_node_budgets_keeps_the_target_distribution(shape
 NODE_S = 0.0005  # the injected cost's seconds per verify token (tree node or chain position)
 
 
-def verify_priced_cost(last_tree: dict, node_s: float = NODE_S):
+def verify_priced_cost(last_tree: dict):
     """The engine test's deterministic cost (the loop's ``decode_seconds`` hook): 20 ms, 0.2 ms
     per draft step and ``NODE_S`` per verify token, the root included: ``steps_per_request + 1``
     per request for a chain, ``1 +`` its kept nodes for a tree (the tree iteration's
     ``verified``, recorded in ``last_tree``; ``plan.num_draft_tokens`` per request where no
     threshold ran). Verify nodes are not free, so ``"auto"`` prices them and cuts the least
-    confident ones (with nodes free it never cuts: the threshold is their price); ``node_s``
-    replaces ``NODE_S``."""
+    confident ones (with nodes free it never cuts: the threshold is their price)."""
     def cost(plan, measured):
         b = plan.batch_size
         if plan.tree_topk > 1:
@@ -217,7 +216,7 @@ def verify_priced_cost(last_tree: dict, node_s: float = NODE_S):
             nodes = b * plan.num_draft_tokens if v is None else int(np.sum(v))
         else:
             nodes = int(np.sum(plan.steps_per_request))
-        return 0.020 + 0.0002 * plan.steps + node_s * (nodes + b)
+        return 0.020 + 0.0002 * plan.steps + NODE_S * (nodes + b)
     return cost
 
 
