@@ -246,16 +246,16 @@ def test_greedy_with_a_grammar_equals_target_only(engine, plain, trees, combo):
 def test_seeded_tokens_do_not_depend_on_batch_shape_or_budgets(engine, plain, trees):
     """Seeded requests (a regex; processors: penalties, min_p, logit_bias, top_p) get the
     tokens plain decoding samples with their seeds, in a batch and alone."""
-    sp = [{"max_new_tokens": 32, "temperature": 1.0, "seed": 11 + i, "regex": LONG_REGEX}
-          for i in range(len(PROMPTS))]
-    sp += [{"max_new_tokens": 32, "temperature": 0.8, "seed": 5 + i, "top_p": 0.9,
+    sp = [{"max_new_tokens": 24, "temperature": 1.0, "seed": 11 + i, "regex": LONG_REGEX}
+          for i in range(3)]
+    sp += [{"max_new_tokens": 24, "temperature": 0.8, "seed": 5 + i, "top_p": 0.9,
             "min_p": 0.05, "presence_penalty": 1.0, "frequency_penalty": 0.5,
-            "logit_bias": {"12": 3.0}} for i in range(len(PROMPTS))]
-    prompts = PROMPTS * 2
+            "logit_bias": {"12": 3.0}} for i in range(3)]
+    prompts = PROMPTS[:3] * 2
     want = _ids(plain.generate(prompts, sp))
     assert _ids(engine.generate(prompts, sp)) == want
-    assert engine.generate(prompts[2], sp[2])["output_ids"] == want[2]
-    assert engine.generate(prompts[7], sp[7])["output_ids"] == want[7]
+    assert engine.generate(prompts[1], sp[1])["output_ids"] == want[1]
+    assert engine.generate(prompts[4], sp[4])["output_ids"] == want[4]
     assert_no_leak(engine)
     _check_ran_trees(engine, trees)
 
@@ -279,12 +279,12 @@ def test_grammar_completing_inside_a_tree_verify_stops_there(engine, plain, tree
 
 
 def test_max_new_tokens_inside_a_tree_verify(engine, plain, trees):
-    """``max_new_tokens`` 1..7, with a grammar and without: ids and finish reasons equal
+    """``max_new_tokens`` 1, 2 and 5, with a grammar and without: ids and finish reasons equal
     target-only's. The core caps a request's accepted path at its remaining tokens (its
     ``steps_per_request``), so a tree verify ends it by that cap: some did, accepting all of it,
     and no verify emitted more tokens than the outputs kept."""
     kept = 0
-    for m in (1, 2, 3, 5, 7):
+    for m in (1, 2, 5):
         for extra in ({}, {"json_schema": SCHEMA}):
             sp = {"max_new_tokens": m, "temperature": 0.0, **extra}
             got = engine.generate(PROMPTS, sp)
@@ -347,7 +347,7 @@ def test_an_abort_mid_tree_leaves_the_others_and_frees_every_page(engine, plain,
     assert seen + sum(len(c.token_ids) for c in rest) < 400
     assert _ids(out) == want
     deadline = time.monotonic() + scaled(30)
-    while engine.stats().running or engine.stats().kv_pages_used:
+    while engine.stats().running or engine.stats().queued:  # the abort is asynchronous
         assert time.monotonic() < deadline, engine.stats()
         time.sleep(0.01)
     assert_no_leak(engine)

@@ -7,6 +7,8 @@ fixed draft tree and adaptive trees with per-request node budgets (goodput, ``"v
   target-only (choice ``i`` seeded from ``(seed, i)``), two different ones;
 - greedy with a JSON schema, stop strings and logprobs, plain and streamed: the same text,
   finish reasons, usage and logprobs as target-only;
+- two replica processes (``dp_size`` 2) with a fixed tree: greedy with a grammar and a stop
+  string, seeded with a grammar, equal to target-only;
 - combinations refused on purpose name the field and the allowed values: two output
   constraints in one request (400), ``min_survival`` without per-request verify and trees
   under a strategy that cannot size them (``ConfigError`` when the engine builds).
@@ -159,3 +161,22 @@ def test_combinations_refused_on_purpose_name_the_field(config, words):
     with pytest.raises(ConfigError) as e:
         Engine(model_path=None, **KW, **config).shutdown()
     assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_replica_processes_with_trees_and_grammars_equal_target_only(servers):
+    """``dp_size`` 2 (one process per replica, each its own scheduler) with a fixed draft tree:
+    greedy under a JSON schema with a stop string, and seeded sampling under a regex, give
+    the tokens of target-only decoding in one process, with the prompts spread over both."""
+    sp = [{"max_new_tokens": 24, "temperature": 0.0, "json_schema": SCHEMA, "stop": ['"id']},
+          {"max_new_tokens": 24, "temperature": 1.0, "seed": 5, "regex": LONG_REGEX}]
+    prompts = [p for p in PROMPTS[:2] for _ in sp]
+    params = sp * 2
+    ref = servers["plain"].engine.generate(prompts, params)
+    want = [o["output_ids"] for o in ref]
+    assert all(o["meta_info"]["finish_reason"]["type"] == "stop" for o in ref[::2])
+    with Engine(model_path=None, dp_size=2, **KW, **CONFIGS["tree_fixed"]) as dp:
+        got = [o["output_ids"] for o in dp.generate(prompts, params)]
+        per_replica = [s.requests_finished for s in dp.data_parallel.replica_stats()]
+        trees = [sum(s.tree_node_histogram.values()) for s in dp.data_parallel.replica_stats()]
+    assert got == want
+    assert min(per_replica) >= 1 and min(trees) > 0, (per_replica, trees)
