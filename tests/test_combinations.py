@@ -353,3 +353,23 @@ def test_an_abort_mid_tree_leaves_the_others_and_frees_every_page(engine, plain,
     assert_no_leak(engine)
     assert engine.scheduler.stats().requests_aborted >= 1
     _check_ran_trees(engine, trees, constrained=with_grammar)
+
+
+def test_preemption_between_tree_verifies_keeps_grammar_and_seeds(plain, trees):
+    """A KV cache too small for the batch's trees (scratch slots included): requests are
+    preempted and re-prefilled between tree verifies; seeded constrained and greedy
+    constrained outputs equal target-only's, and every page comes back."""
+    small = Engine(model_path=None, max_running_requests=3, kv_cache_tokens=96,
+                   context_length=64, page_size=8, log_interval_s=None, policy_cache=False,
+                   enable_prefix_caching=False, **SPECULATION["tree_fixed"])
+    trees.clear()
+    trees.current = id(small.worker)
+    try:
+        for sp in ({"max_new_tokens": 48, "temperature": 1.0, "seed": 7, "regex": LONG_REGEX},
+                   {"max_new_tokens": 48, "temperature": 0.0, "json_schema": SCHEMA}):
+            assert _ids(small.generate(PROMPTS[:3], sp)) == _ids(plain.generate(PROMPTS[:3], sp))
+            assert_no_leak(small)
+        assert small.stats().preemptions > 0
+        assert trees.calls and trees.constrained() > 0
+    finally:
+        small.shutdown()

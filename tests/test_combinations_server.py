@@ -10,7 +10,8 @@ fixed draft tree and adaptive trees with per-request node budgets (goodput, ``"v
 - two replica processes (``dp_size`` 2) with a fixed tree: greedy with a grammar and a stop
   string, seeded with a grammar, equal to target-only;
 - combinations refused on purpose name the field and the allowed values: two output
-  constraints in one request (400), ``min_survival`` without per-request verify and trees
+  constraints in one request (400), ``min_tokens`` with a grammar (a request error, 400),
+  ``min_survival`` without per-request verify and trees
   under a strategy that cannot size them (``ConfigError`` when the engine builds).
 """
 
@@ -161,6 +162,21 @@ def test_combinations_refused_on_purpose_name_the_field(config, words):
     with pytest.raises(ConfigError) as e:
         Engine(model_path=None, **KW, **config).shutdown()
     assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_min_tokens_with_a_grammar_is_refused_naming_the_field(servers):
+    """The grammar decides where the output ends: ``min_tokens`` above 0 is refused (the
+    offline Engine's ``RequestError`` and HTTP 400 name it and the allowed value)."""
+    from specdial.engine.api import RequestError
+
+    with pytest.raises(RequestError) as e:
+        servers["tree_fixed"].engine.generate("x", {"max_new_tokens": 8, "regex": "(yes|no)",
+                                                    "min_tokens": 5})
+    assert e.value.param == "min_tokens" and "allowed: 0" in str(e.value), str(e.value)
+    r = httpx.post(servers["tree_fixed"].url + "/v1/completions", timeout=scaled(60), json={
+        "model": NAME, "prompt": "x", "max_tokens": 8, "guided_regex": "(yes|no)",
+        "min_tokens": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
 
 
 def test_replica_processes_with_trees_and_grammars_equal_target_only(servers):
