@@ -11,8 +11,8 @@ fixed draft tree and adaptive trees with per-request node budgets (goodput, ``"v
   string, seeded with a grammar, equal to target-only;
 - combinations refused on purpose name the field and the allowed values: two output
   constraints in one request (400), ``min_tokens`` with a grammar (a request error, 400),
-  ``min_survival`` without per-request verify and trees
-  under a strategy that cannot size them (``ConfigError`` when the engine builds).
+  ``min_survival`` without per-request verify, trees under a strategy that cannot size them
+  and trees without a drafter (``ConfigError`` when the engine builds).
 """
 
 from __future__ import annotations
@@ -157,6 +157,9 @@ def test_two_output_constraints_are_refused_naming_both(servers):
     (dict(speculative_eagle_topk=4, speculative_num_draft_tokens=9,
           speculative_adaptive_config={"strategy": "ema", "1": {"candidate_steps": [1, 2, 3]}}),
      ["speculative_eagle_topk", "goodput", "'ema'"]),
+    (dict(speculative_algorithm=None, speculative_eagle_topk=4, speculative_num_draft_tokens=9),
+     ["speculative_eagle_topk=4", "needs a drafter", "allowed without a drafter: "
+      "speculative_eagle_topk 1"]),
 ])
 def test_combinations_refused_on_purpose_name_the_field(config, words):
     with pytest.raises(ConfigError) as e:
