@@ -141,11 +141,17 @@ def build_parts(target: LlamaForCausalLM, drafter: Any, tokenizer: Any,
     """Scheduler, worker, policy and loop over built modules (see the module docstring).
     ``loaded_config``: the given adaptive config, loaded (validated whenever given, even when
     it is not used: adaptive off, no drafter). Raises :class:`ConfigError` / ``ValueError``
-    naming the option for steps or graph settings the models cannot run."""
+    naming the option for steps, tree or graph settings the models cannot run (a tree,
+    ``speculative_eagle_topk > 1``, without a drafter)."""
     target = target.eval()
     drafter = make_drafter(drafter, target, max_steps=cfg.drafter_max_steps)
     if drafter is not None:
         drafter.module.eval()
+    elif cfg.speculative_eagle_topk > 1:  # else the scheduler's "steps 0" names no cause
+        raise ConfigError(f"speculative_eagle_topk={cfg.speculative_eagle_topk} drafts a tree, "
+                          "which needs a drafter; this engine has none (speculative_algorithm "
+                          "None, or no draft model); allowed without a drafter: "
+                          "speculative_eagle_topk 1")
     policy, step_values, adaptive = policy_options(
         cfg.speculative_num_steps, cfg.speculative_adaptive, loaded_config,
         None if drafter is None else drafter.max_steps, cfg.steps_schedule,
