@@ -84,7 +84,7 @@ fn per_request_keeps_up_with_the_best_fixed_depth_as_contexts_grow() {
 }
 
 #[test]
-#[ignore = "floor out of reach with this confidence model (BENCHMARKS.md, issue 28: the request classes against the measured spreads): mean per-request / batch-level 1.016 (0.993-1.089); against the batch-level oracle on these 16 cases the batch-level strategy averages 0.983, the per-request oracle 1.046, the confidence oracle (exact survival of every draft position) 1.086 and an oracle ranking by the drafter's reported confidence (depth and count chosen clairvoyantly) 1.082, which is 1.101x the batch-level strategy, the floor itself; with request classes fitted to the measured spreads (not applied) 1.018, the ceilings 1.054, 1.095 and 1.091 against 0.982"]
+#[ignore = "floor out of reach with this confidence model (BENCHMARKS.md, issue 28: the request classes against the measured spreads): mean per-request / batch-level 1.022 (0.998-1.102; 1.016 before the stopped iteration stopped teaching the shared estimates and probes verified uniformly; BENCHMARKS.md, issue 28: the plain-bug fixes of the per-request stop); against the batch-level oracle on these 16 cases the batch-level strategy averages 0.983, the per-request oracle 1.046, the confidence oracle (exact survival of every draft position) 1.086 and an oracle ranking by the drafter's reported confidence (depth and count chosen clairvoyantly) 1.082, which is 1.101x the batch-level strategy, the floor itself; with request classes fitted to the measured spreads (not applied) 1.018, the ceilings 1.054, 1.095 and 1.091 against 0.982"]
 fn per_request_gains_a_tenth_over_batch_level_on_mixed_batches_at_high_concurrency() {
     let all = all();
     let high: Vec<&Case> =

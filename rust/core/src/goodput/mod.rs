@@ -29,6 +29,12 @@
 //!   `(bucket, steps)` cell can borrow only once, so over a run probes still take about
 //!   `probe_budget` of the decode time; their tokens count like any others. While the cost model
 //!   finds the machine off its usual pace ([`cost`], layer 3) no probe runs and no credit accrues.
+//!   A probe verifies its depth uniformly, under the automatic confidence stop too: it is there to
+//!   measure the depth's cell, and a shortened iteration teaches no cell.
+//! - **Survivors of a stop.** An iteration the confidence stop cut teaches the per-request
+//!   histories and the confidence model, not the shared per-position acceptance: under a stop
+//!   only the confident requests reach deep positions, and their acceptance overstates the
+//!   population's.
 //! - **Catch-up.** After a stretch at steps 0 with the drafter's extend skipped, the first drafting
 //!   iteration also runs the drafter over the missed tokens (and over prompts whose drafter
 //!   prefill was deferred meanwhile). The cost model learns that cost per catch-up token; a

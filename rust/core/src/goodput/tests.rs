@@ -148,3 +148,53 @@ fn per_request_budgets_yield_to_plain_decoding_where_the_drafters_fixed_cost_doe
     let plain = d.steps == 0 || matches!(&d.verify, VerifyShape::PerRequest(l) if l.iter().all(|&v| v == 0));
     assert!(plain, "{d:?}");
 }
+
+/// A probe runs its depth uniformly, also where the confidence stop is chosen: it is there to
+/// measure the depth's uniform cell, and a shortened iteration teaches no cell (BENCHMARKS.md,
+/// "Issue 28: why the per-request stop falls short", fault 3: a stopped probe left the cell it
+/// probed unmeasured, so the next iteration probed it again). Half the requests draft with
+/// probability 0.97 and accept all, half with 0.2 and accept none, on a device where a verify
+/// token costs a tenth of the iteration's base: the stop is chosen, and the probes among those
+/// iterations carry no rule and teach the probed depth's cell.
+#[test]
+fn a_probe_verifies_uniformly_under_the_confidence_stop() {
+    use crate::config::{MinSurvival, VerifyMode};
+    use per_request::RequestVerify;
+    let cfg = GoodputConfig { probe_budget: 0.5, verify: VerifyMode::PerRequest, min_survival: MinSurvival::Auto, ..GoodputConfig::default() };
+    let mut p = GoodputPolicy::new(cfg, 2, vec![(0..=4).collect()]);
+    let ids: Vec<u64> = (0..8).collect();
+    let (hi, lo) = ([0.97; 4], [0.2; 4]);
+    let (mut stopped, mut probes) = (0, 0);
+    for _ in 0..400 {
+        let d = p.decide_requests(0, 8, 8, 8, 800, Some(0), Some(&ids));
+        let probe = p.last_decision().unwrap().probe;
+        let rule = d.confidence_stop.map(|c| f64::from(c.min_survival));
+        assert!(!(probe && rule.is_some()), "a probe at steps {} carried the stop {rule:?}", d.steps);
+        let cells = p.cost.cell_count(8, d.steps);
+        let requests: Vec<RequestVerify<'_>> = ids
+            .iter()
+            .map(|&r| {
+                let probs: &[f64] = if r < 4 { &hi[..d.steps as usize] } else { &lo[..d.steps as usize] };
+                // the worker's rule: the leading positions whose cumulative probability passes
+                let mut c = 1.0;
+                let v = probs.iter().take_while(|&&q| {
+                    c *= q;
+                    rule.is_none_or(|x| c >= x)
+                });
+                let v = v.count() as u32;
+                RequestVerify { id: r, steps: v, accepted: if r < 4 { i64::from(v) } else { 0 }, draft_probs: Some(&probs[..v as usize]) }
+            })
+            .collect();
+        let verified: u32 = requests.iter().map(|r| r.steps).sum();
+        let seconds = 0.01 + 0.001 * f64::from(d.steps) + 0.001 * f64::from(verified + 8);
+        p.observe_requests(0, 8, 8, d.steps, &requests, Some(seconds), 800, Some(0));
+        if rule.is_some() {
+            stopped += 1;
+        }
+        if probe {
+            probes += 1;
+            assert_eq!(p.cost.cell_count(8, d.steps), cells + 1, "the probe of steps {} measured no cell", d.steps);
+        }
+    }
+    assert!(stopped > 100 && probes > 5, "{stopped} stopped iterations, {probes} probes: the case does not test the rule");
+}
