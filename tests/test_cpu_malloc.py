@@ -43,8 +43,10 @@ def _decode_page_faults(mode: str) -> int:
                     reason="glibc only")
 def test_decode_temporaries_reuse_memory_instead_of_faulting_pages_in():
     kept, default = _decode_page_faults("keep"), _decode_page_faults("default")
-    # measured: ~8k vs ~160k over a 32-request run; here a fraction of either
-    assert kept * 4 < default, (kept, default)
+    # measured: ~8k vs ~160k over a 32-request run; here a fraction of either. Since the LM
+    # head is stored transposed and rotary reads a table (fewer large temporaries), the default
+    # faults less: 13.5k against 1.5k-4.1k kept (a466427: 38k against 6.9k)
+    assert kept * 2 < default, (kept, default)
 
 
 def test_keep_freed_memory_is_idempotent_and_never_raises():
