@@ -7,8 +7,6 @@ replica processes. Validation: an int >= 1, the error naming the field."""
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 
@@ -16,6 +14,7 @@ import specdial
 from specdial.config import EngineConfig
 from specdial.engine.api import LogprobOptions
 from specdial.server.config import ServeConfig
+from test_server_builtin_extras import stream_events
 from test_server_fake_engine import LiveServer
 from timeouts import scaled
 
@@ -118,17 +117,6 @@ def test_an_abort_sends_the_held_tokens_with_its_final_chunk():
         engine.shutdown(drain=False)
 
 
-def _events(server, path: str, body: dict) -> list[dict]:
-    out = []
-    with httpx.stream("POST", server.url + path, json={**body, "stream": True},
-                      timeout=scaled(120)) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                out.append(json.loads(line[6:]))
-    return out
-
-
 def test_http_streams_carry_the_interval_and_join_to_the_whole_response(engines):
     _, four = engines
     with LiveServer(four, name="m") as server:
@@ -139,7 +127,7 @@ def test_http_streams_carry_the_interval_and_join_to_the_whole_response(engines)
                     "ignore_eos": True, "logprobs": 1}
             whole = httpx.post(server.url + "/v1/completions", json=body,
                                timeout=scaled(120)).json()
-            events = _events(server, "/v1/completions",
+            events = stream_events(server, "/v1/completions",
                              {**body, "stream_options": {"include_usage": True}})
             lps = [e["choices"][0]["logprobs"] for e in events
                    if e.get("choices") and e["choices"][0]["logprobs"]]
@@ -154,7 +142,7 @@ def test_http_streams_carry_the_interval_and_join_to_the_whole_response(engines)
             sg = {"text": prompt, "sampling_params": {"max_new_tokens": 40, "temperature": 0,
                                                       "ignore_eos": True}}
             sg_whole = httpx.post(server.url + "/generate", json=sg, timeout=scaled(120)).json()
-            sg_events = _events(server, "/generate", sg)
+            sg_events = stream_events(server, "/generate", sg)
             counts = [e["meta_info"]["completion_tokens"] for e in sg_events]
             _check_sizes([b - a for a, b in zip([0] + counts, counts)], INTERVAL)
             assert sg_events[-1]["text"] == sg_whole["text"]
