@@ -282,8 +282,9 @@ class LiveServer:
         return self
 
     def stop(self, timeout: float = 20) -> None:
+        """Stop the server; ``timeout``: idle-machine seconds for its thread, :func:`scaled`."""
         self.server.should_exit = True
-        self.thread.join(timeout)
+        self.thread.join(scaled(timeout))
         assert not self.thread.is_alive(), "the test server did not stop"
 
     def __exit__(self, *exc: Any) -> None:

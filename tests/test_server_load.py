@@ -113,8 +113,9 @@ class Server:
                                      text, re.M)}
 
     def wait_idle(self, timeout: float = 60) -> dict[str, float]:
-        """Wait until nothing runs, nothing waits and no KV page is held; return /metrics."""
-        deadline = time.monotonic() + timeout
+        """Wait until nothing runs, nothing waits and no KV page is held; return /metrics.
+        ``timeout``: idle-machine seconds, :func:`scaled`."""
+        deadline = time.monotonic() + scaled(timeout)
         while True:
             m = self.metrics()
             if (m["specdial:num_requests_running"] == 0 and m["specdial:num_requests_waiting"]
