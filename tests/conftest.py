@@ -41,6 +41,17 @@ def pytest_configure(config: pytest.Config) -> None:
 # would make tests of a fresh policy depend on what ran before.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="specdial-test-cache-")
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _policy_cache_per_module(tmp_path_factory):
+    """A fresh policy cache directory for each test module (before its module fixtures: autouse
+    comes first within a scope): a built-in engine's goodput policy would otherwise start from
+    what another module's engine measured, under that moment's load, and which modules ran
+    before (``pytest tests/x.py`` or the whole suite) would decide its first choices."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("policy-cache")))
+        yield
+
 # Tiny CPU models: intra-op threads only add overhead (about 15x slower on a shared 2-core box).
 torch.set_num_threads(1)
 

@@ -247,11 +247,17 @@ def _per_engine_readings_are_the_replicas_summed(two: Engine) -> None:
     """``loop_turns`` and ``graph_stats()`` of a dp 2 Engine (they raised on one: the front
     has no loop and no worker) are the replicas' summed, and both replicas turned. The loops
     rest while idle; a replica process's count comes with its heartbeat (every 1 s here), so
-    the last beat after the work is awaited first."""
-    time.sleep(scaled(1.5))
-    turns = [r.loop_turns for r in two.replicas]
-    assert min(turns) > 0, turns  # both served a share
-    assert two.loop_turns == sum(turns), (two.loop_turns, turns)
+    the readings are polled until both show a turn (before: a fixed 6 s sleep), and the sum
+    is taken between two equal readings of the replicas (a beat may land in between)."""
+    deadline = time.monotonic() + scaled(10)
+    while True:
+        turns = [r.loop_turns for r in two.replicas]
+        total = two.loop_turns
+        if min(turns) > 0 and turns == [r.loop_turns for r in two.replicas]:
+            break  # both served a share
+        assert time.monotonic() < deadline, turns
+        time.sleep(0.05)
+    assert total == sum(turns), (total, turns)
     zero = {"replays": {}, "eager": {}, "captured": 0}  # no graph runners on the CPU
     assert [r.graph_stats() for r in two.replicas] == [zero, zero]
     assert two.graph_stats() == zero

@@ -50,7 +50,9 @@ def test_loop_turns_move_with_work_and_rest_while_idle():
         after = engine.loop_turns
         assert after >= before + 4  # a prefill and 3 decode iterations, one per turn at most
         time.sleep(0.3)
-        assert engine.loop_turns == after
+        # at most the turn that enters the wait: the loop takes it after handing over the last
+        # chunk, so a loaded machine may read ``after`` before it (a spinning loop: hundreds)
+        assert after <= engine.loop_turns <= after + 1
 
 
 def test_progress_counts_only_a_busy_loop_that_does_not_turn():

@@ -24,6 +24,7 @@ from specdial.engine.loading import resolve_placement
 from specdial.engine.policy_setup import cap_candidates
 from specdial.server.config import GenerateConfig, ServeConfig, config_from_args
 from specdial.server.flags import resolve_compat
+from timeouts import scaled
 
 TARGET = builtin_model_path("target")
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU default")
@@ -142,7 +143,7 @@ def test_a_missing_id_names_the_flag_the_user_passed(hf_cache):
 def test_serve_with_a_missing_id_fails_in_one_line(tmp_path):
     env = {**__import__("os").environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path)}
     r = subprocess.run([sys.executable, "-m", "specdial.cli", "serve", "org/none"],
-                       capture_output=True, text=True, timeout=120, env=env)
+                       capture_output=True, text=True, timeout=scaled(120), env=env)
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert lines == [lines[0]] and lines[0].startswith("specdial: error: MODEL org/none:"), r.stderr

@@ -16,7 +16,7 @@ def test_gpu_check_cpu_smoke(tmp_path):
          str(tmp_path)], capture_output=True, text=True, timeout=scaled(300))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert res["status"] == "OK" and res["elapsed_s"] < 60
+    assert res["status"] == "OK" and res["elapsed_s"] < scaled(60)  # a stall bound
     assert res["env"]["cpu_smoke"] is True
 
     parity = res["parity"]

@@ -39,6 +39,8 @@ from pathlib import Path
 
 import pytest
 
+from timeouts import scaled
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 BIN = Path(sys.executable).parent
@@ -66,7 +68,7 @@ SMALL_SCRIPTS: dict[str, dict[str, str]] = {
                            "--system-prompt-len": "32", "--question-len": "4"},
 }
 FIXTURES = {"trace.jsonl": ROOT / "examples" / "sample_trace.jsonl"}
-TIMEOUT_S = 300
+TIMEOUT_S = scaled(300)  # idle-machine seconds x the suite's scale (tests/timeouts.py)
 
 
 @dataclass
@@ -147,7 +149,7 @@ def small(cmd: str, port: int) -> str:
         if len(words) > 1 and Path(words[1]).name == name:
             words = _set_options(words, options)
     if words[0] == "curl":
-        words[1:1] = ["--fail", "--max-time", "120"]
+        words[1:1] = ["--fail", "--max-time", f"{scaled(120):g}"]
     return re.sub(r"(localhost|127\.0\.0\.1):\d+", f"127.0.0.1:{port}", shlex.join(words))
 
 
@@ -245,7 +247,7 @@ def _stop(server: subprocess.Popen | None) -> None:
         return
     server.send_signal(signal.SIGTERM)
     try:
-        rc = server.wait(timeout=60)
+        rc = server.wait(timeout=scaled(60))
     except subprocess.TimeoutExpired:
         server.kill()
         server.wait()

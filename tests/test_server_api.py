@@ -450,7 +450,10 @@ def test_unknown_route_is_json_404(live):
 
 
 def test_full_queue_is_503_and_the_server_recovers():
-    engine = FakeEngine(max_running=1, max_queued=1, delay=0.02)
+    # the two requests are held running and queued until the 503 is seen (by a delay of 0.4 s
+    # before, which a loaded machine's round trip could outlast: the queue had room again)
+    gate = threading.Event()
+    engine = FakeEngine(max_running=1, max_queued=1, delay=0.02, gate=gate)
     with LiveServer(engine) as live:
         results: list[int] = []
 
@@ -465,6 +468,7 @@ def test_full_queue_is_503_and_the_server_recovers():
         err = error_of(r, 503, None, "queue_full")
         assert r.headers["retry-after"] == "1"
         assert err["message"].count("retry later") == 1, err["message"]
+        gate.set()
         for t in threads:
             t.join(scaled(20))
         assert results == [200, 200]

@@ -63,16 +63,18 @@ class FakeEngine:
 
     ``max_running`` requests generate at once, ``max_queued`` more wait; beyond that
     ``QueueFullError``. ``delay``: seconds between chunks; ``tokens_per_chunk``: tokens per
-    chunk (a "verify" accepting ``tokens_per_chunk - 1`` drafts at steps 3).
+    chunk (a "verify" accepting ``tokens_per_chunk - 1`` drafts at steps 3). ``gate``: when
+    given, a running request makes no chunk until it is set (a test holds requests in place
+    by an event, not by a delay it hopes is long enough).
     """
 
     def __init__(self, *, context_length: int = 256, max_running: int = 8,
                  max_queued: int = 64, delay: float = 0.0, tokens_per_chunk: int = 2,
-                 tokenizer: Any = None) -> None:
+                 tokenizer: Any = None, gate: threading.Event | None = None) -> None:
         self.tokenizer = FakeTokenizer() if tokenizer is None else tokenizer
         self.context_length = context_length
         self.max_running, self.max_queued = max_running, max_queued
-        self.delay, self.tokens_per_chunk = delay, tokens_per_chunk
+        self.delay, self.tokens_per_chunk, self.gate = delay, tokens_per_chunk, gate
         self.submitted: dict[int, dict[str, Any]] = {}
         self.aborted: list[int] = []
         self.shutdown_calls: list[bool] = []
@@ -161,6 +163,8 @@ class FakeEngine:
                 await asyncio.sleep(0.005)
             self._waiting.discard(rid)
             self._running.add(rid)
+            while self.gate is not None and not self.gate.is_set():
+                await asyncio.sleep(0.005)
             for chunk in self._chunks(rid, ids, p, stop or []):
                 await asyncio.sleep(self.delay)
                 if rid in self._abort_requested:
@@ -282,8 +286,9 @@ class LiveServer:
         return self
 
     def stop(self, timeout: float = 20) -> None:
+        """Stop the server; ``timeout``: idle-machine seconds for its thread, :func:`scaled`."""
         self.server.should_exit = True
-        self.thread.join(timeout)
+        self.thread.join(scaled(timeout))
         assert not self.thread.is_alive(), "the test server did not stop"
 
     def __exit__(self, *exc: Any) -> None:

@@ -99,6 +99,14 @@ class HealthProbe:
         self._stop.set()
         self._thread.join(scaled(15))
 
+    def wait_count(self, n: int) -> None:
+        """Until ``n`` probes were answered (a count of probes, not a sleep: on a loaded
+        machine a fixed sleep saw too few); ``AssertionError`` after scaled 10 s."""
+        deadline = time.monotonic() + scaled(10)
+        while self.count < n:
+            assert time.monotonic() < deadline and self._thread.is_alive(), self.count
+            time.sleep(0.01)
+
 
 def raw_post(port: int, body: bytes, content_length: int, path: str = "/v1/completions"
              ) -> socket.socket:
@@ -124,12 +132,12 @@ def read_all(s: socket.socket, timeout: float) -> bytes:
 def test_a_20mb_body_is_refused_in_under_3s_while_health_answers():
     body = b'{"prompt": "' + b"x" * 20_000_000 + b'", "max_tokens": 2}'
     with LiveServer(FakeEngine()) as live, HealthProbe(live.url) as probe:
-        time.sleep(0.2)
+        probe.wait_count(2)  # the probe runs before the upload starts
         t0 = time.monotonic()
         r = httpx.post(live.url + "/v1/completions", content=body, headers=JSON,
                        timeout=TIMEOUT)
         elapsed = time.monotonic() - t0
-        time.sleep(0.2)
+        probe.wait_count(probe.count + 2)  # one probe begun during or after the upload
     print(f"\n[limits] 20 MB body: {r.status_code} in {elapsed:.2f} s; /health worst "
           f"{probe.worst * 1000:.0f} ms over {probe.count} probes")
     err = error_of(r, 413, "request_too_large")
@@ -161,8 +169,8 @@ def test_a_chunked_body_is_counted_as_it_arrives():
 def test_a_slow_body_is_refused_after_the_read_timeout():
     with LiveServer(FakeEngine(), limits=ServerLimits(body_read_timeout_s=0.5)) as live, \
             Records() as logs:
+        t0 = time.monotonic()  # before sending: the server's timer cannot start earlier
         s = raw_post(live.port, b'{"prompt": "x', 1000)
-        t0 = time.monotonic()
         answer = read_all(s, scaled(5))
         elapsed = time.monotonic() - t0
         s.close()

@@ -113,8 +113,9 @@ class Server:
                                      text, re.M)}
 
     def wait_idle(self, timeout: float = 60) -> dict[str, float]:
-        """Wait until nothing runs, nothing waits and no KV page is held; return /metrics."""
-        deadline = time.monotonic() + timeout
+        """Wait until nothing runs, nothing waits and no KV page is held; return /metrics.
+        ``timeout``: idle-machine seconds, :func:`scaled`."""
+        deadline = time.monotonic() + scaled(timeout)
         while True:
             m = self.metrics()
             if (m["specdial:num_requests_running"] == 0 and m["specdial:num_requests_waiting"]
@@ -301,31 +302,61 @@ def test_a_50mb_body_and_a_slow_body_flood_while_a_stream_flows(server):
     print(f"\n[load] {FIGURES['body_faults']}")
 
 
-async def _send_and_read(port: int, head: bytes) -> bytes:
+async def _send_and_read(port: int, head: bytes, sent: list[int] | None = None) -> bytes:
     """Send ``head`` (an unfinished request) on a raw connection, then wait (scaled 30 s) for
-    what the server answers: a slow client."""
+    what the server answers: a slow client. ``sent`` (a one-item counter) is incremented once
+    the head is sent."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(head)
     await writer.drain()
+    if sent is not None:
+        sent[0] += 1
     try:
         return await asyncio.wait_for(reader.read(4096), scaled(30))
     finally:
         writer.close()
 
 
+async def _until(what: str, predicate: Any) -> None:
+    """Until the async ``predicate()`` holds (polled every 20 ms; scaled 30 s, then fails)."""
+    deadline = time.monotonic() + scaled(30)
+    while not await predicate():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.02)
+
+
+def _async(predicate: Any) -> Any:
+    """``predicate`` as an async function (for :func:`_until`)."""
+    async def check() -> bool:
+        return bool(predicate())
+    return check
+
+
 def test_slow_headers_fill_the_connection_cap_while_health_answers(server):
+    """The stream runs before the flood and every slow connection is open before the checks:
+    awaited by count (the metrics' running requests, the heads sent), not by sleeps (0.3 s
+    and 0.5 s before, which a loaded client could overrun: the stream then got the 503, or
+    the completion found the cap not yet full)."""
+    sent = [0]
+
     async def slow_header() -> bytes:
         return await _send_and_read(server.port,
-                                    b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthori")
+                                    b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthori",
+                                    sent)
+
+    async def running(c: httpx.AsyncClient) -> bool:
+        text = (await c.get("/metrics")).text
+        return bool(re.search(r"^specdial:num_requests_running(\{[^}]*\})? [1-9]", text, re.M))
 
     async def main():
         async with httpx.AsyncClient(base_url=server.url, headers=AUTH,
-                                     timeout=scaled(120)) as c:
+                                     timeout=scaled(120)) as c, \
+                httpx.AsyncClient(base_url=server.url, timeout=scaled(30)) as m:
             stream = asyncio.create_task(stream_one(c, PROMPTS[1]))
-            await asyncio.sleep(0.3)
+            await _until("the stream runs", lambda: running(m))
             t0 = time.monotonic()
             slow = [asyncio.create_task(slow_header()) for _ in range(MAX_CONNECTIONS)]
-            await asyncio.sleep(0.5)  # every slow connection is open
+            await _until("every slow connection is open", _async(lambda: sent[0] == len(slow)))
             async with httpx.AsyncClient(base_url=server.url, headers=AUTH,
                                          timeout=scaled(30)) as fresh:
                 t1 = time.monotonic()
@@ -374,8 +405,12 @@ def test_sigterm_under_load_and_a_quiet_log(server):
     async def main():
         async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=scaled(60)) as c:
             tasks = [asyncio.create_task(one(c, i)) for i in range(len(events))]
-            while sum(bool(e) for e in events) < len(events):
-                await asyncio.sleep(0.05)
+            # every stream has an event (bounded: a stream that failed would never have one)
+            def failed() -> list[BaseException | None]:
+                return [t.exception() for t in tasks if t.done() and t.exception()]
+
+            await _until("every stream started", _async(lambda: all(events) or failed()))
+            assert all(events), failed()[:3]
             server.proc.send_signal(signal.SIGTERM)
             await asyncio.gather(*tasks)
 

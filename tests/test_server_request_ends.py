@@ -30,6 +30,7 @@ from specdial.engine.loop import Crash
 from specdial.server.config import ServeConfig
 from test_server_cli import save_tiny_model
 from test_server_fake_engine import LiveServer
+from timeouts import scaled
 
 NAME = "tiny"
 INNOCENT = {"prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -52,7 +53,7 @@ def live(target):
 
 
 def _innocent(url: str) -> None:
-    r = httpx.post(url + "/v1/completions", json=INNOCENT, timeout=120)
+    r = httpx.post(url + "/v1/completions", json=INNOCENT, timeout=scaled(120))
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["usage"]["completion_tokens"] == 8
@@ -70,15 +71,15 @@ def test_a_failing_step_is_a_500_or_an_error_event(live, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(engine.worker, "decode", flaky)
-    r = httpx.post(live.url + "/v1/completions", json=INNOCENT, timeout=60)
+    r = httpx.post(live.url + "/v1/completions", json=INNOCENT, timeout=scaled(60))
     assert r.status_code == 500, r.text
     err = r.json()["error"]
     assert "injected step failure" in err["message"] and err["code"] == "engine_error"
     r = httpx.post(live.url + "/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}, timeout=60)
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}, timeout=scaled(60))
     assert r.status_code == 500 and "injected step failure" in r.text
     r = httpx.post(live.url + "/generate", json={
-        "text": "hi", "sampling_params": {"max_new_tokens": 8}}, timeout=60)
+        "text": "hi", "sampling_params": {"max_new_tokens": 8}}, timeout=scaled(60))
     assert r.status_code == 500, r.text
     reason = r.json()["meta_info"]["finish_reason"]
     assert reason["type"] == "error" and "injected step failure" in reason["message"]
@@ -88,7 +89,7 @@ def test_a_failing_step_is_a_500_or_an_error_event(live, monkeypatch):
                                                stream=True):
                 pass
     with httpx.stream("POST", live.url + "/v1/completions",
-                      json={**INNOCENT, "stream": True}, timeout=60) as r:
+                      json={**INNOCENT, "stream": True}, timeout=scaled(60)) as r:
         data = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert data[-1] == "data: [DONE]" and "injected step failure" in data[-2], data
     assert "error" in json.loads(data[-2][6:])
@@ -104,12 +105,12 @@ def test_a_dead_loop_turns_health_and_metrics_down(target):
         metrics = httpx.get(server.url + "/metrics").text
         assert 'specdial:engine_up{model_name="tiny"} 1.0' in metrics
         engine._loop.post(Crash("injected loop death"))
-        engine._loop.thread.join(30)
+        engine._loop.thread.join(scaled(30))
         r = httpx.get(server.url + "/health")
         assert r.status_code == 503 and "injected loop death" in r.text, r.text
         metrics = httpx.get(server.url + "/metrics").text
         assert 'specdial:engine_up{model_name="tiny"} 0.0' in metrics
-        r = httpx.post(server.url + "/v1/completions", json=INNOCENT, timeout=30)
+        r = httpx.post(server.url + "/v1/completions", json=INNOCENT, timeout=scaled(30))
         assert r.status_code == 503 and "injected loop death" in r.text
 
 
@@ -123,7 +124,7 @@ def test_the_issue_reproductions_are_400s_beside_innocent_requests(live, bad, pa
     with ThreadPoolExecutor(13) as pool:
         innocents = [pool.submit(_innocent, live.url) for _ in range(12)]
         r = pool.submit(httpx.post, live.url + "/v1/completions",
-                        json={**INNOCENT, "temperature": 0.7, **bad}, timeout=60).result()
+                        json={**INNOCENT, "temperature": 0.7, **bad}, timeout=scaled(60)).result()
         for f in innocents:
             f.result()
     assert r.status_code == 400, r.text
@@ -189,7 +190,7 @@ def test_extreme_values_in_every_numeric_field(live, case):
     with ThreadPoolExecutor(3) as pool:
         innocents = [pool.submit(_innocent, live.url) for _ in range(2)]
         r = pool.submit(httpx.post, live.url + path, content=raw,
-                        headers={"Content-Type": "application/json"}, timeout=120).result()
+                        headers={"Content-Type": "application/json"}, timeout=scaled(120)).result()
         for f in innocents:
             f.result()
     if (field, i) in VALID:
@@ -203,7 +204,7 @@ def test_extreme_values_in_every_numeric_field(live, case):
 def test_every_extreme_value_in_every_field_once(live):
     """The whole table above, each (endpoint, field, value) once (the Hypothesis test samples
     it beside innocent requests): never a 5xx; a 4xx unless the value is in range."""
-    with httpx.Client(timeout=120) as client:
+    with httpx.Client(timeout=scaled(120)) as client:
         for path in sorted(BASE):
             for field in FIELDS[path]:
                 for i, value in enumerate(EXTREMES):

@@ -22,6 +22,7 @@ from specdial.engine.courier import Box, burst, courier_for
 from specdial.server.metrics import ServerMetrics
 from specdial.server.openai_responses import sse_events
 from specdial.server.runs import DONE, Job, Run
+from timeouts import scaled
 
 
 def _counting(loop: asyncio.AbstractEventLoop) -> list[int]:
@@ -78,7 +79,7 @@ def test_a_burst_holds_the_wake_until_its_end_while_the_loop_runs():
 
         t = threading.Thread(target=engine_thread)
         t.start()
-        taken = [await asyncio.wait_for(courier.take(box), 5) for box in boxes]
+        taken = [await asyncio.wait_for(courier.take(box), scaled(5)) for box in boxes]
         while t.is_alive():
             await asyncio.sleep(0.005)
         return inside, calls[0], taken
@@ -99,7 +100,7 @@ def test_courier_take_waits_and_keeps_items_when_cancelled():
         with pytest.raises(asyncio.CancelledError):
             await waiter
         threading.Thread(target=courier.deliver, args=(box, ["a", "b"])).start()
-        first = await asyncio.wait_for(courier.take(box), 5)
+        first = await asyncio.wait_for(courier.take(box), scaled(5))
         courier.deliver(box, ["c"])
         return first + await courier.take(box)
 

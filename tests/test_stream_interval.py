@@ -7,6 +7,8 @@ replica processes. Validation: an int >= 1, the error naming the field."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -102,8 +104,12 @@ def test_an_abort_sends_the_held_tokens_with_its_final_chunk():
         it = engine.stream(PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": 200})
         first = next(it)
         assert len(first.token_ids) >= 1
-        import time
-        time.sleep(0.3)  # let some iterations run: tokens are held meanwhile
+        # tokens are held after the first chunk: wait for two more by count (a fixed sleep
+        # could see none on a loaded machine, or all 200 on a fast one)
+        deadline = time.monotonic() + scaled(30)
+        while engine.stats().generation_tokens < len(first.token_ids) + 2:
+            assert time.monotonic() < deadline, engine.stats()
+            time.sleep(0.002)
         engine.abort(first.request_id)
         chunks = [first, *it]
         last = chunks[-1]

@@ -34,7 +34,7 @@ def _start(tmp_path, timeout_s):
     procs = launch_ranks(config, range(2), PROBE,
                          {"out_dir": str(tmp_path), "iters": 100000, "pause_s": 0.01},
                          stderr=subprocess.PIPE)
-    _wait_for(lambda: all((tmp_path / f"ready.{r}").exists() for r in range(2)), 120,
+    _wait_for(lambda: all((tmp_path / f"ready.{r}").exists() for r in range(2)), scaled(120),
               "both ranks to form the group")
     return procs
 
@@ -50,14 +50,14 @@ def test_dead_or_hung_rank_is_an_error_within_the_timeout(tmp_path, fault):
         victim, rank0 = procs.procs[1], procs.procs[0]
         os.kill(victim.pid, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
         t0 = time.monotonic()
-        code = rank0.wait(timeout_s + 30)
+        code = rank0.wait(timeout_s + scaled(30))
         waited = time.monotonic() - t0
         report = json.loads((tmp_path / "report.json").read_text())
         assert code == 2 and not report["ok"], report
         assert "all_reduce on rank 0 of 2 failed" in report["error"]
         assert "a peer rank died or hung" in report["error"]
         assert f"dist_timeout {timeout_s:g}s" in report["error"]
-        assert waited < timeout_s + 10, waited
+        assert waited < timeout_s + scaled(10), waited
         if fault == "hung":  # gloo waits for the peer until the deadline, not longer
             assert report["elapsed_s"] >= timeout_s * 0.5, report
     finally:
@@ -97,7 +97,7 @@ def test_worker_ranks_exit_when_rank0_dies(tmp_path):
             # a zombie of the killed parent is reaped by init; check its state
             with open(f"/proc/{child}/stat") as f:
                 return f.read().split(")")[1].split()[0] == "Z"
-        _wait_for(gone, 15, "the worker rank to exit")
+        _wait_for(gone, scaled(15), "the worker rank to exit")
         assert time.monotonic() - t0 < scaled(15)
     finally:
         parent.kill()
