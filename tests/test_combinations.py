@@ -382,33 +382,34 @@ def test_preemption_between_tree_verifies_keeps_grammar_and_seeds(plain, trees):
         small.shutdown()
 
 
-def test_adaptive_chain_decoding_plainly_still_caches_its_pages(plain):
-    """The adaptive chain engine (goodput, per-request budgets) given a deterministic cost in
-    which a draft step is dear (20 ms against a 10 ms iteration; the loop's ``decode_seconds``
-    hook, as in ``test_engine_greedy.py``) decodes plainly with the zero-step draft extend
-    skipped, and defers the drafter prefill of requests admitted meanwhile: their drafters
-    never reach their pages. The second pass of the shared-prefix prompts still finds every
-    prompt's full pages cached (the target's KV is what is cached), greedy ids equal
-    target-only's, and every page comes back."""
-    from test_engine_greedy import iteration_cost
 
-    e = Engine(model_path=None, **KW, **SPECULATION["chain_budgets"])
+def test_adaptive_chain_decoding_plainly_still_caches_its_pages(plain):
+    """The adaptive chain engine's configuration (goodput, per-request budgets) with its steps
+    forced (the ``steps_schedule`` hook in place of the policy, whose choices follow the
+    machine's load): plain decodes with the zero-step draft extend skipped, after a plain
+    decode, so the drafter prefill of the shared-prefix prompts is deferred and their drafters
+    never reach their pages (what a loaded CI run's policy did; its second pass then found 0
+    cached tokens). The second pass still finds every prompt's full pages cached (the target's
+    KV is what is cached); a third pass drafting at steps 3 hits those pages, whose drafter KV
+    its drafter computes first, and a fourth hits them with it. Greedy ids equal target-only's
+    in every pass, and every page comes back."""
+    steps = {"k": 0}
+    e = Engine(model_path=None, **KW, **SPECULATION["chain_budgets"],
+               steps_schedule=lambda i, n: steps["k"])
     try:
-        e._loop.decode_seconds = iteration_cost(0.020)
         sp = {"max_new_tokens": 40, "temperature": 0.0}
-        e.generate(PROMPTS, {**sp, "max_new_tokens": 120})  # the policy learns: steps 0
+        e.generate(PROMPTS[0], {**sp, "max_new_tokens": 4})  # the last decode ran steps 0
         assert e.flush_cache()
-        want = plain.generate(PREFIXED, sp)
-        for _ in range(2):
+        want = _ids(plain.generate(PREFIXED, sp))
+        for i, k in enumerate((0, 0, 3, 3)):
+            steps["k"] = k
             before = e.stats().cached_tokens
             got = e.generate(PREFIXED, sp)
-            assert _ids(got) == _ids(want)
+            assert _ids(got) == want
             assert_no_leak(e)
-        hits = e.stats().cached_tokens - before
-        assert hits >= len(PREFIXED) * 32, (hits, e.stats())
-        plain_decodes = sum(o["meta_info"]["spec_steps_histogram"].get(0, 0) for o in got)
-        verifies = sum(sum(o["meta_info"]["spec_steps_histogram"].values()) for o in got)
-        assert plain_decodes >= 0.8 * verifies, [o["meta_info"]["spec_steps_histogram"]
-                                                 for o in got]
+            hist = [o["meta_info"]["spec_steps_histogram"] for o in got]
+            assert all(set(h) == {k} for h in hist), hist
+            hits = e.stats().cached_tokens - before
+            assert i == 0 or hits >= len(PREFIXED) * 32, (i, hits, e.stats())
     finally:
         e.shutdown()

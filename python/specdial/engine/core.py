@@ -25,6 +25,7 @@ import torch
 from specdial.config import EngineConfig, config_of_call
 from specdial.engine import readings as _readings
 from specdial.engine.api import LogprobOptions, StreamChunk
+from specdial.engine.bounds import context_label
 from specdial.engine.build import (adaptive_config_of, build_parts, modules_config,
                                    start_tensor_parallel)
 from specdial.engine.cache_ops import flush_cache as _flush_cache
@@ -330,7 +331,8 @@ class Engine:
         return make_spec(prompt, input_ids, sampling_params, stop, tokenizer=self.tokenizer,
                          vocab_size=self.vocab_size,
                          context_length=self.context_length, eos_token_ids=self.eos_token_ids,
-                         label=label, logprobs=logprobs, defaults=self.sampling_defaults)
+                         label=label, logprobs=logprobs, defaults=self.sampling_defaults,
+                         context_label=context_label(self.config, self.context_length))
 
     def _post(self, message: Message) -> None:
         with self._lock:
