@@ -274,6 +274,13 @@ class Engine:
         return self._parts.context_length if self._dp is None else self._dp.context_length
 
     @property
+    def context_label(self) -> str:
+        """How errors name the context limit: by the option that set it
+        (:func:`specdial.engine.bounds.context_label`: ``context_length``, or
+        ``kv_cache_tokens`` when the KV cache cut the model's context)."""
+        return context_label(self.config, self.context_length)
+
+    @property
     def data_parallel(self) -> DataParallelEngine | None:
         """The front end over the replicas when ``dp_size > 1`` (routing counts,
         :meth:`~specdial.launch.data_parallel.DataParallelEngine.replica_stats`), else
@@ -332,7 +339,7 @@ class Engine:
                          vocab_size=self.vocab_size,
                          context_length=self.context_length, eos_token_ids=self.eos_token_ids,
                          label=label, logprobs=logprobs, defaults=self.sampling_defaults,
-                         context_label=context_label(self.config, self.context_length))
+                         context_label=self.context_label)
 
     def _post(self, message: Message) -> None:
         with self._lock:
