@@ -52,4 +52,4 @@ def context_label(cfg: Any, ctx: int) -> str:
         return (f"the context of {ctx} tokens that kv_cache_tokens={kv} leaves ({ctx // ps} "
                 f"page(s) of page_size {ps}; the model's context length is cut to the KV "
                 f"cache, so a larger kv_cache_tokens allows more)")
-    return f"the model's context length {ctx}"
+    return f"context_length {ctx} (the model's, as no context_length was given)"

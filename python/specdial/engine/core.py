@@ -78,7 +78,8 @@ class Engine:
     - ``draft_model_path``: a draft model directory (same tokenizer), or an EAGLE-1 or EAGLE-3
       head directory in specdial's, SGLang's or vLLM's layout
       (:mod:`specdial.models.drafter_loader`).
-    - ``speculative_algorithm``: ``"EAGLE"``, ``"EAGLE3"``, ``"DRAFT"`` or ``None``. Default:
+    - ``speculative_algorithm``: ``"EAGLE"``, ``"EAGLE3"``, ``"DRAFT"`` or ``None`` (SGLang's
+      ``"STANDALONE"`` and ``"NONE"`` are accepted as ``"DRAFT"`` and ``None``). Default:
       inferred from ``draft_model_path`` (none: no speculation); the built-in models use EAGLE.
       Naming EAGLE or EAGLE3 loads a head labelled ``LlamaForCausalLM`` as that kind of head,
       as SGLang and vLLM do.
