@@ -110,3 +110,25 @@ def test_positional_and_unknown_engine_arguments():
 def test_bad_values_name_the_field(bad, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(**bad)
+
+
+def test_sglang_algorithm_names_mean_what_the_command_line_makes_them():
+    """``speculative_algorithm="NONE"`` (SGLang's "no speculation") and ``"STANDALONE"``
+    (SGLang's separate draft model) are accepted by the Engine as by the CLI, with the same
+    meaning: None and ``"DRAFT"``; the built-in models with ``"NONE"`` decode plainly."""
+    assert EngineConfig(speculative_algorithm="NONE").speculative_algorithm is None
+    assert EngineConfig(speculative_algorithm="STANDALONE").speculative_algorithm == "DRAFT"
+    for name, meaning in (("NONE", None), ("STANDALONE", "DRAFT")):
+        args = EngineArgs(speculative_algorithm=name)
+        assert args.engine_config().speculative_algorithm == meaning
+    with pytest.raises(ValueError, match="'NONE', 'STANDALONE'; got 'none'"):
+        EngineConfig(speculative_algorithm="none")
+    e = Engine(model_path=None, speculative_algorithm="NONE", log_interval_s=None,
+               policy_cache=False)
+    try:
+        assert e.speculative_algorithm is None and e._parts.drafter is None
+        out = e.generate("Hello", {"max_new_tokens": 3, "temperature": 0.0})
+        assert len(out["output_ids"]) == 3
+        assert set(out["meta_info"]["spec_steps_histogram"]) <= {0}, out["meta_info"]
+    finally:
+        e.shutdown()

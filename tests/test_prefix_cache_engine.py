@@ -130,3 +130,38 @@ def test_prompt_logprobs_are_computed_not_cached(tiny):
         assert out["output_ids"] == plain["output_ids"]
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("head", ["eagle_noisy", "draft"])
+def test_acceptance_after_a_hit_on_pages_no_drafter_reached(tiny, tiny1, head):
+    """Pages cached by a request that decoded plainly (steps 0 with the draft extend skipped,
+    its drafter prefill deferred behind an earlier plain decode) are cached without the
+    drafter's KV. The next turn, drafting at steps 3, hits them: the plan tells the worker how
+    much of the hit carries the drafter's KV (none), its drafter runs over the rest first, and
+    its drafts, acceptance and tokens equal those without the cache; a third request hits the
+    pages that turn's drafter filled in, with the same acceptance as without the cache."""
+    target, drafter = ((tiny1.target, tiny1.eagle_noisy) if head == "eagle_noisy"
+                       else (tiny.target, tiny.draft_noisy))
+
+    def run(on: bool) -> list[dict]:
+        steps = {"k": 0}
+        engine = Engine.from_modules(target, drafter, enable_prefix_caching=on,
+                                     kv_cache_tokens=1024, steps_schedule=lambda i, n: steps["k"],
+                                     **KW)
+        try:
+            engine.generate(input_ids=[5, 6, 7], sampling_params=greedy(3))
+            first = engine.generate(input_ids=SYSTEM + [1, 2], sampling_params=greedy(12))
+            steps["k"] = 3
+            turn = SYSTEM + [1, 2] + first["output_ids"]
+            return [first] + [engine.generate(input_ids=turn + tail, sampling_params=greedy(12))
+                              for tail in ([11, 12], [13])]
+        finally:
+            engine.shutdown()
+
+    on, off = run(True), run(False)
+    assert [o["output_ids"] for o in on] == [o["output_ids"] for o in off]
+    assert on[1]["meta_info"]["cached_tokens"] >= len(SYSTEM) + 2 - 3
+    assert on[2]["meta_info"]["cached_tokens"] > on[1]["meta_info"]["cached_tokens"] - 4
+    for m_on, m_off in zip(on[1:], off[1:]):
+        assert m_on["meta_info"]["spec_verify_ct"] == m_off["meta_info"]["spec_verify_ct"]
+        assert m_on["meta_info"]["spec_accept_length"] == m_off["meta_info"]["spec_accept_length"]

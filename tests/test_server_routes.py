@@ -35,6 +35,8 @@ ROUTES = {
     ("/detokenize", ("POST",)), ("/v1/detokenize", ("POST",)),
     ("/tokenizer_info", ("GET",)),
     ("/flush_cache", ("GET", "POST")),  # issue 30: SGLang's
+    ("/health_generate", ("GET",)), ("/abort_request", ("POST",)),  # SGLang's
+    ("/ping", ("GET", "POST")),  # vLLM's
 }
 ROUTERS = {"openai": openai_api.router, "sglang": sglang_api.router, "ops": ops_api.router}
 
@@ -90,7 +92,8 @@ def test_every_route_comes_from_one_router_with_a_module_level_handler():
         for b in names[i + 1:]:
             assert not mounted[a] & mounted[b], (a, b)
     assert all(p.startswith("/v1/") for p, _ in mounted["openai"])
-    assert {p for p, _ in mounted["ops"]} == {"/health", "/metrics", "/flush_cache"}
+    assert {p for p, _ in mounted["ops"]} == {"/health", "/metrics", "/flush_cache", "/ping",
+                                              "/health_generate", "/abort_request"}
     for router in ROUTERS.values():
         for route in _flat(router.routes):
             fn = route.endpoint

@@ -33,6 +33,9 @@ __all__ = ["ALGORITHMS", "AUTO", "DTYPES", "ENGINE_OPTIONS", "EngineConfig", "FI
 AUTO = "auto"
 #: Allowed ``speculative_algorithm`` values (None: no speculation).
 ALGORITHMS = (AUTO, "EAGLE", "EAGLE3", "DRAFT", None)
+#: SGLang's spellings the CLI and the Engine both accept, and what they mean here:
+#: ``NONE`` is no speculation (None), ``STANDALONE`` a separate draft model (``DRAFT``).
+ALGORITHM_ALIASES = {"NONE": None, "STANDALONE": "DRAFT"}
 #: ``sampling_defaults`` values (SGLang's ``--sampling-defaults``; the rule:
 #: :mod:`specdial.engine.sampling_defaults`).
 SAMPLING_DEFAULTS_CHOICES = ("model", "openai")
@@ -242,7 +245,11 @@ class EngineConfig:
     cuda_graph_mode: str | None = _opt("test hook: cuda, eager or emulate", cli=False)
 
     def __post_init__(self) -> None:
-        check_choice("speculative_algorithm", self.speculative_algorithm, ALGORITHMS)
+        if isinstance(self.speculative_algorithm, str) \
+                and self.speculative_algorithm in ALGORITHM_ALIASES:
+            self.speculative_algorithm = ALGORITHM_ALIASES[self.speculative_algorithm]
+        check_choice("speculative_algorithm", self.speculative_algorithm,
+                     ALGORITHMS + tuple(ALGORITHM_ALIASES))
         check_choice("sampling_defaults", self.sampling_defaults, SAMPLING_DEFAULTS_CHOICES)
         if (self.speculative_num_steps is not None
                 and (isinstance(self.speculative_num_steps, bool)

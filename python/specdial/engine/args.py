@@ -121,8 +121,8 @@ class EngineArgs(EngineConfig):
 
     def engine_config(self) -> EngineConfig:
         """The :class:`EngineConfig` of these options (validated; ``ValueError`` naming the
-        field). ``--speculative-algorithm NONE`` becomes ``None``, ``STANDALONE`` ``DRAFT``,
-        ``--log-interval-s 0`` ``None`` (the Engine's "off"). A command may widen a field to
+        field). ``--speculative-algorithm NONE`` / ``STANDALONE`` mean what they mean to the Engine
+        (:data:`specdial.config.engine.ALGORITHM_ALIASES`), ``--log-interval-s 0`` ``None`` (the Engine's "off"). A command may widen a field to
         None ("derive it"); None there, for a field whose engine default is not None, means
         the engine's default. Python-only fields (``cli=False``: the test hooks) are passed
         when set from Python, else keep the engine's defaults."""
@@ -134,9 +134,6 @@ class EngineArgs(EngineConfig):
             if value is None and f.default is not None:
                 continue  # left to the engine's default by a command
             values[f.name] = value
-        algo = values.get("speculative_algorithm")
-        if algo in (NO_SPECULATION, "STANDALONE"):
-            values["speculative_algorithm"] = None if algo == NO_SPECULATION else "DRAFT"
         if values.get("log_interval_s") == 0:
             values["log_interval_s"] = None
         return EngineConfig(**values)

@@ -25,6 +25,7 @@ import torch
 from specdial.config import EngineConfig, config_of_call
 from specdial.engine import readings as _readings
 from specdial.engine.api import LogprobOptions, StreamChunk
+from specdial.engine.bounds import context_label
 from specdial.engine.build import (adaptive_config_of, build_parts, modules_config,
                                    start_tensor_parallel)
 from specdial.engine.cache_ops import flush_cache as _flush_cache
@@ -77,7 +78,8 @@ class Engine:
     - ``draft_model_path``: a draft model directory (same tokenizer), or an EAGLE-1 or EAGLE-3
       head directory in specdial's, SGLang's or vLLM's layout
       (:mod:`specdial.models.drafter_loader`).
-    - ``speculative_algorithm``: ``"EAGLE"``, ``"EAGLE3"``, ``"DRAFT"`` or ``None``. Default:
+    - ``speculative_algorithm``: ``"EAGLE"``, ``"EAGLE3"``, ``"DRAFT"`` or ``None`` (SGLang's
+      ``"STANDALONE"`` and ``"NONE"`` are accepted as ``"DRAFT"`` and ``None``). Default:
       inferred from ``draft_model_path`` (none: no speculation); the built-in models use EAGLE.
       Naming EAGLE or EAGLE3 loads a head labelled ``LlamaForCausalLM`` as that kind of head,
       as SGLang and vLLM do.
@@ -273,6 +275,13 @@ class Engine:
         return self._parts.context_length if self._dp is None else self._dp.context_length
 
     @property
+    def context_label(self) -> str:
+        """How errors name the context limit: by the option that set it
+        (:func:`specdial.engine.bounds.context_label`: ``context_length``, or
+        ``kv_cache_tokens`` when the KV cache cut the model's context)."""
+        return context_label(self.config, self.context_length)
+
+    @property
     def data_parallel(self) -> DataParallelEngine | None:
         """The front end over the replicas when ``dp_size > 1`` (routing counts,
         :meth:`~specdial.launch.data_parallel.DataParallelEngine.replica_stats`), else
@@ -330,7 +339,8 @@ class Engine:
         return make_spec(prompt, input_ids, sampling_params, stop, tokenizer=self.tokenizer,
                          vocab_size=self.vocab_size,
                          context_length=self.context_length, eos_token_ids=self.eos_token_ids,
-                         label=label, logprobs=logprobs, defaults=self.sampling_defaults)
+                         label=label, logprobs=logprobs, defaults=self.sampling_defaults,
+                         context_label=self.context_label)
 
     def _post(self, message: Message) -> None:
         with self._lock:

@@ -107,11 +107,36 @@ def _split_stop(sampling_params: Any, stop: Any, label: str) -> tuple[Any, Any]:
     return params, stop if in_params is None else in_params
 
 
+def _check_context(n: int, max_new: int, ctx: int, field: str, label: str, *, sent: bool,
+                   context_label: str | None) -> None:
+    """``RequestError`` when ``n`` prompt tokens leave no room within the context of ``ctx``
+    tokens, or ``n + max_new`` exceed it. The error names what the user sent: the prompt
+    (``field``) when ``max_new_tokens`` was not ``sent`` (its default then overflows), and the
+    allowed values; ``context_label`` names the option that set the limit."""
+    where = context_label or f"context_length {ctx}"
+    if n >= ctx:
+        raise RequestError(f"{label}{field}: {n} tokens leave no room for a completion within "
+                           f"{where}; allowed: at most {ctx - 1} prompt tokens", field)
+    if n + max_new <= ctx:
+        return
+    if sent:
+        raise RequestError(f"{label}{n} prompt tokens + max_new_tokens {max_new} exceed "
+                           f"{where}; allowed: max_new_tokens <= {ctx - n} for this prompt",
+                           "max_new_tokens")
+    raise RequestError(f"{label}{field}: {n} tokens + the default max_new_tokens {max_new} "
+                       f"(not sent) exceed {where}; allowed: at most {max(ctx - max_new, 0)} "
+                       f"prompt tokens, or send max_new_tokens <= {ctx - n}", field)
+
+
 def make_spec(prompt: Any, input_ids: Any, sampling_params: Any, stop: Any, *, tokenizer: Any,
               vocab_size: int, context_length: int, eos_token_ids: frozenset[int],
               label: str = "", logprobs: LogprobOptions | None = None,
-              defaults: Mapping[str, Any] = _DEFAULTS) -> RequestSpec:
+              defaults: Mapping[str, Any] = _DEFAULTS,
+              context_label: str | None = None) -> RequestSpec:
     """Validate one request (``label`` prefixes the messages, e.g. ``"prompt 2: "``).
+
+    ``context_label``: how the messages name the context limit (the option that set it,
+    :func:`specdial.engine.bounds.context_label`; default ``context_length N``).
 
     ``defaults``: the sampling values of the fields ``sampling_params`` leaves unset
     (:func:`specdial.engine.sampling_defaults.request_defaults`; the engine passes the ones
@@ -163,14 +188,10 @@ def make_spec(prompt: Any, input_ids: Any, sampling_params: Any, stop: Any, *, t
         check_logit_bias_vocab(params.logit_bias, vocab_size)
     except ValueError as e:
         raise RequestError(f"{label}{e}", "logit_bias") from None
-    ctx = context_length
-    if len(ids) >= ctx:
-        raise RequestError(f"{label}{field}: {len(ids)} tokens leave no room for a completion "
-                           f"within context_length {ctx}", field)
-    if len(ids) + params.max_new_tokens > ctx:
-        raise RequestError(f"{label}{len(ids)} prompt tokens + max_new_tokens "
-                           f"{params.max_new_tokens} exceed context_length {ctx}",
-                           "max_new_tokens")
+    _check_context(len(ids), params.max_new_tokens, context_length, field, label,
+                   sent=isinstance(sampling_params, Mapping)
+                   and sampling_params.get("max_new_tokens") is not None,
+                   context_label=context_label)
     stops: tuple[str, ...] = ()
     if stop is not None:
         stop = [stop] if isinstance(stop, str) else stop

@@ -48,7 +48,7 @@ __all__ = ["DEFAULT_HEADER_READ_TIMEOUT_S", "DEFAULT_MAX_CONNECTIONS", "EXEMPT_P
 logger = logging.getLogger("specdial.server")
 
 #: Paths answered even when the connection cap is full (health probes, metric scrapers).
-EXEMPT_PATHS = frozenset({"/health", "/metrics"})
+EXEMPT_PATHS = frozenset({"/health", "/metrics", "/ping"})
 
 _TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\nContent-Type: text/plain\r\n"
                 b"Content-Length: 45\r\nConnection: close\r\n\r\n"

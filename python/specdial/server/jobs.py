@@ -64,12 +64,45 @@ def check_token_ids(lists: list[list[int]], vocab_size: int | None, param: str,
                               f"in [0, {vocab_size}) (the vocabulary)", param, "invalid_value")
 
 
+def check_context(engine: Any, n: int, max_tokens: int | None, *, label: str, prompt_param: str,
+                  max_tokens_param: str, max_tokens_sent: bool = True) -> None:
+    """Raises :class:`APIError` 400 ``context_length_exceeded`` when ``n`` prompt tokens leave
+    no room in the engine's context, or with ``max_tokens`` exceed it, naming what the client
+    sent: ``max_tokens_param`` when it sent it, else the prompt (``prompt_param``; the default
+    overflows). The message names the option that set the limit when the engine says
+    (``engine.context_label``, e.g. ``kv_cache_tokens`` cutting the model's context) and the
+    allowed values."""
+    ctx = int(engine.context_length)
+    origin = getattr(engine, "context_label", None)
+    limit = f"This model's maximum context length is {ctx} tokens" + (
+        f" ({origin})" if isinstance(origin, str) and origin else "")
+    if n >= ctx:
+        raise bad_request(f"{limit}; the prompt ({label}) has {n} tokens, leaving no room for "
+                          f"a completion; allowed: at most {ctx - 1} prompt tokens",
+                          prompt_param, "context_length_exceeded")
+    if max_tokens is None or n + max_tokens <= ctx:
+        return
+    if max_tokens_sent:
+        raise bad_request(
+            f"{limit}; you requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} "
+            f"for the completion). Reduce '{max_tokens_param}' (allowed: <= {ctx - n} for "
+            "this prompt) or the prompt", max_tokens_param, "context_length_exceeded")
+    raise bad_request(
+        f"{limit}; the prompt ({label}) has {n} tokens, and with the default "
+        f"'{max_tokens_param}' {max_tokens} (not sent) they exceed it; allowed: at most "
+        f"{max(ctx - max_tokens, 0)} prompt tokens, or send '{max_tokens_param}' <= {ctx - n}",
+        prompt_param, "context_length_exceeded")
+
+
 def make_job(state: ServerState, index: int, prompt: str | list[int], *, templated: bool,
              max_tokens: int | None, max_tokens_param: str, prompt_param: str, label: str,
-             chat: bool, sampling: dict[str, Any], stop: list[str] | None) -> Job:
+             chat: bool, sampling: dict[str, Any], stop: list[str] | None,
+             max_tokens_sent: bool = True) -> Job:
     """One engine request for ``prompt`` (text, or token ids); ``label`` names it in error
     messages. Raises :class:`APIError` 400 for an empty prompt, a token id outside the
-    vocabulary (:func:`check_token_ids`) or a prompt that does not fit the context."""
+    vocabulary (:func:`check_token_ids`) or a prompt that does not fit the context
+    (:func:`check_context`; ``max_tokens_sent`` False: ``max_tokens`` is a default the client
+    did not send)."""
     engine = state.engine
     ctx = int(engine.context_length)
     tokenizer = engine.tokenizer
@@ -87,17 +120,8 @@ def make_job(state: ServerState, index: int, prompt: str | list[int], *, templat
         ids = encode(tokenizer, prompt, add_special_tokens=not templated)
     if not ids:
         raise bad_request(f"'{label}' is empty (0 tokens)", prompt_param, "invalid_value")
-    if len(ids) >= ctx:
-        raise bad_request(
-            f"This model's maximum context length is {ctx} tokens; the prompt ({label}) has "
-            f"{len(ids)} tokens, leaving no room for a completion", prompt_param,
-            "context_length_exceeded")
-    if max_tokens is not None and len(ids) + max_tokens > ctx:
-        raise bad_request(
-            f"This model's maximum context length is {ctx} tokens; you requested "
-            f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
-            f"completion). Reduce '{max_tokens_param}' or the prompt", max_tokens_param,
-            "context_length_exceeded")
+    check_context(engine, len(ids), max_tokens, label=label, prompt_param=prompt_param,
+                  max_tokens_param=max_tokens_param, max_tokens_sent=max_tokens_sent)
     if max_tokens is None:
         max_tokens = ctx - len(ids) if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, ctx - len(ids))
     return Job(index, None, ids, {**sampling, "max_new_tokens": max_tokens}, stop)

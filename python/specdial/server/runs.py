@@ -27,7 +27,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from specdial.engine.api import LogprobOptions, StreamChunk
-from specdial.engine.ends import is_failure, shut_down
+from specdial.engine.ends import aborted, is_failure, shut_down
 from specdial.server.metrics import ServerMetrics
 
 __all__ = ["DONE", "Choice", "ClientGone", "Job", "Run", "RunStreamingResponse",
@@ -116,6 +116,9 @@ class Run:
         self.engine, self.metrics, self.registry = engine, metrics, registry
         self.jobs, self.arrival, self.whole = jobs, arrival, whole
         self.rid = rid or uuid.uuid4().hex  # the request id of the log lines
+        #: each job's request id as the client knows it (``/generate``'s ``rid``), or None
+        self.job_rids: list[str] | None = None
+        self._settled: set[int] = set()  # jobs whose last chunk is queued (or aborted)
         self.choices = [Choice(j.index) for j in jobs]
         self.queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
         self.tasks: list[asyncio.Task[None]] = []
@@ -146,6 +149,8 @@ class Run:
                 sampling_params=job.sampling_params, stop=job.stop, **extra)
             async for chunk in stream:
                 self.queue.put_nowait((job.index, chunk, None))
+                if chunk.finished:
+                    self._settled.add(job.index)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - handed to the consumer
@@ -181,6 +186,25 @@ class Run:
                 final = StreamChunk(-1, "", [], True, shut_down(message))
                 self.queue.put_nowait((job.index, final, None))
                 self.queue.put_nowait((job.index, _END, None))
+
+    def abort_jobs(self, rids: set[str] | None, message: str) -> int:
+        """SGLang's ``/abort_request``: end the jobs whose client request id
+        (:attr:`job_rids`) is in ``rids`` (None: every job) and still runs: its pump is
+        cancelled (aborting its engine request, which frees its KV pages) and it finishes
+        with SGLang's abort finish reason (:func:`~specdial.engine.ends.aborted`,
+        ``message``), while the run's other jobs go on. Returns how many it ended."""
+        n = 0
+        for i, (job, task) in enumerate(zip(self.jobs, self.tasks)):
+            if task.done() or job.index in self._settled or (
+                    rids is not None and (self.job_rids is None or self.job_rids[i] not in rids)):
+                continue
+            self._settled.add(job.index)
+            task.cancel()
+            self.queue.put_nowait((job.index, StreamChunk(-1, "", [], True, aborted(message)),
+                                   None))
+            self.queue.put_nowait((job.index, _END, None))
+            n += 1
+        return n
 
     async def _next(self, buffered: bool = True) -> tuple[int, Any]:
         if buffered and self._buffer:

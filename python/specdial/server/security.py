@@ -10,8 +10,8 @@
 2. CORS (Starlette's ``CORSMiddleware``) when ``allowed_origins`` is set: preflights of those
    origins are answered, responses carry ``Access-Control-Allow-Origin``; with none (the
    default) no CORS header is sent, so browsers let no other site read a response.
-3. ``api_key``: every path except ``/health`` and ``/metrics`` (open, as in vLLM, for probes and
-   scrapers) needs ``Authorization: Bearer <key>``, else 401 ``invalid_api_key`` with
+3. ``api_key``: every path except ``/health``, ``/metrics``, vLLM's ``/ping`` and SGLang's
+   ``/health_generate`` (open, as in vLLM and SGLang, for probes and scrapers) needs ``Authorization: Bearer <key>``, else 401 ``invalid_api_key`` with
    ``WWW-Authenticate: Bearer``. The comparison is constant-time (``hmac.compare_digest`` of
    SHA-256 digests, so neither the content nor the length of the key leaks through timing).
    The key comes from ``--api-key`` or ``SPECDIAL_API_KEY`` (as vLLM's ``--api-key`` and
@@ -41,12 +41,12 @@ __all__ = ["OPEN_PATHS", "SecurityConfig", "SecurityMiddleware", "default_allowe
            "parse_name_list"]
 
 #: Paths answered without an API key.
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/ping", "/health_generate"})
 #: Host names allowed by default when the server listens on a loopback address.
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 #: Paths whose POST reads no body: no content type is required.
-BODYLESS_PATHS = frozenset({"/flush_cache"})
+BODYLESS_PATHS = frozenset({"/flush_cache", "/ping"})
 
 
 @dataclass(frozen=True)

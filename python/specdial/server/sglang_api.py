@@ -154,6 +154,7 @@ async def generate(request: Request, state: StateDep) -> Response:
     run = state.new_run(jobs, arrival, request_id(request.scope), whole=not req.stream,
                         n_param="sampling_params.n",
                         prompt_param="text" if req.text is not None else "input_ids")
+    run.job_rids = ids_  # what /abort_request finds them by
     run.start()
     watcher = asyncio.create_task(watch_disconnect(request, run))
     streaming = False

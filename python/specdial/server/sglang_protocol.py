@@ -217,6 +217,7 @@ def _job(state: ServerState, i: int, prompt: Any, sp: dict[str, Any] | None, *, 
     ``text``: the prompts were given as ``text`` (else ``input_ids``)."""
     label = "sampling_params" if single else f"sampling_params[{i}]"
     sp = {k: v for k, v in (sp or {}).items() if k != "n"}
+    sent = sp.get("max_new_tokens") is not None
     sampling, stop = sampling_from_sglang(sp, label)
     check_stop(stop, state.limits)
     max_new = sampling.pop("max_new_tokens")
@@ -228,7 +229,7 @@ def _job(state: ServerState, i: int, prompt: Any, sp: dict[str, Any] | None, *, 
     job = make_job(state, i, prompt, templated=False, max_tokens=max_new,
                    max_tokens_param=f"{label}.max_new_tokens",
                    prompt_param=field, label=field if single else f"{field}[{i}]", chat=False,
-                   sampling=sampling, stop=stop)
+                   sampling=sampling, stop=stop, max_tokens_sent=sent)
     if lp is not None and lp.prompt_start is not None and job.input_ids is not None \
             and lp.prompt_start >= len(job.input_ids):
         raise bad_request(f"'logprob_start_len' ({lp.prompt_start}) must be below the "

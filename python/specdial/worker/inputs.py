@@ -15,8 +15,10 @@ Layout (``B`` requests, numpy ``int64`` arrays, request after request):
   ``logits_indices`` (indices into ``input_ids``, one per such request). ``cached_lens[b]``:
   positions ``0 .. cached_lens[b]`` its admission took from the prefix cache (None: none);
   a chunk starting there is an admission: the row restarts and those positions' KV slots
-  (``cached_kv``) and token ids (``cached_ids``, ``[sum(cached_lens)]`` each) are filled in,
-  drafter-covered.
+  (``cached_kv``) and token ids (``cached_ids``, ``[sum(cached_lens)]`` each) are filled in;
+  the first ``cached_draft_lens[b]`` of them are drafter-covered (their pages carry the
+  drafter's KV; None: all of them), the drafter runs over the rest like over a deferred
+  prefill.
 - :class:`DecodeInput`: request ``b`` has ``positions[b]`` = ``L`` KV positions and feeds
   ``input_ids[b]`` at ``L``; ``out_loc`` ``[B * (steps + 1)]`` holds the KV slots of positions
   ``L ..= L + steps`` (the pad KV slot beyond ``steps_per_request[b]``); ``graph_bs`` is the
@@ -58,6 +60,7 @@ class PrefillInput:
     cached_lens: np.ndarray | None = None
     cached_kv: np.ndarray | None = None
     cached_ids: np.ndarray | None = None
+    cached_draft_lens: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         b, n = len(self.rows), int(self.qo_lens.sum())
@@ -74,6 +77,14 @@ class PrefillInput:
                 if arr is None:
                     raise ValueError(f"{name}: required with cached_lens")
                 _check_len(name, arr, c)
+        if self.cached_draft_lens is not None:
+            if self.cached_lens is None:
+                raise ValueError("cached_draft_lens: given without cached_lens")
+            _check_len("cached_draft_lens", self.cached_draft_lens, b)
+            if ((self.cached_draft_lens < 0) | (self.cached_draft_lens > self.cached_lens)).any():
+                raise ValueError("cached_draft_lens: each entry must be in 0 ..= cached_lens[b], "
+                                 f"got {self.cached_draft_lens.tolist()} for cached_lens "
+                                 f"{self.cached_lens.tolist()}")
 
     def restarts(self) -> np.ndarray:
         """``[B]`` bool: the chunks that are admissions (first position == cached length)."""
@@ -118,7 +129,8 @@ def worker_input(plan: Any, pad_slot: int) -> PrefillInput | DecodeInput:
         return PrefillInput(_i64(plan.rows), _i64(plan.input_ids), _i64(plan.out_loc),
                             _i64(plan.qo_lens), _i64(plan.kv_lens), _i64(plan.sample_first),
                             _i64(plan.logits_indices), _i64(plan.cached_lens),
-                            _i64(plan.cached_kv_indices), _i64(plan.cached_ids))
+                            _i64(plan.cached_kv_indices), _i64(plan.cached_ids),
+                            _i64(plan.cached_draft_lens))
     return DecodeInput(int(plan.steps), None if plan.graph_bs is None else int(plan.graph_bs),
                        _i64(plan.rows), _i64(plan.input_ids), _i64(plan.positions),
                        _i64(plan.out_loc_padded(pad_slot)), _i64(plan.steps_per_request),

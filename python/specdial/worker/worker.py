@@ -288,14 +288,16 @@ class SpecWorker:
 
     def _fill_cached(self, rows: np.ndarray, inp: PrefillInput) -> None:
         """Positions ``0 .. cached_lens[b]`` of the admitted rows from the prefix cache's
-        pages (their KV slots and token ids); those pages hold the drafter's KV and the EAGLE
-        features too, so the drafter's valid length starts there."""
+        pages (their KV slots and token ids); those pages hold the EAGLE features too, and the
+        drafter's KV up to ``cached_draft_lens`` (all of them when None), where the drafter's
+        valid length starts (its catch-up runs over the rest)."""
         assert inp.cached_lens is not None and inp.cached_kv is not None
         hit = inp.cached_lens > 0
         self.tables.write(rows[hit], np.zeros(int(hit.sum()), np.int64), inp.cached_lens[hit],
                           kv_slots=inp.cached_kv, ids=inp.cached_ids)
         if self.drafter_state is not None:
-            self.drafter_state.draft_len[rows[hit]] = inp.cached_lens[hit]
+            drafted = inp.cached_lens if inp.cached_draft_lens is None else inp.cached_draft_lens
+            self.drafter_state.draft_len[rows[hit]] = drafted[hit]
 
     def _sample_first(self, inp: PrefillInput, hidden: torch.Tensor,
                       sampling: BatchSampling | None, generator: torch.Generator | None,

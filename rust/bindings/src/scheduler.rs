@@ -350,6 +350,7 @@ pub struct PySchedulePlan {
     skip_extend: Py<Int64Array>,
     min_survival: f32,
     cached_lens: Py<Int64Array>,
+    cached_draft_lens: Py<Int64Array>,
     cached_kv_indices: Py<Int64Array>,
     cached_ids: Py<Int64Array>,
     tree_topk: u32,
@@ -383,6 +384,7 @@ impl PySchedulePlan {
             skip_extend: arr(py, p.skip_extend)?,
             min_survival: p.min_survival,
             cached_lens: arr(py, p.cached_lens)?,
+            cached_draft_lens: arr(py, p.cached_draft_lens)?,
             cached_kv_indices: arr(py, p.cached_kv_indices)?,
             cached_ids: arr(py, p.cached_ids)?,
             tree_topk: p.tree_topk,
@@ -398,11 +400,18 @@ impl PySchedulePlan {
     /// plan (its chunk starts there), 0 for a chunk continuing an earlier admission. A chunk whose
     /// first position ``kv_lens[b] - qo_lens[b]`` equals ``cached_lens[b]`` is an admission: the
     /// worker (re)starts the row and fills positions ``0 .. cached_lens[b]`` from
-    /// ``cached_kv_indices`` / ``cached_ids`` (drafter-covered: the cached pages carry the
-    /// drafter's KV and the EAGLE features). Decode: empty.
+    /// ``cached_kv_indices`` / ``cached_ids``, the first ``cached_draft_lens[b]`` of them
+    /// drafter-covered. Decode: empty.
     #[getter]
     fn cached_lens(&self, py: Python<'_>) -> Py<Int64Array> {
         self.cached_lens.clone_ref(py)
+    }
+    /// Prefill [B]: of the ``cached_lens[b]`` positions, the leading ones whose pages carry the
+    /// drafter's KV (every cached page carries the EAGLE features); the drafter runs over the
+    /// rest with the drafter prefill or the next catch-up. Decode: empty.
+    #[getter]
+    fn cached_draft_lens(&self, py: Python<'_>) -> Py<Int64Array> {
+        self.cached_draft_lens.clone_ref(py)
     }
     /// Prefill [sum(cached_lens)]: KV indices of the cached positions, request after request.
     #[getter]

@@ -16,6 +16,11 @@
 //! holders. A request holding a cached page holds every page before it (it took them from the
 //! root down, or cached its own pages in order), so the pages no request holds form whole
 //! subtrees: evicting least recently used leaves first can free every one of them.
+//!
+//! Each node also says whether its page carries the drafter's KV (`drafter`): the target's KV
+//! of a committed page is always there, the drafter's only once some request's drafter has run
+//! over its positions (a request decoding at steps 0 with the draft extend skipped caches pages
+//! its drafter has not reached). Along a request's path the marked pages come first.
 
 use std::collections::{BinaryHeap, HashMap};
 use std::cmp::Reverse;
@@ -32,6 +37,8 @@ struct Node {
     children: HashMap<Vec<i64>, usize>,
     /// Logical time of the last match or insert that used it (LRU).
     last_used: u64,
+    /// Its page carries the drafter's KV (and the EAGLE features) of its positions too.
+    drafter: bool,
 }
 
 /// A radix tree over full pages (see the [module docs](self)). Node ids are reused after
@@ -53,6 +60,7 @@ impl PrefixCache {
             page: u32::MAX,
             children: HashMap::new(),
             last_used: 0,
+            drafter: true,
         };
         PrefixCache { page_size: page_size.max(1) as usize, nodes: vec![Some(root)], free_ids: Vec::new(), clock: 0 }
     }
@@ -99,6 +107,23 @@ impl PrefixCache {
         n
     }
 
+    /// How many of `nodes` (a path from the root, as [`match_prefix`](Self::match_prefix)
+    /// returns) carry the drafter's KV, counted from the first until one does not.
+    pub fn drafter_pages(&self, nodes: &[usize]) -> usize {
+        nodes.iter().take_while(|&&n| self.node(n).drafter).count()
+    }
+
+    /// Marks node `id`'s page as carrying the drafter's KV (a request's drafter has run over
+    /// its positions, writing the drafter's KV into the page's slots).
+    pub fn set_drafter(&mut self, id: usize) {
+        self.nodes[id].as_mut().expect("a live node id").drafter = true;
+    }
+
+    /// Whether node `id`'s page carries the drafter's KV.
+    pub fn has_drafter(&self, id: usize) -> bool {
+        self.node(id).drafter
+    }
+
     /// Page ids of `nodes`.
     pub fn pages(&self, nodes: &[usize]) -> Vec<u32> {
         nodes.iter().map(|&n| self.node(n).page).collect()
@@ -116,12 +141,13 @@ impl PrefixCache {
     }
 
     /// Adds `page` holding `key` (`page_size` tokens) under `parent`; returns its node id.
-    /// The caller checked with [`child`](Self::child) that `parent` has no such child.
-    pub fn insert(&mut self, parent: usize, key: &[i64], page: u32) -> usize {
+    /// `drafter`: the page carries the drafter's KV too. The caller checked with
+    /// [`child`](Self::child) that `parent` has no such child.
+    pub fn insert(&mut self, parent: usize, key: &[i64], page: u32, drafter: bool) -> usize {
         debug_assert_eq!(key.len(), self.page_size);
         debug_assert!(self.child(parent, key).is_none());
         self.clock += 1;
-        let node = Node { parent, key: key.to_vec(), page, children: HashMap::new(), last_used: self.clock };
+        let node = Node { parent, key: key.to_vec(), page, children: HashMap::new(), last_used: self.clock, drafter };
         let id = match self.free_ids.pop() {
             Some(id) => {
                 self.nodes[id] = Some(node);
@@ -188,9 +214,9 @@ mod tests {
     #[test]
     fn matches_whole_pages_along_the_path() {
         let mut t = PrefixCache::new(2);
-        let a = t.insert(ROOT, &[1, 2], 7);
-        let b = t.insert(a, &[3, 4], 8);
-        let c = t.insert(a, &[3, 5], 9);
+        let a = t.insert(ROOT, &[1, 2], 7, true);
+        let b = t.insert(a, &[3, 4], 8, true);
+        let c = t.insert(a, &[3, 5], 9, false);
         assert_eq!(t.len(), 3);
         assert_eq!(t.match_prefix(&[1, 2, 3, 4, 6], 9), vec![a, b]);
         assert_eq!(t.match_prefix(&[1, 2, 3, 5], 9), vec![a, c]);
@@ -198,14 +224,17 @@ mod tests {
         assert_eq!(t.match_prefix(&[1, 2, 3], 9), vec![a]); // a partial page never matches
         assert_eq!(t.match_prefix(&[2, 2, 3, 4], 9), Vec::<usize>::new());
         assert_eq!(t.pages(&[a, c]), vec![7, 9]);
+        assert_eq!((t.drafter_pages(&[a, b]), t.drafter_pages(&[a, c])), (2, 1));
+        t.set_drafter(c);
+        assert_eq!(t.drafter_pages(&[a, c]), 2);
     }
 
     #[test]
     fn evicts_least_recently_used_leaves_first() {
         let mut t = PrefixCache::new(1);
-        let a = t.insert(ROOT, &[1], 10);
-        let _b = t.insert(a, &[2], 11);
-        let _c = t.insert(ROOT, &[3], 12);
+        let a = t.insert(ROOT, &[1], 10, true);
+        let _b = t.insert(a, &[2], 11, true);
+        let _c = t.insert(ROOT, &[3], 12, true);
         t.match_prefix(&[1, 2], 9); // a and b used after c
         assert_eq!(t.evict(1, |_| true), vec![12]);
         // b goes before its parent a; page 10 is held by a request: kept.
@@ -214,7 +243,7 @@ mod tests {
         assert_eq!(t.evict(5, |_| true), vec![10]);
         assert!(t.is_empty());
         // ids are reused
-        let d = t.insert(ROOT, &[4], 13);
+        let d = t.insert(ROOT, &[4], 13, true);
         assert!(d <= 3);
         assert_eq!(t.clear(), vec![13]);
     }

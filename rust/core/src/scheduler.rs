@@ -429,6 +429,7 @@ impl Scheduler {
                 max_cached: max_cached_tokens.unwrap_or(u64::MAX),
                 cache_pages: 0,
                 cache_node: ROOT,
+                cache_drafter_pages: 0,
                 cache_stopped: false,
             },
         );

@@ -4,14 +4,23 @@
 //!
 //! Rules (each one is a test in `tests.rs` or the proptests):
 //!
-//! - **What is cached.** After every report, a live request's full pages below
-//!   `min(committed KV, KV the drafter has run over)` join the tree, in order: committed means
-//!   the accepted tokens' KV (verify slots beyond the accepted length are truncated first and
-//!   never cached; the last emitted token has no KV yet), and the drafter bound (`kv_len -
-//!   draft_lag`) means a shared page always carries the drafter's KV and the EAGLE features of
-//!   its positions too (all three live in the same KV slots), so the drafter of a request that
-//!   hits never re-runs a cached position. If the tree already has another page for the same
-//!   tokens (two requests computed it at once), the request stops caching.
+//! - **What is cached.** After every report (the one that finishes a request included), a
+//!   request's full pages below its committed KV join the tree, in order: committed means the
+//!   accepted tokens' KV (verify slots beyond the accepted length are truncated first and never
+//!   cached; the last emitted token has no KV yet). The target's KV is what is cached, whatever
+//!   the drafter's lag: a request that decoded at steps 0 with the draft extend skipped (or
+//!   whose drafter prefill was deferred) caches its pages all the same.
+//! - **The drafter's KV.** The drafter's KV and the EAGLE features live in the same KV slots as
+//!   the target's. The features are written by the target's forwards, so every cached page has
+//!   them; the drafter's KV only once a drafter ran over the page's positions. Each tree node
+//!   records it: pages below `committed - draft_lag` are marked when cached, and a request
+//!   whose drafter catches up over pages it cached (or took) unmarked marks them then. A
+//!   request that hits counts only the marked leading pages as drafter-covered
+//!   (`Plan::cached_draft_lens`); its drafter runs over the rest of the hit like over a
+//!   deferred prefill (its `draft_lag`), writing the drafter's KV into those shared slots (the
+//!   values any drafter computes from those tokens), so it never re-runs a marked position.
+//!   If the tree already has another page for the same tokens (two requests computed it at
+//!   once), the request stops caching.
 //! - **Admission.** A request takes the longest cached prefix of its prefill range, whole
 //!   pages, leaving at least one token to prefill (the first token is sampled from it) and no
 //!   more than its `max_cached_tokens` (prompt log-probabilities need their positions computed;
@@ -129,16 +138,17 @@ impl Scheduler {
         })
     }
 
-    /// Caches request `id`'s full pages below `min(committed, committed - draft_lag)` (see the
-    /// module rules), after a report. `committed`: its KV positions holding accepted tokens.
+    /// Caches request `id`'s full pages below `committed` (see the module rules), after a
+    /// report, and marks those below `committed - draft_lag` as carrying the drafter's KV.
+    /// `committed`: its KV positions holding accepted tokens.
     pub(super) fn cache_committed(&mut self, id: u64, committed: u64) {
         if !self.config.enable_prefix_caching {
             return;
         }
         let ps = self.config.page_size as usize;
         let Some(r) = self.requests.get_mut(&id) else { return };
-        let covered = committed.saturating_sub(r.draft_lag) as usize;
-        while !r.cache_stopped && r.cache_pages < covered / ps {
+        let drafted = committed.saturating_sub(r.draft_lag) as usize / ps;
+        while !r.cache_stopped && r.cache_pages < committed as usize / ps {
             let p = r.cache_pages;
             let key = &r.tokens[p * ps..(p + 1) * ps];
             if self.cache.child(r.cache_node, key).is_some() {
@@ -146,8 +156,22 @@ impl Scheduler {
                 break;
             }
             let page = self.pool.cache_page(id, p).expect("a full page of its own, not cached yet");
-            r.cache_node = self.cache.insert(r.cache_node, key, page);
+            r.cache_node = self.cache.insert(r.cache_node, key, page, p < drafted);
             r.cache_pages += 1;
+        }
+        // its drafter has run over pages it cached (or took from the cache) without the
+        // drafter's KV: mark them, walking up from its last cached page
+        let upto = drafted.min(r.cache_pages);
+        if upto > r.cache_drafter_pages {
+            let (mut node, mut i) = (r.cache_node, r.cache_pages);
+            while i > r.cache_drafter_pages {
+                if i <= upto {
+                    self.cache.set_drafter(node);
+                }
+                (_, node) = self.cache.page_and_parent(node);
+                i -= 1;
+            }
+            r.cache_drafter_pages = upto;
         }
     }
 
@@ -179,6 +203,18 @@ impl Scheduler {
             }
             if i != 0 {
                 return Err(format!("request {id}: {} cached pages, a shorter tree path", r.cache_pages));
+            }
+            let path: Vec<usize> = {
+                let (mut node, mut path) = (r.cache_node, Vec::new());
+                while node != ROOT {
+                    path.push(node);
+                    node = self.cache.page_and_parent(node).1;
+                }
+                path.reverse();
+                path
+            };
+            if self.cache.drafter_pages(&path) < r.cache_drafter_pages {
+                return Err(format!("request {id}: {} drafter pages, fewer marked on its path", r.cache_drafter_pages));
             }
         }
         Ok(())

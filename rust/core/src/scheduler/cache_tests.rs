@@ -117,7 +117,7 @@ fn rejected_drafts_are_never_cached() {
 }
 
 #[test]
-fn pages_the_drafter_has_not_covered_wait() {
+fn pages_the_drafter_has_not_covered_are_cached_unmarked_then_marked() {
     let mut s = fixed(config(32), 0);
     let a = s.add_request(prompt(3, 1), 30, vec![], false).unwrap();
     step(&mut s, 0).unwrap(); // prefill with the drafter
@@ -126,10 +126,44 @@ fn pages_the_drafter_has_not_covered_wait() {
     }
     assert_eq!(s.pool().len(a), Ok(9));
     assert_eq!(s.requests[&(a)].draft_lag, 6);
-    assert_eq!(s.cached_pages(), 0, "positions 3.. have no drafter KV yet");
+    // the target's KV of positions 0..8 is committed: 2 pages cached, without the drafter's
+    assert_eq!(s.cached_pages(), 2);
+    assert_eq!(s.requests[&(a)].cache_drafter_pages, 0, "positions 3.. have no drafter KV yet");
     s.set_fixed_steps(Some(2)).unwrap();
-    step(&mut s, 2).unwrap(); // drafting catches up: 12 committed
+    step(&mut s, 2).unwrap(); // drafting catches up: 12 committed, all drafter-covered
     assert_eq!(s.cached_pages(), 3);
+    assert_eq!(s.requests[&(a)].cache_drafter_pages, 3);
+}
+
+/// The adaptive engine's missing prefix hits: a request prefilled while decoding ran steps 0
+/// (its drafter prefill deferred) that decodes at steps 0 to its end never had a drafter pass,
+/// yet its committed prompt and output pages are cached when it finishes; a request hitting
+/// them is told none carries the drafter's KV, and once its drafter has caught up over them
+/// the next hit is told they all do.
+#[test]
+fn a_request_finishing_behind_its_drafter_leaves_its_pages_cached() {
+    let mut s = fixed(config(32), 0);
+    s.add_request(prompt(3, 2), 2, vec![], false).unwrap();
+    run_all(&mut s, 0); // the last decode ran steps 0
+    let before = s.cached_pages();
+    s.add_request(prompt(13, 1), 6, vec![], false).unwrap();
+    let (plan, _) = step(&mut s, 0).unwrap();
+    assert!(!plan.draft_prefill, "the drafter prefill is deferred");
+    run_all(&mut s, 0); // plain decodes to the end: the drafter never ran
+    // committed: 13 prompt + 5 outputs = 18 positions, 4 full pages
+    assert_eq!(s.cached_pages() - before, 4);
+    let c = s.add_request(prompt(13, 1), 6, vec![], false).unwrap();
+    let (plan, _) = step(&mut s, 0).unwrap();
+    assert_eq!((plan.cached_lens.clone(), plan.cached_draft_lens.clone()), (vec![12], vec![0]));
+    assert_eq!(s.requests[&c].draft_lag, 13, "the hit and the deferred prefill");
+    s.set_fixed_steps(Some(2)).unwrap();
+    step(&mut s, 1).unwrap(); // a drafting iteration catches c's drafter up over the hit
+    assert_eq!(s.requests[&c].cache_drafter_pages, 3);
+    run_all(&mut s, 1);
+    s.add_request(prompt(13, 1), 6, vec![], false).unwrap();
+    let (plan, _) = step(&mut s, 0).unwrap();
+    assert!(plan.draft_prefill);
+    assert_eq!((plan.cached_lens.clone(), plan.cached_draft_lens.clone()), (vec![12], vec![12]));
 }
 
 #[test]

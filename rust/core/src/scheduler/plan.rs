@@ -110,9 +110,14 @@ pub struct Plan {
     /// whole pages), 0 for a chunk continuing an earlier admission. A chunk with
     /// `kv_lens[b] - qo_lens[b] == cached_lens[b]` is an admission: the worker (re)starts the
     /// row, fills positions `0 .. cached_lens[b]` from `cached_kv_indices` / `cached_ids`, and
-    /// counts them as drafter-covered (the cached pages carry the drafter's KV and the EAGLE
-    /// features). Decode: empty.
+    /// counts the first `cached_draft_lens[b]` of them as drafter-covered. Decode: empty.
     pub cached_lens: Vec<i64>,
+    /// Prefill `[B]`: of request `b`'s `cached_lens[b]` positions, the leading ones whose pages
+    /// carry the drafter's KV (whole pages; the EAGLE features are there for every cached
+    /// position, the target wrote them). The drafter runs over the rest like over a deferred
+    /// prefill: with this plan's drafter prefill, or at the next drafting iteration's catch-up.
+    /// Decode: empty.
+    pub cached_draft_lens: Vec<i64>,
     /// Prefill `[sum(cached_lens)]`: KV indices of the cached positions, request after request.
     pub cached_kv_indices: Vec<i64>,
     /// Prefill `[sum(cached_lens)]`: token ids of the cached positions, request after request.

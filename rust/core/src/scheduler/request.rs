@@ -94,8 +94,9 @@ pub(crate) struct Request {
     /// The worker row it holds while admitted (prefilling or running), `None` while waiting.
     pub row: Option<u32>,
     /// KV positions the drafter has not run over yet (a deferred drafter prefill, tokens of
-    /// steps-0 iterations whose extend was skipped): the catch-up its next drafting iteration
-    /// runs. 0 at every admission.
+    /// steps-0 iterations whose extend was skipped, cached pages taken without the drafter's
+    /// KV): the catch-up its next drafting iteration runs. At an admission, the positions of
+    /// its cached prefix past the pages that carry the drafter's KV.
     pub draft_lag: u64,
     /// KV positions served from the prefix cache at its latest admission (0: none).
     pub cached: u64,
@@ -105,6 +106,8 @@ pub(crate) struct Request {
     pub cache_pages: usize,
     /// The tree node of its last cached page (`prefix_cache::ROOT` when none).
     pub cache_node: usize,
+    /// Its leading cached pages marked as carrying the drafter's KV (<= `cache_pages`).
+    pub cache_drafter_pages: usize,
     /// Another page with the same tokens was cached first: it caches no more pages.
     pub cache_stopped: bool,
 }
@@ -205,6 +208,7 @@ mod tests {
             max_cached: u64::MAX,
             cache_pages: 0,
             cache_node: 0,
+            cache_drafter_pages: 0,
             cache_stopped: false,
         }
     }

@@ -20,6 +20,7 @@ struct Arrays {
     page_table: Vec<i64>,
     page_table_offsets: Vec<i64>,
     cached_lens: Vec<i64>,
+    cached_draft_lens: Vec<i64>,
     cached_kv_indices: Vec<i64>,
     cached_ids: Vec<i64>,
 }
@@ -45,6 +46,7 @@ impl Arrays {
             page_table: Vec::new(),
             page_table_offsets,
             cached_lens: Vec::new(),
+            cached_draft_lens: Vec::new(),
             cached_kv_indices: Vec::new(),
             cached_ids: Vec::new(),
         }
@@ -259,6 +261,7 @@ impl Scheduler {
                 r.kv_len = cached;
                 r.cache_pages = nodes.len();
                 r.cache_node = nodes.last().copied().unwrap_or(ROOT);
+                r.cache_drafter_pages = self.cache.drafter_pages(&nodes);
                 r.cache_stopped = false;
                 r.admitted_before = true;
                 r.state = RequestState::Prefilling;
@@ -305,18 +308,23 @@ impl Scheduler {
                 .expect("pages were counted");
             r.kv_len = end;
             if admitted {
-                // a (re)start: the drafter's rows start afresh too, with the cached prefix
-                // (whose pages carry the drafter's KV) filled in
-                r.draft_lag = 0;
+                // a (re)start: the drafter's rows start afresh too, with the cached pages that
+                // carry the drafter's KV filled in; the drafter runs over the rest of the hit
+                let drafted = r.cache_drafter_pages as u64 * page_size;
+                r.draft_lag = start - drafted;
                 a.cached_lens.push(start as i64);
+                a.cached_draft_lens.push(drafted as i64);
                 self.pool
                     .kv_indices_into(id, 0, start, &mut a.cached_kv_indices)
                     .expect("the cached prefix is in its page table");
                 a.cached_ids.extend_from_slice(&r.tokens[..start as usize]);
             } else {
                 a.cached_lens.push(0);
+                a.cached_draft_lens.push(0);
             }
-            if !draft_prefill {
+            if draft_prefill {
+                r.draft_lag = 0; // the worker's drafter prefill catches the whole row up
+            } else {
                 r.draft_lag += end - start;
             }
             a.request_ids.push(id as i64);
@@ -383,6 +391,7 @@ impl Scheduler {
             skip_extend: Vec::new(),
             min_survival: 0.0,
             cached_lens: a.cached_lens,
+            cached_draft_lens: a.cached_draft_lens,
             cached_kv_indices: a.cached_kv_indices,
             cached_ids: a.cached_ids,
             tree_topk: 1,
@@ -508,6 +517,7 @@ impl Scheduler {
             skip_extend,
             min_survival: if steps > 0 { min_survival } else { 0.0 },
             cached_lens: Vec::new(),
+            cached_draft_lens: Vec::new(),
             cached_kv_indices: Vec::new(),
             cached_ids: Vec::new(),
             tree_topk: tree.map_or(1, |t| t.topk),
