@@ -102,6 +102,9 @@ pub struct PerRequest {
     /// drafter's two terms ([`DraftCost`]): `(X'e, X'X)` over `x = (unverified drafted tokens,
     /// draft steps the interpolation does not charge)`, decayed.
     draft_fit: ([f64; 2], [[f64; 2]; 2]),
+    /// Samples the drafter's fit learned, decayed as the fit is and aged by iterations without
+    /// one ([`PerRequest::age_draft_fit`]): the fit's weight against its prior at 0.
+    draft_weight: f64,
 }
 
 /// The drafter's costs beyond the uniform iteration with as many verify tokens, learned from
@@ -131,6 +134,19 @@ impl DraftCost {
 /// Ridge weight of the drafter's two-term fit, relative to its data (keeps the terms apart where
 /// the data cannot, e.g. when every request drafts and they are collinear).
 const DRAFT_RIDGE: f64 = 1e-3;
+/// Pseudo-samples of the drafter's prior at 0 (no cost beyond the uniform iteration): the fit is
+/// scaled by `w / (w + DRAFT_PRIOR)`, `w` its weight of samples.
+const DRAFT_PRIOR: f64 = 2.0;
+/// Iterations over which the drafter's fit fades (by `e`) toward that prior when no shortened
+/// iteration teaches it. Without it a fit learned in the first iterations, against a cost model
+/// that barely knew the cells, priced every shortened candidate out, so none ran again and the
+/// fit never moved (mixed-128 on h200-llama8b: `per_token` 1.0e-5 s from iteration ~300 to the
+/// end, about 6x the curve's cost of a draft step, and no confidence stop chosen in 6000
+/// segments). Fading to the prior is optimism: a stop that looks good again runs and is measured.
+const DRAFT_FORGET: f64 = 256.0;
+/// Uniform iterations the cost model learns before the drafter's fit learns residuals from its
+/// predictions (before that the model's own error would be taken for the drafter's).
+const DRAFT_MIN_OBSERVATIONS: u64 = 8;
 
 /// The best verify lengths at one depth.
 #[derive(Debug, Clone, PartialEq)]
@@ -154,6 +170,7 @@ impl PerRequest {
             decay: 1.0 - 1.0 / f64::from(window.max(1)),
             calibration: [(0.0, 0.0); BINS],
             draft_fit: ([0.0; 2], [[0.0; 2]; 2]),
+            draft_weight: 0.0,
         }
     }
 
@@ -231,13 +248,14 @@ impl PerRequest {
         if xx[0][0] + xx[1][1] <= 0.0 || det <= 0.0 {
             return DraftCost::default();
         }
-        let (t, s) = ((c * xe[0] - b * xe[1]) / det, (a * xe[1] - b * xe[0]) / det);
+        let shrink = self.draft_weight / (self.draft_weight + DRAFT_PRIOR);
+        let (t, s) = (shrink * (c * xe[0] - b * xe[1]) / det, shrink * (a * xe[1] - b * xe[0]) / det);
         match (t >= 0.0, s >= 0.0) {
             (true, true) => DraftCost { per_token: t, per_step: s },
             _ => {
                 // one term alone, the better of the two (both >= 0)
-                let t1 = (xe[0] / a).max(0.0);
-                let s1 = (xe[1] / c).max(0.0);
+                let t1 = (shrink * xe[0] / a).max(0.0);
+                let s1 = (shrink * xe[1] / c).max(0.0);
                 if t1 * xe[0] >= s1 * xe[1] {
                     DraftCost { per_token: t1, per_step: 0.0 }
                 } else {
@@ -260,11 +278,24 @@ impl PerRequest {
         let drafting = requests.iter().filter(|r| all_drafted || r.steps > 0).count() as u32;
         let b = requests.len().max(1) as f64;
         let x = [f64::from(d * drafting - verified), if drafting > 0 { f64::from(d) - f64::from(verified) / b } else { 0.0 }];
-        if x[0] > 0.0 || x[1] > 0.0 {
-            let depth = f64::from(verified) / b;
-            let (lo, frac) = (depth.floor() as u32, depth.fract());
+        let depth = f64::from(verified) / b;
+        let (lo, frac) = (depth.floor() as u32, depth.fract());
+        if (x[0] > 0.0 || x[1] > 0.0) && cost.observations() >= DRAFT_MIN_OBSERVATIONS && !cost.off_pace() {
             let at = |k: u32| cost.predict(bucket, b_cost, k.min(d), ctx, 0.0);
-            let e = seconds - (at(lo) * (1.0 - frac) + at(lo + 1) * frac);
+            let uniform = at(lo) * (1.0 - frac) + at(lo + 1) * frac;
+            self.learn_draft(x, seconds - uniform);
+        }
+        (cell, self.draft_cost().extra(b, d, f64::from(drafting), f64::from(verified)))
+    }
+
+    /// Ages the drafter's fit by one decode iteration (toward its prior at 0, `DRAFT_FORGET`).
+    pub fn age_draft_fit(&mut self) {
+        self.draft_weight *= 1.0 - 1.0 / DRAFT_FORGET;
+    }
+
+    /// One sample of the drafter's fit: regressors `x`, seconds beyond the uniform iteration `e`.
+    fn learn_draft(&mut self, x: [f64; 2], e: f64) {
+        {
             let (xe, xx) = &mut self.draft_fit;
             for i in 0..2 {
                 xe[i] = xe[i] * 0.99 + x[i] * e;
@@ -273,7 +304,7 @@ impl PerRequest {
                 }
             }
         }
-        (cell, self.draft_cost().extra(b, d, f64::from(drafting), f64::from(verified)))
+        self.draft_weight = self.draft_weight * 0.99 + 1.0;
     }
 
     /// Request `id`'s multiplier of the shared rates (1 for a request never seen).
@@ -452,6 +483,36 @@ mod tests {
         let extra = c.extra(8.0, 1, 1.0, 1.0);
         assert!((extra - step * 7.0 / 8.0).abs() < 0.15 * step, "{extra}");
         assert_eq!(c.extra(8.0, 3, 0.0, 0.0), 0.0, "nobody drafts: no drafter cost");
+    }
+
+    /// The drafter's fit learns nothing before the cost model has `DRAFT_MIN_OBSERVATIONS`
+    /// uniform iterations (its predictions' error would be taken for the drafter's), and a fit
+    /// no shortened iteration refreshes fades toward 0, so a stop priced out by an early
+    /// estimate runs again and is measured.
+    #[test]
+    fn the_drafters_fit_waits_for_the_cost_model_and_fades_without_samples() {
+        let (b, step, token) = (8u32, 0.004, 2e-4);
+        let shortened = |n: u32| -> Vec<RequestVerify<'static>> { (0..b).map(|r| RequestVerify { id: u64::from(r), steps: if r < n { 2 } else { 0 }, accepted: 0, draft_probs: None }).collect() };
+        let mut cost = CostModel::new(64);
+        let mut p = PerRequest::new(16);
+        cost.observe(8, b, 0, 0.0, 0.0, truth(0, 0, 0, step, token), true);
+        p.learn_cost(&cost, 8, b, 3, &shortened(4), 0.0, 1.0, false);
+        assert_eq!(p.draft_cost(), DraftCost::default(), "learned against a cost model of one measurement");
+        for i in 0..200 {
+            let k = i % 4;
+            cost.observe(8, b, k, 0.0, 0.0, truth(k, if k > 0 { b } else { 0 }, b * k, step, token), true);
+        }
+        for i in 0..100u32 {
+            let n = 1 + i % 8;
+            p.learn_cost(&cost, 8, b, 3, &shortened(n), 0.0, truth(3, n, 2 * n, step, token), false);
+        }
+        let learned = p.draft_cost();
+        assert!(learned.per_step > 0.5 * step, "{learned:?}");
+        for _ in 0..1500 {
+            p.age_draft_fit();
+        }
+        let faded = p.draft_cost();
+        assert!(faded.per_step < 0.5 * learned.per_step && faded.per_token <= learned.per_token, "{faded:?} vs {learned:?}");
     }
 
     #[test]

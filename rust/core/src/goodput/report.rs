@@ -119,6 +119,7 @@ impl GoodputPolicy {
         // slot never went back to steps 1; BENCHMARKS.md, issue 28 floors). The cells a
         // per-request decision is priced from are kept current by staleness probes instead
         // ([`super::decide::STALE_AFTER`]).
+        self.per_request.age_draft_fit();
         let shortened = verified != steps * b;
         let cells = seconds.filter(|_| !shortened);
         let shape = match seconds {
