@@ -65,10 +65,14 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def fill_row(matcher: Any, bitmask: torch.Tensor, row: int) -> None:
     """Row ``row`` of an int32 ``bitmask`` ``[B, W]``: ``matcher``'s allowed next tokens; a
     matcher past its end (a stop token accepted: only reachable with ``ignore_eos``) allows
-    its stop tokens only."""
+    its stop tokens only, and so does a dead end (a grammar with no continuation here, e.g.
+    an empty character class after some text: :func:`~specdial.worker.grammar.dead_end`),
+    so that no row's distribution is all ``-inf`` (NaN); the engine fails such a request when
+    it ends (:func:`~specdial.engine.grammar_gate.grammar_end_error`)."""
     if not matcher.is_terminated():
         matcher.fill_next_token_bitmask(bitmask, row)
-        return
+        if bool(bitmask[row].any()):
+            return
     words = np.zeros(bitmask.shape[1], np.uint32)
     for t in matcher.stop_token_ids:
         words[t // 32] |= np.uint32(1 << (t % 32))
