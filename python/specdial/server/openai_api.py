@@ -99,7 +99,7 @@ def prepare_completion(state: ServerState, raw: bytes) -> tuple[CompletionReques
         echo = (p if isinstance(p, str) else str(state.engine.tokenizer.decode(p))) if req.echo \
             else None
         jobs.append(dataclasses.replace(job, logprobs=logprobs, echo=echo))
-    return req, choices(jobs, req.n or 1)
+    return req, choices(jobs, req.n or 1, whole=not req.stream)
 
 
 @router.post("/v1/completions")
