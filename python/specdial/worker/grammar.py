@@ -80,7 +80,8 @@ class GrammarBackend:
 
     def compile(self, spec: StructuredSpec) -> Any:
         """Compile ``spec`` now (no cache): an ``xgrammar.CompiledGrammar``. Raises
-        :class:`GrammarError` naming ``spec.field`` when it does not compile."""
+        :class:`GrammarError` naming ``spec.field`` when it does not compile or admits no
+        output (no token allowed at its start: :func:`dead_end`)."""
         c = self.compiler
         try:
             if spec.kind == "json_schema":
