@@ -172,6 +172,10 @@ def test_a_grammar_dead_end_fails_that_request_alone(engine, temperature):
     assert all(math.isfinite(lp) for lp, _, _ in meta["output_token_logprobs"])
     assert all(math.isfinite(lp) for top in meta["output_top_logprobs"] for lp, _, _ in top)
     assert engine.failure is None and engine.stats().kv_pages_used == 0
+    # with ignore_eos the stop tokens do not end it (it ends by length): it fails the same way
+    o = engine.generate("x", {**dead, "ignore_eos": True})
+    assert o["meta_info"]["finish_reason"]["type"] == "error", o["meta_info"]
+    assert re.fullmatch("[a-z]{3}", o["text"]), o["text"]
 
 
 def test_unpacked_mask_width_is_the_target_vocabulary(engine):

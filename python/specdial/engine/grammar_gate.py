@@ -105,9 +105,15 @@ def grammar_end_error(spec: RequestSpec, matcher: Any, fin: Any, matched: str | 
     not reached its end: the mask fell back to the stop tokens,
     :func:`~specdial.worker.grammar_masks.fill_row`), else None. ``fin``: the scheduler's
     ``FinishedRequest``; ``matched``: the stop string the text matched, if any (then the
-    request ended on its own terms). One bitmask fill per finished constrained request."""
-    if (matcher is None or matched is not None or fin.reason != "stop"
-            or fin.stop_token_id is None or not dead_end(matcher, vocab_size)):
+    request ended on its own terms). With ``ignore_eos`` the stop tokens do not end it: it
+    ends by length, with stop tokens after the dead end, and fails the same way. One bitmask
+    fill per finished constrained request."""
+    if matcher is None or matched is not None:
+        return None
+    by_stop = fin.reason == "stop" and fin.stop_token_id is not None
+    if not (by_stop or (fin.reason == "length" and spec.params.ignore_eos)):
+        return None
+    if not dead_end(matcher, vocab_size):
         return None
     field = spec.params.structured.field
     return failed(f"{field}: the output constraint allows no token after "
