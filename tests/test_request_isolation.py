@@ -33,6 +33,8 @@ def test_end_kinds_and_error_body():
     assert status == 500 and "rank 1 died" in body["error"]["message"]
     assert body["error"]["type"] == "internal_error"
     assert error_body(failed("down", 503))[0] == 503
+    status, body = error_body(failed("regex: no continuation", 400))
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
 
 
 @pytest.mark.parametrize("params, param, words", [

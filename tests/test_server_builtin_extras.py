@@ -82,6 +82,44 @@ def test_echoed_non_ascii_prompt_joins_to_the_text(server):
     assert not any("\ufffd" in t for t in r["logprobs"]["tokens"])
 
 
+def test_n_echoed_choices_share_one_prompt_logprobs_computation(server):
+    """Non-streaming ``echo`` + ``logprobs`` with ``n``: only choice 0's engine request
+    computes the prompt logprobs (each one is a full prefill without the prefix cache); every
+    choice reports them, as a single choice does, and a stream's choices each carry them."""
+    from specdial.engine.api import LogprobOptions
+    from specdial.server.jobs import choices
+    from specdial.server.runs import Job
+
+    job = Job(0, None, [1, 2, 3], {"seed": 1}, None,
+              logprobs=LogprobOptions(top_n=2, prompt_start=0), echo="abc")
+    whole = choices([job, Job(1, None, [4], {}, None, logprobs=job.logprobs, echo="d")], 3,
+                    whole=True)
+    assert [j.logprobs.prompt_start for j in whole] == [0, None, None] * 2
+    assert [j.prompt_logprobs_from for j in whole] == [None, 0, 0, None, 3, 3]
+    assert all(j.logprobs.prompt_start == 0 for j in choices([job], 3))  # a stream
+    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 1.0,
+            "seed": 3, "logprobs": 2, "echo": True}
+    r = post(server, "/v1/completions", body).json()
+    one, p = r["choices"][0]["logprobs"], r["usage"]["prompt_tokens"]
+    many = post(server, "/v1/completions", {**body, "n": 3}).json()["choices"]
+    events = stream_events(server, "/v1/completions", {**body, "n": 3})
+    streamed = {}
+    for e in events:
+        c = e["choices"][0]
+        if c["logprobs"]:
+            streamed.setdefault(c["index"], []).extend(c["logprobs"]["token_logprobs"])
+    assert len(many) == 3 and len(streamed) == 3
+    for c in many:
+        lp = c["logprobs"]
+        assert c["text"].startswith(PROMPTS[0]) and "".join(lp["tokens"]) == c["text"]
+        assert lp["tokens"][:p] == one["tokens"][:p]
+        assert lp["token_logprobs"][:p] == pytest.approx(one["token_logprobs"][:p], abs=1e-4)
+        assert [sorted(t) for t in lp["top_logprobs"][1:p]] == [
+            sorted(t) for t in one["top_logprobs"][1:p]]
+    for lps in streamed.values():
+        assert lps[:p] == pytest.approx(one["token_logprobs"][:p], abs=1e-4)
+
+
 def test_chat_tokens_and_bytes_join_to_the_content(server):
     for seed, stop in enumerate([None, ["e"], ["é", "\n"]]):
         body = {"model": NAME, "messages": [{"role": "user", "content": PROMPTS[1]}],

@@ -10,7 +10,9 @@
 - the seed guarantee: a seeded constrained request's tokens do not depend on the tree shape
   (nor on chain or plain decoding);
 - logprobs of constrained tree requests are the masked distribution's;
-- a grammar that does not compile fails the request with a ``RequestError`` naming the field.
+- a grammar that does not compile, or admits no output, fails the request with a
+  ``RequestError`` naming the field; one with a dead end (no continuation after some text)
+  fails that request alone with a 400 ``error`` end, no NaN logprob, neighbours unchanged.
 """
 
 from __future__ import annotations
@@ -140,6 +142,40 @@ def test_bad_grammar_is_a_request_error_naming_the_field(engine):
     assert e.value.param == "json_schema"
     # the engine still serves after the failures
     assert engine.generate("x", {"max_new_tokens": 2})["output_ids"]
+
+
+def test_a_grammar_without_output_is_a_request_error_naming_the_field(engine):
+    """An empty language (an empty character class): every logit would be masked (NaN)."""
+    for key, value in (("regex", r"[^\x00-\U0010FFFF]"), ("ebnf", r"root ::= [^\x00-\U0010FFFF]")):
+        with pytest.raises(RequestError, match="admits no output") as e:
+            engine.generate("x", {"max_new_tokens": 4, key: value})
+        assert e.value.param == key
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_grammar_dead_end_fails_that_request_alone(engine, temperature):
+    """A grammar with no continuation after 3 letters (xgrammar compiles it): the request
+    ends with a 400 ``error`` naming the field, never a NaN distribution or logprob; its
+    neighbours' greedy outputs are those of a run without it; no KV page is lost."""
+    free = {"max_new_tokens": 12, "temperature": 0.0}
+    want = [o["output_ids"] for o in engine.generate(PROMPTS[:3], free)]
+    dead = {"max_new_tokens": 12, "temperature": temperature, "seed": 5,
+            "regex": r"[a-z]{3}[^\x00-\U0010FFFF]"}
+    out = engine.generate(PROMPTS[:3] + ["x"], [free] * 3 + [dead], return_logprob=True,
+                          top_logprobs_num=2)
+    assert [o["output_ids"] for o in out[:3]] == want
+    meta = out[3]["meta_info"]
+    reason = meta["finish_reason"]
+    assert reason["type"] == "error" and reason["status_code"] == 400, reason
+    assert "regex" in reason["message"] and "no continuation" in reason["message"]
+    assert re.fullmatch("[a-z]{3}", out[3]["text"]), out[3]["text"]
+    assert all(math.isfinite(lp) for lp, _, _ in meta["output_token_logprobs"])
+    assert all(math.isfinite(lp) for top in meta["output_top_logprobs"] for lp, _, _ in top)
+    assert engine.failure is None and engine.stats().kv_pages_used == 0
+    # with ignore_eos the stop tokens do not end it (it ends by length): it fails the same way
+    o = engine.generate("x", {**dead, "ignore_eos": True})
+    assert o["meta_info"]["finish_reason"]["type"] == "error", o["meta_info"]
+    assert re.fullmatch("[a-z]{3}", o["text"]), o["text"]
 
 
 def test_unpacked_mask_width_is_the_target_vocabulary(engine):

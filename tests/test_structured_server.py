@@ -109,6 +109,11 @@ def test_chat_logprobs_under_a_choice_list_only_the_allowed_tokens(server):
     ("/generate", {"text": "x", "sampling_params": {"regex": "a", "ebnf": "root ::= \"a\""}},
      "regex"),
     ("/v1/completions", {"prompt": "x", "guided_regex": "(bad"}, "guided_regex"),
+    # an empty language, and a dead end after 3 letters (a 400 when the output stops there)
+    ("/v1/completions", {"prompt": "x", "guided_regex": "[^\\x00-\\U0010FFFF]"},
+     "guided_regex"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 8, "logprobs": 2,
+                         "guided_regex": "[a-z]{3}[^\\x00-\\U0010FFFF]"}, "guided_regex"),
     ("/v1/completions", {"prompt": "x", "guided_regex": "a", "guided_choice": ["b"]},
      "guided_choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],

@@ -11,7 +11,8 @@ Every request ends exactly one of four ways (:func:`end_kind`):
 - **failed**: the engine could not run it (a pass raised, a tensor-parallel rank died, the engine
   loop stopped): ``{"type": "error", "message": str, "status_code": 500}``, the message naming
   the cause; ``status_code`` (SGLang's field of ``FINISH_ABORT``) is 503 when the whole engine is
-  down, else 500. The server answers such a request with that HTTP status and an OpenAI error
+  down, 400 when the request's own content stopped it mid-way (a grammar at a dead end), else
+  500. The server answers such a request with that HTTP status and an OpenAI error
   body (:func:`error_body`), never with 200 and empty or truncated text.
 
 Only plain dicts and strings here (no torch), so that front ends and test doubles can import it.
@@ -56,7 +57,8 @@ def shut_down(message: str) -> dict[str, Any]:
 
 def failed(message: str, status_code: int = 500) -> dict[str, Any]:
     """The finish reason of a request the engine failed; ``message`` names the cause;
-    ``status_code``: 500, or 503 when the engine as a whole is down."""
+    ``status_code``: 500, 503 when the engine as a whole is down, 400 when the request's own
+    content stopped it (:func:`error_body` then answers ``invalid_request_error``)."""
     return {"type": FAILED, "message": message, "status_code": int(status_code)}
 
 
@@ -81,9 +83,14 @@ def end_kind(reason: dict[str, Any] | None) -> EndKind | None:
 def error_body(reason: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     """``(HTTP status, OpenAI error body)`` for a failed request's finish reason: 503
     ``service_unavailable`` / ``engine_failed`` when the engine is down, else 500
-    ``internal_error`` / ``engine_error``; the message is the cause."""
+    ``internal_error`` / ``engine_error``, a 4xx ``invalid_request_error``; the message is the
+    cause."""
     status = int(reason.get("status_code", 500))
     down = status == 503
+    if 400 <= status < 500:  # the request's own content (e.g. a grammar at a dead end)
+        return status, {"error": {
+            "message": f"The engine could not complete this request: {reason.get('message')}",
+            "type": "invalid_request_error", "param": None, "code": "invalid_value"}}
     return status, {"error": {
         "message": f"The engine failed this request: {reason.get('message', 'unknown cause')}",
         "type": "service_unavailable" if down else "internal_error", "param": None,

@@ -19,13 +19,15 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from specdial.engine.api import RequestError
+from specdial.engine.ends import failed
 from specdial.engine.messages import RequestSpec, Submit
 from specdial.worker.batch_sampling import BatchSampling
-from specdial.worker.grammar import GrammarError, backend_for, new_matcher
+from specdial.worker.grammar import GrammarError, backend_for, dead_end, new_matcher
 from specdial.worker.grammar_masks import BatchGrammar
 from specdial.worker.grammar_spec import StructuredSpec
 
-__all__ = ["attach_grammar", "hold_for_grammar", "matcher_of", "start_compile"]
+__all__ = ["attach_grammar", "grammar_end_error", "hold_for_grammar", "matcher_of",
+           "start_compile"]
 
 
 def start_compile(structured: StructuredSpec | None, tokenizer: Any, vocab_size: int,
@@ -94,3 +96,26 @@ def attach_grammar(sampling: BatchSampling | None, matchers: Sequence[Any], work
             matchers, worker.target.config.vocab_size, sampling.temperature.device,
             worker.grammar_share)
     return sampling
+
+
+def grammar_end_error(spec: RequestSpec, matcher: Any, fin: Any, matched: str | None,
+                      vocab_size: int) -> dict[str, Any] | None:
+    """The ``failed`` finish reason (status 400, naming the constraint's field) of a request
+    that a stop token ended at a dead end of its grammar (``matcher`` allows no token and has
+    not reached its end: the mask fell back to the stop tokens,
+    :func:`~specdial.worker.grammar_masks.fill_row`), else None. ``fin``: the scheduler's
+    ``FinishedRequest``; ``matched``: the stop string the text matched, if any (then the
+    request ended on its own terms). With ``ignore_eos`` the stop tokens do not end it: it
+    ends by length, with stop tokens after the dead end, and fails the same way. One bitmask
+    fill per finished constrained request."""
+    if matcher is None or matched is not None:
+        return None
+    by_stop = fin.reason == "stop" and fin.stop_token_id is not None
+    if not (by_stop or (fin.reason == "length" and spec.params.ignore_eos)):
+        return None
+    if not dead_end(matcher, vocab_size):
+        return None
+    field = spec.params.structured.field
+    return failed(f"{field}: the output constraint allows no token after "
+                  f"{int(fin.output_len) - 1} output tokens (its grammar has no continuation "
+                  "there); output ended", 400)

@@ -62,7 +62,7 @@ import torch
 from specdial.detokenize import IncrementalText
 from specdial.engine.api import POLICY_REFRESH_S, EngineStats
 from specdial.engine.ends import failed, finished
-from specdial.engine.grammar_gate import attach_grammar
+from specdial.engine.grammar_gate import attach_grammar, grammar_end_error
 from specdial.engine.inbox import LoopInbox
 from specdial.engine.isolation import sampling_isolated
 from specdial.engine.loop_stats import VerifyLengths, engine_stats, log_progress
@@ -378,7 +378,10 @@ class EngineLoop(LoopInbox):
             return
         del self.live[lv.rid]
         lv.cached_tokens = int(fin.cached_tokens)
-        self._send(lv, lv.chunk(text, new, True, finished(lv.text.matched, fin), token_lp))
+        reason = grammar_end_error(lv.spec, lv.grammar, fin, lv.text.matched,
+                                   self.worker.target.config.vocab_size)
+        self._send(lv, lv.chunk(text, new, True, reason or finished(lv.text.matched, fin),
+                                token_lp))
 
     def _send(self, lv: LiveRequest, chunk: Any, hold: bool = False) -> None:
         """Queue ``chunk`` for ``lv``'s sink joined after what it holds, or hold it."""

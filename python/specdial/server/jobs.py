@@ -127,19 +127,31 @@ def make_job(state: ServerState, index: int, prompt: str | list[int], *, templat
     return Job(index, None, ids, {**sampling, "max_new_tokens": max_tokens}, stop)
 
 
-def choices(jobs: list[Job], n: int) -> list[Job]:
+def choices(jobs: list[Job], n: int, whole: bool = False) -> list[Job]:
     """``n`` choices per job (choice ``i`` of prompt ``p``: index ``p * n + i``), seeded
-    choices with :func:`choice_seed`."""
+    choices with :func:`choice_seed`. ``whole`` (a non-streaming response): choices ``i >= 1``
+    of a job with prompt logprobs (``echo``) ask the engine for none and report choice 0's
+    (``Job.prompt_logprobs_from``): they are the same numbers, and each engine request with
+    prompt logprobs prefills its whole prompt without the prefix cache, so ``n`` choices cost
+    ``n`` full prefills (one request held the engine, and the requests behind it, for ``n``
+    times as long). A stream keeps them per choice (each choice's first event carries them)."""
     if n == 1:
         return jobs
     out = []
     for job in jobs:
+        first = job.index * n
+        shared = (whole and job.logprobs is not None and job.logprobs.prompt_start is not None)
         for i in range(n):
             params = dict(job.sampling_params)
             if "seed" in params:
                 params["seed"] = choice_seed(int(params["seed"]), i)
-            out.append(dataclasses.replace(job, index=job.index * n + i, sampling_params=params,
-                                           counts_prompt=i == 0))
+            extra: dict[str, Any] = {}
+            if shared and i:
+                assert job.logprobs is not None
+                extra = dict(logprobs=dataclasses.replace(job.logprobs, prompt_start=None),
+                             prompt_logprobs_from=first)
+            out.append(dataclasses.replace(job, index=first + i, sampling_params=params,
+                                           counts_prompt=i == 0, **extra))
     return out
 
 

@@ -38,6 +38,7 @@ from fastapi.responses import JSONResponse, Response
 
 from specdial.engine.api import LogprobOptions
 from specdial.engine.ends import error_body
+from specdial.server.big_json import json_response
 from specdial.server.chat import render_chat
 from specdial.server.errors import engine_error
 from specdial.server.jobs import choices, make_job, openai_sampling, openai_stop
@@ -98,7 +99,7 @@ def prepare_completion(state: ServerState, raw: bytes) -> tuple[CompletionReques
         echo = (p if isinstance(p, str) else str(state.engine.tokenizer.decode(p))) if req.echo \
             else None
         jobs.append(dataclasses.replace(job, logprobs=logprobs, echo=echo))
-    return req, choices(jobs, req.n or 1)
+    return req, choices(jobs, req.n or 1, whole=not req.stream)
 
 
 @router.post("/v1/completions")
@@ -178,6 +179,8 @@ async def serve(state: ServerState, request: Request,
         if failure is not None:  # never 200 with the empty text of a failed choice
             status, body = error_body(failure)
             return JSONResponse(body, status_code=status)
+        if any(j.logprobs is not None for j in run.jobs):  # maybe tens of MB (big_json)
+            return await json_response(lambda: full_response(state, run, chat))
         return JSONResponse(full_response(state, run, chat))
     finally:
         watcher.cancel()

@@ -81,7 +81,11 @@ def full_response(state: ServerState, run: Run, chat: bool) -> dict[str, Any]:
     """The non-streaming body of a finished ``run``: OpenAI's ``text_completion`` or
     ``chat.completion`` object with every choice and the ``usage``."""
     choices: list[dict[str, Any]] = []
+    by_index = {c.index: c for c in run.choices}
     for c, job in zip(run.choices, run.jobs):
+        if job.prompt_logprobs_from is not None:  # choice 0's (jobs.choices)
+            src = by_index[job.prompt_logprobs_from]
+            c.prompt_logprobs, c.prompt_top_logprobs = src.prompt_logprobs, src.prompt_top_logprobs
         text = "".join(c.parts)
         logprobs = choice_logprobs(state, c, job, chat, new_track(state, job),
                                    len((job.echo or "") + text), True)

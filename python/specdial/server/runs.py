@@ -56,6 +56,9 @@ class Job:
     logprobs: LogprobOptions | None = None
     counts_prompt: bool = True  # the first choice of its prompt (usage counts prompts once)
     echo: str | None = None  # prompt text prepended to the choice's text
+    #: the index of the choice whose prompt logprobs this one reports (the same prompt's
+    #: choice 0; its own engine request computes none: :func:`~specdial.server.jobs.choices`)
+    prompt_logprobs_from: int | None = None
 
 
 @dataclass

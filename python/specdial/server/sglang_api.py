@@ -67,6 +67,7 @@ from fastapi.responses import JSONResponse, Response
 
 from specdial.engine.ends import error_body, is_failure
 from specdial.engine.output import OutputAccumulator
+from specdial.server.big_json import json_response
 from specdial.server.chat import render_chat
 from specdial.server.errors import engine_error
 from specdial.server.jobs import check_token_ids, encode
@@ -186,12 +187,17 @@ async def generate(request: Request, state: StateDep) -> Response:
             raise engine_error(e, {"max_new_tokens": "sampling_params.max_new_tokens",
                                     "min_tokens": "sampling_params.min_new_tokens",
                                     "prompt": "text"}) from None
-        results = [body(i) for i in range(len(jobs))]
-        for r in results:
-            r.pop("index", None)
         failure = run.failure()
         status = 200 if failure is None else error_body(failure)[0]
-        return JSONResponse(results[0] if single else results, status_code=status)
+
+        def results() -> Any:
+            out = [body(i) for i in range(len(jobs))]
+            for r in out:
+                r.pop("index", None)
+            return out[0] if single else out
+        if req.return_logprob:  # maybe tens of MB: off the event loop (big_json)
+            return await json_response(results, status)
+        return JSONResponse(results(), status_code=status)
     finally:
         watcher.cancel()
         if not streaming:

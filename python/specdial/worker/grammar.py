@@ -36,7 +36,7 @@ import xgrammar as xgr
 
 from specdial.worker.grammar_spec import StructuredSpec
 
-__all__ = ["GrammarBackend", "GrammarError", "backend_for", "new_matcher"]
+__all__ = ["GrammarBackend", "GrammarError", "backend_for", "dead_end", "new_matcher"]
 
 
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
@@ -80,22 +80,30 @@ class GrammarBackend:
 
     def compile(self, spec: StructuredSpec) -> Any:
         """Compile ``spec`` now (no cache): an ``xgrammar.CompiledGrammar``. Raises
-        :class:`GrammarError` naming ``spec.field`` when it does not compile."""
+        :class:`GrammarError` naming ``spec.field`` when it does not compile or admits no
+        output (no token allowed at its start: :func:`dead_end`)."""
         c = self.compiler
         try:
             if spec.kind == "json_schema":
-                return c.compile_json_schema(spec.text, strict_mode=spec.strict)
-            if spec.kind == "json_object":
-                return c.compile_json_schema('{"type": "object"}')
-            if spec.kind == "regex":
-                return c.compile_regex(spec.text)
-            if spec.kind == "choice":
-                return c.compile_grammar(spec.ebnf())
-            return c.compile_grammar(spec.text)
+                compiled = c.compile_json_schema(spec.text, strict_mode=spec.strict)
+            elif spec.kind == "json_object":
+                compiled = c.compile_json_schema('{"type": "object"}')
+            elif spec.kind == "regex":
+                compiled = c.compile_regex(spec.text)
+            elif spec.kind == "choice":
+                compiled = c.compile_grammar(spec.ebnf())
+            else:
+                compiled = c.compile_grammar(spec.text)
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             first = _LOG_PREFIX.sub("", first)  # xgrammar's "[time] file.cc:line: "
             raise GrammarError(spec.field, f"invalid {spec.kind}: {first}") from None
+        if dead_end(new_matcher(compiled), self.vocab_size):
+            # an empty language (a regex / EBNF with an empty character class): every logit
+            # would be masked, a NaN distribution; refused here, a 400 naming the field
+            raise GrammarError(spec.field, f"invalid {spec.kind}: it admits no output (no "
+                               "token is allowed at its start)")
+        return compiled
 
     def submit(self, spec: StructuredSpec) -> Future:
         """The compiled grammar of ``spec``, from the cache or compiled on the pool (a
@@ -117,6 +125,19 @@ class GrammarBackend:
         with self._lock:
             if self._cache.get(spec) is fut:
                 del self._cache[spec]
+
+def dead_end(matcher: Any, vocab_size: int) -> bool:
+    """True when ``matcher`` (an ``xgrammar.GrammarMatcher`` over ``vocab_size`` token ids) has
+    not reached its end and allows no token: its grammar has no continuation here (an empty
+    character class after some text, or a grammar whose language is empty). xgrammar compiles
+    such grammars; masking with them would give every logit ``-inf`` (a NaN distribution).
+    Host work: one bitmask fill ``[ceil(V / 32)]``."""
+    if matcher.is_terminated():
+        return False
+    bm = xgr.allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(bm, 0)
+    return not bool(bm.any())
+
 
 def new_matcher(compiled: Any) -> Any:
     """A fresh ``xgrammar.GrammarMatcher`` of ``compiled`` (an ``xgrammar.CompiledGrammar``)

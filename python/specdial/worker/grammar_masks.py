@@ -46,6 +46,8 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
+from specdial.worker.grammar import dead_end
+
 __all__ = ["BatchGrammar", "GrammarOnWire", "GrammarStep", "MirroredGrammar", "fill_row",
            "unpack_bitmask"]
 
@@ -65,10 +67,14 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def fill_row(matcher: Any, bitmask: torch.Tensor, row: int) -> None:
     """Row ``row`` of an int32 ``bitmask`` ``[B, W]``: ``matcher``'s allowed next tokens; a
     matcher past its end (a stop token accepted: only reachable with ``ignore_eos``) allows
-    its stop tokens only."""
+    its stop tokens only, and so does a dead end (a grammar with no continuation here, e.g.
+    an empty character class after some text: :func:`~specdial.worker.grammar.dead_end`),
+    so that no row's distribution is all ``-inf`` (NaN); the engine fails such a request when
+    it ends (:func:`~specdial.engine.grammar_gate.grammar_end_error`)."""
     if not matcher.is_terminated():
         matcher.fill_next_token_bitmask(bitmask, row)
-        return
+        if bool(bitmask[row].any()):
+            return
     words = np.zeros(bitmask.shape[1], np.uint32)
     for t in matcher.stop_token_ids:
         words[t // 32] |= np.uint32(1 << (t % 32))
@@ -129,11 +135,15 @@ class BatchGrammar:
         host = tokens.index_select(0, self.rows_dev).cpu().numpy()  # the level's one sync
         bm = xgr.allocate_token_bitmask(self.batch_size, self.vocab_size)
         for i, (b, m) in enumerate(zip(self.rows, self.matchers)):
-            if not step.ended[i] and not m.is_terminated() and m.accept_token(int(host[i])):
+            if step.ended[i]:
+                continue  # row stays all-allowed: unreachable columns
+            if not m.is_terminated() and m.accept_token(int(host[i])):
                 step.drafted[i] += 1
                 fill_row(m, bm, b)
-            elif m.is_terminated() and not step.ended[i]:
-                fill_row(m, bm, b)  # the stop tokens only
+            elif m.is_terminated() or dead_end(m, self.vocab_size):
+                # the stop tokens only: past the end, or at a dead end, whose fallback mask
+                # allowed the stop token drafted (with ignore_eos it does not end the request)
+                fill_row(m, bm, b)
             else:
                 step.ended[i] = True  # row stays all-allowed: unreachable columns
         return self._publish(bm)

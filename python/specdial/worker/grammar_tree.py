@@ -60,6 +60,7 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
+from specdial.worker.grammar import dead_end
 from specdial.worker.grammar_masks import BatchGrammar, fill_row, unpack_bitmask
 from specdial.worker.tree import DraftTree
 
@@ -75,10 +76,10 @@ class PathWalker:
     visited; tokens after a stop token are not accepted by xgrammar, so they are not in it).
     """
 
-    __slots__ = ("matcher", "at", "stops")
+    __slots__ = ("matcher", "at", "stops", "vocab_size")
 
-    def __init__(self, matcher: Any) -> None:
-        self.matcher = matcher
+    def __init__(self, matcher: Any, vocab_size: int | None = None) -> None:
+        self.matcher, self.vocab_size = matcher, vocab_size
         self.at: list[int] = []
         self.stops = frozenset(int(t) for t in matcher.stop_token_ids)
 
@@ -99,6 +100,9 @@ class PathWalker:
                     return False
                 continue
             if not m.accept_token(int(t)):
+                if (t in self.stops and self.vocab_size is not None
+                        and dead_end(m, self.vocab_size)):
+                    continue  # a dead end's fallback mask allowed it (grammar_masks.fill_row)
                 return False
             at.append(int(t))
         return True
@@ -166,7 +170,7 @@ class TreeGrammar:
 
     def __init__(self, grammar: BatchGrammar) -> None:
         self.grammar = grammar
-        self.walkers = [PathWalker(m) for m in grammar.matchers]
+        self.walkers = [PathWalker(m, grammar.vocab_size) for m in grammar.matchers]
         #: per constrained row, path -> its int32 mask row (host), filled once per iteration
         self.cache: list[dict[Path, torch.Tensor]] = [{} for _ in grammar.rows]
         #: per constrained row, the paths of the frontier fed last (level 1's parent: the root)
