@@ -187,11 +187,15 @@ class StepRunner:
             buf.draft_out_loc[:k, :b].copy_(out_loc[:, :k].T)
             buf.draft_input_ids[0, :b].copy_(ids[:, 0])
             ones = np.ones(b, np.int64)
+            # at batch size 1 the torch backend derives the steps' metadata from the verify's
+            derive = None if graphs else getattr(self.backend, "draft_step_plans", None)
+            metas = None if derive is None else derive(meta, k)
             for i in range(k):
                 draft.append(ForwardBatch(
                     buf.draft_input_ids[i, :b], buf.draft_positions[i, :b],
                     buf.draft_out_loc[i, :b],
-                    None if graphs else self._plan(rows_d, ones, target_len + i + 1, rows)))
+                    None if graphs else metas[i] if metas is not None
+                    else self._plan(rows_d, ones, target_len + i + 1, rows)))
         if not graphs:
             return DecodeBatches(verify, draft, rows_d, positions, ids)
         return DecodeBatches(verify, draft, rows_d, positions, ids,
