@@ -164,9 +164,15 @@ class StepRunner:
         pos2d = target_len[:, None] + np.arange(n, dtype=np.int64)[None, :]
         positions = load(buf.verify_positions, pos2d.reshape(-1)).view(b, n)
         out_loc = buf.verify_out_loc[: b * n].view(b, n)
-        out_loc.copy_(t.req_to_token[rows_d[:, None], positions])
         ids = buf.verify_input_ids[: b * n].view(b, n)
-        ids[:, 0] = t.req_to_ids[rows_d, positions[:, 0]]
+        host = t.host_token is not None and t.host_ids is not None and buf.device.type == "cpu"
+        if host:  # CPU tables and buffers: numpy on views of the same memory, no torch op
+            loc_h, x_h = t.host_token[rows[:, None], pos2d], t.host_ids[rows, target_len]
+            buf.verify_out_loc.numpy()[: b * n] = loc_h.reshape(-1)
+            buf.verify_input_ids.numpy()[: b * n: n] = x_h
+        else:
+            out_loc.copy_(t.req_to_token[rows_d[:, None], positions])
+            ids[:, 0] = t.req_to_ids[rows_d, positions[:, 0]]
         if budgets is not None and k and bool((budgets < k).any()) and (
                 not graphs or not self.enabled or self.padded_bs(b, graph_bs) is None):
             if graphs:  # no graph serves this batch: the eager passes, packed
@@ -182,10 +188,15 @@ class StepRunner:
                                                    target_len + n, rows)
         verify = ForwardBatch(ids.view(-1), positions.view(-1), out_loc.view(-1), meta)
         draft = []
-        if k:
+        if k and host:
+            buf.draft_positions.numpy()[:k, :b] = pos2d[:, :k].T
+            buf.draft_out_loc.numpy()[:k, :b] = loc_h[:, :k].T
+            buf.draft_input_ids.numpy()[0, :b] = x_h
+        elif k:
             buf.draft_positions[:k, :b].copy_(positions[:, :k].T)
             buf.draft_out_loc[:k, :b].copy_(out_loc[:, :k].T)
             buf.draft_input_ids[0, :b].copy_(ids[:, 0])
+        if k:
             ones = np.ones(b, np.int64)
             # at batch size 1 the torch backend derives the steps' metadata from the verify's
             derive = None if graphs else getattr(self.backend, "draft_step_plans", None)
