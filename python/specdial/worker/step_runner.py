@@ -259,6 +259,13 @@ class StepRunner:
         assert t is not None, "ragged passes need the request tables"
         row_rep, pos = ragged_positions(rows, starts, ends)
         pos_d = load(buf.ragged_positions, pos)
+        if t.host_token is not None and t.host_ids is not None:  # CPU tables: numpy gathers
+            ids_h, loc_h = t.host_ids[row_rep, pos], t.host_token[row_rep, pos]
+            hidx = None
+            if hidden_rows is not None:
+                prev = t.host_token[row_rep, np.maximum(pos - 1, 0)]
+                hidx = torch.from_numpy(np.where(pos > 0, prev, hidden_rows))
+            return torch.from_numpy(ids_h), pos_d, torch.from_numpy(loc_h), hidx
         rows_d = load(buf.ragged_token_rows, row_rep)
         ids, loc = t.req_to_ids[rows_d, pos_d], t.req_to_token[rows_d, pos_d]
         if hidden_rows is None:
