@@ -106,3 +106,30 @@ def test_consecutive_slots_read_a_view_of_the_pool(qo):
                         torch.tensor([0, 2, 1])).kv_run is None  # not in order
     assert backend.plan(torch.tensor([1]), torch.tensor([3]),
                         torch.tensor([0, 1, 3])).kv_run is None  # a gap
+
+
+@pytest.mark.parametrize("run", [True, False])
+def test_draft_step_plans_equal_planned_steps(run):
+    """At batch size 1 the chain's draft-step metadata derived from the verify's equals
+    ``plan`` of each step's lengths (every field), with and without a consecutive slot run,
+    and gives the same attention output; other batch sizes get None (planned per step)."""
+    torch.manual_seed(1)
+    backend, L, n = TorchAttentionBackend(), 9, 4
+    slots = torch.arange(3, 3 + L + n) if run else torch.randperm(40)[:L + n]
+    verify = backend.plan(torch.tensor([n]), torch.tensor([L + n]), slots)
+    derived = backend.draft_step_plans(verify, n - 1)
+    assert derived is not None and len(derived) == n - 1
+    pool = KVPool(1, 48, 2, 8)
+    pool.k_buffer.normal_()
+    pool.v_buffer.normal_()
+    for i, got in enumerate(derived):
+        want = backend.plan(torch.tensor([1]), torch.tensor([L + i + 1]), slots[:L + i + 1])
+        for f in dataclasses.fields(want):
+            a, b = getattr(got, f.name), getattr(want, f.name)
+            assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), f.name
+        q = torch.randn(1, 4, 8)
+        assert torch.equal(backend.forward(q, 0, pool, got, 0.3),
+                           backend.forward(q, 0, pool, want, 0.3))
+    two = backend.plan(torch.tensor([n, n]), torch.tensor([L + n, L + n]), slots.repeat(2))
+    assert backend.draft_step_plans(two, n - 1) is None
+    assert backend.draft_step_plans(verify, n) is None

@@ -203,7 +203,9 @@ def test_draft_confidence_is_the_probability_of_the_drafted_token():
     logits = torch.randn(6, 9)
     conf = torch.zeros(6, 1)
     greedy = BatchSampling.from_params([SamplingParams()] * 6)
-    tok = DraftRun(Identity(), greedy, None, None, None, conf).choose(logits, 0, None)
+    run = DraftRun(Identity(), greedy, None, None, None, conf)
+    tok = run.choose(logits, 0, None)
+    run.result(1)  # greedy levels' confidences are written for all levels at once here
     soft = torch.softmax(logits, -1)
     assert torch.equal(tok, logits.argmax(-1))
     assert torch.allclose(conf[:, 0], soft.max(-1).values)
@@ -215,8 +217,44 @@ def test_draft_confidence_is_the_probability_of_the_drafted_token():
     assert torch.allclose(conf[:3, 0], q[:3].gather(1, tok[:3, None]).squeeze(1))
     assert torch.allclose(conf[3:, 0], soft[3:].max(-1).values)
     logits[0] = float("-inf")  # a row masked to nothing: no confidence, still a probability
-    DraftRun(Identity(), greedy, None, None, None, conf).choose(logits, 0, None)
+    run = DraftRun(Identity(), greedy, None, None, None, conf)
+    run.choose(logits, 0, None)
+    run.result(1)
     assert conf[0, 0] == 0 and bool(((conf >= 0) & (conf <= 1)).all())
+
+
+def test_greedy_confidences_of_all_levels_at_once_equal_per_level(monkeypatch):
+    """Greedy levels' confidences, computed for all levels in ``result`` (small logits), equal
+    the per-level computation (logits above ``DEFER_CONF_ELEMENTS``), bit for bit, tokens
+    too; a level that did not run reads 0."""
+    from specdial.worker import draft_run
+
+    class Identity:
+        def to_target_logits(self, x):
+            return x
+
+        def to_target_ids(self, x):
+            return x
+
+    torch.manual_seed(3)
+    levels = [torch.randn(4, 11) * 3 for _ in range(3)]
+    levels[1][2] = float("-inf")  # a row masked to nothing
+    greedy = BatchSampling.from_params([SamplingParams()] * 4)
+    outs = []
+    for limit in (draft_run.DEFER_CONF_ELEMENTS, 0):
+        monkeypatch.setattr(draft_run, "DEFER_CONF_ELEMENTS", limit)
+        conf = torch.full((4, 4), 7.0)
+        run = DraftRun(Identity(), greedy, None, None, None, conf)
+        for i, x in enumerate(levels):
+            run.choose(x, i, None)
+        assert (len(run.greedy_logits) == 3) == (limit > 0)
+        tokens, _ = run.result(4)
+        outs.append((tokens, conf))
+    (t0, c0), (t1, c1) = outs
+    assert torch.equal(t0, t1) and torch.equal(c0, c1)
+    assert torch.equal(t0[:, :3], torch.stack([x.argmax(-1) for x in levels], 1))
+    want = torch.stack([torch.softmax(x, -1).max(-1).values for x in levels], 1).nan_to_num(0.0)
+    assert torch.allclose(c0[:, :3], want) and c0[2, 1] == 0 and bool((c0[:, 3] == 0).all())
 
 
 def test_a_budget_caps_acceptance_with_the_bonus_token_of_its_column():

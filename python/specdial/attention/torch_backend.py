@@ -63,6 +63,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self, device: torch.device | str | None = None) -> None:
         self.device = torch.device(device) if device is not None else None
+        #: (qo_lens, qo_indptr, q_dst) of one request with one query, on the CPU
+        self._ones: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def plan(self, qo_lens: torch.Tensor, kv_lens: torch.Tensor,
              kv_indices: torch.Tensor, tree_mask: torch.Tensor | None = None
@@ -127,6 +129,36 @@ class TorchAttentionBackend(AttentionBackend):
             kv_gather=kv_gather, mask=None if mask is None else mask[:, None].to(dev),
             dense=dense, kv_run=kv_run,
         )
+
+    def draft_step_plans(self, verify: TorchAttentionMetadata, k: int
+                         ) -> list[TorchAttentionMetadata] | None:
+        """The metadata of a chain's ``k`` draft steps, derived from its verify's at batch
+        size 1 on the CPU (one request: ``n = steps + 1`` queries over ``L + n`` keys):
+        step ``i`` (0-based) has one query over the first ``L + i + 1`` keys, i.e. a prefix
+        of the verify's key table (a view), the prefix of its slot run, and no mask (one
+        query, no padded keys: what :meth:`plan` gives for those lengths). Saves ``k`` plans
+        per iteration (~40-70 µs each at batch 1). None (plan each step) at other batch sizes,
+        off the CPU, for a packed or tree verify, or ``k`` not below the verify's queries."""
+        if (verify.batch_size != 1 or not verify.dense or verify.kv_gather.device.type != "cpu"
+                or not 0 < k < verify.max_qo_len):
+            return None
+        ones = self._ones
+        if ones is None:
+            ones = self._ones = (torch.ones(1, dtype=I64), torch.tensor([0, 1], dtype=I64),
+                                 torch.zeros(1, dtype=I64))
+        base = verify.max_kv_len - verify.max_qo_len  # L: keys before the verify's queries
+        lens = torch.arange(base + 1, base + k + 1, dtype=I64)
+        run = verify.kv_run
+        out = []
+        for i in range(k):
+            m = base + i + 1
+            indices = verify.kv_indices[:m]
+            out.append(TorchAttentionMetadata(
+                qo_lens=ones[0], kv_lens=lens[i:i + 1], kv_indices=indices, qo_indptr=ones[1],
+                kv_indptr=torch.tensor([0, m], dtype=I64), max_qo_len=1, max_kv_len=m,
+                q_dst=ones[2], kv_gather=indices.view(1, m), mask=None, dense=True,
+                kv_run=None if run is None else (run[0], run[0] + m)))
+        return out
 
     def forward(self, q: torch.Tensor, layer_id: int, kv_pool: KVPool,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:

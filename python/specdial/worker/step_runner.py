@@ -164,9 +164,15 @@ class StepRunner:
         pos2d = target_len[:, None] + np.arange(n, dtype=np.int64)[None, :]
         positions = load(buf.verify_positions, pos2d.reshape(-1)).view(b, n)
         out_loc = buf.verify_out_loc[: b * n].view(b, n)
-        out_loc.copy_(t.req_to_token[rows_d[:, None], positions])
         ids = buf.verify_input_ids[: b * n].view(b, n)
-        ids[:, 0] = t.req_to_ids[rows_d, positions[:, 0]]
+        host = t.host_token is not None and t.host_ids is not None and buf.device.type == "cpu"
+        if host:  # CPU tables and buffers: numpy on views of the same memory, no torch op
+            loc_h, x_h = t.host_token[rows[:, None], pos2d], t.host_ids[rows, target_len]
+            buf.verify_out_loc.numpy()[: b * n] = loc_h.reshape(-1)
+            buf.verify_input_ids.numpy()[: b * n: n] = x_h
+        else:
+            out_loc.copy_(t.req_to_token[rows_d[:, None], positions])
+            ids[:, 0] = t.req_to_ids[rows_d, positions[:, 0]]
         if budgets is not None and k and bool((budgets < k).any()) and (
                 not graphs or not self.enabled or self.padded_bs(b, graph_bs) is None):
             if graphs:  # no graph serves this batch: the eager passes, packed
@@ -182,16 +188,25 @@ class StepRunner:
                                                    target_len + n, rows)
         verify = ForwardBatch(ids.view(-1), positions.view(-1), out_loc.view(-1), meta)
         draft = []
-        if k:
+        if k and host:
+            buf.draft_positions.numpy()[:k, :b] = pos2d[:, :k].T
+            buf.draft_out_loc.numpy()[:k, :b] = loc_h[:, :k].T
+            buf.draft_input_ids.numpy()[0, :b] = x_h
+        elif k:
             buf.draft_positions[:k, :b].copy_(positions[:, :k].T)
             buf.draft_out_loc[:k, :b].copy_(out_loc[:, :k].T)
             buf.draft_input_ids[0, :b].copy_(ids[:, 0])
+        if k:
             ones = np.ones(b, np.int64)
+            # at batch size 1 the torch backend derives the steps' metadata from the verify's
+            derive = None if graphs else getattr(self.backend, "draft_step_plans", None)
+            metas = None if derive is None else derive(meta, k)
             for i in range(k):
                 draft.append(ForwardBatch(
                     buf.draft_input_ids[i, :b], buf.draft_positions[i, :b],
                     buf.draft_out_loc[i, :b],
-                    None if graphs else self._plan(rows_d, ones, target_len + i + 1, rows)))
+                    None if graphs else metas[i] if metas is not None
+                    else self._plan(rows_d, ones, target_len + i + 1, rows)))
         if not graphs:
             return DecodeBatches(verify, draft, rows_d, positions, ids)
         return DecodeBatches(verify, draft, rows_d, positions, ids,
@@ -244,6 +259,13 @@ class StepRunner:
         assert t is not None, "ragged passes need the request tables"
         row_rep, pos = ragged_positions(rows, starts, ends)
         pos_d = load(buf.ragged_positions, pos)
+        if t.host_token is not None and t.host_ids is not None:  # CPU tables: numpy gathers
+            ids_h, loc_h = t.host_ids[row_rep, pos], t.host_token[row_rep, pos]
+            hidx = None
+            if hidden_rows is not None:
+                prev = t.host_token[row_rep, np.maximum(pos - 1, 0)]
+                hidx = torch.from_numpy(np.where(pos > 0, prev, hidden_rows))
+            return torch.from_numpy(ids_h), pos_d, torch.from_numpy(loc_h), hidx
         rows_d = load(buf.ragged_token_rows, row_rep)
         ids, loc = t.req_to_ids[rows_d, pos_d], t.req_to_token[rows_d, pos_d]
         if hidden_rows is None:

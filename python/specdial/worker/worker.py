@@ -37,10 +37,9 @@ the same pass bodies run eagerly (counted in :meth:`SpecWorker.graph_stats`) abo
 size, for uncaptured keys, sampling drafts and long catch-ups. Prefill stays eager.
 
 Rows (``0..max_running_requests-1``) belong to the scheduler: it assigns each request its row at
-admission and frees it at finish, abort or preemption, and every plan carries them
-(``plan.rows``). A prefill chunk starting at position 0 (re)starts its row: the worker resets the
-row's drafter length and token counts there, and keeps no request -> row map of its own. Host
-arrays are numpy int64. No per-request ``.item()`` and no Python loop over tensors.
+admission, frees it at finish, abort or preemption; every plan carries them (``plan.rows``). A
+prefill chunk at position 0 (re)starts its row (drafter length and token counts reset); the
+worker keeps no request -> row map. Host arrays are numpy int64; no ``.item()`` per request.
 
 Penalties and ``min_tokens`` (``BatchSampling.processors``): the worker keeps each penalized
 row's token counts on the device (:class:`~specdial.worker.processors.TokenCounts`, reset when
@@ -67,6 +66,7 @@ from specdial.worker.drafter_state import DrafterState
 from specdial.worker.drafters import Drafter, run_target
 from specdial.worker.graph_pool import CaptureReport, GraphPool, capture_all
 from specdial.worker.graph_tables import CapturePlan
+from specdial.worker.host_accept import greedy_accept_host
 from specdial.worker.inputs import DecodeInput, PrefillInput, worker_input
 from specdial.worker.logprobs import (LogprobRows, PromptLogprobPlan, prompt_logprobs,
                                       token_logprobs)
@@ -447,8 +447,11 @@ class SpecWorker:
     def accept(self, step: DecodeStep, drafts: Drafts, verified: Verified,
                sampling: BatchSampling, generator: torch.Generator | None,
                logprobs: LogprobRows | None) -> Accepted:
-        """Acceptance (:func:`speculative_accept`), the emitted tokens into the token table,
-        and the iteration's one host copy."""
+        """Acceptance (:func:`speculative_accept`; all-greedy CPU batches: :mod:`~specdial.
+        worker.host_accept`), emitted tokens into the token table, the one host copy."""
+        if (cpu := greedy_accept_host(step, drafts, verified, sampling, self.tables.req_to_ids,
+                                      logprobs)) is not None:
+            return cpu
         budgets = step.inp.steps_per_request
         limits = (torch.from_numpy(budgets).to(self.device)
                   if step.steps and bool((budgets < step.steps).any()) else None)
