@@ -68,8 +68,7 @@ from specdial.worker.graph_pool import CaptureReport, GraphPool, capture_all
 from specdial.worker.graph_tables import CapturePlan
 from specdial.worker.host_accept import greedy_accept_host
 from specdial.worker.inputs import DecodeInput, PrefillInput, worker_input
-from specdial.worker.logprobs import (LogprobRows, PromptLogprobPlan, prompt_logprobs,
-                                      token_logprobs)
+from specdial.worker.logprobs import LogprobRows, PromptLogprobPlan, prompt_logprobs, token_logprobs
 from specdial.worker.processors import StepProcessing, TokenCounts
 from specdial.worker.runtime import RequestTables
 from specdial.worker.sampling import sample, speculative_accept
@@ -287,10 +286,9 @@ class SpecWorker:
         return StepOutput(0, tokens, offsets, None, done.get("first"), done.get("prompt"))
 
     def _fill_cached(self, rows: np.ndarray, inp: PrefillInput) -> None:
-        """Positions ``0 .. cached_lens[b]`` of the admitted rows from the prefix cache's
-        pages (their KV slots and token ids); those pages hold the EAGLE features too, and the
-        drafter's KV up to ``cached_draft_lens`` (all of them when None), where the drafter's
-        valid length starts (its catch-up runs over the rest)."""
+        """Positions ``0 .. cached_lens[b]`` of the admitted rows from the prefix cache's pages
+        (KV slots, token ids, EAGLE features); the drafter's KV up to ``cached_draft_lens`` (all
+        when None), where its valid length starts (its catch-up runs over the rest)."""
         assert inp.cached_lens is not None and inp.cached_kv is not None
         hit = inp.cached_lens > 0
         self.tables.write(rows[hit], np.zeros(int(hit.sum()), np.int64), inp.cached_lens[hit],
