@@ -3,6 +3,8 @@
 # branch: a snapshot of this branch's commit (git archive HEAD python benches tools, the same
 # _core) in /tmp/wta/branch, so edits in the checkout during the run change nothing;
 # base: bff984d's python/ (= main when this branch started) with the same _core.
+# The hf_assisted loop below was in fact started on its own while overhead_ab.py still ran (the
+# two shared the cores with each other and other sessions; figures are CPU-time ratios).
 PY=/work/wt-a/.venv/bin/python
 R=/work/wt-a/benches/results/host-batch1-2026-12-06
 BASE=/tmp/wta/base/python
