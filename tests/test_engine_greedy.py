@@ -323,6 +323,6 @@ def test_small_kv_cache_preempts_with_unchanged_outputs(tiny, reference):
     assert engine.context_length == 64
     assert [o["output_ids"] for o in run(engine)] == reference
     assert engine.stats().preemptions > 0
-    with pytest.raises(ValueError, match="context_length 64"):
+    with pytest.raises(ValueError, match="context of 64 tokens that kv_cache_tokens=64 leaves"):
         engine.generate(input_ids=PROMPTS[2], sampling_params=greedy(48))
     assert len(run(engine, prompts=PROMPTS[0], max_new_tokens=8)["output_ids"]) == 8
