@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import PROMPTS
+from specdial._core import CONFIDENCE_BIN_WIDTH, CONFIDENCE_BINS
 from specdial.worker.batch_sampling import BatchSampling
 from specdial.worker.sampling_params import SamplingParams
 from specdial.worker.tree import ancestor_mask
@@ -22,7 +23,7 @@ from specdial.worker.tree_budget import compact_tree, kept_nodes, path_first_con
 from test_tree_budget import toy_tree, verify_priced_cost
 from tree_helpers import column_logits
 
-BINS, WIDTH = 24, math.log(2) / 2  # rust/core/src/goodput/confidence.rs: bin(c)
+BINS, WIDTH = CONFIDENCE_BINS, CONFIDENCE_BIN_WIDTH  # rust/core/src/goodput/confidence.rs
 
 
 def calibration_bin(c: float) -> int:

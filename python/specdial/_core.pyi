@@ -11,6 +11,8 @@ __all__ = [
     "__version__",
     "MAX_TREE_TOPK",
     "MAX_TREE_NUM_DRAFT_TOKENS",
+    "CONFIDENCE_BINS",
+    "CONFIDENCE_BIN_WIDTH",
     "_panic_for_test",
     "AdaptiveConfig",
     "AdaptiveStepSlot",
@@ -36,6 +38,11 @@ __version__: str
 MAX_TREE_TOPK: int
 #: Its largest ``tree.max_num_draft_tokens``, root excluded (``config::tree::MAX_NUM_DRAFT_TOKENS``).
 MAX_TREE_NUM_DRAFT_TOKENS: int
+#: Bins of the goodput policy's confidence calibration (``goodput::confidence::BINS``).
+CONFIDENCE_BINS: int
+#: Width of a calibration bin in ``-ln c`` (``goodput::confidence::WIDTH``): cumulative draft
+#: probability ``c`` falls in bin ``min(floor(-ln c / width), bins - 1)``.
+CONFIDENCE_BIN_WIDTH: float
 
 class ConfigError(ValueError):
     """A rejected adaptive config or speculative_num_steps; the message names the key and value."""

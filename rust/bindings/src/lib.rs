@@ -58,6 +58,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("MAX_TREE_TOPK", specdial_core::config::tree::MAX_TOPK)?;
     m.add("MAX_TREE_NUM_DRAFT_TOKENS", specdial_core::config::tree::MAX_NUM_DRAFT_TOKENS)?;
+    m.add("CONFIDENCE_BINS", specdial_core::goodput::confidence::BINS)?;
+    m.add("CONFIDENCE_BIN_WIDTH", specdial_core::goodput::confidence::WIDTH)?;
     m.add_function(wrap_pyfunction!(_panic_for_test, m)?)?;
     config::register(m)?;
     policy::register(m)?;

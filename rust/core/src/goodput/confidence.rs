@@ -40,7 +40,7 @@ pub const BINS: usize = 48;
 /// Width of a bin in `-ln c` (a factor `2^(1/4)`; a factor `sqrt 2` set the stop's threshold too
 /// coarsely: on mixed-128 at batch 128 the best verify depth fell between two edges that kept
 /// 62 % and 85 % of the drafts).
-const WIDTH: f64 = std::f64::consts::LN_2 / 4.0;
+pub const WIDTH: f64 = std::f64::consts::LN_2 / 4.0;
 /// Pseudo-observations that shrink a calibration bin toward its own probability.
 const CAL_PRIOR: f64 = 4.0;
 /// Least relative gain of a rule over no rule for the rule to be chosen.
