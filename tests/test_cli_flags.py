@@ -142,3 +142,50 @@ def test_dtype_auto_and_chat_template_reach_the_engine(tmp_path):
         assert render_chat(engine.tokenizer, [{"role": "user", "content": "q"}]) == ("[q]>", True)
     finally:
         engine.shutdown()
+
+
+# ------------------------------------------------- specdial bench: SGLang's bench_serving names
+@pytest.mark.parametrize("argv, field, value", [
+    (["--max-concurrency", "4"], "concurrency", 4),
+    (["--dataset-name", "random"], "dataset", "random"),
+    (["--warmup-requests", "3"], "warmup_prompts", 3),
+    (["--disable-ignore-eos"], "ignore_eos", False),
+    ([], "ignore_eos", True),  # the aliases leave the defaults alone
+    ([], "concurrency", None),
+])
+def test_bench_takes_bench_serving_names(argv, field, value):
+    # before: `bench --max-concurrency 4` was "argument {compare,cost-table}: invalid choice:
+    # '4'", an error naming neither the flag nor what to use
+    assert getattr(build_parser().parse_args(["bench", *argv]), field) == value
+
+
+@pytest.mark.parametrize("flag, instead", [("--output-file", "--output-json"),
+                                           ("--port", "--base-url"),
+                                           ("--mem-fraction-static", "--kv-cache-tokens")])
+def test_bench_refuses_flags_with_another_meaning(flag, instead, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["bench", flag, "8"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and flag in err and instead in err and "invalid choice" not in err
+
+
+@pytest.mark.parametrize("argv", [["bench", "--no-such-flag", "4"],
+                                  ["bench", "--num-prompts", "2", "--no-such-flag=4"],
+                                  ["bench", "compare", "--no-such-flag", "4"],
+                                  ["generate", "hi", "--no-such-flag", "4"],
+                                  ["policy", "simulate", "--no-such-flag", "4"]])
+def test_an_unknown_option_is_named(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "unrecognized option --no-such-flag" in err, err
+    assert "invalid choice" not in err
+
+
+def test_known_options_abbreviations_and_positionals_still_parse():
+    assert build_parser().parse_args(["bench", "--num-prom", "3"]).num_prompts == 3
+    args = build_parser().parse_args(["bench", "--log-level", "error", "compare", "--configs",
+                                      "no-spec"])
+    assert args.configs == "no-spec"
+    assert build_parser().parse_args(["generate", "--x and y"]).prompt == "--x and y"
+    assert build_parser().parse_args(["generate", "--", "--x"]).prompt == "--x"

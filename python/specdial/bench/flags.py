@@ -1,0 +1,79 @@
+"""SGLang's ``bench_serving`` and vLLM's ``vllm bench serve`` flag names on ``specdial bench``.
+
+Same meaning, so they set the specdial option (the option's own name given too: the last one
+on the command line wins, as for any repeated argparse option):
+
+=========================== ============================= =========================================
+flag (origin)               specdial option               note
+=========================== ============================= =========================================
+``--max-concurrency``       ``--concurrency``             both: the most requests in flight
+``--dataset-name``          ``--dataset``                 both: ``sharegpt``, ``random``,
+                                                          ``generated-shared-prefix``, ...
+``--warmup-requests``       ``--warmup-prompts``          SGLang: requests sent before measuring
+``--disable-ignore-eos``    ``--no-ignore-eos``           SGLang
+=========================== ============================= =========================================
+
+Flags whose meaning differs are errors naming specdial's equivalent (:data:`DIFFERENT`), and so
+are the server's (:data:`specdial.server.flags.DIFFERENT`: ``--mem-fraction-static`` ...).
+Without them an SGLang user's ``specdial bench --max-concurrency 4`` was refused as
+``argument {compare,cost-table}: invalid choice: '4'``: argparse set the unknown flag aside and
+took its value for the subcommand. :class:`specdial.cli_common.StrictParser` names any
+other unknown option.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+from specdial.server.flags import DIFFERENT as SERVER_DIFFERENT
+
+__all__ = ["ALIASES", "DIFFERENT", "add_bench_compat_flags", "check_bench_values"]
+
+#: alias flag -> the destination of the specdial option it sets
+ALIASES: dict[str, str] = {
+    "--max-concurrency": "concurrency",
+    "--dataset-name": "dataset",
+    "--warmup-requests": "warmup_prompts",
+}
+
+#: flag whose meaning differs -> what to use instead
+DIFFERENT: dict[str, str] = {
+    "--output-file": "SGLang's appends one JSON line per run; use --output-json FILE (one "
+                     "JSON document: summary, config and timeline)",
+    "--save-result": "use --output-json FILE",
+    "--result-filename": "use --output-json FILE",
+    "--host": "name the server with --base-url http://HOST:PORT (and --backend http)",
+    "--port": "name the server with --base-url http://HOST:PORT (and --backend http)",
+    **SERVER_DIFFERENT,
+}
+
+
+class _Refused(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        parser.error(f"{option_string}: {DIFFERENT[str(option_string)]}")
+
+
+def add_bench_compat_flags(parser: argparse.ArgumentParser) -> None:
+    """Register :data:`ALIASES`, ``--disable-ignore-eos`` and the refusals of :data:`DIFFERENT`
+    on a ``bench`` parser built by :func:`~specdial.engine.args.add_dataclass_arguments` (the
+    aliases take the type of the option they stand for)."""
+    types = {a.dest: a.type for a in parser._actions}
+    for flag, dest in ALIASES.items():
+        parser.add_argument(flag, dest=dest, type=types.get(dest), default=argparse.SUPPRESS,
+                            metavar=dest.upper(), help=f"alias of --{dest.replace('_', '-')}")
+    parser.add_argument("--disable-ignore-eos", dest="ignore_eos", action="store_false",
+                        default=argparse.SUPPRESS, help="alias of --no-ignore-eos (SGLang)")
+    for flag, instead in DIFFERENT.items():
+        parser.add_argument(flag, action=_Refused, nargs="?", help=f"refused: {instead}")
+
+
+def check_bench_values(temperature: float) -> str | None:
+    """The message for a ``--temperature`` no request can be sampled at (NaN, infinite or
+    negative; :class:`~specdial.worker.sampling.SamplingParams` sets the full rule), else
+    None: checked before the engine loads, not once per request of the run."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        return f"--temperature must be a finite number >= 0 (0: greedy), got {temperature}"
+    return None
