@@ -150,6 +150,8 @@ def test_dtype_auto_and_chat_template_reach_the_engine(tmp_path):
     (["--dataset-name", "random"], "dataset", "random"),
     (["--warmup-requests", "3"], "warmup_prompts", 3),
     (["--disable-ignore-eos"], "ignore_eos", False),
+    (["--max-num-seqs", "8"], "max_running_requests", 8),  # the server's aliases too
+    (["--max-model-len", "256"], "context_length", 256),
     ([], "ignore_eos", True),  # the aliases leave the defaults alone
     ([], "concurrency", None),
 ])

@@ -13,8 +13,11 @@ flag (origin)               specdial option               note
 ``--disable-ignore-eos``    ``--no-ignore-eos``           SGLang
 =========================== ============================= =========================================
 
-Flags whose meaning differs are errors naming specdial's equivalent (:data:`DIFFERENT`), and so
-are the server's (:data:`specdial.server.flags.DIFFERENT`: ``--mem-fraction-static`` ...).
+The server's engine-option aliases (:data:`specdial.server.flags.ALIASES`: ``--max-num-seqs``,
+``--max-model-len``, ...) set the same engine options here, ``--model`` excepted (SGLang's
+``bench_serving --model`` names the served model, not a checkpoint). Flags whose meaning differs
+are errors naming specdial's equivalent (:data:`DIFFERENT`), and so are the server's
+(:data:`specdial.server.flags.DIFFERENT`: ``--mem-fraction-static`` ...).
 Without them an SGLang user's ``specdial bench --max-concurrency 4`` was refused as
 ``argument {compare,cost-table}: invalid choice: '4'``: argparse set the unknown flag aside and
 took its value for the subcommand. :class:`specdial.cli_common.StrictParser` names any
@@ -27,6 +30,7 @@ import argparse
 import math
 from typing import Any
 
+from specdial.server.flags import ALIASES as SERVER_ALIASES
 from specdial.server.flags import DIFFERENT as SERVER_DIFFERENT
 
 __all__ = ["ALIASES", "DIFFERENT", "add_bench_compat_flags", "check_bench_values"]
@@ -36,6 +40,7 @@ ALIASES: dict[str, str] = {
     "--max-concurrency": "concurrency",
     "--dataset-name": "dataset",
     "--warmup-requests": "warmup_prompts",
+    **{flag: dest for flag, dest in SERVER_ALIASES.items() if flag != "--model"},
 }
 
 #: flag whose meaning differs -> what to use instead
