@@ -184,6 +184,18 @@ def test_an_unknown_option_is_named(argv, capsys):
     assert "invalid choice" not in err
 
 
+def test_no_subcommand_option_is_an_ambiguous_abbreviation_of_bench_options():
+    # argparse matches every --token against `bench`'s options before the subcommand's parser
+    # sees it: a registered --output-file made README's `bench cost-table --out FILE` fail
+    args = build_parser().parse_args(["bench", "cost-table", "--out", "t.json"])
+    assert args.out == "t.json"
+    bench = next(a for a in build_parser()._actions if a.nargs == "A...").choices["bench"]
+    own = [s for a in bench._actions for s in a.option_strings]
+    for sub in next(a for a in bench._actions if a.nargs == "A...").choices.values():
+        for flag in (s for a in sub._actions for s in a.option_strings if s.startswith("--")):
+            assert flag in own or sum(o.startswith(flag) for o in own) <= 1, flag
+
+
 def test_known_options_abbreviations_and_positionals_still_parse():
     assert build_parser().parse_args(["bench", "--num-prom", "3"]).num_prompts == 3
     args = build_parser().parse_args(["bench", "--log-level", "error", "compare", "--configs",

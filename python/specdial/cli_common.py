@@ -40,7 +40,12 @@ class StrictParser(argparse.ArgumentParser):
     positional, here a subcommand, so the error named the value (``invalid choice: '4'``) and
     not the option. Only the tokens before this parser's subcommand are checked (the
     subcommand's own parser checks the rest); a token with a space is a positional, as for
-    argparse, and ``--`` ends the options. Abbreviations argparse accepts are accepted."""
+    argparse, and ``--`` ends the options. Abbreviations argparse accepts are accepted.
+    :attr:`hints` maps a flag this parser does not take (another tool's) to what to use
+    instead, added to the error."""
+
+    #: unknown flag -> what to use instead (set per parser; empty by default)
+    hints: dict[str, str] = {}
 
     def parse_known_args(self, args: Sequence[str] | None = None,
                          namespace: argparse.Namespace | None = None) -> Any:
@@ -49,8 +54,9 @@ class StrictParser(argparse.ArgumentParser):
         if args is not None:
             unknown = self._first_unknown(list(args))
             if unknown is not None:
-                self.error(f"unrecognized option {unknown} (see --help for this command's "
-                           "options)")
+                hint = self.hints.get(unknown)
+                self.error(f"{unknown}: {hint}" if hint else f"unrecognized option {unknown} "
+                           "(see --help for this command's options)")
         return super().parse_known_args(args, namespace)
 
     def _first_unknown(self, args: list[str]) -> str | None:

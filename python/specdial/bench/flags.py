@@ -16,7 +16,7 @@ flag (origin)               specdial option               note
 The server's engine-option aliases (:data:`specdial.server.flags.ALIASES`: ``--max-num-seqs``,
 ``--max-model-len``, ...) set the same engine options here, ``--model`` excepted (SGLang's
 ``bench_serving --model`` names the served model, not a checkpoint). Flags whose meaning differs
-are errors naming specdial's equivalent (:data:`DIFFERENT`), and so are the server's
+are errors naming specdial's equivalent (:data:`DIFFERENT`, :data:`HINTS`), and so are the server's
 (:data:`specdial.server.flags.DIFFERENT`: ``--mem-fraction-static`` ...).
 Without them an SGLang user's ``specdial bench --max-concurrency 4`` was refused as
 ``argument {compare,cost-table}: invalid choice: '4'``: argparse set the unknown flag aside and
@@ -30,10 +30,11 @@ import argparse
 import math
 from typing import Any
 
+from specdial.cli_common import StrictParser
 from specdial.server.flags import ALIASES as SERVER_ALIASES
 from specdial.server.flags import DIFFERENT as SERVER_DIFFERENT
 
-__all__ = ["ALIASES", "DIFFERENT", "add_bench_compat_flags", "check_bench_values"]
+__all__ = ["ALIASES", "DIFFERENT", "HINTS", "add_bench_compat_flags", "check_bench_values"]
 
 #: alias flag -> the destination of the specdial option it sets
 ALIASES: dict[str, str] = {
@@ -43,15 +44,22 @@ ALIASES: dict[str, str] = {
     **{flag: dest for flag, dest in SERVER_ALIASES.items() if flag != "--model"},
 }
 
-#: flag whose meaning differs -> what to use instead
+#: flag whose meaning differs -> what to use instead (registered as options that refuse)
 DIFFERENT: dict[str, str] = {
-    "--output-file": "SGLang's appends one JSON line per run; use --output-json FILE (one "
-                     "JSON document: summary, config and timeline)",
     "--save-result": "use --output-json FILE",
     "--result-filename": "use --output-json FILE",
     "--host": "name the server with --base-url http://HOST:PORT (and --backend http)",
     "--port": "name the server with --base-url http://HOST:PORT (and --backend http)",
     **SERVER_DIFFERENT,
+}
+
+
+#: flags refused through :attr:`~specdial.cli_common.StrictParser.hints` rather than as
+#: options: registered, ``--output-file`` would make ``bench cost-table --out`` an ambiguous
+#: abbreviation (argparse matches prefixes against ``bench``'s options before the subcommand's)
+HINTS: dict[str, str] = {
+    "--output-file": "SGLang's appends one JSON line per run; use --output-json FILE (one "
+                     "JSON document: summary, config and timeline)",
 }
 
 
@@ -62,8 +70,8 @@ class _Refused(argparse.Action):
 
 
 def add_bench_compat_flags(parser: argparse.ArgumentParser) -> None:
-    """Register :data:`ALIASES`, ``--disable-ignore-eos`` and the refusals of :data:`DIFFERENT`
-    on a ``bench`` parser built by :func:`~specdial.engine.args.add_dataclass_arguments` (the
+    """Register :data:`ALIASES`, ``--disable-ignore-eos``, the refusals of :data:`DIFFERENT` and
+    (on a :class:`~specdial.cli_common.StrictParser`) the :data:`HINTS` on a ``bench`` parser built by :func:`~specdial.engine.args.add_dataclass_arguments` (the
     aliases take the type of the option they stand for)."""
     types = {a.dest: a.type for a in parser._actions}
     for flag, dest in ALIASES.items():
@@ -73,6 +81,8 @@ def add_bench_compat_flags(parser: argparse.ArgumentParser) -> None:
                         default=argparse.SUPPRESS, help="alias of --no-ignore-eos (SGLang)")
     for flag, instead in DIFFERENT.items():
         parser.add_argument(flag, action=_Refused, nargs="?", help=f"refused: {instead}")
+    if isinstance(parser, StrictParser):
+        parser.hints = {**parser.hints, **HINTS}
 
 
 def check_bench_values(temperature: float) -> str | None:
