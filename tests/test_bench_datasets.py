@@ -141,3 +141,25 @@ def test_results_are_written_before_plotting(prompts, tmp_path, monkeypatch):
         compare.write_outputs(result, tmp_path / "o")
     saved = json.loads((tmp_path / "o" / "compare.json").read_text())
     assert len(saved["results"]) == 2 and (tmp_path / "o" / "compare.md").is_file()
+
+
+def test_an_unknown_dataset_name_lists_the_names(capsys):
+    # before: "prompt file not found: nope", naming neither --dataset nor its names
+    assert main(["bench", "--dataset", "nope", "--no-progress", "--log-level", "error"]) == 2
+    err = capsys.readouterr().err
+    assert "--dataset 'nope'" in err and "not found" in err
+    for name in ("code", "mixed-batch", "sharegpt", "random", "generated-shared-prefix"):
+        assert name in err
+    from specdial.bench.datasets import DATASET_NAMES
+    from specdial.bench.prefix_workloads import PREFIX_DATASETS
+    from specdial.bench.serving_datasets import SERVING_DATASETS
+
+    assert {*SERVING_DATASETS, *PREFIX_DATASETS} <= set(DATASET_NAMES)  # the message's list
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_bench_temperature_is_checked_before_the_run(value, capsys):
+    # before: --temperature nan loaded the engine and failed every request of the run
+    assert main(["bench", "--temperature", value, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--temperature must be a finite number >= 0" in err and "loading" not in err

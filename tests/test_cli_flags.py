@@ -142,3 +142,64 @@ def test_dtype_auto_and_chat_template_reach_the_engine(tmp_path):
         assert render_chat(engine.tokenizer, [{"role": "user", "content": "q"}]) == ("[q]>", True)
     finally:
         engine.shutdown()
+
+
+# ------------------------------------------------- specdial bench: SGLang's bench_serving names
+@pytest.mark.parametrize("argv, field, value", [
+    (["--max-concurrency", "4"], "concurrency", 4),
+    (["--dataset-name", "random"], "dataset", "random"),
+    (["--warmup-requests", "3"], "warmup_prompts", 3),
+    (["--disable-ignore-eos"], "ignore_eos", False),
+    (["--max-num-seqs", "8"], "max_running_requests", 8),  # the server's aliases too
+    (["--max-model-len", "256"], "context_length", 256),
+    ([], "ignore_eos", True),  # the aliases leave the defaults alone
+    ([], "concurrency", None),
+])
+def test_bench_takes_bench_serving_names(argv, field, value):
+    # before: `bench --max-concurrency 4` was "argument {compare,cost-table}: invalid choice:
+    # '4'", an error naming neither the flag nor what to use
+    assert getattr(build_parser().parse_args(["bench", *argv]), field) == value
+
+
+@pytest.mark.parametrize("flag, instead", [("--output-file", "--output-json"),
+                                           ("--port", "--base-url"),
+                                           ("--mem-fraction-static", "--kv-cache-tokens")])
+def test_bench_refuses_flags_with_another_meaning(flag, instead, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["bench", flag, "8"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and flag in err and instead in err and "invalid choice" not in err
+
+
+@pytest.mark.parametrize("argv", [["bench", "--no-such-flag", "4"],
+                                  ["bench", "--num-prompts", "2", "--no-such-flag=4"],
+                                  ["bench", "compare", "--no-such-flag", "4"],
+                                  ["generate", "hi", "--no-such-flag", "4"],
+                                  ["policy", "simulate", "--no-such-flag", "4"]])
+def test_an_unknown_option_is_named(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "unrecognized option --no-such-flag" in err, err
+    assert "invalid choice" not in err
+
+
+def test_no_subcommand_option_is_an_ambiguous_abbreviation_of_bench_options():
+    # argparse matches every --token against `bench`'s options before the subcommand's parser
+    # sees it: a registered --output-file made README's `bench cost-table --out FILE` fail
+    args = build_parser().parse_args(["bench", "cost-table", "--out", "t.json"])
+    assert args.out == "t.json"
+    bench = next(a for a in build_parser()._actions if a.nargs == "A...").choices["bench"]
+    own = [s for a in bench._actions for s in a.option_strings]
+    for sub in next(a for a in bench._actions if a.nargs == "A...").choices.values():
+        for flag in (s for a in sub._actions for s in a.option_strings if s.startswith("--")):
+            assert flag in own or sum(o.startswith(flag) for o in own) <= 1, flag
+
+
+def test_known_options_abbreviations_and_positionals_still_parse():
+    assert build_parser().parse_args(["bench", "--num-prom", "3"]).num_prompts == 3
+    args = build_parser().parse_args(["bench", "--log-level", "error", "compare", "--configs",
+                                      "no-spec"])
+    assert args.configs == "no-spec"
+    assert build_parser().parse_args(["generate", "--x and y"]).prompt == "--x and y"
+    assert build_parser().parse_args(["generate", "--", "--x"]).prompt == "--x"

@@ -236,6 +236,14 @@ def test_serve_check_accepts_good_server_options():
     ServeConfig(port=65535, shutdown_timeout=2.5, log_interval_s=0).check()
 
 
+@pytest.mark.parametrize("name", ["", "  "])
+def test_an_empty_served_model_name_is_refused(name):
+    # before: `--served-model-name ''` served 'specdial-default', the flag silently dropped
+    with pytest.raises(ValueError, match="--served-model-name must be a non-empty name"):
+        ServeConfig(served_model_name=name).check()
+    assert ServeConfig(served_model_name="m").model_name() == "m"
+
+
 def test_serve_access_options_and_the_api_key_environment_variable():
     loopback = {"localhost", "127.0.0.1", "::1"}
     cfg = ServeConfig()

@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from specdial.cli_common import cli_error
+from specdial.cli_common import StrictParser, cli_error
 from specdial.engine.args import ExtendInts, int_list
 from specdial._core import AdaptiveConfig, ConfigError, CostTable
 from specdial.bench.cli import add_bench_subcommand, run_bench_command
@@ -43,7 +43,7 @@ def _positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every subcommand."""
     parser = argparse.ArgumentParser(prog="specdial", description="Adaptive speculative-decoding engine.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=StrictParser)
     policy = sub.add_parser("policy", help="inspect and tune the adaptive steps policy")
     psub = policy.add_subparsers(dest="policy_command", required=True)
     rp = psub.add_parser(

@@ -32,6 +32,7 @@ from typing import Any
 
 from specdial.cli_common import cli_error, setup_logging
 from specdial.bench.datasets import DatasetError, build_requests
+from specdial.bench.flags import add_bench_compat_flags, check_bench_values
 from specdial.bench.prefix_workloads import (PREFIX_DATASETS, PrefixWorkloadOptions,
                                              prefix_cache_rows, prefix_workload_requests)
 from specdial.engine.args import EngineArgs, add_dataclass_arguments, config_from_args
@@ -168,6 +169,7 @@ def add_bench_subcommand(sub: Any) -> None:
         "no speculation, fixed steps and the adaptive policy side by side.")
     add_dataclass_arguments(bench, BenchConfig)
     add_prefix_cache_flags(bench)
+    add_bench_compat_flags(bench)  # SGLang's bench_serving names (specdial.bench.flags)
     bsub = bench.add_subparsers(dest="bench_command", required=False,
                                 metavar="{compare,cost-table}",
                                 help="compare: no-spec, fixed steps and adaptive configurations "
@@ -387,6 +389,8 @@ def run_bench(cfg: BenchConfig) -> int:
         return cli_error(f"--concurrency must be >= 1, got {cfg.concurrency}")
     if cfg.request_rate is not None and not (cfg.request_rate > 0):
         return cli_error(f"--request-rate must be > 0, got {cfg.request_rate}")
+    if (msg := check_bench_values(cfg.temperature)) is not None:
+        return cli_error(msg)
     engine = None
     if cfg.backend == "http":
         driver: Any = HttpDriver(cfg.base_url, model=cfg.served_model_name,

@@ -26,11 +26,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-__all__ = ["BUILTIN_DATASETS", "BenchRequest", "DatasetError", "build_requests", "load_jsonl",
-           "prompts_dir"]
+__all__ = ["BUILTIN_DATASETS", "DATASET_NAMES", "BenchRequest", "DatasetError", "build_requests",
+           "load_jsonl", "prompts_dir"]
 
 #: Dataset names that resolve to ``{name}.jsonl`` of :func:`prompts_dir`.
 BUILTIN_DATASETS = ("code", "prose", "hard")
+#: Every name ``specdial bench --dataset`` takes (besides a JSONL path), for its error message:
+#: these prompt sets and their mixes, :data:`specdial.bench.serving_datasets.SERVING_DATASETS`
+#: and :data:`specdial.bench.prefix_workloads.PREFIX_DATASETS` (modules that import this one).
+DATASET_NAMES = (*BUILTIN_DATASETS, "mixed", "mixed-batch", "sharegpt", "random", "multiturn",
+                 "generated-shared-prefix")
 #: The two prompt sets the ``mixed`` workload alternates between.
 MIXED_PHASES = ("code", "hard")
 #: ``mixed-batch``: (prompt set, temperature) of the requests it interleaves one by one.
@@ -115,6 +120,9 @@ def _resolve(name: str, directory: Path) -> tuple[Path, str]:
                 "`python -m tools.builtin_models.prompts` or pass --prompts-dir / a JSONL path")
         return path, name
     path = Path(name)
+    if not path.is_file():
+        raise DatasetError(f"--dataset {name!r}: prompt file not found, and not a dataset name; "
+                           f"allowed: {', '.join(DATASET_NAMES)}, or a JSONL file")
     return path, path.stem
 
 

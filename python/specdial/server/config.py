@@ -92,13 +92,17 @@ class ServeConfig(EngineArgs):
         "that long cannot fit the context)", metavar="N")
 
     def check(self) -> None:
-        """:meth:`EngineArgs.check`, plus ``port`` in 1..65535, ``shutdown_timeout`` a
-        finite number >= 0 and the limits and access options (:meth:`server_limits`,
-        :meth:`security_config`). Raises ``ValueError`` naming the option."""
+        """:meth:`EngineArgs.check`, plus ``port`` in 1..65535, ``served_model_name`` not
+        empty when given, ``shutdown_timeout`` a finite number >= 0 and the limits and access
+        options (:meth:`server_limits`, :meth:`security_config`). Raises ``ValueError``
+        naming the option."""
         super().check()
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not (
                 1 <= self.port <= 65535):
             raise ValueError(f"--port must be an integer in 1..65535, got {self.port}")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("--served-model-name must be a non-empty name (the API's `model`), "
+                             f"got {self.served_model_name!r}; leave it out for the default")
         if not (self.shutdown_timeout >= 0 and math.isfinite(self.shutdown_timeout)):
             raise ValueError(f"--shutdown-timeout must be a finite number of seconds >= 0, got "
                              f"{self.shutdown_timeout}")

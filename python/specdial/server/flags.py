@@ -1,4 +1,5 @@
-"""SGLang's and vLLM's command-line names on ``specdial serve`` / ``generate`` / ``bench``.
+"""SGLang's and vLLM's command-line names on ``specdial serve`` / ``generate`` (``bench``:
+:mod:`specdial.bench.flags`, which reuses these aliases and refusals).
 
 Aliases (same meaning, so they set the specdial option; giving both with different values is
 an error):
