@@ -10,8 +10,10 @@ consumes it:
   the output only at the request's end (a non-streaming HTTP response), so the same chunks may
   arrive together when it finishes, each with :attr:`StreamChunk.emitted_s` set, instead of
   one wake-up of the consumer per decode iteration; callers pass either only when they want
-  it, so engines without them keep working for everything else): the request is submitted on
-  the first iteration;
+  it, so engines without them keep working for everything else; the same for
+  ``on_submitted``, a callable :class:`specdial.Engine` calls with the request's id once it
+  accepted it, so that a ``whole`` consumer can ``abort`` it by id before any chunk came):
+  the request is submitted on the first iteration;
   :class:`RequestError` or :class:`QueueFullError` is raised then, before any chunk. If the
   consumer stops iterating (``aclose()``, or cancellation of the task awaiting the next chunk,
   e.g. a disconnected HTTP client) the request is aborted and everything it held is freed.

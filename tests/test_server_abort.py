@@ -1,0 +1,116 @@
+"""SGLang's ``POST /abort_request`` as SGLang's users expect it, end to end with the built-in
+models behind a live uvicorn (the basics, a bad body and an unknown rid:
+``test_server_sglang_parity.py``):
+
+- an aborted ``/generate`` answers what it generated until the abort: text, ``output_ids``,
+  logprobs when asked, ``meta_info.completion_tokens`` equal to the tokens returned, and
+  ``finish_reason`` ``{"type": "abort", "message": ...}`` (SGLang's ``FINISH_ABORT``), for a
+  non-streamed request, each prompt of a batch, and a stream (whose last event says abort and
+  holds every token the engine generated for it);
+- after the aborts the engine holds no request and no KV page.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any, Callable
+
+import httpx
+import pytest
+
+from specdial.server.config import ServeConfig
+from test_server_fake_engine import LiveServer
+from test_server_sglang_parity import _idle, post
+from timeouts import scaled
+
+#: Long enough that an abort always lands mid-generation.
+LONG = {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def server():
+    cfg = ServeConfig(max_running_requests=4, log_interval_s=0)
+    with LiveServer(cfg.build_engine(), name="builtin") as s:
+        yield s
+        s.engine.shutdown()
+
+
+def _generated(server: LiveServer) -> int:
+    return int(server.engine.stats().generation_tokens)
+
+
+def _in_background(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    return t, out
+
+
+def _after_tokens(server: LiveServer, before: int, tokens: int, running: int = 1) -> None:
+    """Wait until ``running`` requests decode and ``tokens`` more tokens were generated."""
+    deadline = time.monotonic() + scaled(60)
+    while server.engine.stats().running < running or _generated(server) < before + tokens:
+        assert time.monotonic() < deadline, server.engine.stats()
+        time.sleep(0.01)
+
+
+def _check_partial(out: dict[str, Any], rid: str, tok: Any) -> None:
+    """An aborted output holds what it generated: tokens, their text, consistent counts."""
+    meta = out["meta_info"]
+    assert meta["id"] == rid and meta["finish_reason"]["type"] == "abort", meta
+    assert 0 < len(out["output_ids"]) < LONG["max_new_tokens"], meta
+    assert meta["completion_tokens"] == len(out["output_ids"]), meta
+    assert out["text"] == tok.decode(out["output_ids"]), out
+
+
+def test_an_aborted_generate_answers_what_it_generated(server):
+    before = _generated(server)
+    t, res = _in_background(lambda: post(server, "/generate", {
+        "text": "x = 1\n", "rid": "partial", "return_logprob": True, "sampling_params": LONG}))
+    _after_tokens(server, before, 8)
+    assert post(server, "/abort_request", {"rid": "partial"}).status_code == 200
+    t.join(scaled(120))
+    assert res[0].status_code == 200, res[0].text
+    out = res[0].json()
+    _check_partial(out, "partial", server.engine.tokenizer)
+    assert "partial" in out["meta_info"]["finish_reason"]["message"]
+    assert len(out["meta_info"]["output_token_logprobs"]) == len(out["output_ids"])
+    _idle(server.engine)
+
+
+def test_each_prompt_of_an_aborted_batch_answers_its_own_partial_output(server):
+    before = _generated(server)
+    t, res = _in_background(lambda: post(server, "/generate", {
+        "text": ["def f(x):", "import os\n"], "rid": ["b1", "b2"], "sampling_params": LONG}))
+    _after_tokens(server, before, 16, running=2)
+    assert post(server, "/abort_request", {"rid": "b1"}).status_code == 200
+    time.sleep(0.05)  # b2 goes on a little
+    assert post(server, "/abort_request", {"abort_all": True}).status_code == 200
+    t.join(scaled(120))
+    outs = res[0].json()
+    assert [o["meta_info"]["id"] for o in outs] == ["b1", "b2"]
+    for o, rid in zip(outs, ("b1", "b2")):
+        _check_partial(o, rid, server.engine.tokenizer)
+    assert "b1" in outs[0]["meta_info"]["finish_reason"]["message"]
+    _idle(server.engine)
+
+
+def test_an_aborted_stream_ends_with_an_abort_event_holding_every_token(server):
+    before = _generated(server)
+    events = []
+    with httpx.stream("POST", server.url + "/generate", timeout=scaled(120), json={
+            "text": "import os\n", "rid": "s1", "stream": True, "sampling_params": LONG}) as r:
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                break
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+                if len(events) == 2:
+                    assert post(server, "/abort_request", {"rid": "s1"}).status_code == 200
+    _idle(server.engine)
+    last = events[-1]
+    _check_partial(last, "s1", server.engine.tokenizer)
+    # every token the engine generated for it reached the client
+    assert len(last["output_ids"]) == _generated(server) - before
