@@ -7,6 +7,9 @@ models behind a live uvicorn (the basics, a bad body and an unknown rid:
   ``finish_reason`` ``{"type": "abort", "message": ...}`` (SGLang's ``FINISH_ABORT``), for a
   non-streamed request, each prompt of a batch, and a stream (whose last event says abort and
   holds every token the engine generated for it);
+- an OpenAI completion or chat request that carried SGLang's ``rid`` field is ended by that
+  rid (finish reason ``abort``, the text so far, ``usage`` counting it); ``abort_all`` ends
+  requests of every route, with or without a rid; a bad ``rid`` is a 400 naming it;
 - after the aborts the engine holds no request and no KV page.
 """
 
@@ -114,3 +117,68 @@ def test_an_aborted_stream_ends_with_an_abort_event_holding_every_token(server):
     _check_partial(last, "s1", server.engine.tokenizer)
     # every token the engine generated for it reached the client
     assert len(last["output_ids"]) == _generated(server) - before
+
+
+def _completion(server: LiveServer, path: str, body: dict[str, Any]) -> httpx.Response:
+    return post(server, path, {"max_tokens": 400, "ignore_eos": True, "temperature": 0.0,
+                               **body})
+
+
+def test_openai_requests_are_aborted_by_their_rid(server):
+    before = _generated(server)
+    t1, r1 = _in_background(lambda: _completion(server, "/v1/completions", {
+        "prompt": "x = 1\n", "rid": "oa-1", "logprobs": 1}))
+    t2, r2 = _in_background(lambda: _completion(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "rid": "oa-2", "n": 2}))
+    _after_tokens(server, before, 24, running=3)
+    assert post(server, "/abort_request", {"rid": "oa-1"}).status_code == 200
+    t1.join(scaled(120))
+    assert r1[0].status_code == 200, r1[0].text
+    body = r1[0].json()
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "abort" and choice["text"], body
+    n = len(choice["logprobs"]["tokens"])
+    assert 0 < n < 400 and body["usage"]["completion_tokens"] == n, body
+    assert t2.is_alive()  # the other request goes on
+    assert post(server, "/abort_request", {"rid": "oa-2"}).status_code == 200
+    t2.join(scaled(120))
+    body = r2[0].json()
+    assert [c["finish_reason"] for c in body["choices"]] == ["abort", "abort"], body
+    assert all(c["message"]["content"] for c in body["choices"]), body
+    assert 0 < body["usage"]["completion_tokens"] < 800
+    _idle(server.engine)
+
+
+def test_abort_all_ends_requests_of_every_route(server):
+    before = _generated(server)
+    t1, r1 = _in_background(lambda: _completion(server, "/v1/completions",
+                                                {"prompt": "def f(x):"}))
+    t2, r2 = _in_background(lambda: post(server, "/generate", {
+        "text": "import os\n", "sampling_params": LONG}))
+    events = []
+
+    def stream() -> None:
+        with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=scaled(120),
+                          json={"messages": [{"role": "user", "content": "hi"}],
+                                "max_tokens": 400, "ignore_eos": True, "temperature": 0.0,
+                                "stream": True}) as r:
+            events.extend(line[6:] for line in r.iter_lines() if line.startswith("data: "))
+
+    t3 = threading.Thread(target=stream)
+    t3.start()
+    _after_tokens(server, before, 24, running=3)
+    assert post(server, "/abort_request", {"abort_all": True}).status_code == 200
+    for t in (t1, t2, t3):
+        t.join(scaled(120))
+    assert r1[0].json()["choices"][0]["finish_reason"] == "abort", r1[0].text
+    _check_partial(r2[0].json(), r2[0].json()["meta_info"]["id"], server.engine.tokenizer)
+    assert events[-1] == "[DONE]"
+    reasons = [c["finish_reason"] for e in events[:-1] for c in json.loads(e)["choices"]]
+    assert reasons[-1] == "abort", events[-3:]
+    _idle(server.engine)
+
+
+@pytest.mark.parametrize("rid", ["", 5, ["a"]])
+def test_a_bad_openai_rid_is_refused_naming_it(server, rid):
+    r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "rid": rid})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "rid", r.text
