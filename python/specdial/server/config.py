@@ -35,7 +35,9 @@ class ServeConfig(EngineArgs):
     """Options of ``specdial serve``: the engine options plus the HTTP server's."""
 
     host: str = _opt("address to listen on", default="127.0.0.1")
-    port: int = _opt("TCP port", default=30000)
+    port: int = _opt("TCP port; 0: a free port the OS picks, named by uvicorn's 'Uvicorn "
+                     "running on' log line (for tests and scripts that must not race for one)",
+                     default=30000)
     served_model_name: str | None = _opt(
         f"model name in the API (the `model` field, /v1/models); default: {BUILTIN_MODEL_NAME} "
         "for the built-in models, else --model-path", metavar="NAME")
@@ -92,13 +94,14 @@ class ServeConfig(EngineArgs):
         "that long cannot fit the context)", metavar="N")
 
     def check(self) -> None:
-        """:meth:`EngineArgs.check`, plus ``port`` in 1..65535, ``shutdown_timeout`` a
+        """:meth:`EngineArgs.check`, plus ``port`` in 0..65535, ``shutdown_timeout`` a
         finite number >= 0 and the limits and access options (:meth:`server_limits`,
         :meth:`security_config`). Raises ``ValueError`` naming the option."""
         super().check()
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not (
-                1 <= self.port <= 65535):
-            raise ValueError(f"--port must be an integer in 1..65535, got {self.port}")
+                0 <= self.port <= 65535):
+            raise ValueError(f"--port must be an integer in 0..65535 (0: a free port the OS "
+                             f"picks), got {self.port}")
         if not (self.shutdown_timeout >= 0 and math.isfinite(self.shutdown_timeout)):
             raise ValueError(f"--shutdown-timeout must be a finite number of seconds >= 0, got "
                              f"{self.shutdown_timeout}")
