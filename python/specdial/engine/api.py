@@ -39,13 +39,14 @@ consumes it:
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterator, Protocol
 
 from specdial import _core
 
 __all__ = ["EngineProtocol", "EngineStats", "LogprobOptions", "QueueFullError", "RequestError",
-           "StreamChunk", "TopLogprobs"]
+           "StreamChunk", "TopLogprobs", "stream_takes"]
 
 #: Per token: the ``top_n`` most likely ``(token_id, logprob)`` pairs, most likely first.
 TopLogprobs = list[tuple[int, float]]
@@ -235,3 +236,13 @@ class EngineProtocol(Protocol):
     def stats(self) -> EngineStats: ...
 
     def shutdown(self, drain: bool = True) -> None: ...
+
+
+def stream_takes(engine: Any, name: str) -> bool:
+    """Whether ``engine.async_stream`` names the optional keyword ``name`` (e.g.
+    ``on_submitted``, which the contract leaves optional): callers pass such a keyword only
+    to engines that take it."""
+    try:
+        return name in inspect.signature(engine.async_stream).parameters
+    except (TypeError, ValueError):  # no signature to read
+        return False

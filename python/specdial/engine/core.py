@@ -428,11 +428,10 @@ class Engine:
         request ends, each stamped with its ``emitted_s``, which spares the caller's event
         loop (and, with ``dp_size > 1``, the router) one wake-up per decode iteration.
         ``on_submitted``: called (on the caller's event loop) with the request's id once the
-        engine accepted it, so that :meth:`abort` can end it with what it generated so far
-        (a ``whole`` stream shows no id before its end); with ``dp_size > 1`` it is not
-        called (the id comes with the first chunk, :attr:`StreamChunk.request_id`)."""
+        engine (with ``dp_size > 1``: its replica) accepted it, so that :meth:`abort` can end
+        it with what it generated so far (a ``whole`` stream shows no id before its end)."""
         extra: dict[str, Any] = {}
-        if on_submitted is not None and self._dp is None:
+        if on_submitted is not None:
             extra["on_submitted"] = on_submitted
         chunks = self._front.async_stream(prompt, input_ids=input_ids,
                                           sampling_params=sampling_params, stop=stop,

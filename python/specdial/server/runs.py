@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import inspect
 import logging
 import time
 import uuid
@@ -28,7 +27,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from specdial.engine.api import LogprobOptions, StreamChunk
+from specdial.engine.api import LogprobOptions, StreamChunk, stream_takes
 from specdial.engine.ends import aborted, end_kind, is_failure, shut_down
 from specdial.server.metrics import ServerMetrics
 
@@ -90,15 +89,6 @@ class Choice:
         return None if self.finish_reason is None else str(self.finish_reason.get("type"))
 
 
-def _takes_on_submitted(engine: Any) -> bool:
-    """Whether ``engine.async_stream`` names ``on_submitted`` (:class:`specdial.Engine` does;
-    the contract leaves it optional)."""
-    try:
-        return "on_submitted" in inspect.signature(engine.async_stream).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 class ClientGone(Exception):
     """Raised by :meth:`Run.wait_started` and :meth:`Run.events` once the run was closed (the
     client went away): nobody reads the answer any more."""
@@ -137,7 +127,7 @@ class Run:
         self._engine_ids: dict[int, int] = {}
         #: jobs /abort_request asked the engine to end, with the finish reason's message
         self._abort_messages: dict[int, str] = {}
-        self._on_submitted = _takes_on_submitted(engine)
+        self._on_submitted = stream_takes(engine, "on_submitted")  # specdial.Engine does
         self.choices = [Choice(j.index) for j in jobs]
         self.queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
         self.tasks: list[asyncio.Task[None]] = []
