@@ -125,17 +125,17 @@ def test_generate_list_keeps_order_and_abort_routes(dp):
 def test_abort_request_of_a_whole_generate_through_replica_processes_keeps_its_output(dp):
     """/abort_request ends a non-streamed /generate on a replica process with what it
     generated: the replica tells the router the request's id when it accepts it."""
-    from test_server_abort import _after_tokens, _check_partial, _generated, _in_background
+    from test_server_abort import after_tokens, check_partial, generated_tokens, in_background
     from test_server_sglang_parity import _idle, post
 
-    before = _generated(dp)
-    t, res = _in_background(lambda: post(dp, "/generate", {
+    before = generated_tokens(dp)
+    t, res = in_background(lambda: post(dp, "/generate", {
         "text": PROMPTS[1], "rid": "dp-abort", "sampling_params": {
             "max_new_tokens": 200, "ignore_eos": True, "temperature": 0.0}}))
-    _after_tokens(dp, before, 8)
+    after_tokens(dp, before, 8)
     assert post(dp, "/abort_request", {"rid": "dp-abort"}).status_code == 200
     t.join(scaled(120))
-    _check_partial(res[0].json(), "dp-abort", dp.engine.tokenizer)
+    check_partial(res[0].json(), "dp-abort", dp.engine.tokenizer)
     _idle(dp.engine)
 
 
