@@ -10,7 +10,9 @@ models behind a live uvicorn (the basics, a bad body and an unknown rid:
 - an OpenAI completion or chat request that carried SGLang's ``rid`` field is ended by that
   rid (finish reason ``abort``, the text so far, ``usage`` counting it); ``abort_all`` ends
   requests of every route, with or without a rid; a bad ``rid`` is a 400 naming it;
-- after the aborts the engine holds no request and no KV page.
+- after the aborts the engine holds no request and no KV page;
+- on an engine whose ``async_stream`` takes no ``on_submitted`` (the fake), a stream is
+  aborted by the id of its first chunk and its usage counts what it sent.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import httpx
 import pytest
 
 from specdial.server.config import ServeConfig
-from test_server_fake_engine import LiveServer
+from test_server_fake_engine import FakeEngine, LiveServer
 from test_server_sglang_parity import _idle, post
 from timeouts import scaled
 
@@ -184,3 +186,25 @@ def test_abort_all_ends_requests_of_every_route(server):
 def test_a_bad_openai_rid_is_refused_naming_it(server, rid):
     r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "rid": rid})
     assert r.status_code == 400 and r.json()["error"]["param"] == "rid", r.text
+
+
+def test_a_stream_aborted_by_rid_counts_what_it_sent_on_an_engine_without_on_submitted():
+    """An engine whose ``async_stream`` takes no ``on_submitted`` (the fake): the stream's
+    first chunk names its request id, ``engine.abort`` ends it, and the usage counts every
+    token the stream sent."""
+    engine = FakeEngine(delay=0.02)
+    with LiveServer(engine) as live:
+        events = []
+        with httpx.stream("POST", live.url + "/v1/completions", timeout=scaled(60), json={
+                "prompt": "x", "max_tokens": 100, "rid": "f1", "stream": True,
+                "stream_options": {"include_usage": True}}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[6:]))
+                    if len(events) == 2:
+                        assert post(live, "/abort_request", {"rid": "f1"}).status_code == 200
+    assert engine.aborted == [0]
+    text = "".join(c["text"] for e in events for c in e["choices"])
+    reasons = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+    assert reasons == ["abort"] and 0 < len(text) < 100
+    assert events[-1]["usage"]["completion_tokens"] == len(text)  # one letter per token
