@@ -122,6 +122,23 @@ def test_generate_list_keeps_order_and_abort_routes(dp):
     assert engine.data_parallel.inflight() == [0, 0]
 
 
+def test_abort_request_of_a_whole_generate_through_replica_processes_keeps_its_output(dp):
+    """/abort_request ends a non-streamed /generate on a replica process with what it
+    generated: the replica tells the router the request's id when it accepts it."""
+    from test_server_abort import after_tokens, check_partial, generated_tokens, in_background
+    from test_server_sglang_parity import _idle, post
+
+    before = generated_tokens(dp)
+    t, res = in_background(lambda: post(dp, "/generate", {
+        "text": PROMPTS[1], "rid": "dp-abort", "sampling_params": {
+            "max_new_tokens": 200, "ignore_eos": True, "temperature": 0.0}}))
+    after_tokens(dp, before, 8)
+    assert post(dp, "/abort_request", {"rid": "dp-abort"}).status_code == 200
+    t.join(scaled(120))
+    check_partial(res[0].json(), "dp-abort", dp.engine.tokenizer)
+    _idle(dp.engine)
+
+
 def _sse(r) -> tuple[dict, dict, dict, dict | None]:
     """Per choice index of a streamed completion: text, finish reason, tokens; the usage."""
     text: dict = {}

@@ -13,8 +13,8 @@ How a block is run (generic, so new blocks are covered without touching this fil
   ``.ci/run``) is not run here, and is listed.
 - Sizes: :data:`SMALL` sets options per subcommand (``generate --max-new-tokens 8``, ...),
   replacing the README's value or adding the option.
-- ``specdial serve`` starts in the background on a free port (the README's port is replaced
-  everywhere in the block); the block's next commands (``curl``) run against it once
+- ``specdial serve`` starts in the background with ``--port 0`` and reports the free port it
+  bound (:mod:`serve_process`; the README's port is replaced by it everywhere in the block); the block's next commands (``curl``) run against it once
   ``/health`` answers; it is stopped with SIGTERM at the end of the block and must exit 0.
 - Placeholder files the README names (``trace.jsonl``) are copied from ``examples/``.
 - ```python blocks run as a script with this interpreter, ``"max_new_tokens": N`` set to 8.
@@ -29,16 +29,15 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from serve_process import start_server
 from timeouts import scaled
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -144,33 +143,14 @@ def small(cmd: str, port: int) -> str:
             if sub[:len(key)] == key and "--help" not in words:
                 words = _set_options(words, options)
         if sub[:1] == ("serve",):
-            words = _set_options(words, {"--port": str(port), "--log-level": "warning"})
+            # info: uvicorn's start-up line names the port a --port 0 server got
+            words = _set_options(words, {"--port": str(port), "--log-level": "info"})
     for name, options in SMALL_SCRIPTS.items():
         if len(words) > 1 and Path(words[1]).name == name:
             words = _set_options(words, options)
     if words[0] == "curl":
         words[1:1] = ["--fail", "--max-time", f"{scaled(120):g}"]
     return re.sub(r"(localhost|127\.0\.0\.1):\d+", f"127.0.0.1:{port}", shlex.join(words))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(proc: subprocess.Popen, port: int) -> None:
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"the server exited with {proc.returncode}: "
-                                 f"{proc.stderr.read() if proc.stderr else ''}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
-                return
-        except OSError:
-            time.sleep(0.5)
-    raise AssertionError("the server did not answer /health")
 
 
 @pytest.fixture
@@ -217,8 +197,9 @@ def test_readme_block_runs(block: Block, scratch: Path):
                               capture_output=True, text=True, timeout=TIMEOUT_S)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         return
-    port = _free_port()
+    port = 0  # the running server's, once one started
     server: subprocess.Popen | None = None
+    log = scratch / "serve.log"
     not_run = []
     try:
         for raw in commands(block.text):
@@ -227,22 +208,22 @@ def test_readme_block_runs(block: Block, scratch: Path):
                 continue
             cmd = small(raw, port)
             if re.search(r"specdial serve\b", cmd) and "--help" not in cmd:
-                _stop(server)  # a block may start several servers, one after the other
-                server = subprocess.Popen(["bash", "-c", f"exec {cmd}"], cwd=scratch, env=env,
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                          text=True)
-                _wait_healthy(server, port)
+                _stop(server, log)  # a block may start several servers, one after the other
+                log = scratch / f"serve-{time.monotonic_ns()}.log"  # one per server
+                # port 0: the server binds a free port itself and logs it (serve_process)
+                server, port = start_server(["bash", "-c", f"exec {small(raw, 0)}"], log,
+                                            timeout=300, cwd=scratch, env=env)
                 continue
             proc = subprocess.run(["bash", "-c", cmd], cwd=scratch, env=env,
                                   capture_output=True, text=True, timeout=TIMEOUT_S)
             assert proc.returncode == 0, f"{raw}\n-> {cmd}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
     finally:
-        _stop(server)
+        _stop(server, log)
     print("setup commands not run here (CI runs them):", not_run)
 
 
-def _stop(server: subprocess.Popen | None) -> None:
-    """SIGTERM, then the server must drain and exit 0 within a minute."""
+def _stop(server: subprocess.Popen | None, log: Path) -> None:
+    """SIGTERM, then the server must drain and exit 0 within a minute (``log``: its output)."""
     if server is None or server.returncode is not None:
         return
     server.send_signal(signal.SIGTERM)
@@ -252,4 +233,4 @@ def _stop(server: subprocess.Popen | None) -> None:
         server.kill()
         server.wait()
         raise
-    assert rc == 0, server.stderr.read() if server.stderr else ""
+    assert rc == 0, log.read_text()[-3000:]

@@ -24,11 +24,7 @@ import asyncio
 import json
 import re
 import signal
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -36,6 +32,7 @@ import pytest
 
 from specdial.engine import Engine
 from specdial.server.config import ServeConfig
+from serve_process import serve_argv, start_server
 from test_server_cli import save_tiny_model
 from test_server_fake_engine import LiveServer
 from timeouts import scaled
@@ -212,34 +209,20 @@ def test_preemption_keeps_outputs(dirs, plain):
     assert got == want
 
 
-def test_serve_process_health_completion_and_sigterm(dirs):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    exe = Path(sys.executable).with_name("specdial")
-    proc = subprocess.Popen([str(exe), "serve", "--model-path", str(dirs["target"]),
-                             "--draft-model-path", str(dirs["noisy"]), "--port", str(port),
-                             "--served-model-name", NAME, "--max-running-requests", "4"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def test_serve_process_health_completion_and_sigterm(dirs, tmp_path):
+    log = tmp_path / "serve.log"
+    proc, port = start_server(serve_argv(
+        "--model-path", str(dirs["target"]), "--draft-model-path", str(dirs["noisy"]),
+        "--served-model-name", NAME, "--max-running-requests", "4"), log)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + scaled(120)
-        while True:
-            assert proc.poll() is None, proc.communicate()
-            try:
-                if httpx.get(url + "/health", timeout=scaled(2)).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
         r = httpx.post(url + "/v1/completions", timeout=scaled(60),
                        json={"model": NAME, "prompt": PROMPTS[0], "max_tokens": 8})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 8
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=scaled(60))
+        proc.wait(timeout=scaled(60))
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0, err
+            proc.wait()
+    assert proc.returncode == 0, log.read_text()[-3000:]

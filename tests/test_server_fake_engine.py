@@ -165,13 +165,15 @@ class FakeEngine:
             self._running.add(rid)
             while self.gate is not None and not self.gate.is_set():
                 await asyncio.sleep(0.005)
+            made = 0  # tokens yielded so far (an abort chunk's meta counts them, as the engine's)
             for chunk in self._chunks(rid, ids, p, stop or []):
                 await asyncio.sleep(self.delay)
                 if rid in self._abort_requested:
                     finished = True
-                    yield self._abort_chunk(rid, ids)
+                    yield self._abort_chunk(rid, ids, made)
                     return
                 finished = chunk.finished
+                made += len(chunk.token_ids)
                 yield chunk
         finally:
             self._waiting.discard(rid)
@@ -179,10 +181,10 @@ class FakeEngine:
             if not finished:
                 self.aborted.append(rid)
 
-    def _abort_chunk(self, rid: int, ids: list[int]) -> StreamChunk:
+    def _abort_chunk(self, rid: int, ids: list[int], made: int) -> StreamChunk:
         self.aborted.append(rid)
         return StreamChunk(rid, "", [], True, {"type": "abort", "message": "aborted"},
-                           {"prompt_tokens": len(ids), "completion_tokens": 0})
+                           {"prompt_tokens": len(ids), "completion_tokens": made})
 
     def _chunks(self, rid: int, ids: list[int], p: dict[str, Any],
                 stop: list[str]) -> Iterator[StreamChunk]:

@@ -30,9 +30,6 @@ import json
 import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -40,6 +37,7 @@ from typing import Any
 import httpx
 import pytest
 
+from serve_process import serve_argv, start_server
 from specdial.engine import Engine
 from test_server_cli import save_tiny_model
 from timeouts import scaled
@@ -77,14 +75,9 @@ class Server:
     def __init__(self, tmp: Path) -> None:
         target = save_tiny_model(tmp / "target", seed=40)
         draft = save_tiny_model(tmp / "draft", seed=41, perturb_of=target, noise=0.01)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / "server.log"
-        exe = Path(sys.executable).with_name("specdial")
-        args = [str(exe), "serve", "--model-path", str(target), "--draft-model-path",
-                str(draft), "--served-model-name", NAME, "--port", str(self.port),
+        args = ["--model-path", str(target), "--draft-model-path", str(draft),
+                "--served-model-name", NAME,
                 "--max-running-requests", "64", "--max-queued-requests", "1024",
                 "--kv-cache-tokens", "2048", "--page-size", "16", "--context-length", "256",
                 "--body-read-timeout", str(BODY_READ_TIMEOUT_S), "--shutdown-timeout", "1",
@@ -92,18 +85,8 @@ class Server:
                 "--header-read-timeout", str(HEADER_READ_TIMEOUT_S),
                 "--log-interval-s", "0", "--cpu-threads", "1"]
         env = {**os.environ, "SPECDIAL_API_KEY": KEY}
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, env=env,
-                                     stderr=self.log.open("w"))
-        deadline = time.monotonic() + scaled(120)
-        while True:
-            assert self.proc.poll() is None, self.log.read_text()[-3000:]
-            try:
-                if httpx.get(self.url + "/health", timeout=scaled(2)).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
+        self.proc, self.port = start_server(serve_argv(*args), self.log, env=env)
+        self.url = f"http://127.0.0.1:{self.port}"
 
     def metrics(self) -> dict[str, float]:
         """The unlabelled samples of /metrics (labelled by ``model_name`` only) by name."""

@@ -170,5 +170,6 @@ def run_serve(cfg: ServeConfig) -> int:
     server = make_server(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                          shutdown_timeout=cfg.shutdown_timeout,
                          connection_limits=connection_limits)
-    log.info("serving %r on http://%s:%d", cfg.model_name(), cfg.host, cfg.port)
+    log.info("serving %r on http://%s:%s", cfg.model_name(), cfg.host,
+             cfg.port or "<a free port: see uvicorn's 'running on' line>")
     return serve_forever(server)

@@ -10,8 +10,10 @@ consumes it:
   the output only at the request's end (a non-streaming HTTP response), so the same chunks may
   arrive together when it finishes, each with :attr:`StreamChunk.emitted_s` set, instead of
   one wake-up of the consumer per decode iteration; callers pass either only when they want
-  it, so engines without them keep working for everything else): the request is submitted on
-  the first iteration;
+  it, so engines without them keep working for everything else; the same for
+  ``on_submitted``, a callable :class:`specdial.Engine` calls with the request's id once it
+  accepted it, so that a ``whole`` consumer can ``abort`` it by id before any chunk came):
+  the request is submitted on the first iteration;
   :class:`RequestError` or :class:`QueueFullError` is raised then, before any chunk. If the
   consumer stops iterating (``aclose()``, or cancellation of the task awaiting the next chunk,
   e.g. a disconnected HTTP client) the request is aborted and everything it held is freed.
@@ -37,13 +39,14 @@ consumes it:
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterator, Protocol
 
 from specdial import _core
 
 __all__ = ["EngineProtocol", "EngineStats", "LogprobOptions", "QueueFullError", "RequestError",
-           "StreamChunk", "TopLogprobs"]
+           "StreamChunk", "TopLogprobs", "stream_takes"]
 
 #: Per token: the ``top_n`` most likely ``(token_id, logprob)`` pairs, most likely first.
 TopLogprobs = list[tuple[int, float]]
@@ -233,3 +236,13 @@ class EngineProtocol(Protocol):
     def stats(self) -> EngineStats: ...
 
     def shutdown(self, drain: bool = True) -> None: ...
+
+
+def stream_takes(engine: Any, name: str) -> bool:
+    """Whether ``engine.async_stream`` names the optional keyword ``name`` (e.g.
+    ``on_submitted``, which the contract leaves optional): callers pass such a keyword only
+    to engines that take it."""
+    try:
+        return name in inspect.signature(engine.async_stream).parameters
+    except (TypeError, ValueError):  # no signature to read
+        return False

@@ -18,7 +18,7 @@ import logging
 import operator
 import threading
 import weakref
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import torch
 
@@ -417,17 +417,25 @@ class Engine:
                            sampling_params: dict[str, Any] | None = None,
                            stop: list[str] | None = None,
                            logprobs: LogprobOptions | None = None,
-                           whole: bool = False) -> AsyncIterator[StreamChunk]:
+                           whole: bool = False,
+                           on_submitted: Callable[[int], None] | None = None
+                           ) -> AsyncIterator[StreamChunk]:
         """Stream one request (asyncio). Submitted on the first ``__anext__``, which raises
         :class:`RequestError` / :class:`QueueFullError` before any chunk; ``aclose()`` or
         cancelling the task awaiting a chunk aborts the request. ``logprobs``: fills the
         chunks' logprob fields. ``whole=True``: the caller wants the output only at the end
         (the server's non-streaming responses): the same chunks come together once the
         request ends, each stamped with its ``emitted_s``, which spares the caller's event
-        loop (and, with ``dp_size > 1``, the router) one wake-up per decode iteration."""
+        loop (and, with ``dp_size > 1``, the router) one wake-up per decode iteration.
+        ``on_submitted``: called (on the caller's event loop) with the request's id once the
+        engine (with ``dp_size > 1``: its replica) accepted it, so that :meth:`abort` can end
+        it with what it generated so far (a ``whole`` stream shows no id before its end)."""
+        extra: dict[str, Any] = {}
+        if on_submitted is not None:
+            extra["on_submitted"] = on_submitted
         chunks = self._front.async_stream(prompt, input_ids=input_ids,
                                           sampling_params=sampling_params, stop=stop,
-                                          logprobs=logprobs, whole=whole)
+                                          logprobs=logprobs, whole=whole, **extra)
         try:
             async for chunk in chunks:
                 yield chunk

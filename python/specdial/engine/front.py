@@ -91,12 +91,16 @@ class LocalFront:
                      sampling_params: dict[str, Any] | None = None,
                      stop: list[str] | None = None,
                      logprobs: LogprobOptions | None = None,
-                     whole: bool = False) -> AsyncIterator[StreamChunk]:
+                     whole: bool = False,
+                     on_submitted: Callable[[int], None] | None = None
+                     ) -> AsyncIterator[StreamChunk]:
         """:meth:`specdial.Engine.async_stream` on this replica (``whole``: the chunks held
-        until the request ends, :func:`~specdial.engine.requests.held_until_end`)."""
+        until the request ends, :func:`~specdial.engine.requests.held_until_end`;
+        ``on_submitted``: :func:`~specdial.engine.requests.async_stream`'s)."""
         return async_stream(self._post, self._cancel,
                             self._spec(prompt, input_ids, sampling_params, stop,
-                                       logprobs=logprobs), whole=whole)
+                                       logprobs=logprobs), whole=whole,
+                            on_submitted=on_submitted)
 
     def _stream_dicts(self, spec: RequestSpec, out: OutputAccumulator
                       ) -> Iterator[dict[str, Any]]:

@@ -316,15 +316,20 @@ class _StreamDriver:
     (``Submitted`` is skipped, an exception ends the stream by raising, a chunk is yielded
     and the stream is done after the finished one) and the cancel of a stream left early."""
 
-    def __init__(self, cancel: Cancel, spec: RequestSpec) -> None:
+    def __init__(self, cancel: Cancel, spec: RequestSpec,
+                 on_submitted: Callable[[int], None] | None = None) -> None:
         self.cancel, self.spec, self.done = cancel, spec, False
+        self.on_submitted = on_submitted
 
     def take(self, item: Any) -> StreamChunk | None:
-        """The chunk to yield for ``item`` (None: nothing); raises an error item."""
+        """The chunk to yield for ``item`` (None: nothing); raises an error item. ``Submitted``
+        goes to ``on_submitted`` (when given) with the request's engine id."""
         if isinstance(item, BaseException):
             self.done = True
             raise item
         if isinstance(item, Submitted):
+            if self.on_submitted is not None:
+                self.on_submitted(item.request_id)
             return None
         self.done = bool(item.finished)
         return item
@@ -377,11 +382,16 @@ def held_until_end(deliver: Callable[[list[Any]], None]) -> Callable[[Any], None
 
 
 async def async_stream(post: Post, cancel: Cancel, spec: RequestSpec, *,
-                       whole: bool = False) -> AsyncGenerator[StreamChunk, None]:
+                       whole: bool = False,
+                       on_submitted: Callable[[int], None] | None = None
+                       ) -> AsyncGenerator[StreamChunk, None]:
     """The chunks of ``spec`` on the running event loop (submission on the first
     ``__anext__``; ``aclose()`` or cancellation while awaiting a chunk cancels). ``whole``:
     the consumer only needs the request's output at its end, so the chunks arrive together
     (:func:`held_until_end`: one event-loop wake-up per request, not per iteration).
+    ``on_submitted``: called on this event loop with the request's engine id once the loop
+    accepted it (``Submitted``, handed over at once even with ``whole``), so the consumer can
+    ``abort`` it by id and still read what it generated until then.
 
     Delivery goes through the loop's :class:`~specdial.engine.courier.Courier`: one wake of
     the loop per engine iteration for all its streams, and the chunks that arrived since this
@@ -396,7 +406,7 @@ async def async_stream(post: Post, cancel: Cancel, spec: RequestSpec, *,
 
     spec.sink = held_until_end(deliver) if whole else lambda item: deliver([item])
     post(Submit([spec]))
-    driver = _StreamDriver(cancel, spec)
+    driver = _StreamDriver(cancel, spec, on_submitted)
     try:
         while not driver.done:
             for item in await courier.take(box):

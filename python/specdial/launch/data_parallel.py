@@ -29,9 +29,9 @@ import dataclasses
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Callable
 
-from specdial.engine.api import EngineStats, LogprobOptions, StreamChunk
+from specdial.engine.api import EngineStats, LogprobOptions, StreamChunk, stream_takes
 from specdial.launch.routing import Router, prompt_tokens, request_work
 
 __all__ = ["DataParallelEngine", "aggregate_stats"]
@@ -194,14 +194,21 @@ class DataParallelEngine:
                            sampling_params: dict[str, Any] | None = None,
                            stop: list[str] | None = None,
                            logprobs: LogprobOptions | None = None,
-                           whole: bool = False) -> AsyncIterator[StreamChunk]:
+                           whole: bool = False,
+                           on_submitted: Callable[[int], None] | None = None
+                           ) -> AsyncIterator[StreamChunk]:
         """:meth:`stream` on an asyncio loop (the replica's ``async_stream``; ``whole``: its
         chunks together at the end, so a replica process sends them in one message instead of
-        one per decode iteration)."""
+        one per decode iteration; ``on_submitted``: called with the request's front-end id,
+        the one :meth:`abort` takes, once its replica accepted it, where the replica's
+        ``async_stream`` takes it: replica processes and in-process engines do)."""
         with self._routed(self._work(prompt, input_ids, sampling_params)) as i:
             kwargs: dict[str, Any] = {} if logprobs is None else {"logprobs": logprobs}
             if whole:
                 kwargs["whole"] = True
+            if on_submitted is not None and stream_takes(self.replicas[i], "on_submitted"):
+                n = len(self.replicas)
+                kwargs["on_submitted"] = lambda rid: on_submitted(rid * n + i)
             it = self.replicas[i].async_stream(prompt, input_ids=input_ids,
                                                sampling_params=sampling_params, stop=stop,
                                                **kwargs)

@@ -38,7 +38,7 @@ import time
 import types
 from collections.abc import AsyncIterator, Iterator
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Callable
 
 from specdial.engine.api import EngineStats, LogprobOptions, StreamChunk
 from specdial.engine.ends import failed
@@ -62,12 +62,13 @@ class ReplicaFailure(RuntimeError):
 class _Call:
     """One call's inbox: ``loop`` None (a synchronous caller) or the caller's asyncio loop."""
 
-    __slots__ = ("id", "loop", "inbox", "done", "rid", "meta")
+    __slots__ = ("id", "loop", "inbox", "done", "rid", "meta", "on_submitted")
 
     def __init__(self, cid: int, loop: asyncio.AbstractEventLoop | None) -> None:
         self.id, self.loop, self.done = cid, loop, False
         self.inbox: Any = queue.SimpleQueue() if loop is None else asyncio.Queue()
         self.rid, self.meta = -1, {}
+        self.on_submitted: Callable[[int], None] | None = None
 
 
 def _put_all(entries: list[tuple[_Call, tuple[str, Any]]]) -> None:
@@ -249,6 +250,11 @@ class ReplicaClient:
             call.rid, call.meta = payload.request_id, payload.meta_info
             call.done = payload.finished
             return payload
+        if kind == w.SUBMITTED:
+            call.rid = payload
+            if call.on_submitted is not None:
+                call.on_submitted(payload)
+            return None
         call.done = True
         if kind == w.ERROR:
             raise w.decode_error(*payload)
@@ -288,14 +294,20 @@ class ReplicaClient:
                            sampling_params: dict[str, Any] | None = None,
                            stop: list[str] | None = None,
                            logprobs: LogprobOptions | None = None,
-                           whole: bool = False) -> AsyncIterator[StreamChunk]:
+                           whole: bool = False,
+                           on_submitted: Callable[[int], None] | None = None
+                           ) -> AsyncIterator[StreamChunk]:
         """``Engine.async_stream`` on the replica; ``aclose()`` or cancellation aborts it.
         ``whole``: the replica holds the chunks until the request ends and sends them in one
-        message (one wake-up here per request, not per decode iteration)."""
-        call = self._open(w.STREAM, dict(prompt=prompt, input_ids=input_ids,
-                                         sampling_params=sampling_params, stop=stop,
-                                         logprobs=logprobs, whole=whole),
-                          asyncio.get_running_loop())
+        message (one wake-up here per request, not per decode iteration). ``on_submitted``:
+        called here with the replica's id of the request once its engine accepted it (one
+        more message from the replica: :data:`~specdial.launch.replica_wire.SUBMITTED`)."""
+        payload = dict(prompt=prompt, input_ids=input_ids, sampling_params=sampling_params,
+                       stop=stop, logprobs=logprobs, whole=whole)
+        if on_submitted is not None:
+            payload["on_submitted"] = True
+        call = self._open(w.STREAM, payload, asyncio.get_running_loop())
+        call.on_submitted = on_submitted  # before the consumer reads the inbox below
         try:
             while not call.done:
                 chunk = self._chunk(call, *(await call.inbox.get()))

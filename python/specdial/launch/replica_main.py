@@ -136,6 +136,8 @@ class ReplicaServer:
             self._out(cid, w.RESULT, result)
 
     async def _stream(self, cid: int, kwargs: dict[str, Any]) -> None:
+        if kwargs.pop("on_submitted", False):  # the router wants the request's id at once
+            kwargs["on_submitted"] = lambda rid: self._out(cid, w.SUBMITTED, rid)
         try:
             async for chunk in self.engine.async_stream(**kwargs):
                 self._out(cid, w.CHUNK, chunk)

@@ -14,7 +14,8 @@ stream opened with ``whole=True`` (a non-streaming HTTP response) sends nothing 
 request ends, then all its chunks, each stamped with its ``emitted_s``, in one message.
 
 - router -> replica, items ``(op, call_id, payload)``: :data:`STREAM` (payload: the keyword
-  arguments of ``async_stream``, ``whole`` included), :data:`GENERATE` (``(args, kwargs)`` of ``async_generate``),
+  arguments of ``async_stream``, ``whole`` included, and ``on_submitted: True`` when the
+  router wants the request's id at once), :data:`GENERATE` (``(args, kwargs)`` of ``async_generate``),
   :data:`CANCEL` (None: the consumer left; the replica cancels that call, which aborts its
   request), :data:`ABORT` (an engine request id), :data:`STATS`, :data:`GRAPH_STATS`
   (``graph_stats()``), :data:`FLUSH` (``flush_cache()``), :data:`SHUTDOWN` (``drain``);
@@ -24,7 +25,9 @@ request ends, then all its chunks, each stamped with its ``emitted_s``, in one m
   only after the path is extended, so that a ``steps_schedule`` function pickled by reference
   (module and name) imports from where the router found it.
 - replica -> router, items ``(call_id, kind, payload)``: :data:`CHUNK` (a
-  :class:`~specdial.engine.api.StreamChunk`), :data:`ITEM` (a dict of a streamed
+  :class:`~specdial.engine.api.StreamChunk`), :data:`SUBMITTED` (the replica's engine id of a
+  stream's request once its engine accepted it, for a stream opened with ``on_submitted``;
+  sent at once, even with ``whole``), :data:`ITEM` (a dict of a streamed
   ``generate``), :data:`RESULT` (a call's return value), :data:`END` (a streamed ``generate``
   ended), :data:`ERROR` (an exception as :func:`encode_error`); call id 0 carries
   :data:`READY` (what the router needs of the replica: :func:`ready_info`),
@@ -44,13 +47,13 @@ from typing import Any
 from specdial.engine.api import QueueFullError, RequestError
 
 __all__ = ["ABORT", "BEAT", "CANCEL", "CHUNK", "END", "ERROR", "FAILURE", "FLUSH", "GENERATE",
-           "GRAPH_STATS", "ITEM", "READY", "RESULT", "SHUTDOWN", "STATS", "STREAM", "decode",
-           "decode_error", "encode", "encode_error"]
+           "GRAPH_STATS", "ITEM", "READY", "RESULT", "SHUTDOWN", "STATS", "STREAM", "SUBMITTED",
+           "decode", "decode_error", "encode", "encode_error"]
 
 STREAM, GENERATE, CANCEL, ABORT, STATS, GRAPH_STATS, FLUSH, SHUTDOWN = (
     "stream", "generate", "cancel", "abort", "stats", "graph_stats", "flush_cache", "shutdown")
-CHUNK, ITEM, RESULT, END, ERROR, READY, FAILURE, BEAT = (
-    "chunk", "item", "result", "end", "error", "ready", "failure", "beat")
+CHUNK, ITEM, RESULT, END, ERROR, READY, FAILURE, BEAT, SUBMITTED = (
+    "chunk", "item", "result", "end", "error", "ready", "failure", "beat", "submitted")
 
 
 def encode(items: list[Any]) -> bytes:

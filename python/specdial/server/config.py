@@ -35,7 +35,9 @@ class ServeConfig(EngineArgs):
     """Options of ``specdial serve``: the engine options plus the HTTP server's."""
 
     host: str = _opt("address to listen on", default="127.0.0.1")
-    port: int = _opt("TCP port", default=30000)
+    port: int = _opt("TCP port; 0: a free port the OS picks, named by uvicorn's 'Uvicorn "
+                     "running on' log line (for tests and scripts that must not race for one)",
+                     default=30000)
     served_model_name: str | None = _opt(
         f"model name in the API (the `model` field, /v1/models); default: {BUILTIN_MODEL_NAME} "
         "for the built-in models, else --model-path", metavar="NAME")
@@ -92,14 +94,15 @@ class ServeConfig(EngineArgs):
         "that long cannot fit the context)", metavar="N")
 
     def check(self) -> None:
-        """:meth:`EngineArgs.check`, plus ``port`` in 1..65535, ``served_model_name`` not
-        empty when given, ``shutdown_timeout`` a finite number >= 0 and the limits and access
-        options (:meth:`server_limits`, :meth:`security_config`). Raises ``ValueError``
-        naming the option."""
+        """:meth:`EngineArgs.check`, plus ``port`` in 0..65535 (0: a free port the OS picks),
+        ``served_model_name`` not empty when given, ``shutdown_timeout`` a finite number >= 0
+        and the limits and access options (:meth:`server_limits`, :meth:`security_config`).
+        Raises ``ValueError`` naming the option."""
         super().check()
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not (
-                1 <= self.port <= 65535):
-            raise ValueError(f"--port must be an integer in 1..65535, got {self.port}")
+                0 <= self.port <= 65535):
+            raise ValueError(f"--port must be an integer in 0..65535 (0: a free port the OS "
+                             f"picks), got {self.port}")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("--served-model-name must be a non-empty name (the API's `model`), "
                              f"got {self.served_model_name!r}; leave it out for the default")

@@ -18,6 +18,9 @@
   ``prompt_tokens``, ``completion_tokens`` and ``total_tokens``, summed over the choices, and
   ``prompt_tokens_details.cached_tokens`` (prompt tokens served by the prefix cache; bodies:
   :mod:`specdial.server.openai_responses`, the usage: :meth:`specdial.server.runs.Run.usage`).
+- both: SGLang's ``rid`` field names the request for ``POST /abort_request``, which ends its
+  choices with finish reason ``abort`` and the text generated until then
+  (:mod:`specdial.server.ops_api`).
 - ``GET /v1/models`` (and ``/v1/models/{id}``): the one served model (vLLM's card, with
   ``root`` and ``max_model_len``).
 
@@ -157,6 +160,8 @@ async def serve(state: ServerState, request: Request,
     ``params`` maps the engine's field names to the request's in error messages."""
     run = state.new_run(jobs, arrival, request_id(request.scope),
                         whole=not req.stream)
+    if req.rid is not None:  # what /abort_request finds the request by (SGLang's rid)
+        run.job_rids = [req.rid] * len(jobs)
     run.start()
     watcher = asyncio.create_task(watch_disconnect(request, run))
     streaming = False

@@ -5,9 +5,11 @@ generation: 200 once it completes, 503 when it fails or takes longer than
 :data:`HEALTH_GENERATE_TIMEOUT_S`), ``GET /metrics`` (Prometheus text,
 :mod:`specdial.server.metrics`), SGLang's ``GET``/``POST /flush_cache``
 (:mod:`specdial.server.flush`) and SGLang's ``POST /abort_request`` (``{"rid": str}`` or
-``{"abort_all": true}``: the ``/generate`` requests with that ``rid`` end with the abort finish
-reason and their KV pages are freed; 200 with an empty body, unknown ids included, as SGLang
-answers)."""
+``{"abort_all": true}``: the ``/generate`` requests with that ``rid``, and the OpenAI
+completion and chat requests that carried it as their ``rid`` field (SGLang's OpenAI requests
+take one too), end with the abort finish reason and what they generated until then, and their
+KV pages are freed; ``abort_all`` ends every open request, whatever its route; 200 with an
+empty body, unknown ids included, as SGLang answers)."""
 
 from __future__ import annotations
 
@@ -97,8 +99,9 @@ async def abort_request(request: Request, state: StateDep) -> Response:
         raise bad_request(f"'abort_all' must be a boolean, got {abort_all!r}", "abort_all",
                           "invalid_value")
     if not isinstance(rid, str) or not (rid or abort_all):
-        raise bad_request(f"'rid' must be a non-empty string (a /generate request's rid) "
-                          f"unless abort_all is true, got {rid!r}", "rid", "invalid_value")
+        raise bad_request(f"'rid' must be a non-empty string (the rid of a /generate or an "
+                          f"OpenAI request) unless abort_all is true, got {rid!r}", "rid",
+                          "invalid_value")
     rids = None if abort_all else {rid}
     message = "aborted by /abort_request" + ("" if abort_all else f" (rid {rid})")
     n = sum(run.abort_jobs(rids, message) for run in list(state.runs))

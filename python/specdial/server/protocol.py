@@ -28,7 +28,9 @@ Validation order for a request body (each failure is an :class:`APIError`, answe
    (``"\\ud800"`` in the JSON) is 400 ``invalid_value`` naming the field (``prompt`` for every
    item of a prompt list, the message naming ``prompt[i]``; ``messages[i].content``).
 
-``user`` is accepted and ignored: it is an informational end-user id in the OpenAI API with no
+``rid`` (SGLang's extension of the OpenAI requests; a non-empty string, one per request,
+shared by its prompts and choices) names the request for ``POST /abort_request``
+(:mod:`specdial.server.ops_api`). ``user`` is accepted and ignored: it is an informational end-user id in the OpenAI API with no
 effect on generation. ``model`` may be omitted (the served model is used); a different name is
 404 ``model_not_found``, as OpenAI answers for an unknown model.
 """
@@ -173,6 +175,8 @@ class _CommonRequest(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # informational only (see the module docstring)
+    # SGLang's extension: the id POST /abort_request ends this request (all its choices) by
+    rid: str | None = Field(None, min_length=1)
     n: int | None = Field(None, ge=1, le=MAX_N)
     # OpenAI's penalties (generated tokens only)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)

@@ -16,6 +16,7 @@ Used by the OpenAI routes (:mod:`specdial.server.openai_api`) and SGLang's ``/ge
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -26,8 +27,8 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from specdial.engine.api import LogprobOptions, StreamChunk
-from specdial.engine.ends import aborted, is_failure, shut_down
+from specdial.engine.api import LogprobOptions, StreamChunk, stream_takes
+from specdial.engine.ends import aborted, end_kind, is_failure, shut_down
 from specdial.server.metrics import ServerMetrics
 
 __all__ = ["DONE", "Choice", "ClientGone", "Job", "Run", "RunStreamingResponse",
@@ -122,6 +123,11 @@ class Run:
         #: each job's request id as the client knows it (``/generate``'s ``rid``), or None
         self.job_rids: list[str] | None = None
         self._settled: set[int] = set()  # jobs whose last chunk is queued (or aborted)
+        #: each job's engine request id, once known (``on_submitted``, else its first chunk)
+        self._engine_ids: dict[int, int] = {}
+        #: jobs /abort_request asked the engine to end, with the finish reason's message
+        self._abort_messages: dict[int, str] = {}
+        self._on_submitted = stream_takes(engine, "on_submitted")  # specdial.Engine does
         self.choices = [Choice(j.index) for j in jobs]
         self.queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
         self.tasks: list[asyncio.Task[None]] = []
@@ -147,10 +153,15 @@ class Run:
             extra: dict[str, Any] = {} if job.logprobs is None else {"logprobs": job.logprobs}
             if self.whole:
                 extra["whole"] = True
+            if self._on_submitted:
+                extra["on_submitted"] = lambda rid: self._engine_ids.setdefault(job.index, rid)
             stream = self.engine.async_stream(
                 prompt=job.prompt, input_ids=job.input_ids,
                 sampling_params=job.sampling_params, stop=job.stop, **extra)
             async for chunk in stream:
+                self._engine_ids.setdefault(job.index, chunk.request_id)
+                if chunk.finished:
+                    chunk = self._as_requested(job.index, chunk)
                 self.queue.put_nowait((job.index, chunk, None))
                 if chunk.finished:
                     self._settled.add(job.index)
@@ -192,22 +203,42 @@ class Run:
 
     def abort_jobs(self, rids: set[str] | None, message: str) -> int:
         """SGLang's ``/abort_request``: end the jobs whose client request id
-        (:attr:`job_rids`) is in ``rids`` (None: every job) and still runs: its pump is
-        cancelled (aborting its engine request, which frees its KV pages) and it finishes
-        with SGLang's abort finish reason (:func:`~specdial.engine.ends.aborted`,
-        ``message``), while the run's other jobs go on. Returns how many it ended."""
+        (:attr:`job_rids`) is in ``rids`` (None: every job) and still runs, with SGLang's
+        abort finish reason (:func:`~specdial.engine.ends.aborted`, ``message``), while the
+        run's other jobs go on. Returns how many it ended.
+
+        A job whose engine request id is known (the engine's ``on_submitted``, or its first
+        chunk) is ended by ``engine.abort(id)``: the engine frees its KV pages and ends its
+        stream with everything generated until then (text, tokens, logprobs, ``meta_info``
+        counts), as SGLang answers an aborted request. One without (still queued before the
+        engine said its id) has generated nothing: its pump is cancelled (aborting its engine
+        request) and it ends with an empty abort chunk."""
         n = 0
         for i, (job, task) in enumerate(zip(self.jobs, self.tasks)):
-            if task.done() or job.index in self._settled or (
+            if task.done() or job.index in self._settled or job.index in self._abort_messages or (
                     rids is not None and (self.job_rids is None or self.job_rids[i] not in rids)):
+                continue
+            n += 1
+            engine_id = self._engine_ids.get(job.index)
+            if engine_id is not None:
+                self._abort_messages[job.index] = message
+                self.engine.abort(engine_id)
                 continue
             self._settled.add(job.index)
             task.cancel()
             self.queue.put_nowait((job.index, StreamChunk(-1, "", [], True, aborted(message)),
                                    None))
             self.queue.put_nowait((job.index, _END, None))
-            n += 1
         return n
+
+    def _as_requested(self, index: int, chunk: StreamChunk) -> StreamChunk:
+        """The last ``chunk`` of job ``index``, its abort finish reason carrying the message
+        of the ``/abort_request`` that ended it (the engine's says only "aborted by
+        request")."""
+        message = self._abort_messages.get(index)
+        if message is None or end_kind(chunk.finish_reason) != "aborted":
+            return chunk
+        return dataclasses.replace(chunk, finish_reason=aborted(message))
 
     async def _next(self, buffered: bool = True) -> tuple[int, Any]:
         if buffered and self._buffer:

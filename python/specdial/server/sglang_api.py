@@ -44,6 +44,11 @@ their conversion: :mod:`specdial.server.sglang_protocol`.
   ``GET /tokenizer_info`` (vLLM's; what lm-evaluation-harness's remote tokenizer reads);
   ``GET /version``.
 
+A prompt ended by ``POST /abort_request`` (its ``rid``, or ``abort_all``) answers what it
+generated until then (``text``, ``output_ids``, logprobs, ``meta_info`` counts of those tokens)
+with ``meta_info.finish_reason`` ``{"type": "abort", "message", "cause": "client"}``, as SGLang
+answers an aborted request; a stream's last event is that output.
+
 Errors are the server's JSON errors (``{"error": {"message", "type", "param", "code"}}``). A
 prompt the engine failed (finish reason ``error``, :mod:`specdial.engine.ends`) makes
 ``/generate`` answer 500 with the usual body, its ``meta_info.finish_reason`` carrying the cause
