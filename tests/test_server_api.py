@@ -119,6 +119,22 @@ def test_chat_uses_the_simple_template(client, live):
     assert r.usage.prompt_tokens == len(expected) and r.usage.completion_tokens == 4
 
 
+def test_chat_message_name_reaches_the_template(client, live):
+    """OpenAI's optional ``messages[].name`` (AutoGen and other clients send it) is accepted:
+    the simple template writes it into the role marker; a name outside OpenAI's rule is a 400
+    naming the field."""
+    r = client.chat.completions.create(model=NAME, max_tokens=2, temperature=0, messages=[
+        {"role": "user", "name": "alice", "content": "Hi"}])
+    assert r.choices[0].message.content == "ab"
+    expected = "<|user:alice|>\nHi\n<|assistant|>\n"
+    sub = live.engine.submitted[max(live.engine.submitted)]
+    assert sub["input_ids"] == [ord(c) for c in expected]
+    for bad in ("", "a b", "x" * 65, 3):
+        r = post(live, "/v1/chat/completions", {"max_tokens": 2, "messages": [
+            {"role": "user", "name": bad, "content": "Hi"}]})
+        error_of(r, 400, "messages[0].name")
+
+
 def test_chat_default_max_tokens_is_the_rest_of_the_context(client, live):
     r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}],
                                        max_completion_tokens=None)
@@ -305,6 +321,10 @@ def test_render_chat_with_an_hf_tokenizer():
     tok.chat_template = ("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
                          "{% if add_generation_prompt %}[assistant]{% endif %}")
     assert render_chat(tok, messages) == ("[system]a[user]b[assistant]", True)
+    named = [{"role": "user", "content": "b", "name": "bob"}]
+    tok.chat_template = ("{% for m in messages %}[{{ m.role }}|{{ m.name }}]{{ m.content }}"
+                         "{% endfor %}")
+    assert render_chat(tok, named) == ("[user|bob]b", True)
     tok.chat_template = "{{ raise_exception('roles must alternate') }}"
     with pytest.raises(ValueError, match="roles must alternate"):
         render_chat(tok, messages)

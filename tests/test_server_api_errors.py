@@ -74,7 +74,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": []}, 400, "messages", None),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400,
      "messages[0].role", None),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "name": "bob"}]},
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "name": "b b"}]},
      400, "messages[0].name", None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400,

@@ -9,7 +9,8 @@ writes each message as a role marker line and its content, then opens the assist
     Write a sort function.
     <|assistant|>
 
-i.e. ``"<|{role}|>\\n{content}\\n"`` per message, followed by ``"<|assistant|>\\n"``. The
+i.e. ``"<|{role}|>\\n{content}\\n"`` per message, followed by ``"<|assistant|>\\n"``; a
+message with OpenAI's ``name`` writes its marker as ``"<|{role}:{name}|>"``. The
 markers are plain text, not special tokens, and no stop string is added implicitly: pass
 ``stop: ["<|user|>"]`` to end at the next turn. With either template the OpenAI ``developer``
 role is passed as ``system`` (the role chat templates know).
@@ -30,8 +31,10 @@ def _role(role: str) -> str:
 
 
 def simple_chat_prompt(messages: list[dict[str, str]]) -> str:
-    """The simple template (module docstring) over ``[{"role", "content"}]`` messages."""
-    lines = [f"<|{_role(m['role'])}|>\n{m['content']}\n" for m in messages]
+    """The simple template (module docstring) over ``[{"role", "content"}]`` messages, each
+    with an optional ``name``."""
+    lines = [f"<|{_role(m['role'])}{':' + m['name'] if m.get('name') else ''}|>\n{m['content']}\n"
+             for m in messages]
     return "".join(lines) + SIMPLE_TEMPLATE_GENERATION_PROMPT
 
 

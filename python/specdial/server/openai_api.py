@@ -125,7 +125,8 @@ def prepare_chat(state: ServerState,
     state.check_model(req.model)
     stop = openai_stop(req)
     check_stop(stop, state.limits)
-    messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(req.messages)]
+    messages = [{"role": m.role, "content": m.text(i), **({"name": m.name} if m.name else {})}
+                for i, m in enumerate(req.messages)]
     try:
         text, templated = render_chat(state.engine.tokenizer, messages)
     except ValueError as e:

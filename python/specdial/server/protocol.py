@@ -231,11 +231,15 @@ class CompletionRequest(_CommonRequest):
 
 
 class ChatMessage(_Strict):
-    """One chat message: ``role`` and text ``content`` (a string, or a list of
-    ``{"type": "text", "text": ...}`` parts, concatenated)."""
+    """One chat message: ``role``, text ``content`` (a string, or a list of
+    ``{"type": "text", "text": ...}`` parts, concatenated) and OpenAI's optional participant
+    ``name`` (1-64 characters of letters, digits, ``_`` and ``-``, OpenAI's rule; clients such as
+    AutoGen send it). The name reaches the chat template as the message's ``name`` key (as vLLM
+    passes it); the simple template writes it into the role marker (:mod:`.chat`)."""
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[dict[str, Any]]
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
 
     def text(self, index: int) -> str:
         """The content as one string. Raises :class:`APIError` 400 for a non-text part."""
