@@ -208,3 +208,49 @@ def test_a_stream_aborted_by_rid_counts_what_it_sent_on_an_engine_without_on_sub
     reasons = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
     assert reasons == ["abort"] and 0 < len(text) < 100
     assert events[-1]["usage"]["completion_tokens"] == len(text)  # one letter per token
+
+
+def test_a_running_rid_is_not_taken_by_another_request():
+    """A rid names one request at a time (vLLM refuses a running request id too): while a
+    request with rid ``dup`` runs, another /generate or OpenAI request naming ``dup`` is a 400
+    naming ``rid`` (code ``duplicate_rid``), so one /abort_request cannot end both; once it
+    ended, the rid is free again. An empty rid (which /abort_request could never name) is a
+    400 naming ``rid``."""
+    gate = threading.Event()
+    engine = FakeEngine(gate=gate)
+    with LiveServer(engine) as live:
+        try:
+            check_rids_while_gated(live, engine, gate)
+        finally:
+            gate.set()  # a failed check must not leave the gated request holding the server
+
+
+def check_rids_while_gated(live: LiveServer, engine: FakeEngine, gate: threading.Event) -> None:
+    """The checks of the test above, with ``engine`` holding its requests until ``gate``."""
+    t, res = in_background(lambda: post(live, "/generate", {
+        "text": "x", "rid": "dup", "sampling_params": {"max_new_tokens": 4}}))
+    deadline = time.monotonic() + scaled(30)
+    while not engine.submitted:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    for path, body in [
+            ("/generate", {"text": "y", "rid": "dup"}),
+            ("/generate", {"text": ["y", "z"], "rid": ["free", "dup"]}),
+            ("/v1/completions", {"prompt": "y", "max_tokens": 2, "rid": "dup"}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "y"}],
+                                      "max_tokens": 2, "rid": "dup"})]:
+        # a refused request answers at once; one the engine took waits on the gate
+        r = httpx.post(live.url + path, json=body, timeout=scaled(10))
+        assert r.status_code == 400, (path, r.text)
+        err = r.json()["error"] if "error" in r.json() else r.json()
+        assert "rid" in json.dumps(err) and "dup" in json.dumps(err), (path, r.text)
+    r = post(live, "/generate", {"text": "y", "rid": "", "sampling_params": {
+        "max_new_tokens": 2}})
+    assert r.status_code == 400 and "rid" in r.text, r.text
+    assert len(engine.submitted) == 1  # none of the refused requests reached the engine
+    gate.set()
+    t.join(scaled(60))
+    assert res[0].status_code == 200, res[0].text
+    r = post(live, "/generate", {"text": "y", "rid": "dup", "sampling_params": {
+        "max_new_tokens": 2}})
+    assert r.status_code == 200 and r.json()["meta_info"]["id"] == "dup", r.text

@@ -159,10 +159,9 @@ async def serve(state: ServerState, request: Request,
     """Run ``jobs`` and answer: a stream once every job started, else JSON when all finished
     (500 with the cause when a choice failed; 499, unread, when the client went away).
     ``params`` maps the engine's field names to the request's in error messages."""
-    run = state.new_run(jobs, arrival, request_id(request.scope),
-                        whole=not req.stream)
-    if req.rid is not None:  # what /abort_request finds the request by (SGLang's rid)
-        run.job_rids = [req.rid] * len(jobs)
+    run = state.new_run(jobs, arrival, request_id(request.scope), whole=not req.stream,
+                        # what /abort_request finds the request by (SGLang's rid)
+                        job_rids=None if req.rid is None else [req.rid] * len(jobs))
     run.start()
     watcher = asyncio.create_task(watch_disconnect(request, run))
     streaming = False

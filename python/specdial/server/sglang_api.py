@@ -159,8 +159,8 @@ async def generate(request: Request, state: StateDep) -> Response:
     ids_ = [r or uuid.uuid4().hex for r in rids]
     run = state.new_run(jobs, arrival, request_id(request.scope), whole=not req.stream,
                         n_param="sampling_params.n",
-                        prompt_param="text" if req.text is not None else "input_ids")
-    run.job_rids = ids_  # what /abort_request finds them by
+                        prompt_param="text" if req.text is not None else "input_ids",
+                        job_rids=ids_)  # what /abort_request finds them by
     run.start()
     watcher = asyncio.create_task(watch_disconnect(request, run))
     streaming = False

@@ -180,6 +180,9 @@ def prepare_generate(state: ServerState,
                           "'return_logprob': true", "return_logprob", "invalid_value")
     params = per_prompt(req.sampling_params, len(prompts), "sampling_params")
     rids = per_prompt(req.rid, len(prompts), "rid")
+    if any(r == "" for r in rids):  # "" could never be named to /abort_request
+        raise bad_request("'rid' must be a non-empty string (the id /abort_request ends the "
+                          "request by) or left out for a new one", "rid", "invalid_value")
     n = parallel_n(params, single)
     if n * len(prompts) > state.limits.max_prompts:
         raise bad_request(f"{len(prompts)} prompts x 'n' = {n} make {n * len(prompts)} "

@@ -94,13 +94,23 @@ class ServerState:
 
     def new_run(self, jobs: list[Job], arrival: float, rid: str | None,
                 whole: bool = False, *, n_param: str = "n",
-                prompt_param: str = "prompt") -> Run:
-        """A :class:`~specdial.server.runs.Run` of ``jobs`` on this engine (not started);
+                prompt_param: str = "prompt", job_rids: list[str] | None = None) -> Run:
+        """A :class:`~specdial.server.runs.Run` of ``jobs`` on this engine (not started: start
+        it before the next ``await``, so that no other request can take its ``job_rids``);
         ``arrival``: ``time.perf_counter()`` seconds at the request's arrival; ``whole``: a
-        non-streaming response (the chunks may come at each job's end). Raises
-        :class:`APIError` 400 naming ``n_param`` (or ``prompt_param`` for several prompts of
-        one choice each) when the jobs outnumber what the engine can ever hold
-        (:func:`admission_capacity`)."""
+        non-streaming response (the chunks may come at each job's end); ``job_rids``: each
+        job's id as the client named it (SGLang's ``rid``), what ``/abort_request`` ends it by.
+        Raises :class:`APIError` 400 naming ``n_param`` (or ``prompt_param`` for several
+        prompts of one choice each) when the jobs outnumber what the engine can ever hold
+        (:func:`admission_capacity`), and naming ``rid`` (code ``duplicate_rid``) when one of
+        ``job_rids`` belongs to a request still running (vLLM refuses a running request id too:
+        one ``/abort_request`` would otherwise end both)."""
+        if job_rids is not None:
+            running = {r for run in self.runs for r in (run.job_rids or ())}
+            taken = sorted(running.intersection(job_rids))
+            if taken:
+                raise bad_request(f"rid {taken[0]!r} belongs to a request that is still running; "
+                                  "a rid names one request at a time", "rid", "duplicate_rid")
         capacity = admission_capacity(self.engine)
         if capacity is not None and len(jobs) > capacity:
             prompts = sum(1 for j in jobs if j.counts_prompt)
@@ -110,7 +120,9 @@ class ServerState:
                 f"{len(jobs) // max(prompts, 1)} choice(s), '{n_param}'); this server holds at most "
                 f"{capacity} at once (--max-running-requests + --max-queued-requests, per "
                 f"--dp-size replica): ask for fewer in one request", param, "too_many_sequences")
-        return Run(self.engine, self.metrics, self.runs, jobs, arrival, rid, whole)
+        run = Run(self.engine, self.metrics, self.runs, jobs, arrival, rid, whole)
+        run.job_rids = job_rids
+        return run
 
     def abort_runs(self, message: str) -> None:
         """End every open HTTP request now: its engine requests are aborted and each choice
