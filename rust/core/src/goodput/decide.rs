@@ -78,7 +78,8 @@ impl GoodputPolicy {
             let none: Vec<f64> = (0..=d_max).map(|k| expected_tokens(&alpha, k)).collect();
             let fixed = if let MinSurvival::Fixed(x) = self.cfg.min_survival { Some(x) } else { None };
             let draft = self.per_request.draft_cost();
-            stops = confidence::stop_rows(&self.confidence, &alpha, c, &uniform, draft, f64::from(b), &none, fixed);
+            let learned = |k: u32, v: f64| self.shortened.factor(bucket, k, v);
+            stops = confidence::stop_rows(&self.confidence, &alpha, c, &uniform, draft, f64::from(b), &none, fixed, learned);
         } else if let Some(ids) = ids {
             let s = &self.slots[slot];
             allocations = per_request::allocate_candidates(&self.cost, &self.per_request, &alpha, ids, &s.candidates, bucket, b_cost, ctx);

@@ -52,6 +52,7 @@ pub mod acceptance;
 pub mod confidence;
 pub mod cost;
 pub mod per_request;
+pub mod shortened;
 pub mod tree;
 pub mod tree_plan;
 mod decide;
@@ -65,6 +66,7 @@ use confidence::ConfidenceModel;
 use acceptance::{expected_tokens, AcceptanceModel};
 use cost::CostModel;
 use per_request::PerRequest;
+use shortened::ShortenedCells;
 pub use state::STATE_VERSION;
 
 /// Per-slot state of the strategy.
@@ -125,6 +127,8 @@ pub struct GoodputPolicy {
     /// of the last decision (`None`: no rule).
     confidence: ConfidenceModel,
     last_rule: Option<usize>,
+    /// Cost cells of shortened iterations, keyed by verify tokens ([`shortened`]).
+    shortened: ShortenedCells,
 }
 
 impl GoodputPolicy {
@@ -151,6 +155,7 @@ impl GoodputPolicy {
         let window = cfg.acceptance_window;
         let depths: Vec<u32> = slots.iter().flat_map(|s| s.candidates.iter().copied()).collect();
         let tree = cfg.tree.map(|t| tree_plan::TreePlanner::new(t, &depths, 4 * window));
+        let cfg_cost_window = cfg.cost_window;
         let mut cost = CostModel::new(cfg.cost_window);
         if cfg.verify == VerifyMode::PerRequest {
             cost.use_cell_context_slopes();
@@ -169,6 +174,7 @@ impl GoodputPolicy {
             per_request: PerRequest::new(window),
             confidence: ConfidenceModel::new(window.saturating_mul(4)),
             last_rule: None,
+            shortened: ShortenedCells::new(cfg_cost_window),
         }
     }
 

@@ -146,7 +146,7 @@ const DRAFT_PRIOR: f64 = 2.0;
 const DRAFT_FORGET: f64 = 256.0;
 /// Uniform iterations the cost model learns before the drafter's fit learns residuals from its
 /// predictions (before that the model's own error would be taken for the drafter's).
-const DRAFT_MIN_OBSERVATIONS: u64 = 8;
+pub(crate) const DRAFT_MIN_OBSERVATIONS: u64 = 8;
 
 /// The best verify lengths at one depth.
 #[derive(Debug, Clone, PartialEq)]
