@@ -31,6 +31,10 @@
 //!   finds the machine off its usual pace ([`cost`], layer 3) no probe runs and no credit accrues.
 //!   A probe verifies its depth uniformly, under the automatic confidence stop too: it is there to
 //!   measure the depth's cell, and a shortened iteration teaches no cell.
+//! - **Shortened iterations' own cells.** The uniform cells learn uniform iterations only; a
+//!   stopped iteration teaches a cell keyed by bucket, drafted depth and verify tokens per
+//!   request how far its seconds were from the stop row's interpolated price, and the stop's
+//!   rows carry that factor ([`shortened`]).
 //! - **Survivors of a stop.** An iteration the confidence stop cut teaches the per-request
 //!   histories and the confidence model, not the shared per-position acceptance: under a stop
 //!   only the confident requests reach deep positions, and their acceptance overstates the
