@@ -340,7 +340,9 @@ impl ConfidenceModel {
 /// batch-level row stands. `uniform[k]` are the cost model's seconds of a uniform iteration at
 /// depth `k` (`0..=max candidate`), `draft` the drafter's terms beyond the verify (every request
 /// drafts `k` under a stop), `b` the batch size, `none[k]` the batch-level expected tokens per
-/// request at depth `k`.
+/// request at depth `k`. `learned(k, v)`: the factor the shortened iterations' own cells put on
+/// that price at depth `k` with `v < k` drafts verified per request ([`super::shortened`]; 1
+/// where none was measured).
 #[allow(clippy::too_many_arguments)]
 pub fn stop_rows(
     model: &ConfidenceModel,
@@ -351,14 +353,18 @@ pub fn stop_rows(
     b: f64,
     none: &[f64],
     fixed: Option<f64>,
+    learned: impl Fn(u32, f64) -> f64,
 ) -> Vec<Option<(Cut, f64)>> {
     let d_max = uniform.len().saturating_sub(1);
     // seconds with `verified` drafts verified per request on average (every request drafts `k`)
     let seconds = |k: usize, verified: f64, _unverified: f64| {
         let (lo, frac) = (verified.floor() as usize, verified.fract());
-        uniform[lo.min(k)] * (1.0 - frac)
-            + uniform[(lo + 1).min(k)] * frac
-            + draft.extra(b, k as u32, b, verified * b)
+        let priced = uniform[lo.min(k)] * (1.0 - frac) + uniform[(lo + 1).min(k)] * frac + draft.extra(b, k as u32, b, verified * b);
+        if verified < k as f64 {
+            priced * learned(k as u32, verified)
+        } else {
+            priced
+        }
     };
     let cuts: Option<Vec<Cut>> = match fixed {
         Some(tau) => {

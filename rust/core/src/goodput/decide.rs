@@ -18,7 +18,11 @@ use crate::decision::{ConfidenceStop, Decision, VerifyShape};
 /// better lost in the simulator (mixed-256: 0.966 of batch-level on a100-llama8b, 0.970 on
 /// cpu-like; context-growth on l40s-llama8b 0.983 of the best fixed depth), at 3 % as well
 /// (0.963 steady-code l40s-llama8b); at 5 % every floor holds (BENCHMARKS.md, "Issue 28: the
-/// rest of the stop's fixes").
+/// rest of the stop's fixes"). Taken again over seeds 0-2 once shortened iterations taught cells
+/// of their own ([`super::shortened`]): at 3 % and 2 % the mean at concurrency >= 64 rose by
+/// 0.003-0.004 but one seed of mixed-256 on cpu-like fell to 0.953 of batch-level (case mean
+/// 0.981-0.982); at 5 % no seed of any case fell below 0.983 (BENCHMARKS.md, "Issue 28:
+/// shortened iterations teach cells of their own").
 pub const YIELD_MARGIN: f64 = 0.05;
 
 /// Iterations after which a cell a per-request decision is priced from counts as stale: the
@@ -78,7 +82,8 @@ impl GoodputPolicy {
             let none: Vec<f64> = (0..=d_max).map(|k| expected_tokens(&alpha, k)).collect();
             let fixed = if let MinSurvival::Fixed(x) = self.cfg.min_survival { Some(x) } else { None };
             let draft = self.per_request.draft_cost();
-            stops = confidence::stop_rows(&self.confidence, &alpha, c, &uniform, draft, f64::from(b), &none, fixed);
+            let learned = |k: u32, v: f64| self.shortened.factor(bucket, k, v);
+            stops = confidence::stop_rows(&self.confidence, &alpha, c, &uniform, draft, f64::from(b), &none, fixed, learned);
         } else if let Some(ids) = ids {
             let s = &self.slots[slot];
             allocations = per_request::allocate_candidates(&self.cost, &self.per_request, &alpha, ids, &s.candidates, bucket, b_cost, ctx);

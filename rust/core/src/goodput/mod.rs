@@ -31,6 +31,10 @@
 //!   finds the machine off its usual pace ([`cost`], layer 3) no probe runs and no credit accrues.
 //!   A probe verifies its depth uniformly, under the automatic confidence stop too: it is there to
 //!   measure the depth's cell, and a shortened iteration teaches no cell.
+//! - **Shortened iterations' own cells.** The uniform cells learn uniform iterations only; a
+//!   stopped iteration teaches a cell keyed by bucket, drafted depth and verify tokens per
+//!   request how far its seconds were from the stop row's interpolated price, and the stop's
+//!   rows carry that factor ([`shortened`]).
 //! - **Survivors of a stop.** An iteration the confidence stop cut teaches the per-request
 //!   histories and the confidence model, not the shared per-position acceptance: under a stop
 //!   only the confident requests reach deep positions, and their acceptance overstates the
@@ -52,6 +56,7 @@ pub mod acceptance;
 pub mod confidence;
 pub mod cost;
 pub mod per_request;
+pub mod shortened;
 pub mod tree;
 pub mod tree_plan;
 mod decide;
@@ -65,6 +70,7 @@ use confidence::ConfidenceModel;
 use acceptance::{expected_tokens, AcceptanceModel};
 use cost::CostModel;
 use per_request::PerRequest;
+use shortened::ShortenedCells;
 pub use state::STATE_VERSION;
 
 /// Per-slot state of the strategy.
@@ -125,6 +131,8 @@ pub struct GoodputPolicy {
     /// of the last decision (`None`: no rule).
     confidence: ConfidenceModel,
     last_rule: Option<usize>,
+    /// Cost cells of shortened iterations, keyed by verify tokens ([`shortened`]).
+    shortened: ShortenedCells,
 }
 
 impl GoodputPolicy {
@@ -151,6 +159,7 @@ impl GoodputPolicy {
         let window = cfg.acceptance_window;
         let depths: Vec<u32> = slots.iter().flat_map(|s| s.candidates.iter().copied()).collect();
         let tree = cfg.tree.map(|t| tree_plan::TreePlanner::new(t, &depths, 4 * window));
+        let cfg_cost_window = cfg.cost_window;
         let mut cost = CostModel::new(cfg.cost_window);
         if cfg.verify == VerifyMode::PerRequest {
             cost.use_cell_context_slopes();
@@ -169,6 +178,7 @@ impl GoodputPolicy {
             per_request: PerRequest::new(window),
             confidence: ConfidenceModel::new(window.saturating_mul(4)),
             last_rule: None,
+            shortened: ShortenedCells::new(cfg_cost_window),
         }
     }
 

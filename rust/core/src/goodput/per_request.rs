@@ -30,8 +30,10 @@
 //!   drafter) at a cost per token, and the drafter's fixed cost per draft step, paid `D` times
 //!   whenever any request drafts (a draft forward's weights and launch do not shrink when fewer
 //!   requests draft, where the interpolation at `V / b` charges only `V / b` of them; measured
-//!   through the engine on the CPU, BENCHMARKS.md section 29). The cost model's cells learn each
-//!   per-request iteration at the depth it drafted ([`super::report`]).
+//!   through the engine on the CPU, BENCHMARKS.md section 29). The uniform cells learn uniform
+//!   iterations only ([`super::report`]); a shortened iteration in which every request drafted
+//!   (the confidence stop) teaches cells of its own keyed by verify tokens, whose factor a stop
+//!   row's price carries ([`super::shortened`]); an allocation's rows are priced without them.
 //!
 //! For a fixed `D` the best `v` admits draft positions in descending survival order (a global
 //! top-N; survival falls with depth, so each request's admitted positions form a prefix), so the
@@ -146,7 +148,7 @@ const DRAFT_PRIOR: f64 = 2.0;
 const DRAFT_FORGET: f64 = 256.0;
 /// Uniform iterations the cost model learns before the drafter's fit learns residuals from its
 /// predictions (before that the model's own error would be taken for the drafter's).
-const DRAFT_MIN_OBSERVATIONS: u64 = 8;
+pub(crate) const DRAFT_MIN_OBSERVATIONS: u64 = 8;
 
 /// The best verify lengths at one depth.
 #[derive(Debug, Clone, PartialEq)]

@@ -122,11 +122,49 @@ impl GoodputPolicy {
         self.per_request.age_draft_fit();
         let shortened = verified != steps * b;
         let cells = seconds.filter(|_| !shortened);
+        // A shortened iteration in which every request drafted (the stop, or lengths all > 0)
+        // teaches the shortened cells of its verify depth how far its seconds were from the price
+        // a stop row puts on it (`super::shortened`), taken before the drafter's fit learns it.
+        let all_drafted = rule.is_some() || requests.iter().all(|r| r.steps > 0);
+        let learnable = self.cost.observations() >= per_request::DRAFT_MIN_OBSERVATIONS && !self.cost.off_pace();
+        if let Some(t) = seconds.filter(|_| shortened && all_drafted && steps > 0 && learnable) {
+            let catch = caught_up.unwrap_or(self.catch_up) as f64;
+            let base = self.shortened_price(bucket, b_cost, steps, b, verified, context_tokens as f64, catch);
+            self.shortened.observe(bucket, steps, f64::from(verified) / f64::from(b.max(1)), t, base);
+        }
         let shape = match seconds {
             Some(t) => self.per_request.learn_cost(&self.cost, bucket, b_cost, steps, requests, context_tokens as f64, t, rule.is_some()),
             None => per_request::uniform_shape(requests),
         };
         self.learn_iteration(slot, bucket, b, b_cost, steps, shape, seconds, cells, context_tokens, caught_up)
+    }
+
+    /// What a stop row prices an iteration at `steps` (`steps > 0`) with `verified` drafts
+    /// verified in all by `b` requests, every one drafting, at `context_tokens` (no catch-up):
+    /// the uniform iterations interpolated at the verify depth and the drafter's terms, times
+    /// the factor the shortened iterations' own cells learned there ([`super::shortened`]).
+    pub fn predict_shortened(&self, bucket: u32, b: u32, b_cost: u32, steps: u32, verified: u32, context_tokens: u64) -> f64 {
+        let price = self.shortened_price(bucket, b_cost, steps, b, verified, context_tokens as f64, 0.0);
+        let depth = f64::from(verified) / f64::from(b.max(1));
+        if depth < f64::from(steps) {
+            price * self.shortened.factor(bucket, steps, depth)
+        } else {
+            price
+        }
+    }
+
+    /// What a stop row prices an iteration at `steps` with `verified` drafts verified by `b`
+    /// requests, every one drafting, before the shortened cells' factor
+    /// ([`super::confidence::stop_rows`]): the uniform iterations interpolated at the verify
+    /// depth, the drafter's terms, and the catch-up of `catch` tokens the cost model predicts.
+    #[allow(clippy::too_many_arguments)]
+    fn shortened_price(&self, bucket: u32, b_cost: u32, steps: u32, b: u32, verified: u32, ctx: f64, catch: f64) -> f64 {
+        let bf = f64::from(b.max(1));
+        let depth = f64::from(verified) / bf;
+        let (lo, frac) = (depth.floor() as u32, depth.fract());
+        let at = |k: u32| self.cost.predict(bucket, b_cost, k.min(steps), ctx, 0.0);
+        let catch_up = (self.cost.predict(bucket, b_cost, steps, ctx, catch) - at(steps)).max(0.0);
+        at(lo) * (1.0 - frac) + at(lo + 1) * frac + self.per_request.draft_cost().extra(bf, steps, bf, f64::from(verified)) + catch_up
     }
 
     /// The cost model, catch-up and probe-credit part of a report (`cells`: the measured seconds
@@ -146,6 +184,7 @@ impl GoodputPolicy {
         context_tokens: u64,
         caught_up: Option<u64>,
     ) -> Option<u32> {
+        self.shortened.tick();
         let estimated = if steps > 0 { std::mem::take(&mut self.catch_up) } else { 0 };
         let catch = caught_up.unwrap_or(estimated);
         let settled = steps == self.slots[slot].current;

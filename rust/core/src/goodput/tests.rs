@@ -241,3 +241,42 @@ fn a_stop_predicted_a_few_percent_better_yields_to_the_batch_level_decision() {
     let seen = hi_lo(0.0, 0.0, token, 400);
     assert_eq!(seen.stopped, 0, "{seen:?}");
 }
+
+/// The cost model in tokens (issue 28): shortened iterations teach cells of their own, keyed by
+/// batch-size bucket, drafted depth and verify tokens ([`shortened`]). A device where a stop
+/// saves what the interpolation of the uniform iterations says at batch 64 (drafting free,
+/// verify tokens dear) and nothing at batch 8 (the verify memory-bound, a draft step 1 ms): the
+/// drafter's one fit over both buckets cannot hold both (its terms stay >= 0), so the price of
+/// the stop from the interpolation and that fit alone is off at one bucket by more than 3 %;
+/// with the shortened cells it is within 1.5 % at both.
+#[test]
+fn shortened_iterations_teach_the_price_of_their_own_verify_tokens() {
+    use crate::config::{MinSurvival, VerifyMode};
+    use per_request::RequestVerify;
+    let cfg = GoodputConfig { probe_budget: 0.0, verify: VerifyMode::PerRequest, min_survival: MinSurvival::Auto, ..GoodputConfig::default() };
+    let mut p = GoodputPolicy::new(cfg, 2, vec![(0..=4).collect()]);
+    // every request drafts `d`; `verified` drafts verified in all
+    let truth = |b: u32, d: u32, verified: u32| match b {
+        8 => 0.010 + 0.001 * f64::from(d),
+        _ => 0.020 + 1e-4 * f64::from(b + verified),
+    };
+    let report = |p: &mut GoodputPolicy, b: u32, d: u32, cut: bool| {
+        let requests: Vec<RequestVerify<'_>> = (0..u64::from(b)).map(|id| RequestVerify { id, steps: if cut && id % 2 == 1 { 0 } else { d }, accepted: 0, draft_probs: None }).collect();
+        let verified = requests.iter().map(|r| r.steps).sum();
+        p.last_rule = cut.then_some(3);
+        p.observe_requests(0, b, b, d, &requests, Some(truth(b, d, verified)), 800 * u64::from(b), Some(0));
+    };
+    for i in 0..400u32 {
+        report(&mut p, [8, 64][(i % 2) as usize], i / 2 % 5, false);
+    }
+    for i in 0..200u32 {
+        report(&mut p, [8, 64][(i % 2) as usize], 4, true);
+    }
+    let mut plain = p.clone();
+    plain.shortened = shortened::ShortenedCells::new(64);
+    let err = |p: &GoodputPolicy, b: u32| (p.predict_shortened(b, b, b, 4, 2 * b, 800 * u64::from(b)) / truth(b, 4, 2 * b) - 1.0).abs();
+    let (old8, old64) = (err(&plain, 8), err(&plain, 64));
+    assert!(old8.max(old64) > 0.03, "the interpolation and the drafter's fit alone price both buckets: {old8:.4} {old64:.4}");
+    let (new8, new64) = (err(&p, 8), err(&p, 64));
+    assert!(new8 < 0.015 && new64 < 0.015, "with the shortened cells: {new8:.4} {new64:.4} (without {old8:.4} {old64:.4})");
+}
