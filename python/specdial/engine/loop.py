@@ -125,7 +125,8 @@ class EngineLoop(LoopInbox):
         self._verify_lengths = VerifyLengths()  # chains: drafts verified per request
         self._tree_nodes = VerifyLengths()  # draft trees: nodes verified per request
         self._log_mark = (time.monotonic(), 0, 0, 0)
-        self._stats = EngineStats()
+        #: the latest EngineStats, or the inputs of the next one (see :meth:`_refresh_stats`)
+        self._stats: EngineStats | tuple[tuple[Any, Any], dict[str, Any]] = EngineStats()
         self._goodput: dict[str, Any] | None = None
         self._goodput_at = -POLICY_REFRESH_S
         # read once: only this loop changes them (set_fixed_steps), and the strategy never
@@ -144,11 +145,15 @@ class EngineLoop(LoopInbox):
         self.thread.start()
 
     def stats(self) -> EngineStats:
-        """The latest snapshot (a copy; refreshed after every iteration and inbox turn)."""
-        s = self._stats
-        return dataclasses.replace(s, steps_per_slot=dict(s.steps_per_slot),
-                                   accepted_per_pos=list(s.accepted_per_pos),
-                                   slot_states=[dict(d) for d in s.slot_states])
+        """The latest snapshot (a copy; refreshed after every iteration and inbox turn). Built
+        here, on the caller's thread, from the inputs the loop kept (:meth:`_refresh_stats`):
+        immutable report objects and copies, so the loop pays no dataclass per iteration."""
+        snap = self._stats
+        if not isinstance(snap, EngineStats):
+            snap = self._stats = engine_stats(*snap[0], **snap[1])  # a race builds it twice
+        return dataclasses.replace(snap, steps_per_slot=dict(snap.steps_per_slot),
+                                   accepted_per_pos=list(snap.accepted_per_pos),
+                                   slot_states=[dict(d) for d in snap.slot_states])
 
     # ------------------------------------------------------------------ the loop
     def _main(self) -> None:
@@ -428,25 +433,24 @@ class EngineLoop(LoopInbox):
             self.trace_file.flush()
 
     def _refresh_stats(self, res: Any = None) -> None:
-        """Rebuild the :class:`EngineStats` snapshot from ``res`` (a ``ReportResult``: the
-        stats and slot states after it), or from the scheduler when there is none or a request
-        finished since."""
+        """Renew the stats snapshot from ``res`` (a ``ReportResult``: the stats and slot states
+        after it), or from the scheduler when there is none or a request finished since: its
+        inputs only, which :meth:`stats` turns into the :class:`EngineStats` when asked (about
+        0.08 ms per iteration at batch 1 saved on this loop; BENCHMARKS.md, "Issue 29 at batch
+        1: why the adaptive depth moves from run to run")."""
         if res is None or self._stats_stale:
             s, slot_states = self.sched.stats(), self.sched.slot_states()
         else:
             s, slot_states = res.stats, res.slot_states
         self._stats_stale = False
         self._unfinished = s.running + s.prefilling + s.queued
-        states = [{"lower_bound": int(lb), "steps": int(k), "ema_accept_len": float(ema),
-                   "verify_count": int(n)} for lb, k, ema, n in slot_states]
-        slots = {int(st["lower_bound"]): int(st["steps"]) for st in states}
-        if not slots and self._fixed_steps is not None:
-            slots = {1: int(self._fixed_steps)}
-        self._stats = engine_stats(s, slot_states, fixed_steps=self._fixed_steps,
-                                   prompt_tokens=self._prompt_tokens, policy=self._policy,
-                                   last_decode=self._last_decode, goodput=self._goodput_state(),
-                                   verify_lengths=self._verify_lengths.as_dict(),
-                                   tree_nodes=self._tree_nodes.as_dict())
+        # the snapshot's inputs only (``s`` and ``slot_states`` are the report's frozen
+        # objects, the histograms copied); stats() builds the EngineStats when asked
+        self._stats = ((s, slot_states), dict(
+            fixed_steps=self._fixed_steps, prompt_tokens=self._prompt_tokens,
+            policy=self._policy, last_decode=self._last_decode, goodput=self._goodput_state(),
+            verify_lengths=self._verify_lengths.snapshot(),
+            tree_nodes=self._tree_nodes.snapshot()))
 
     def _goodput_state(self) -> dict[str, Any] | None:
         """The goodput strategy's state, rebuilt at most every POLICY_REFRESH_S seconds while
@@ -457,7 +461,7 @@ class EngineLoop(LoopInbox):
         return self._goodput
 
     def _mark(self) -> tuple[float, int, int, int]:
-        return (time.monotonic(), self._stats.generation_tokens, self._verify_reqs,
+        return (time.monotonic(), self.stats().generation_tokens, self._verify_reqs,
                 self._verify_tokens)
 
     def _maybe_log(self) -> None:
@@ -466,6 +470,7 @@ class EngineLoop(LoopInbox):
         now = time.monotonic()
         if not interval or interval <= 0 or now - t0 < interval:
             return
-        log_progress(self._stats, now - t0, self._stats.generation_tokens - tok0,
+        st = self.stats()
+        log_progress(st, now - t0, st.generation_tokens - tok0,
                      self._verify_reqs - req0, self._verify_tokens - vt0)
         self._log_mark = self._mark()
