@@ -127,6 +127,7 @@ class EngineLoop(LoopInbox):
         self._log_mark = (time.monotonic(), 0, 0, 0)
         #: the latest EngineStats, or the inputs of the next one (see :meth:`_refresh_stats`)
         self._stats: EngineStats | tuple[tuple[Any, Any], dict[str, Any]] = EngineStats()
+        self._stats_built: tuple[Any, EngineStats] | None = None  # (inputs, what stats() built)
         self._goodput: dict[str, Any] | None = None
         self._goodput_at = -POLICY_REFRESH_S
         # read once: only this loop changes them (set_fixed_steps), and the strategy never
@@ -150,7 +151,12 @@ class EngineLoop(LoopInbox):
         immutable report objects and copies, so the loop pays no dataclass per iteration."""
         snap = self._stats
         if not isinstance(snap, EngineStats):
-            snap = self._stats = engine_stats(*snap[0], **snap[1])  # a race builds it twice
+            # cached per snapshot by identity, never written back to ``_stats``: a reader
+            # must not replace a newer snapshot the loop stored meanwhile with an older one
+            built = self._stats_built
+            if built is None or built[0] is not snap:
+                built = self._stats_built = (snap, engine_stats(*snap[0], **snap[1]))
+            snap = built[1]
         return dataclasses.replace(snap, steps_per_slot=dict(snap.steps_per_slot),
                                    accepted_per_pos=list(snap.accepted_per_pos),
                                    slot_states=[dict(d) for d in snap.slot_states])
