@@ -18,7 +18,9 @@ through :meth:`EngineLoop.post` (a FIFO inbox of typed messages: :class:`Submit`
    admission and frees at finish / abort / preemption, and whether the drafter's prefill runs
    now); a decode iteration is timed from just before ``schedule()`` to just after the passes
    return (the worker's one host sync) and reported as ``seconds``, which the adaptive
-   policy's cost model learns from;
+   policy's cost model learns from: wall seconds, except on the CPU with one torch thread,
+   where the loop thread's CPU seconds (all of the iteration's work runs on it, and they leave
+   out the time spent waiting for a core while other processes load the machine);
 3. post-processes the report: appends tokens, detokenizes (reusing the stop-string check's
    text), appends the per-verify trace (``record_trace``), refreshes the :class:`EngineStats`
    snapshot from the stats the report returned, logs every ``log_interval_s`` while decoding,
@@ -110,6 +112,12 @@ class EngineLoop(LoopInbox):
         # torch's intra-op thread count is per OS thread (OpenMP): without this the loop thread
         # would run with the default and be many times slower than the caller configured
         self._num_threads = torch.get_num_threads()
+        #: the iteration's seconds for the policy from this thread's CPU clock: on the CPU with
+        #: one torch thread every op runs here, and on a shared machine wall seconds carry the
+        #: waits for a core (at load 8-12 on 2 cores the cost model left 40 % of the iterations
+        #: out as off pace, and the depth a run settled on moved with the load; BENCHMARKS.md,
+        #: "Issue 29 at batch 1: why the adaptive depth moves from run to run")
+        self._cpu_clock = torch.device(self.device).type == "cpu" and self._num_threads == 1
         self._init_inbox()
         self.live: dict[int, LiveRequest] = {}
         self.dead: BaseException | None = None
@@ -197,7 +205,8 @@ class EngineLoop(LoopInbox):
         """One iteration: ``schedule()`` -> the worker's passes -> ``report()`` ->
         post-processing (chunks to the sinks). A failed pass abandons the plan."""
         self._apply_steps_schedule()
-        started = time.perf_counter()  # a decode iteration's seconds: schedule -> passes done
+        # a decode iteration's seconds: schedule -> passes done (see ``_cpu_clock``)
+        started = time.thread_time() if self._cpu_clock else time.perf_counter()
         plan = self.sched.schedule()
         if plan is None:  # live requests but nothing to run now (not expected)
             logger.warning("nothing schedulable with %d live requests", len(self.live))
@@ -248,13 +257,14 @@ class EngineLoop(LoopInbox):
 
     def _run_decode(self, plan: Any, rids: list[int], started: float
                     ) -> tuple[StepOutput, Any, StopCheck]:
-        """The decode passes and their report, timed from ``started`` (before ``schedule()``)
-        to the passes' end: the ``seconds`` the adaptive policy's cost model learns from
-        (``decode_seconds(plan, measured)`` instead where that test hook is set). The
-        stop strings are checked before the report, which finishes those that matched."""
+        """The decode passes and their report, timed from ``started`` (before ``schedule()``,
+        by the clock ``_cpu_clock`` picks) to the passes' end: the ``seconds`` the adaptive
+        policy's cost model learns from (``decode_seconds(plan, measured)`` instead where
+        that test hook is set). The stop strings are checked before the report, which
+        finishes those that matched."""
         sampling = self._sampling_for(rids)
         out = self.worker.decode(plan, sampling, self.generator, self._lp_rows)
-        seconds = time.perf_counter() - started
+        seconds = (time.thread_time() if self._cpu_clock else time.perf_counter()) - started
         if self.decode_seconds is not None:
             seconds = float(self.decode_seconds(plan, seconds))
         stops = check_stop_strings(self.live, rids, out.tokens, out.offsets)
