@@ -19,11 +19,19 @@ The version and each arm's effective schedule fields are printed with the figure
 
 specdial arms, with the built-in draft model: ``chain_adaptive`` (goodput policy over chains),
 ``tree_adaptive`` (the policy with trees up to ``--topk`` / ``--num-draft-tokens``),
-``tree_fixed`` (the fixed tree ``(--fixed-steps, --topk, --fixed-tree-tokens)``); the engines
-are :func:`tree_ab.build`'s.
+``tree_fixed`` (the fixed tree ``(--fixed-steps, --topk, --fixed-tree-tokens)``) and
+``chain_fixed``: one arm ``chain_fixed<k>`` per depth ``k`` of ``--chain-steps`` (a fixed chain
+of ``k`` drafts every iteration, no adaptation), to find the best fixed depth in the same
+script; the engines are :func:`tree_ab.build`'s. Every engine starts with
+``policy_cache=False`` (nothing read from or written to this machine's policy cache, so a run
+does not depend on earlier runs) and keeps its policy state over the whole run (warm-up, every
+repetition, both datasets), as a server would.
 
 Each repetition runs every arm in turn (order rotated per repetition) over the same code and
 prose prompts (``tree_ab.PROMPTS``), one request at a time. Reported per dataset and arm:
+the depth histogram (``depths``: ``{verify length: request-iterations}`` of chain iterations,
+``engine.stats().verify_length_histogram`` summed over the run's repetitions; trees' node
+counts under ``tree_nodes``),
 median output tokens per wall second (``datasets``) and per CPU second of this process
 (``datasets_cpu``: every thread, the engine loop's included), and for each specdial arm the
 median of the paired per-repetition ratios to each HF arm with a 90 % bootstrap interval of that median (``--bootstrap``
@@ -50,7 +58,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tree_ab  # noqa: E402  (a sibling script: its prompts and its engines)
 
-SPECDIAL_ARMS = ("chain_adaptive", "tree_adaptive", "tree_fixed")
+SPECDIAL_ARMS = ("chain_adaptive", "tree_adaptive", "tree_fixed", "chain_fixed")
 #: wall time, and the CPU time of this process (``time.process_time``: every thread, the
 #: engine loop's included; far less disturbed than wall time on a busy machine)
 CLOCKS = ("wall", "cpu")
@@ -103,6 +111,19 @@ def hf_run(target, draft, prompts: list[list[int]], tokens: int
     return (n / (time.perf_counter() - start), n / (time.process_time() - cpu)), outs
 
 
+def histograms(engine) -> tuple[dict[int, int], dict[int, int]]:
+    """The engine's cumulative ``(verify_length_histogram, tree_node_histogram)`` now."""
+    s = engine.stats()
+    return dict(s.verify_length_histogram), dict(s.tree_node_histogram)
+
+
+def add_delta(into: dict[int, int], after: dict[int, int], before: dict[int, int]) -> None:
+    """``into[k] += after[k] - before[k]`` for every key of ``after`` that grew."""
+    for k, v in after.items():
+        if v != before.get(k, 0):
+            into[k] = into.get(k, 0) + v - before.get(k, 0)
+
+
 def specdial_run(engine, prompts: list[list[int]], tokens: int
                  ) -> tuple[tuple[float, float], float, list[list[int]]]:
     """((output tokens per wall second, per CPU second of the process), mean acceptance
@@ -137,12 +158,19 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-draft-tokens", type=int, default=16)
     p.add_argument("--fixed-steps", type=int, default=3)
     p.add_argument("--fixed-tree-tokens", type=int, default=8)
+    p.add_argument("--chain-steps", default="3",
+                   help="depths of the chain_fixed arms, comma-separated (each in 1..7): one "
+                        "arm chain_fixed<k> per depth")
     p.add_argument("--arms", default=",".join(SPECDIAL_ARMS),
                    help=f"specdial arms, a subset of {','.join(SPECDIAL_ARMS)}")
     p.add_argument("--hf-schedules", default=",".join(HF_SCHEDULES),
                    help="transformers arms: 'default' (the installed version's own defaults) "
                         "and/or 'heuristic' (num_assistant_tokens_schedule='heuristic')")
     p.add_argument("--bootstrap", type=int, default=10000)
+    p.add_argument("--trace-dir", default=None,
+                   help="a directory: each specdial arm records its per-verify trace there "
+                        "(<arm>.jsonl, the engine's record_trace: steps, accepted drafts, "
+                        "measured and predicted seconds per decode iteration)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     for a in args.arms.split(","):
@@ -155,8 +183,38 @@ def parse_args() -> argparse.Namespace:
     for d in args.datasets.split(","):
         if d not in tree_ab.PROMPTS:
             p.error(f"--datasets: unknown dataset {d!r}; allowed: {', '.join(tree_ab.PROMPTS)}")
+    try:
+        args.chain_steps = [int(k) for k in args.chain_steps.split(",")]
+    except ValueError:
+        p.error(f"--chain-steps: integers in 1..7 expected, got {args.chain_steps!r}")
+    if not all(1 <= k <= 7 for k in args.chain_steps):
+        p.error(f"--chain-steps: each depth must be in 1..7, got {args.chain_steps}")
     args.drafter, args.cpu_threads = "draft", 1  # tree_ab.build's fields: pinned here
     return args
+
+
+def build_engines(args: argparse.Namespace) -> dict:
+    """``{arm: engine}``; ``chain_fixed`` becomes one arm ``chain_fixed<k>`` per
+    ``--chain-steps`` depth (a fixed chain: :func:`tree_ab.build`'s ``chain_fixed`` with
+    ``fixed_steps = k``)."""
+    def extra(name: str) -> dict:
+        if args.trace_dir is None:
+            return {}
+        os.makedirs(args.trace_dir, exist_ok=True)
+        path = Path(args.trace_dir) / f"{name}.jsonl"
+        path.unlink(missing_ok=True)  # the engine appends
+        return {"record_trace": str(path)}
+
+    engines = {}
+    for a in args.arms.split(","):
+        if a == "chain_fixed":
+            for k in args.chain_steps:
+                engines[f"chain_fixed{k}"] = tree_ab.build(
+                    "chain_fixed", argparse.Namespace(**{**vars(args), "fixed_steps": k}),
+                    **extra(f"chain_fixed{k}"))
+        else:
+            engines[a] = tree_ab.build(a, args, **extra(a))
+    return engines
 
 
 def measure(args: argparse.Namespace, hf, engines: dict, prompts: dict) -> dict:
@@ -166,6 +224,7 @@ def measure(args: argparse.Namespace, hf, engines: dict, prompts: dict) -> dict:
     arms = [*drafts, *engines]
     rates = {c: {d: {a: [] for a in arms} for d in prompts} for c in CLOCKS}
     accepts = {d: {a: [] for a in engines} for d in prompts}
+    depths = {d: {a: {"depths": {}, "tree_nodes": {}} for a in engines} for d in prompts}
     identical, first = True, {}
     for r in range(args.repeats):
         for a in arms[r % len(arms):] + arms[: r % len(arms)]:
@@ -173,12 +232,16 @@ def measure(args: argparse.Namespace, hf, engines: dict, prompts: dict) -> dict:
                 if a in drafts:
                     rate, got = hf_run(target, drafts[a], ps, args.tokens)
                 else:
+                    before = histograms(engines[a])
                     rate, acc, got = specdial_run(engines[a], ps, args.tokens)
                     accepts[d][a].append(acc)
+                    for key, b4, now in zip(("depths", "tree_nodes"), before,
+                                            histograms(engines[a])):
+                        add_delta(depths[d][a][key], now, b4)
                 for c, x in zip(CLOCKS, rate):
                     rates[c][d][a].append(x)
                 identical &= got == first.setdefault(d, got)
-    return {"rates": rates, "accepts": accepts, "identical": identical}
+    return {"rates": rates, "accepts": accepts, "depths": depths, "identical": identical}
 
 
 def summarize(args: argparse.Namespace, raw: dict, hf_arms: list[str], clock: str) -> dict:
@@ -188,6 +251,8 @@ def summarize(args: argparse.Namespace, raw: dict, hf_arms: list[str], clock: st
     for d, by_arm in raw["rates"][clock].items():
         row = {"tokens_per_s": {a: statistics.median(v) for a, v in by_arm.items()},
                "accept_length": {a: statistics.median(v) for a, v in raw["accepts"][d].items()},
+               "depths": {a: {key: dict(sorted(h.items())) for key, h in v.items()}
+                          for a, v in raw["depths"][d].items()},
                "ratio_to": {}}
         for base in hf_arms:
             row["ratio_to"][base] = {}
@@ -226,7 +291,7 @@ def main() -> None:
     prompts = {d: [hf[2].encode(p) for p in tree_ab.PROMPTS[d][: args.n_prompts]]
                for d in datasets}
     load = os.getloadavg()
-    engines = {a: tree_ab.build(a, args) for a in args.arms.split(",")}
+    engines = build_engines(args)
     try:
         warm = prompts[datasets[0]][:1]
         for draft in hf[1].values():
@@ -251,8 +316,11 @@ def main() -> None:
         for d, row in result[key].items():
             for a, v in row["tokens_per_s"].items():
                 acc = row["accept_length"].get(a)
+                hist = row["depths"].get(a, {})
                 print(f"[{d}, {clock}] {a:15s} {v:7.1f} tok/s"
-                      + (f"  accept {acc:.2f}" if acc else ""))
+                      + (f"  accept {acc:.2f}" if acc else "")
+                      + (f"  depths {hist['depths']}" if hist.get("depths") else "")
+                      + (f"  tree nodes {hist['tree_nodes']}" if hist.get("tree_nodes") else ""))
             for base, by_arm in row["ratio_to"].items():
                 for a, rr in by_arm.items():
                     lo, hi = rr["ci90"]

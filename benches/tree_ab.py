@@ -46,8 +46,9 @@ PROMPTS = {
 }
 
 
-def build(arm: str, args: argparse.Namespace):
-    """The warm engine of ``arm`` (see the module docstring)."""
+def build(arm: str, args: argparse.Namespace, **extra):
+    """The warm engine of ``arm`` (see the module docstring); ``extra``: more
+    :class:`specdial.Engine` keywords (e.g. ``record_trace``)."""
     import specdial
     from specdial.builtin import builtin_model_path
 
@@ -71,7 +72,7 @@ def build(arm: str, args: argparse.Namespace):
     if arm == "tree_fixed":
         kw.update(speculative_eagle_topk=args.topk,
                   speculative_num_draft_tokens=args.fixed_tree_tokens)
-    return specdial.Engine(**kw)
+    return specdial.Engine(**{**kw, **extra})
 
 
 @contextlib.contextmanager

@@ -113,3 +113,37 @@ def test_simulate_interference_is_validated_and_slows_only_the_measurements(caps
     fixed = lambda case: {r["name"]: r["goodput"] for r in case["results"]}["fixed-3"]
     assert fixed(quiet) == fixed(busy)  # fixed steps see no measurement
     assert quiet["ratios"]["goodput"] != busy["ratios"]["goodput"]
+
+
+def test_on_the_cpu_with_one_thread_the_policy_learns_cpu_seconds(tiny, tmp_path):
+    """On the CPU with one torch thread the iteration's seconds reported to the policy are the
+    loop thread's CPU time: a wait inside the iteration (here a 30 ms sleep in the worker's
+    decode, as a wait for a core on a loaded machine) is not in them; with two threads
+    (intra-op work on other threads) they are wall seconds and include it."""
+    import time
+
+    import torch
+
+    def run(threads: int) -> list[float]:
+        trace = tmp_path / f"trace{threads}.jsonl"
+        torch.set_num_threads(threads)
+        try:
+            engine = Engine.from_modules(tiny.target, tiny.draft_noisy, record_trace=str(trace),
+                                         **KW)
+        finally:
+            torch.set_num_threads(1)
+        real = engine.worker.decode
+
+        def waiting(*args, **kwargs):
+            time.sleep(0.03)
+            return real(*args, **kwargs)
+
+        engine.worker.decode = waiting
+        engine.generate(input_ids=PROMPTS[:1], sampling_params=greedy(8))
+        engine.shutdown()
+        return [json.loads(x)["seconds"] for x in trace.read_text().splitlines()]
+
+    cpu = run(1)
+    assert cpu and all(0 < s < 0.03 for s in cpu), cpu
+    wall = run(2)
+    assert wall and all(s >= 0.03 for s in wall), wall

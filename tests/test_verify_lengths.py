@@ -116,3 +116,24 @@ def test_mixed_batch_interleaves_greedy_code_and_sampled_prose():
     run = {"max_new_tokens": 8, "temperature": 0.0}
     assert _params_of(reqs[1], run) == {"max_new_tokens": 8, "temperature": 1.0}
     assert _params_of(build_requests("code", 1)[0], run) is run
+
+
+def test_stats_follow_every_snapshot_and_a_snapshot_does_not_move(tiny):
+    """The loop keeps each iteration's stats inputs and ``stats()`` builds the snapshot
+    (cached per snapshot): a read after more work sees the newer counts, never the cached
+    older build, and a snapshot's histogram is a copy the later iterations leave alone."""
+    with Engine.from_modules(tiny.target, tiny.draft_noisy, max_running_requests=4,
+                             kv_cache_tokens=1024, page_size=8, speculative_num_steps=3,
+                             speculative_adaptive=False) as engine:
+        sp = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+        engine.generate(input_ids=PROMPTS[:1], sampling_params=sp)
+        first = engine.stats()
+        assert engine.stats() == first  # the same snapshot, built once
+        held = engine._loop._stats  # the inputs the loop kept for it
+        engine.generate(input_ids=PROMPTS[:1], sampling_params=sp)
+        second = engine.stats()
+    assert second.generation_tokens == first.generation_tokens + 6
+    assert sum(second.verify_length_histogram.values()) > sum(
+        first.verify_length_histogram.values())
+    # the first snapshot's histogram copy did not grow with the second request's iterations
+    assert held[1]["verify_lengths"].as_dict() == first.verify_length_histogram

@@ -18,7 +18,9 @@ through :meth:`EngineLoop.post` (a FIFO inbox of typed messages: :class:`Submit`
    admission and frees at finish / abort / preemption, and whether the drafter's prefill runs
    now); a decode iteration is timed from just before ``schedule()`` to just after the passes
    return (the worker's one host sync) and reported as ``seconds``, which the adaptive
-   policy's cost model learns from;
+   policy's cost model learns from: wall seconds, except on the CPU with one torch thread,
+   where the loop thread's CPU seconds (all of the iteration's work runs on it, and they leave
+   out the time spent waiting for a core while other processes load the machine);
 3. post-processes the report: appends tokens, detokenizes (reusing the stop-string check's
    text), appends the per-verify trace (``record_trace``), refreshes the :class:`EngineStats`
    snapshot from the stats the report returned, logs every ``log_interval_s`` while decoding,
@@ -110,6 +112,12 @@ class EngineLoop(LoopInbox):
         # torch's intra-op thread count is per OS thread (OpenMP): without this the loop thread
         # would run with the default and be many times slower than the caller configured
         self._num_threads = torch.get_num_threads()
+        #: the iteration's seconds for the policy from this thread's CPU clock: on the CPU with
+        #: one torch thread every op runs here, and on a shared machine wall seconds carry the
+        #: waits for a core (at load 8-12 on 2 cores the cost model left 40 % of the iterations
+        #: out as off pace, and the depth a run settled on moved with the load; BENCHMARKS.md,
+        #: "Issue 29 at batch 1: why the adaptive depth moves from run to run")
+        self._cpu_clock = torch.device(self.device).type == "cpu" and self._num_threads == 1
         self._init_inbox()
         self.live: dict[int, LiveRequest] = {}
         self.dead: BaseException | None = None
@@ -125,7 +133,9 @@ class EngineLoop(LoopInbox):
         self._verify_lengths = VerifyLengths()  # chains: drafts verified per request
         self._tree_nodes = VerifyLengths()  # draft trees: nodes verified per request
         self._log_mark = (time.monotonic(), 0, 0, 0)
-        self._stats = EngineStats()
+        #: the latest EngineStats, or the inputs of the next one (see :meth:`_refresh_stats`)
+        self._stats: EngineStats | tuple[tuple[Any, Any], dict[str, Any]] = EngineStats()
+        self._stats_built: tuple[Any, EngineStats] | None = None  # (inputs, what stats() built)
         self._goodput: dict[str, Any] | None = None
         self._goodput_at = -POLICY_REFRESH_S
         # read once: only this loop changes them (set_fixed_steps), and the strategy never
@@ -144,11 +154,20 @@ class EngineLoop(LoopInbox):
         self.thread.start()
 
     def stats(self) -> EngineStats:
-        """The latest snapshot (a copy; refreshed after every iteration and inbox turn)."""
-        s = self._stats
-        return dataclasses.replace(s, steps_per_slot=dict(s.steps_per_slot),
-                                   accepted_per_pos=list(s.accepted_per_pos),
-                                   slot_states=[dict(d) for d in s.slot_states])
+        """The latest snapshot (a copy; refreshed after every iteration and inbox turn). Built
+        here, on the caller's thread, from the inputs the loop kept (:meth:`_refresh_stats`):
+        immutable report objects and copies, so the loop pays no dataclass per iteration."""
+        snap = self._stats
+        if not isinstance(snap, EngineStats):
+            # cached per snapshot by identity, never written back to ``_stats``: a reader
+            # must not replace a newer snapshot the loop stored meanwhile with an older one
+            built = self._stats_built
+            if built is None or built[0] is not snap:
+                built = self._stats_built = (snap, engine_stats(*snap[0], **snap[1]))
+            snap = built[1]
+        return dataclasses.replace(snap, steps_per_slot=dict(snap.steps_per_slot),
+                                   accepted_per_pos=list(snap.accepted_per_pos),
+                                   slot_states=[dict(d) for d in snap.slot_states])
 
     # ------------------------------------------------------------------ the loop
     def _main(self) -> None:
@@ -186,7 +205,8 @@ class EngineLoop(LoopInbox):
         """One iteration: ``schedule()`` -> the worker's passes -> ``report()`` ->
         post-processing (chunks to the sinks). A failed pass abandons the plan."""
         self._apply_steps_schedule()
-        started = time.perf_counter()  # a decode iteration's seconds: schedule -> passes done
+        # a decode iteration's seconds: schedule -> passes done (see ``_cpu_clock``)
+        started = time.thread_time() if self._cpu_clock else time.perf_counter()
         plan = self.sched.schedule()
         if plan is None:  # live requests but nothing to run now (not expected)
             logger.warning("nothing schedulable with %d live requests", len(self.live))
@@ -237,13 +257,14 @@ class EngineLoop(LoopInbox):
 
     def _run_decode(self, plan: Any, rids: list[int], started: float
                     ) -> tuple[StepOutput, Any, StopCheck]:
-        """The decode passes and their report, timed from ``started`` (before ``schedule()``)
-        to the passes' end: the ``seconds`` the adaptive policy's cost model learns from
-        (``decode_seconds(plan, measured)`` instead where that test hook is set). The
-        stop strings are checked before the report, which finishes those that matched."""
+        """The decode passes and their report, timed from ``started`` (before ``schedule()``,
+        by the clock ``_cpu_clock`` picks) to the passes' end: the ``seconds`` the adaptive
+        policy's cost model learns from (``decode_seconds(plan, measured)`` instead where
+        that test hook is set). The stop strings are checked before the report, which
+        finishes those that matched."""
         sampling = self._sampling_for(rids)
         out = self.worker.decode(plan, sampling, self.generator, self._lp_rows)
-        seconds = time.perf_counter() - started
+        seconds = (time.thread_time() if self._cpu_clock else time.perf_counter()) - started
         if self.decode_seconds is not None:
             seconds = float(self.decode_seconds(plan, seconds))
         stops = check_stop_strings(self.live, rids, out.tokens, out.offsets)
@@ -428,25 +449,24 @@ class EngineLoop(LoopInbox):
             self.trace_file.flush()
 
     def _refresh_stats(self, res: Any = None) -> None:
-        """Rebuild the :class:`EngineStats` snapshot from ``res`` (a ``ReportResult``: the
-        stats and slot states after it), or from the scheduler when there is none or a request
-        finished since."""
+        """Renew the stats snapshot from ``res`` (a ``ReportResult``: the stats and slot states
+        after it), or from the scheduler when there is none or a request finished since: its
+        inputs only, which :meth:`stats` turns into the :class:`EngineStats` when asked (about
+        0.08 ms per iteration at batch 1 saved on this loop; BENCHMARKS.md, "Issue 29 at batch
+        1: why the adaptive depth moves from run to run")."""
         if res is None or self._stats_stale:
             s, slot_states = self.sched.stats(), self.sched.slot_states()
         else:
             s, slot_states = res.stats, res.slot_states
         self._stats_stale = False
         self._unfinished = s.running + s.prefilling + s.queued
-        states = [{"lower_bound": int(lb), "steps": int(k), "ema_accept_len": float(ema),
-                   "verify_count": int(n)} for lb, k, ema, n in slot_states]
-        slots = {int(st["lower_bound"]): int(st["steps"]) for st in states}
-        if not slots and self._fixed_steps is not None:
-            slots = {1: int(self._fixed_steps)}
-        self._stats = engine_stats(s, slot_states, fixed_steps=self._fixed_steps,
-                                   prompt_tokens=self._prompt_tokens, policy=self._policy,
-                                   last_decode=self._last_decode, goodput=self._goodput_state(),
-                                   verify_lengths=self._verify_lengths.as_dict(),
-                                   tree_nodes=self._tree_nodes.as_dict())
+        # the snapshot's inputs only (``s`` and ``slot_states`` are the report's frozen
+        # objects, the histograms copied); stats() builds the EngineStats when asked
+        self._stats = ((s, slot_states), dict(
+            fixed_steps=self._fixed_steps, prompt_tokens=self._prompt_tokens,
+            policy=self._policy, last_decode=self._last_decode, goodput=self._goodput_state(),
+            verify_lengths=self._verify_lengths.snapshot(),
+            tree_nodes=self._tree_nodes.snapshot()))
 
     def _goodput_state(self) -> dict[str, Any] | None:
         """The goodput strategy's state, rebuilt at most every POLICY_REFRESH_S seconds while
@@ -457,7 +477,7 @@ class EngineLoop(LoopInbox):
         return self._goodput
 
     def _mark(self) -> tuple[float, int, int, int]:
-        return (time.monotonic(), self._stats.generation_tokens, self._verify_reqs,
+        return (time.monotonic(), self.stats().generation_tokens, self._verify_reqs,
                 self._verify_tokens)
 
     def _maybe_log(self) -> None:
@@ -466,6 +486,7 @@ class EngineLoop(LoopInbox):
         now = time.monotonic()
         if not interval or interval <= 0 or now - t0 < interval:
             return
-        log_progress(self._stats, now - t0, self._stats.generation_tokens - tok0,
+        st = self.stats()
+        log_progress(st, now - t0, st.generation_tokens - tok0,
                      self._verify_reqs - req0, self._verify_tokens - vt0)
         self._log_mark = self._mark()

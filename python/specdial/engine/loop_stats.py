@@ -38,18 +38,28 @@ class VerifyLengths:
         """``{value: request-iterations}``, the values seen so far (ascending)."""
         return {int(v): int(n) for v, n in enumerate(self.counts) if n}
 
+    def snapshot(self) -> "VerifyLengths":
+        """A copy that later :meth:`add` calls leave alone (the engine loop's stats snapshot,
+        read by other threads)."""
+        out = VerifyLengths()
+        out.counts = self.counts.copy()
+        return out
+
 
 def engine_stats(s: Any, slot_states: Any, *, fixed_steps: int | None, prompt_tokens: int,
                  last_decode: tuple[int, int] | None, policy: str | None,
                  goodput: dict[str, Any] | None,
-                 verify_lengths: dict[int, int] | None = None,
-                 tree_nodes: dict[int, int] | None = None) -> EngineStats:
+                 verify_lengths: "dict[int, int] | VerifyLengths | None" = None,
+                 tree_nodes: "dict[int, int] | VerifyLengths | None" = None) -> EngineStats:
     """The snapshot of scheduler stats ``s`` (``specdial._core.SchedulerStats``) and
     ``slot_states`` (``(lower bound, steps, accepted estimate, verifies)`` per slot).
     ``fixed_steps``: shown as the one slot ``{1: steps}`` when the policy has no slots;
     ``last_decode``: ``(steps, padded batch size)`` of the latest decode iteration;
-    ``verify_lengths`` (chains) and ``tree_nodes`` (draft trees): :meth:`VerifyLengths.as_dict`
-    of the two histograms."""
+    ``verify_lengths`` (chains) and ``tree_nodes`` (draft trees): the two histograms, as
+    :class:`VerifyLengths` or as their :meth:`VerifyLengths.as_dict`."""
+    def as_dict(h: "dict[int, int] | VerifyLengths | None") -> dict[int, int]:
+        return h.as_dict() if isinstance(h, VerifyLengths) else dict(h or {})
+
     states = [{"lower_bound": int(lb), "steps": int(k), "ema_accept_len": float(ema),
                "verify_count": int(n)} for lb, k, ema, n in slot_states]
     slots = {int(st["lower_bound"]): int(st["steps"]) for st in states}
@@ -67,8 +77,8 @@ def engine_stats(s: Any, slot_states: Any, *, fixed_steps: int | None, prompt_to
         slot_states=states,
         last_decode_steps=None if last_decode is None else last_decode[0],
         last_decode_batch_size=None if last_decode is None else last_decode[1],
-        policy=policy, goodput=goodput, verify_length_histogram=dict(verify_lengths or {}),
-        tree_node_histogram=dict(tree_nodes or {}))
+        policy=policy, goodput=goodput, verify_length_histogram=as_dict(verify_lengths),
+        tree_node_histogram=as_dict(tree_nodes))
 
 
 def log_progress(s: EngineStats, seconds: float, tokens: int, verifies: int,

@@ -226,7 +226,9 @@ impl CostModel {
     /// What the model learned (see [`CostState`]).
     pub fn state(&self) -> CostState {
         CostState {
-            cells: self.cells.iter().map(|(&(b, k), c)| (b, k, c.clone())).collect(),
+            // each cell's weight as it stands now (aged since its last measurement): a restored
+            // cell's age starts at 0, so it predicts what this one predicts
+            cells: self.cells.iter().map(|(&(b, k), c)| (b, k, Cell { w: self.weight_now(c), ..c.clone() })).collect(),
             xtx: self.xtx,
             xty: self.xty,
             prior: self.prior,
@@ -465,7 +467,8 @@ impl CostModel {
             if d > 4.0 || (cb, ck) == (bucket, k) {
                 continue;
             }
-            let w = (-1.5 * d).exp() * cell.w / (cell.w + 1.0);
+            let cw = self.weight_now(cell);
+            let w = (-1.5 * d).exp() * cw / (cw + 1.0);
             num += w * cell.residual;
             den += w;
         }
@@ -473,6 +476,22 @@ impl CostModel {
             num / den
         } else {
             0.0
+        }
+    }
+
+    /// A cell's weight now: its decayed weight at its last measurement, decayed further by
+    /// `idle_decay` per iteration since (what [`Self::learn_cell`] applies when it is measured
+    /// next). So a cell measured long ago gives way to the plane and its neighbours in
+    /// predictions too, not only to its next measurement: a depth measured a few times early
+    /// (the cold first iterations of a fresh engine, a stall) and never again, because probes
+    /// visit only the neighbours of the current depth, kept its early seconds for the whole run
+    /// (BENCHMARKS.md, "Issue 29 at batch 1: why the adaptive depth moves from run to run").
+    fn weight_now(&self, c: &Cell) -> f64 {
+        let gap = self.clock.saturating_sub(c.last).saturating_sub(1);
+        if gap == 0 {
+            c.w
+        } else {
+            c.w * self.idle_decay.powf(gap as f64)
         }
     }
 
@@ -514,7 +533,8 @@ impl CostModel {
         let nb = self.neighbour_residual(bucket, k);
         let resid = match self.cells.get(&(bucket, k)) {
             Some(c) => {
-                let own = c.w / (c.w + 1.0);
+                let w = self.weight_now(c);
+                let own = w / (w + 1.0);
                 let slope = if self.cell_slopes { self.context_correction(c, k, ctx) } else { 0.0 };
                 own * (c.residual + slope) + (1.0 - own) * nb
             }
@@ -596,6 +616,30 @@ mod tests {
         assert!((m.predict(64, 64, 1, 0.0, 0.0) - 0.010).abs() < 0.002);
         // Bucket 48 was never measured: it borrows the knee.
         assert!(m.predict(48, 48, 3, 0.0, 0.0) > 1.8 * m.predict(48, 48, 1, 0.0, 0.0));
+    }
+
+    /// A depth measured once early at 3x its cost (the first iterations of a fresh engine at
+    /// batch 1 on the CPU read 2-3x slow: BENCHMARKS.md, "Issue 29 at batch 1: why the adaptive
+    /// depth moves from run to run"), then never again while the neighbours of the depth the
+    /// slot settled on are measured on a linear device: the stale cell gives way to the plane
+    /// as it ages, as a fresh measurement of it would (`learn_cell`'s idle decay). Before, a
+    /// cell kept its full weight however old, and predicted the depth at ~2x for the whole run.
+    #[test]
+    fn a_stale_cell_gives_way_to_the_plane_as_it_ages() {
+        let truth = |k: u32| 0.010 + 0.002 * f64::from(k);
+        let mut m = CostModel::new(64);
+        m.observe(1, 1, 5, 20.0, 0.0, 3.0 * truth(5), false);
+        for i in 0..1500u32 {
+            let k = [1, 2, 3][(i % 3) as usize];
+            m.observe(1, 1, k, 20.0, 0.0, truth(k), true);
+        }
+        let p = m.predict(1, 1, 5, 20.0, 0.0);
+        assert!((p / truth(5) - 1.0).abs() < 0.05, "steps 5: {p} vs {}", truth(5));
+        // a cell measured lately keeps its own residual (a knee the plane does not have)
+        for _ in 0..40 {
+            m.observe(1, 1, 4, 20.0, 0.0, 2.0 * truth(4), true);
+        }
+        assert!(m.predict(1, 1, 4, 20.0, 0.0) > 1.7 * truth(4));
     }
 
     #[test]

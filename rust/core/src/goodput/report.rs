@@ -260,7 +260,12 @@ mod tests {
         let mut p = trained();
         let ids: Vec<u64> = (0..8).collect();
         let predict = |p: &GoodputPolicy| (0..8).map(|k| p.cost.predict(8, 8, k, 800.0, 0.0)).collect::<Vec<f64>>();
-        let before = predict(&p);
+        // what the uniform iterations taught, aged by 20 iterations none of them measured
+        let mut aged = p.cost.clone();
+        for _ in 0..20 {
+            aged.tick();
+        }
+        let before = (0..8).map(|k| aged.predict(8, 8, k, 800.0, 0.0)).collect::<Vec<f64>>();
         let drafter = p.per_request.draft_cost();
         for _ in 0..20 {
             p.decide_requests(0, 8, 8, 8, 800, None, Some(&ids));
@@ -269,6 +274,8 @@ mod tests {
             p.observe_requests(0, 8, 8, 5, &req, Some(0.030), 800, None);
         }
         // the cells and the plane are what the uniform iterations taught, to the last bit
+        // (only aged: `CostModel::predict` gives a cell less weight the longer since it was
+        // measured)
         assert_eq!(predict(&p), before);
         // the seconds beyond the uniform-equivalent iteration went to the drafter's terms
         let learned = p.per_request.draft_cost();
