@@ -31,8 +31,8 @@ import math
 from typing import Any
 
 from specdial.cli_common import StrictParser
-from specdial.server.flags import ALIASES as SERVER_ALIASES
-from specdial.server.flags import DIFFERENT as SERVER_DIFFERENT
+from specdial.engine.compat_names import ALIASES as SERVER_ALIASES
+from specdial.engine.compat_names import DIFFERENT as SERVER_DIFFERENT
 
 __all__ = ["ALIASES", "DIFFERENT", "HINTS", "add_bench_compat_flags", "check_bench_values"]
 

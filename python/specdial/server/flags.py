@@ -46,30 +46,9 @@ import json
 from typing import Any
 
 from specdial.engine.cache_flags import add_prefix_cache_flags, resolve_prefix_cache_flags
+from specdial.engine.compat_names import ALIASES, DIFFERENT
 
 __all__ = ["ALIASES", "DIFFERENT", "add_compat_flags", "resolve_compat"]
-
-#: alias flag -> canonical attribute
-ALIASES: dict[str, str] = {
-    "--model": "model_path",
-    "--speculative-draft-model-path": "draft_model_path",
-    "--max-num-seqs": "max_running_requests",
-    "--max-model-len": "context_length",
-    "--max-total-tokens": "kv_cache_tokens",
-    "--tensor-parallel-size": "tp_size",
-    "--data-parallel-size": "dp_size",
-}
-
-#: flag whose meaning differs -> what to use instead
-DIFFERENT: dict[str, str] = {
-    "--mem-fraction-static": "specdial sizes the KV cache in tokens, not as a fraction of GPU "
-                             "memory: use --kv-cache-tokens N",
-    "--gpu-memory-utilization": "specdial sizes the KV cache in tokens, not as a fraction of "
-                                "GPU memory: use --kv-cache-tokens N",
-    "--max-num-batched-tokens": "vLLM's budget counts decode tokens too; specdial budgets the "
-                                "prompt tokens of a prefill iteration: use "
-                                "--max-prefill-tokens N",
-}
 
 #: vLLM ``--speculative-config`` ``method`` -> ``--speculative-algorithm``
 _METHODS = {"eagle": "EAGLE", "draft_model": "DRAFT"}
